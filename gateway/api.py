@@ -1,0 +1,208 @@
+"""aiohttp handlers: read the request, build a Call, run the pipeline, return what the sink holds."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import orjson
+from aiohttp import web
+
+from . import pipeline
+from .call import ENDPOINTS, Call
+from .errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, Unauthorized
+from .keys import LIVE, METRICS, RELAY, RELOADER
+from .sink import HttpSink
+
+__all__ = ["routes"]
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_JSON = "application/json"
+
+
+def _json(data: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type=_JSON, headers=headers)
+
+
+def _error(err: GatewayError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=err.to_body(), status=err.status, content_type=_JSON, headers={**(headers or {}), **err.headers()}
+    )
+
+
+def _api_key(request: web.Request) -> str | None:
+    auth = request.headers.get("Authorization", "")
+    if auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("api-key") or None  # Azure-style clients
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"the request body is {request.content_length} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeout_ms: int) -> Call:
+    h = request.headers
+    rid = h.get("x-request-id")
+    if not rid or not _REQUEST_ID.match(rid):
+        rid = os.urandom(12).hex()
+    timeout_ms = server_timeout_ms
+    asked = h.get("x-request-timeout-ms")
+    if asked:
+        try:
+            timeout_ms = min(timeout_ms, max(1, int(float(asked))))
+        except ValueError:
+            raise BadRequest("header x-request-timeout-ms must be a number of milliseconds", param="x-request-timeout-ms") from None
+    priority = h.get("x-priority")
+    if priority is not None and priority not in ("priority", "default", "flex"):
+        raise BadRequest("header x-priority must be one of priority, default, flex", param="x-priority")
+    return Call(
+        request_id=rid,
+        endpoint=ENDPOINTS[endpoint_name],
+        raw=raw,
+        api_key=_api_key(request),
+        deadline=time.monotonic() + timeout_ms / 1000,
+        priority=priority,
+        no_cache="no-cache" in h.get("cache-control", ""),
+    )
+
+
+async def _proxy(request: web.Request, endpoint_name: str) -> web.StreamResponse:
+    rt = request.app[LIVE].runtime  # one snapshot for the whole request
+    headers = {"x-request-id": request.headers.get("x-request-id", "")}
+    try:
+        raw = await _read_body(request, rt.server.max_body_bytes)
+        call = _new_call(request, endpoint_name, raw, rt.server.request_timeout_ms)
+    except GatewayError as err:
+        headers["x-request-id"] = headers["x-request-id"] or os.urandom(12).hex()
+        return _error(err, headers)
+    sink = HttpSink(request, {"x-request-id": call.request_id, "x-gateway-queue-ms": "0"})
+    await pipeline.run(call, rt, request.app[RELAY], sink)
+    assert sink.response is not None
+    return sink.response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, "completions")
+
+
+async def embeddings(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, "embeddings")
+
+
+async def list_models(request: web.Request) -> web.Response:
+    rt = request.app[LIVE].runtime
+    try:
+        tenant = rt.tenants.authenticate(_api_key(request))
+    except GatewayError as err:
+        return _error(err)
+    created = int(rt.created)
+    data = [
+        {"id": m, "object": "model", "created": created, "owned_by": "gateway"}
+        for m in rt.public_models
+        if tenant.may_use(m)
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def route_explain(request: web.Request) -> web.Response:
+    rt = request.app[LIVE].runtime
+    try:
+        raw = await _read_body(request, rt.server.max_body_bytes)
+        call = _new_call(request, "chat", raw, rt.server.request_timeout_ms)
+        return _json(pipeline.explain(call, rt), headers={"x-request-id": call.request_id})
+    except GatewayError as err:
+        return _error(err)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    rt = request.app[LIVE].runtime
+    healthy = [b.name for b in rt.backends.values() if b.health.healthy]
+    body = {"status": "ready" if healthy else "not ready", "policy_generation": rt.generation, "healthy_backends": healthy}
+    return _json(body, status=200 if healthy else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    rt = request.app[LIVE].runtime
+    m = request.app[METRICS]
+    for b in rt.backends.values():
+        m.healthy.labels(b.name).set(1 if b.health.healthy else 0)
+    return web.Response(body=m.exposition(), content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+def _require_admin(request: web.Request) -> None:
+    rt = request.app[LIVE].runtime
+    if not rt.tenants.is_admin(_api_key(request)):
+        raise Unauthorized("admin endpoints need an admin key (policy `admin.key_sha256`)")
+
+
+async def admin_backends(request: web.Request) -> web.Response:
+    try:
+        _require_admin(request)
+    except GatewayError as err:
+        return _error(err)
+    rt = request.app[LIVE].runtime
+    out = {}
+    for name, b in rt.backends.items():
+        snap = b.tracker.snapshot()
+        out[name] = {
+            "url": b.base_url,
+            "health": b.health.state(),
+            "consecutive_failures": b.health.consecutive_failures,
+            "cooling_s": round(b.health.cooling_for(), 3),
+            "max_concurrency": b.slots.limit,
+            **snap,
+        }
+    return _json({"policy_generation": rt.generation, "backends": out})
+
+
+async def admin_reload(request: web.Request) -> web.Response:
+    try:
+        _require_admin(request)
+    except GatewayError as err:
+        return _error(err)
+    ok, detail = await request.app[RELOADER].reload("admin")
+    gen = request.app[LIVE].runtime.generation
+    if ok:
+        return _json({"status": "reloaded", "policy_generation": gen})
+    err = BadRequest(f"policy rejected, the previous one stays in force: {detail}", code="invalid_policy")
+    return _error(err)
+
+
+async def not_found(request: web.Request) -> web.Response:
+    return _error(NotFound(f"unknown path {request.method} {request.path}"))
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.post("/v1/embeddings", embeddings),
+        web.get("/v1/models", list_models),
+        web.post("/v1/route/explain", route_explain),
+        web.get("/healthz", healthz),
+        web.get("/readyz", readyz),
+        web.get("/metrics", metrics),
+        web.get("/admin/backends", admin_backends),
+        web.post("/admin/reload", admin_reload),
+        web.route("*", "/{tail:.*}", not_found),
+    ]

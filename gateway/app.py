@@ -1,0 +1,144 @@
+"""create_app(): the routes, the typed shared state, and start-up/shutdown in cleanup_ctx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from .api import routes
+from .backends import BackendState
+from .keys import LIVE, METRICS, RELAY, RELOADER
+from .metrics import Metrics
+from .policy import LaunchPolicy, Policy, load_policy
+from .relay import RelayContext
+from .reload import Live, Reloader
+from .runtime import Runtime, build_runtime
+
+__all__ = ["create_app"]
+
+log = logging.getLogger("gateway.app")
+
+
+def create_app(policy: Policy | str | Path) -> web.Application:
+    """Build the gateway app from a policy object or a policy file (the file is then watched)."""
+    path = None if isinstance(policy, Policy) else Path(policy)
+    loaded = load_policy(path) if path is not None else policy
+    assert isinstance(loaded, Policy)
+    app = web.Application(client_max_size=1 << 30)  # the policy's own limit is enforced per request
+    metrics = Metrics()
+    states: dict[str, BackendState] = {}
+    live = Live(build_runtime(loaded, states, generation=1))
+    children = _Children()
+    app[METRICS] = metrics
+    app[LIVE] = live
+    app[RELOADER] = Reloader(path, live, states, metrics, on_swap=children.reconcile)
+    app.add_routes(routes())
+    app.cleanup_ctx.append(_upstream_session)
+    app.cleanup_ctx.append(children.context)
+    app.cleanup_ctx.append(_reload_watch)
+    return app
+
+
+async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
+    """One pooled keep-alive session for every upstream call."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60)
+    session = aiohttp.ClientSession(
+        connector=connector,
+        auto_decompress=False,  # bytes pass through as the backend sent them
+        skip_auto_headers=("User-Agent",),
+        json_serialize=lambda o: orjson.dumps(o).decode(),
+    )
+    rt = app[LIVE].runtime
+    app[RELAY] = RelayContext(session, app[METRICS], rt.server)
+    yield
+    await session.close()
+
+
+async def _reload_watch(app: web.Application) -> AsyncIterator[None]:
+    reloader = app[RELOADER]
+    ctx = app[RELAY]
+    original_swap = reloader.on_swap
+
+    async def on_swap(runtime: Runtime) -> None:
+        ctx.server = runtime.server  # relay settings follow the policy in force
+        if original_swap is not None:
+            await original_swap(runtime)
+
+    reloader.on_swap = on_swap
+    watcher = None
+    if reloader.path is not None and app[LIVE].runtime.policy.reload.watch:
+        watcher = asyncio.create_task(reloader.watch(app[LIVE].runtime.policy.reload.interval_ms / 1000))
+    hup = reloader.install_sighup() if reloader.path is not None else False
+    yield
+    if hup:
+        reloader.remove_sighup()
+    if watcher is not None:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    await reloader.close()
+
+
+class _Children:
+    """Backends with a `launch:` section: started, supervised and stopped with the app."""
+
+    def __init__(self) -> None:
+        self._tasks: dict[str, tuple[tuple[str, LaunchPolicy], asyncio.Task[None]]] = {}
+        self._runtime: Runtime | None = None
+
+    async def context(self, app: web.Application) -> AsyncIterator[None]:
+        await self.reconcile(app[LIVE].runtime)
+        yield
+        await self._stop(list(self._tasks))
+
+    async def reconcile(self, runtime: Runtime) -> None:
+        """Start children new to this policy; stop those that left it or changed."""
+        wanted = {
+            name: (b.base_url, b.policy.launch) for name, b in runtime.backends.items() if b.policy.launch is not None
+        }
+        stale = [n for n, (spec, _) in self._tasks.items() if wanted.get(n) != spec]
+        await self._stop(stale)
+        for name, spec in wanted.items():
+            if name not in self._tasks:
+                backend = runtime.backends[name]
+                task = asyncio.create_task(_run_child(name, spec[0], spec[1], backend.state))
+                self._tasks[name] = (spec, task)  # type: ignore[assignment]
+
+    async def _stop(self, names: list[str]) -> None:
+        tasks = [self._tasks.pop(n)[1] for n in names if n in self._tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run_child(name: str, url: str, launch: LaunchPolicy, state: BackendState) -> None:
+    from .launcher import ChildBackend, LaunchError
+
+    child = ChildBackend(
+        name,
+        url,
+        launch.model,
+        quantize=launch.quantize,
+        device=launch.device,
+        threads=launch.threads,
+        startup_timeout_s=launch.startup_timeout_s,
+        extra_args=launch.extra_args,
+    )
+    state.health.ready = False
+    try:
+        await child.start()
+        state.health.ready = True
+        log.info("backend %s: local model %s is ready at %s", name, launch.model, url)
+        await child.supervise()
+    except LaunchError as exc:
+        log.error("backend %s could not be launched: %s", name, exc)
+    finally:
+        state.health.ready = False
+        await asyncio.shield(child.stop())

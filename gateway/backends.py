@@ -1,0 +1,106 @@
+"""Backends: an OpenAI-compatible HTTP endpoint and the state the gateway keeps about it.
+
+The local model server is just another one of these: one backend kind, one way to measure TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import deque
+from dataclasses import dataclass, field
+
+from .health import Health
+from .latency import Tracker
+from .policy import BackendPolicy
+
+__all__ = ["Backend", "BackendState", "Slots"]
+
+
+class Slots:
+    """At most `limit` requests in flight; waiters are served first come, first served."""
+
+    __slots__ = ("limit", "used", "_waiters")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def try_acquire(self) -> bool:
+        if self.used < self.limit and not self._waiters:
+            self.used += 1
+            return True
+        return False
+
+    async def acquire(self, timeout_s: float) -> bool:
+        """Wait up to timeout_s for a slot; False when none came free in time."""
+        if self.try_acquire():
+            return True
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await fut
+            return True  # release() handed its slot over to us
+        except TimeoutError:
+            return False
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted, then cancelled before we ran: pass the slot on
+            raise
+        finally:
+            if not fut.done():
+                fut.cancel()
+            if fut in self._waiters:
+                self._waiters.remove(fut)
+
+    def release(self) -> None:
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot passes to the waiter; `used` is unchanged
+                return
+        self.used -= 1
+
+
+@dataclass
+class BackendState:
+    """What the gateway measured about a backend; kept across policy reloads by name."""
+
+    tracker: Tracker = field(default_factory=Tracker)
+    health: Health = field(default_factory=Health)
+    # In-flight slots live here, not on Backend, so a reload mid-request keeps counting right.
+    slots: Slots = field(default_factory=lambda: Slots(64))
+
+
+class Backend:
+    """One configured backend, as built from the current policy."""
+
+    def __init__(self, name: str, policy: BackendPolicy, state: BackendState) -> None:
+        self.name = name
+        self.policy = policy
+        self.base_url = policy.url
+        self.model_map = policy.model_map
+        self.default_model = next(iter(self.model_map.values()))
+        self.state = state
+        self.tracker = state.tracker
+        self.health = state.health
+        self.slots = state.slots
+        self.timeouts = policy.timeouts
+        headers = {"Content-Type": "application/json"}
+        if policy.api_key_env:
+            key = os.environ.get(policy.api_key_env)
+            if not key:
+                raise ValueError(
+                    f"backends.{name}.api_key_env: environment variable {policy.api_key_env} is not set"
+                )
+            headers["Authorization"] = f"Bearer {key}"
+        self.headers = headers
+
+    def upstream_model(self, public: str) -> str:
+        """The name this backend knows a public model by (its default model for `auto`-style routes)."""
+        return self.model_map.get(public, self.default_model)
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, {self.base_url!r})"

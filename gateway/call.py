@@ -1,0 +1,73 @@
+"""Call: the per-request record that each pipeline stage fills in."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+__all__ = ["Call", "Endpoint", "ENDPOINTS"]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    name: str  # "chat" | "completions" | "embeddings"
+    upstream_path: str  # appended to a backend's base URL
+    streams: bool
+
+
+ENDPOINTS = {
+    "chat": Endpoint("chat", "/chat/completions", True),
+    "completions": Endpoint("completions", "/completions", True),
+    "embeddings": Endpoint("embeddings", "/embeddings", False),
+}
+
+
+@dataclass(slots=True)
+class Call:
+    """Everything known about one request, from parse to metrics."""
+
+    request_id: str
+    endpoint: Endpoint
+    raw: bytes  # the client's body, forwarded as is when no field needs rewriting
+    api_key: str | None
+    deadline: float  # time.monotonic() by which the client must have an answer
+    priority: str | None = None  # asked for by the request; None: the tenant's default
+    no_cache: bool = False  # cache-control: no-cache
+    # Filled in by the parse stage:
+    body: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+    stream: bool = False
+    t0: float = field(default_factory=time.perf_counter)
+    # Filled in by the stages:
+    tenant: str | None = None
+    cls: str = "complex"
+    score: float | None = None
+    reasons: list[str] = field(default_factory=list)
+    cache: str = "bypass"
+    backend: str | None = None
+    attempts: list[str] = field(default_factory=list)
+    queue_ms: float = 0.0
+    ttft_s: float | None = None
+    usage: dict[str, Any] | None = None
+    status: int = 200
+    error: str | None = None
+    finish: str | None = None  # "ok" | "error" | "client_disconnect" | "cut"
+    _bodies: dict[str, bytes] = field(default_factory=dict)
+
+    def body_for(self, upstream_model: str) -> bytes:
+        """The body to send a backend that knows the model as `upstream_model`."""
+        if upstream_model == self.model:
+            return self.raw
+        out = self._bodies.get(upstream_model)
+        if out is None:
+            out = self._bodies[upstream_model] = orjson.dumps({**self.body, "model": upstream_model})
+        return out
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.t0

@@ -1,0 +1,128 @@
+"""The request pipeline, top to bottom, in one place.
+
+authenticate -> parse -> authorize -> classify -> (cache) -> route -> relay -> observe
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from .call import Call
+from .errors import GatewayError
+from .relay import ClientGone, RelayContext, relay
+from .runtime import Runtime
+from .sink import Sink
+from .wire import ChatRequest, CompletionRequest, EmbeddingRequest, parse_body
+
+__all__ = ["run", "explain", "parse"]
+
+log = logging.getLogger("gateway.pipeline")
+
+_BODY_MODELS = {"chat": ChatRequest, "completions": CompletionRequest, "embeddings": EmbeddingRequest}
+_TIERS = {"priority": "priority", "default": "default", "auto": "default", "flex": "flex"}
+
+
+def parse(call: Call) -> None:
+    """Validate the body and fill in the call's model, stream flag and priority."""
+    typed, body = parse_body(call.raw, _BODY_MODELS[call.endpoint.name])
+    call.body = body
+    call.model = typed.model
+    call.stream = bool(getattr(typed, "stream", False)) and call.endpoint.streams
+    tier = getattr(typed, "service_tier", None)
+    if tier in _TIERS:
+        call.priority = _TIERS[tier]
+
+
+def _prepare(call: Call, rt: Runtime) -> Any:
+    tenant = rt.tenants.authenticate(call.api_key)
+    call.tenant = tenant.name
+    parse(call)
+    rt.tenants.authorize(tenant, call.model)
+    call.priority = call.priority or tenant.priority
+    route = rt.route(call.model)
+    verdict = rt.classify(call, route)
+    call.cls, call.score, call.reasons = verdict.cls, verdict.score, list(verdict.reasons)
+    return route
+
+
+async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
+    """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
+    try:
+        route = _prepare(call, rt)
+        sink.set_header("x-gateway-class", call.cls)
+        sink.set_header("x-gateway-cache", call.cache)
+        if call.endpoint.name != "embeddings":
+            ctx.metrics.classified.labels(call.cls).inc()
+        await relay(call, route.candidates(call.cls), ctx, sink)
+    except ClientGone:
+        call.finish = "client_disconnect"
+    except GatewayError as err:
+        call.status, call.error, call.finish = err.status, err.message, "error"
+        try:
+            await sink.fail(err)
+        except ConnectionResetError:
+            call.finish = "client_disconnect"
+    except asyncio.CancelledError:
+        call.finish = "client_disconnect"  # aiohttp cancels the handler when the client goes away
+        raise
+    finally:
+        _observe(call, ctx)
+
+
+def _observe(call: Call, ctx: RelayContext) -> None:
+    m = ctx.metrics
+    backend = call.backend or "none"
+    m.requests.labels(call.model or "unknown", backend, call.cls, call.cache, str(call.status)).inc()
+    m.duration.labels(backend).observe(call.elapsed_s())
+    if call.finish == "client_disconnect":
+        m.client_disconnects.inc()
+    usage = call.usage
+    if usage and call.backend:
+        tenant = call.tenant or "none"
+        for kind, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
+            n = usage.get(key)
+            if isinstance(n, int) and n > 0:
+                m.tokens.labels(tenant, backend, kind).inc(n)
+    if call.status >= 500:
+        log.warning("request %s failed with %s: %s", call.request_id, call.status, call.error)
+
+
+def explain(call: Call, rt: Runtime) -> dict[str, Any]:
+    """What the gateway would do with this request, calling no backend."""
+    route = _prepare(call, rt)
+    candidates = []
+    chosen = None
+    for b in route.candidates(call.cls):
+        snap = b.tracker.snapshot()
+        state = b.health.state()
+        entry = {
+            "backend": b.name,
+            "upstream_model": b.upstream_model(call.model),
+            "health": state,
+            "inflight": b.slots.used,
+            "max_concurrency": b.slots.limit,
+            "ttft_p50_ms": snap["ttft_p50_ms"],
+            "ttft_p95_ms": snap["ttft_p95_ms"],
+            "predicted_ttft_ms": snap["ttft_p50_ms"],
+        }
+        if state == "healthy" and chosen is None:
+            chosen = b.name
+        elif state != "healthy":
+            entry["skipped"] = f"backend is {state}"
+        candidates.append(entry)
+    if chosen is None and candidates:
+        chosen = candidates[0]["backend"]  # the relay still tries unhealthy backends as a last resort
+    return {
+        "model": call.model,
+        "tenant": call.tenant,
+        "priority": call.priority,
+        "class": call.cls,
+        "score": call.score,
+        "reasons": call.reasons,
+        "cache": call.cache,
+        "strategy": "ordered",
+        "candidates": candidates,
+        "chosen": chosen,
+    }

@@ -1,0 +1,296 @@
+"""The policy file: one frozen pydantic model per section, loaded with cross-checks.
+
+Every error names its YAML path (and line, when known), e.g.
+`models.auto.complex[1]: unknown backend 'b9' (line 14)`, so `gateway check` can print all of them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "Policy",
+    "PolicyError",
+    "BackendPolicy",
+    "ModelRoute",
+    "TenantPolicy",
+    "load_policy",
+    "parse_policy",
+]
+
+Priority = Literal["priority", "default", "flex"]
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TimeoutsPolicy(_Section):
+    """Per-backend deadlines. A first-token deadline fails over like an error: nothing reached
+    the client yet."""
+
+    connect_ms: int = Field(2_000, gt=0)
+    first_token_ms: int = Field(30_000, gt=0)  # headers, and the first content token of a stream
+    idle_ms: int = Field(60_000, gt=0)  # between two chunks of a stream
+    total_ms: int = Field(600_000, gt=0)  # a whole non-streamed answer
+
+
+class LaunchPolicy(_Section):
+    """The gateway starts this backend itself: `python -m local_backend serve ...`."""
+
+    model: str
+    quantize: Literal["auto", "none", "int8", "int4"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, gt=0)
+    startup_timeout_s: float = Field(300.0, gt=0)
+    extra_args: tuple[str, ...] = ()
+
+
+class BackendPolicy(_Section):
+    url: str
+    api_key_env: str | None = None  # secrets come from the environment, never the file
+    # Public model names this backend serves, or a map public name -> upstream name.
+    models: tuple[str, ...] | dict[str, str] = Field(min_length=1)
+    max_concurrency: int = Field(64, gt=0)
+    timeouts: TimeoutsPolicy = TimeoutsPolicy()
+    launch: LaunchPolicy | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", v):
+            raise ValueError(f"must name an environment variable (the key itself never goes here), got {v!r}")
+        return v
+
+    @property
+    def model_map(self) -> dict[str, str]:
+        """Public model name -> the name this backend knows it by."""
+        if isinstance(self.models, dict):
+            return dict(self.models)
+        return {m: m for m in self.models}
+
+
+class ModelRoute(_Section):
+    """Candidates for one public model: an ordered list, or one list per request class."""
+
+    backends: tuple[str, ...] | None = None
+    simple: tuple[str, ...] | None = None
+    complex: tuple[str, ...] | None = None
+
+    @model_validator(mode="after")
+    def _one_style(self) -> "ModelRoute":
+        split = self.simple is not None or self.complex is not None
+        if self.backends is not None and split:
+            raise ValueError("give either `backends` or `simple`/`complex`, not both")
+        if self.backends is None and not (self.simple and self.complex):
+            raise ValueError("needs `backends`, or both `simple` and `complex` candidate lists")
+        for field in ("backends", "simple", "complex"):
+            names = getattr(self, field)
+            if names is not None and len(names) == 0:
+                raise ValueError(f"`{field}` must list at least one backend")
+        return self
+
+
+class TenantPolicy(_Section):
+    key_sha256: tuple[str, ...] = Field(min_length=1)
+    priority: Priority = "default"
+    models: tuple[str, ...] | None = None  # None: every public model
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex_digests(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for digest in v:
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
+        return v
+
+
+class AdminPolicy(_Section):
+    key_sha256: tuple[str, ...] = Field(min_length=1)
+
+    _check = field_validator("key_sha256")(TenantPolicy._hex_digests.__func__)  # type: ignore[attr-defined]
+
+
+class ServerPolicy(_Section):
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    request_timeout_ms: int = Field(600_000, gt=0)  # default deadline; x-request-timeout-ms may shorten it
+    max_attempts: int = Field(3, ge=1, le=10)  # backends tried before the first byte
+    heartbeat_after_ms: int = Field(5_000, gt=0)  # SSE comment heartbeats while a stream waits
+    heartbeat_interval_ms: int = Field(5_000, gt=0)
+    failures_to_eject: int = Field(3, ge=1)  # consecutive failures that mark a backend unhealthy
+    eject_ms: int = Field(10_000, gt=0)
+
+
+class ReloadPolicy(_Section):
+    watch: bool = True
+    interval_ms: int = Field(1_000, gt=0)
+
+
+class Policy(_Section):
+    version: Literal[1] = 1
+    server: ServerPolicy = ServerPolicy()
+    reload: ReloadPolicy = ReloadPolicy()
+    backends: dict[str, BackendPolicy] = Field(min_length=1)
+    models: dict[str, ModelRoute] = {}
+    tenants: dict[str, TenantPolicy] = {}
+    admin: AdminPolicy | None = None
+
+    @field_validator("backends", "models", "tenants")
+    @classmethod
+    def _names(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for name in v:
+            if not re.match(_NAME, name):
+                raise ValueError(f"bad name {name!r}: use letters, digits and . _ : / -")
+        return v
+
+    def served_models(self) -> dict[str, tuple[str, ...]]:
+        """Every public model -> its candidate backends when it has no explicit route."""
+        out: dict[str, list[str]] = {}
+        for bname, backend in self.backends.items():
+            for public in backend.model_map:
+                out.setdefault(public, []).append(bname)
+        return {m: tuple(b) for m, b in out.items()}
+
+    def public_models(self) -> list[str]:
+        names = dict.fromkeys(self.models)
+        names.update(dict.fromkeys(self.served_models()))
+        return list(names)
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f" (line {self.line})" if self.line else ""
+        return f"{self.path or '<root>'}: {self.message}{where}"
+
+
+class PolicyError(ValueError):
+    """A policy that does not load; `problems` lists every error found."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
+
+
+def _path(loc: tuple[Any, ...]) -> tuple[str, list[Any]]:
+    text, parts = "", []
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+        parts.append(part)
+    return text, parts
+
+
+def _line_of(node: yaml.Node | None, parts: list[Any]) -> int | None:
+    """The 1-based line of a path in the composed YAML, or of its nearest known ancestor."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in parts:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if k.value == str(part)), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            node = None
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def _cross_check(policy: Policy) -> list[tuple[tuple[Any, ...], str]]:
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    for mname, route in policy.models.items():
+        for field in ("backends", "simple", "complex"):
+            for i, bname in enumerate(getattr(route, field) or ()):
+                loc = ("models", mname, field, i)
+                backend = policy.backends.get(bname)
+                if backend is None:
+                    problems.append((loc, f"unknown backend {bname!r}"))
+                elif field == "backends" and mname not in backend.model_map:
+                    problems.append((loc, f"backend {bname!r} does not serve model {mname!r} (add it to its `models`)"))
+    known = set(policy.public_models())
+    for tname, tenant in policy.tenants.items():
+        for i, m in enumerate(tenant.models or ()):
+            if m not in known:
+                problems.append((("tenants", tname, "models", i), f"unknown model {m!r}"))
+    seen: dict[str, str] = {}
+    for tname, tenant in policy.tenants.items():
+        for i, digest in enumerate(tenant.key_sha256):
+            if digest in seen and seen[digest] != tname:
+                problems.append((("tenants", tname, "key_sha256", i), f"key also belongs to tenant {seen[digest]!r}"))
+            seen[digest] = tname
+    ports: dict[str, str] = {}
+    for bname, backend in policy.backends.items():
+        if backend.launch is not None:
+            if not re.match(r"^http://(127\.0\.0\.1|localhost|\[::1\]):\d+", backend.url):
+                problems.append((("backends", bname, "url"), "a launched backend needs an explicit loopback host:port URL"))
+            if backend.url in ports:
+                problems.append((("backends", bname, "url"), f"same URL as launched backend {ports[backend.url]!r}"))
+            ports[backend.url] = bname
+    return problems
+
+
+def parse_policy(text: str, source: str = "<policy>") -> Policy:
+    """Parse and validate policy YAML text; raise PolicyError listing every problem."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise PolicyError(source, [Problem("", f"not valid YAML: {getattr(exc, 'problem', exc)}", line)]) from None
+    if not isinstance(data, dict):
+        raise PolicyError(source, [Problem("", "the policy must be a YAML mapping")])
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("tuple", "dict"))))
+            text_path, parts = _path(loc)
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown field"
+            problems.append(Problem(text_path, msg, _line_of(root, parts)))
+        # A union (list-or-map) reports once per branch; keep each message once.
+        raise PolicyError(source, list(dict.fromkeys(problems))) from None
+    cross = _cross_check(policy)
+    if cross:
+        problems = []
+        for loc, msg in cross:
+            text_path, parts = _path(loc)
+            problems.append(Problem(text_path, msg, _line_of(root, parts)))
+        raise PolicyError(source, problems)
+    return policy
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policy file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(str(p), [Problem("", f"cannot read: {exc.strerror or exc}")]) from None
+    return parse_policy(text, str(p))

@@ -1,0 +1,130 @@
+"""Hot reload: on file change, on SIGHUP and on POST /admin/reload.
+
+A reload builds a complete new Runtime and swaps one reference; a policy that fails validation is
+rejected with a logged error and a metric, and the old one stays. Requests in flight keep the
+Runtime they started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from .backends import BackendState
+from .metrics import Metrics
+from .policy import Policy, PolicyError, load_policy
+from .runtime import Runtime, build_runtime
+
+__all__ = ["Live", "Reloader"]
+
+log = logging.getLogger("gateway.reload")
+
+
+class Live:
+    """Holds the Runtime in force. Read `.runtime` once per request."""
+
+    __slots__ = ("runtime",)
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+
+class Reloader:
+    """Loads a policy file into a new Runtime and swaps it in; watches the file and SIGHUP."""
+
+    def __init__(
+        self,
+        path: Path | None,
+        live: Live,
+        states: dict[str, BackendState],
+        metrics: Metrics,
+        on_swap: Callable[[Runtime], Awaitable[None]] | None = None,
+    ) -> None:
+        self.path = path
+        self.live = live
+        self.states = states
+        self.metrics = metrics
+        self.on_swap = on_swap
+        self._lock = asyncio.Lock()
+        self._digest = _digest(path) if path else None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def reload(self, trigger: str) -> tuple[bool, str]:
+        """Reload from the file; (True, "") on success, (False, why) when the old policy stays."""
+        if self.path is None:
+            return False, "the gateway was started without a policy file"
+        async with self._lock:
+            try:
+                policy: Policy = await asyncio.to_thread(load_policy, self.path)
+                runtime = build_runtime(policy, self.states, self.live.runtime.generation + 1)
+            except (PolicyError, ValueError) as exc:
+                self.metrics.policy_reloads.labels("error").inc()
+                log.error("policy reload (%s) rejected, keeping generation %d: %s", trigger, self.live.runtime.generation, exc)
+                return False, str(exc)
+            self._digest = _digest(self.path)
+            self.live.runtime = runtime
+            self.metrics.policy_reloads.labels("ok").inc()
+            log.info("policy reloaded (%s): generation %d from %s", trigger, runtime.generation, self.path)
+            if self.on_swap is not None:
+                await self.on_swap(runtime)
+            return True, ""
+
+    async def watch(self, interval_s: float) -> None:
+        """Poll the file (cheap: a stat, and a hash only when the stat changed) until cancelled."""
+        assert self.path is not None
+        last = _stat(self.path)
+        while True:
+            await asyncio.sleep(interval_s)
+            now = _stat(self.path)
+            if now == last:
+                continue
+            last = now
+            if now is not None and _digest(self.path) != self._digest:
+                await self.reload("file change")
+
+    def install_sighup(self) -> bool:
+        """Reload on SIGHUP (main thread only; False where signals are not available)."""
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+            return True
+        except (NotImplementedError, RuntimeError, ValueError):
+            return False
+
+    def remove_sighup(self) -> None:
+        try:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+        except (NotImplementedError, RuntimeError, ValueError):
+            pass
+
+    def _on_sighup(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._reload_quietly("SIGHUP"))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _reload_quietly(self, trigger: str) -> None:
+        await self.reload(trigger)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _stat(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None

@@ -1,0 +1,90 @@
+"""Shared fixtures: fake upstreams and gateways on loopback ports, the official openai SDK."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+from aiohttp import web
+
+from gateway.app import create_app
+from tests.fake_upstream import Behaviour, FakeUpstream
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+class RunningGateway:
+    def __init__(self, app: web.Application, runner: web.AppRunner, port: int, policy_path: Path) -> None:
+        self.app = app
+        self.runner = runner
+        self.port = port
+        self.policy_path = policy_path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, key: str = "sk-test", **kw: Any) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def sync_client(self, key: str = "sk-test", **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+
+    def write_policy(self, policy: dict[str, Any] | str) -> None:
+        text = policy if isinstance(policy, str) else yaml.safe_dump(policy)
+        tmp = self.policy_path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.policy_path)  # atomic, as an editor or a ConfigMap update does
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[Callable[..., Any]]:
+    """Factory: `await upstream(ttft_ms=..., mode=...)` starts a FakeUpstream on a free port."""
+    started: list[FakeUpstream] = []
+
+    async def make(name: str = "fake", **behaviour: Any) -> FakeUpstream:
+        up = await FakeUpstream(Behaviour(**behaviour), name=name).start()
+        started.append(up)
+        return up
+
+    yield make
+    for up in started:
+        await up.stop()
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Factory: `await gateway(policy_dict)` writes the policy to a file and serves it on a free port."""
+    running: list[RunningGateway] = []
+
+    async def make(policy: dict[str, Any] | str, name: str = "policy.yaml") -> RunningGateway:
+        path = tmp_path / name
+        path.write_text(policy if isinstance(policy, str) else yaml.safe_dump(policy))
+        app = create_app(path)
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        gw = RunningGateway(app, runner, port, path)
+        running.append(gw)
+        return gw
+
+    yield make
+    for gw in running:
+        await gw.runner.cleanup()
+
+
+def simple_policy(*ups: FakeUpstream, model: str = "gpt-test", **extra: Any) -> dict[str, Any]:
+    """A policy routing `model` to the given upstreams, in order."""
+    backends = {up.name: {"url": up.url, "models": [model]} for up in ups}
+    policy: dict[str, Any] = {"version": 1, "backends": backends, "models": {model: {"backends": [u.name for u in ups]}}}
+    policy.update(extra)
+    return policy

@@ -1,0 +1,252 @@
+"""A fake OpenAI-compatible upstream with latency and fault knobs, for tests and benchmarks.
+
+Run it as its own process: `python -m tests.fake_upstream --port 9001 --ttft-ms 80 --itl-ms 5`,
+or in-process with `FakeUpstream(...).start()`. `POST /_control` changes its behaviour at run
+time (JSON with any Behaviour field); `GET /_stats` reports what it saw.
+
+Modes: ok, error_500, error_429, error_503, error_400, error_401, hang (never answers), stall
+(headers, role chunk, then silence), disconnect (drops the connection after `fail_after` tokens),
+cut (ends the stream after `fail_after` tokens, no finish reason), no_done (finish reason, then
+EOF without [DONE]), malformed (a broken chunk among good ones), error_event (an error event after
+`fail_after` tokens), garbage (200 with a non-JSON body).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+__all__ = ["Behaviour", "FakeUpstream"]
+
+
+@dataclass
+class Behaviour:
+    ttft_ms: float = 0.0
+    itl_ms: float = 0.0
+    tokens: int = 8
+    mode: str = "ok"
+    fail_after: int = 2
+    retry_after_s: float | None = None
+    model: str | None = None  # the model name to answer with; None: echo the request's
+    prompt_ms_per_kchar: float = 0.0  # extra TTFT per 1,000 prompt characters
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    active: int = 0
+    completed: int = 0
+    cancelled: int = 0  # the client (the gateway) went away mid-answer
+    models: list[str] = field(default_factory=list)
+    last_headers: dict[str, str] = field(default_factory=dict)
+    last_body: dict[str, Any] = field(default_factory=dict)
+
+
+def _word(i: int) -> str:
+    return f"w{i} "
+
+
+class FakeUpstream:
+    """One fake backend. `url` is its OpenAI base URL (…/v1) once started."""
+
+    def __init__(self, behaviour: Behaviour | None = None, *, name: str = "fake", host: str = "127.0.0.1", port: int = 0) -> None:
+        self.behaviour = behaviour or Behaviour()
+        self.name = name
+        self.host = host
+        self.port = port
+        self.stats = Stats()
+        self._runner: web.AppRunner | None = None
+        self.app = web.Application()
+        self.app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._completions),
+                web.post("/v1/embeddings", self._embeddings),
+                web.get("/v1/models", self._models),
+                web.get("/healthz", self._healthz),
+                web.post("/_control", self._control),
+                web.get("/_stats", self._stats),
+            ]
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+    async def start(self) -> "FakeUpstream":
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    def set(self, **changes: Any) -> None:
+        self.behaviour = dataclasses.replace(self.behaviour, **changes)
+
+    # -- handlers ---------------------------------------------------------------------------
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.behaviour.model or "fake", "object": "model"}]})
+
+    async def _control(self, request: web.Request) -> web.Response:
+        self.set(**await request.json())
+        return web.json_response(dataclasses.asdict(self.behaviour))
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        return web.json_response(dataclasses.asdict(self.stats))
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        data = [{"object": "embedding", "index": i, "embedding": [0.1, 0.2, 0.3]} for i in range(len(inputs))]
+        return web.Response(
+            body=orjson.dumps({"object": "list", "data": data, "model": body["model"], "usage": {"prompt_tokens": 3, "total_tokens": 3}}),
+            content_type="application/json",
+        )
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=False)
+
+    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        b = self.behaviour
+        st = self.stats
+        st.requests += 1
+        st.active += 1
+        raw = await request.read()
+        body = orjson.loads(raw)
+        st.models.append(body.get("model", ""))
+        st.last_headers = dict(request.headers)
+        st.last_body = body
+        try:
+            resp = await self._respond(request, body, chat, b, len(raw))
+            st.completed += 1
+            return resp
+        except asyncio.CancelledError:
+            st.cancelled += 1
+            raise
+        finally:
+            st.active -= 1
+
+    async def _respond(self, request: web.Request, body: dict[str, Any], chat: bool, b: Behaviour, size: int) -> web.StreamResponse:
+        model = b.model or body.get("model", "fake")
+        mode = b.mode
+        if mode.startswith("error_"):
+            status = int(mode.split("_")[1])
+            headers = {"Retry-After": str(b.retry_after_s)} if b.retry_after_s is not None else {}
+            err = {"error": {"message": f"fake upstream {self.name} says {status}", "type": "invalid_request_error" if status == 400 else "server_error", "param": None, "code": None}}
+            await asyncio.sleep(b.ttft_ms / 1000)
+            return web.Response(status=status, body=orjson.dumps(err), content_type="application/json", headers=headers)
+        if mode == "hang":
+            await asyncio.sleep(3600)
+        ttft = b.ttft_ms + b.prompt_ms_per_kchar * size / 1000
+        n = int(body.get("max_tokens") or b.tokens)
+        n = min(n, b.tokens)
+        rid = f"chatcmpl-{self.name}-{self.stats.requests}"
+        created = int(time.time())
+        if not body.get("stream"):
+            if ttft:
+                await asyncio.sleep((ttft + b.itl_ms * n) / 1000)
+            if mode == "garbage":
+                return web.Response(body=b"<html>oops</html>", content_type="text/html")
+            text = "".join(_word(i) for i in range(n))
+            usage = {"prompt_tokens": size // 4, "completion_tokens": n, "total_tokens": size // 4 + n}
+            if chat:
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop", "logprobs": None}
+                obj = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": usage}
+            else:
+                choice = {"index": 0, "text": text, "finish_reason": "stop", "logprobs": None}
+                obj = {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [choice], "usage": usage}
+            return web.Response(body=orjson.dumps(obj), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        obj_name = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: dict[str, Any] | None, text: str | None, finish: str | None) -> bytes:
+            if chat:
+                choice: dict[str, Any] = {"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return b"data: " + orjson.dumps({"id": rid, "object": obj_name, "created": created, "model": model, "choices": [choice]}) + b"\n\n"
+
+        if chat:
+            await resp.write(chunk({"role": "assistant", "content": ""}, None, None))
+        if mode == "stall":
+            await asyncio.sleep(3600)
+        if ttft:
+            await asyncio.sleep(ttft / 1000)
+        for i in range(n):
+            if i and b.itl_ms:
+                await asyncio.sleep(b.itl_ms / 1000)
+            if i == b.fail_after:
+                if mode == "disconnect":
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                if mode == "cut":
+                    await resp.write_eof()
+                    return resp
+                if mode == "error_event":
+                    await resp.write(b'data: {"error": {"message": "fake upstream failed mid-stream", "type": "server_error"}}\n\n')
+                    await resp.write_eof()
+                    return resp
+                if mode == "malformed":
+                    await resp.write(b"data: {not json\n\n")
+            await resp.write(chunk({"content": _word(i)}, _word(i), None))
+        await resp.write(chunk({}, "", "stop"))
+        opts = body.get("stream_options") or {}
+        if opts.get("include_usage"):
+            usage = {"prompt_tokens": size // 4, "completion_tokens": n, "total_tokens": size // 4 + n}
+            await resp.write(b"data: " + orjson.dumps({"id": rid, "object": obj_name, "created": created, "model": model, "choices": [], "usage": usage}) + b"\n\n")
+        if mode != "no_done":
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Fake OpenAI-compatible upstream")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9001)
+    parser.add_argument("--name", default="fake")
+    for f in dataclasses.fields(Behaviour):
+        kind = {"float": float, "int": int, "str": str}.get(str(f.type).split(" ")[0], str)
+        if f.name == "retry_after_s":
+            kind = float
+        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+    args = parser.parse_args()
+    behaviour = Behaviour(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Behaviour)})
+
+    async def run() -> None:
+        up = await FakeUpstream(behaviour, name=args.name, host=args.host, port=args.port).start()
+        print(f"fake upstream {args.name} on {up.url}", flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        import uvloop
+
+        uvloop.run(run())
+    except ImportError:
+        asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()
