@@ -88,7 +88,8 @@ class Backend:
         self.health = state.health
         self.slots = state.slots
         self.timeouts = policy.timeouts
-        headers = {"Content-Type": "application/json"}
+        # identity: the relay reads every event, and passes bytes on without re-encoding them.
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if policy.api_key_env:
             key = os.environ.get(policy.api_key_env)
             if not key:

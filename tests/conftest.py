@@ -26,13 +26,16 @@ class RunningGateway:
         self.runner = runner
         self.port = port
         self.policy_path = policy_path
+        self.clients: list[openai.AsyncOpenAI] = []
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def client(self, key: str = "sk-test", **kw: Any) -> openai.AsyncOpenAI:
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+        c = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
+        self.clients.append(c)  # closed by the fixture while the loop still runs
+        return c
 
     def sync_client(self, key: str = "sk-test", **kw: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, **kw)
@@ -79,6 +82,8 @@ async def gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
 
     yield make
     for gw in running:
+        for c in gw.clients:
+            await c.close()
         await gw.runner.cleanup()
 
 

@@ -149,7 +149,7 @@ class FakeUpstream:
     async def _respond(self, request: web.Request, body: dict[str, Any], chat: bool, b: Behaviour, size: int) -> web.StreamResponse:
         model = b.model or body.get("model", "fake")
         mode = b.mode
-        if mode.startswith("error_"):
+        if mode.startswith("error_") and mode[6:].isdigit():
             status = int(mode.split("_")[1])
             headers = {"Retry-After": str(b.retry_after_s)} if b.retry_after_s is not None else {}
             err = {"error": {"message": f"fake upstream {self.name} says {status}", "type": "invalid_request_error" if status == 400 else "server_error", "param": None, "code": None}}

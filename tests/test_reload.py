@@ -1,0 +1,116 @@
+"""Hot reload: file change, SIGHUP and POST /admin/reload; a bad policy never replaces a good one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import aiohttp
+import openai
+import pytest
+
+from gateway.auth import hash_key
+from gateway.keys import LIVE
+from tests.conftest import simple_policy
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+async def _wait_generation(gw, gen: int, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while gw.app[LIVE].runtime.generation < gen:
+        if loop.time() > end:
+            raise AssertionError(f"policy generation {gen} not reached")
+        await asyncio.sleep(0.02)
+
+
+async def _backend_of(gw) -> str:
+    raw = await gw.client().chat.completions.with_raw_response.create(model="gpt-test", messages=MSG)
+    return raw.headers["x-gateway-backend"]
+
+
+async def _metrics(gw) -> str:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/metrics") as r:
+            return await r.text()
+
+
+async def test_a_good_edit_takes_effect_without_a_restart(upstream, gateway):
+    a, b = await upstream("a"), await upstream("b")
+    gw = await gateway(simple_policy(a, b, reload={"interval_ms": 50}))
+    assert await _backend_of(gw) == "a"
+    gw.write_policy(simple_policy(b, a, reload={"interval_ms": 50}))
+    await _wait_generation(gw, 2)
+    assert await _backend_of(gw) == "b"
+    assert 'gateway_policy_reloads_total{result="ok"} 1.0' in await _metrics(gw)
+
+
+async def test_a_bad_edit_keeps_the_old_policy(upstream, gateway, caplog):
+    a = await upstream("a")
+    gw = await gateway(simple_policy(a, reload={"interval_ms": 50}))
+    gw.write_policy("backends:\n  a: {url: 'not a url', models: [gpt-test]}\n")
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 5
+    while 'gateway_policy_reloads_total{result="error"} 1.0' not in await _metrics(gw):
+        assert loop.time() < end, "the bad policy was never noticed"
+        await asyncio.sleep(0.05)
+    assert gw.app[LIVE].runtime.generation == 1
+    assert await _backend_of(gw) == "a"
+    assert "backends.a.url" in caplog.text  # the log names the YAML path of the problem
+
+
+async def test_sighup_reloads(upstream, gateway):
+    a, b = await upstream("a"), await upstream("b")
+    gw = await gateway(simple_policy(a, reload={"watch": False}))
+    gw.write_policy(simple_policy(b, reload={"watch": False}))
+    await asyncio.sleep(0.05)
+    assert await _backend_of(gw) == "a"  # not watching: nothing changes by itself
+    os.kill(os.getpid(), signal.SIGHUP)
+    await _wait_generation(gw, 2)
+    assert await _backend_of(gw) == "b"
+
+
+async def test_admin_reload_needs_the_admin_key_and_reports_errors(upstream, gateway):
+    a, b = await upstream("a"), await upstream("b")
+
+    def policy(up, url=None):
+        p = simple_policy(up, reload={"watch": False})
+        p["admin"] = {"key_sha256": [hash_key("sk-admin")]}
+        p["tenants"] = {"t": {"key_sha256": [hash_key("sk-test")]}}
+        if url:
+            p["backends"][up.name]["url"] = url
+        return p
+
+    gw = await gateway(policy(a))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/admin/reload", headers={"Authorization": "Bearer sk-test"}) as r:
+            assert r.status == 401
+        gw.write_policy(policy(b, url="ftp://nope"))
+        async with http.post(gw.url + "/admin/reload", headers={"Authorization": "Bearer sk-admin"}) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+            assert err["code"] == "invalid_policy" and "backends.b.url" in err["message"]
+        assert await _backend_of(gw) == "a"
+        gw.write_policy(policy(b))
+        async with http.post(gw.url + "/admin/reload", headers={"Authorization": "Bearer sk-admin"}) as r:
+            assert r.status == 200 and (await r.json())["policy_generation"] == 2
+    assert await _backend_of(gw) == "b"
+
+
+async def test_requests_in_flight_finish_under_the_policy_they_started_with(upstream, gateway):
+    a = await upstream("a", tokens=20, itl_ms=20)
+    b = await upstream("b")
+    gw = await gateway(simple_policy(a, reload={"interval_ms": 50}))
+    client = gw.client()
+    stream = await client.chat.completions.create(model="gpt-test", messages=MSG, stream=True)
+    parts = []
+    async for chunk in stream:
+        parts.append(chunk.choices[0].delta.content or "" if chunk.choices else "")
+        if len(parts) == 3:
+            gw.write_policy(simple_policy(b, model="other", reload={"interval_ms": 50}))  # gpt-test is gone
+            await _wait_generation(gw, 2)
+    assert "".join(parts) == "".join(f"w{i} " for i in range(20))
+    with pytest.raises(openai.NotFoundError):
+        await client.chat.completions.create(model="gpt-test", messages=MSG)
