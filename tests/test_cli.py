@@ -1,0 +1,104 @@
+"""The CLI as a user runs it: `gateway check` and `gateway serve --workers N` in real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import openai
+import yaml
+
+from tests.conftest import simple_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _gateway(*args: str, **kw) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_check_prints_every_error_with_its_path_and_exits_1(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "backends:\n  a: {url: 'ftp://x', models: [m], extra: 1}\nmodels:\n  auto: {simple: [a], complex: [zz]}\n"
+    )
+    r = _gateway("check", str(bad))
+    assert r.returncode == 1
+    assert "backends.a.url: must be an http:// or https:// URL" in r.stderr
+    assert "backends.a.extra: unknown field (line 2)" in r.stderr
+    assert "2 error(s)" in r.stderr  # cross-checks run once the structure is valid
+
+
+def test_check_accepts_the_default_policy():
+    r = _gateway("check", "policies/default.yaml")
+    assert r.returncode == 0, r.stderr
+    assert "ok (1 backends" in r.stdout
+
+
+def test_hash_key_prints_the_digest():
+    r = _gateway("hash-key", "sk-1")
+    import hashlib
+
+    assert r.stdout.strip() == hashlib.sha256(b"sk-1").hexdigest()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_serve_with_two_workers_shares_the_port_and_aggregates_metrics(upstream, tmp_path):
+    up = await upstream("a", tokens=2)
+    policy = tmp_path / "p.yaml"
+    policy.write_text(yaml.safe_dump(simple_policy(up)))
+    port = _free_port()
+    env = {**os.environ, "GATEWAY_POLICY": str(policy)}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "gateway", "serve", "--port", str(port), "--workers", "2",
+        cwd=ROOT, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        async with aiohttp.ClientSession() as http:
+            for _ in range(200):
+                try:
+                    async with http.get(f"http://127.0.0.1:{port}/healthz") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.05)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+            n = 20
+            # separate connections, so SO_REUSEPORT spreads them over both workers
+            for _ in range(n):
+                async with aiohttp.ClientSession() as one:
+                    async with one.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                        json={"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}) as r:
+                        assert r.status == 200
+            r2 = await client.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": "hi"}])
+            assert r2.choices[0].message.content == "w0 w1 "
+            await client.close()
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+                text = await r.text()
+        line = next(l for l in text.splitlines() if l.startswith("gateway_requests_total{"))
+        assert line.endswith(f" {float(n + 1)}"), line  # every worker's requests, whichever answered
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+    assert proc.returncode == 0
+    pids = {w.split("pid ")[1].split(")")[0] for w in err.decode().splitlines() if "serving on" in w}
+    assert len(pids) == 2, err.decode()[-2000:]
+
+
+def test_serve_refuses_a_bad_policy_before_binding(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backends: {}\n")
+    r = _gateway("serve", "--policy", str(bad), "--port", str(_free_port()))
+    assert r.returncode == 1 and "backends" in r.stderr

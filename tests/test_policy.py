@@ -1,0 +1,116 @@
+"""Policy parsing: every error names its YAML path and line; cross-references are checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.policy import PolicyError, parse_policy
+
+GOOD = """
+version: 1
+backends:
+  fast-a:
+    url: http://127.0.0.1:9001/v1/
+    api_key_env: FAST_A_KEY
+    models: [gpt-4o-mini]
+  big:
+    url: https://api.example.com/v1
+    models: {gpt-4o: gpt-4o-2024-08-06}
+    timeouts: {first_token_ms: 5000}
+models:
+  auto: {simple: [fast-a], complex: [big, fast-a]}
+  gpt-4o-mini: {backends: [fast-a]}
+tenants:
+  acme:
+    key_sha256: ["%s"]
+    priority: priority
+    models: [auto, gpt-4o]
+""" % ("a" * 64)
+
+
+def _problems(text: str) -> list[str]:
+    with pytest.raises(PolicyError) as exc:
+        parse_policy(text)
+    return [str(p) for p in exc.value.problems]
+
+
+def test_a_good_policy_loads_with_defaults_filled_in():
+    p = parse_policy(GOOD)
+    assert p.backends["fast-a"].url == "http://127.0.0.1:9001/v1"  # trailing slash dropped
+    assert p.backends["big"].model_map == {"gpt-4o": "gpt-4o-2024-08-06"}
+    assert p.backends["big"].timeouts.first_token_ms == 5000 and p.backends["big"].timeouts.idle_ms == 60000
+    assert p.public_models() == ["auto", "gpt-4o-mini", "gpt-4o"]
+    assert p.tenants["acme"].priority == "priority"
+
+
+def test_policies_are_frozen():
+    p = parse_policy(GOOD)
+    with pytest.raises(Exception):
+        p.backends["big"].max_concurrency = 3  # type: ignore[misc]
+
+
+def test_every_structural_error_is_reported_with_path_and_line():
+    text = GOOD.replace("    api_key_env: FAST_A_KEY\n", "    api_key_env: sk-live-123\n    colour: blue\n").replace(
+        "priority: priority", "priority: urgent"
+    )
+    problems = _problems(text)
+    assert any(p.startswith("backends.fast-a.api_key_env: must name an environment variable") for p in problems)
+    assert "backends.fast-a.colour: unknown field (line 7)" in problems
+    assert any(p.startswith("tenants.acme.priority:") for p in problems)
+
+
+def test_cross_references_are_checked():
+    text = GOOD.replace("complex: [big, fast-a]", "complex: [big, b9]").replace(
+        "gpt-4o-mini: {backends: [fast-a]}", "gpt-4o-mini: {backends: [big]}"
+    ).replace("models: [auto, gpt-4o]", "models: [auto, gpt-5]")
+    problems = _problems(text)
+    assert "models.auto.complex[1]: unknown backend 'b9' (line 13)" in problems
+    assert any(p.startswith("models.gpt-4o-mini.backends[0]: backend 'big' does not serve model 'gpt-4o-mini'") for p in problems)
+    assert any(p.startswith("tenants.acme.models[1]: unknown model 'gpt-5'") for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("snippet", "expected"),
+    [
+        ("auto: {backends: [big], simple: [big]}", "either `backends` or `simple`/`complex`"),
+        ("auto: {simple: [fast-a]}", "both `simple` and `complex`"),
+        ("auto: {backends: []}", "at least one backend"),
+    ],
+)
+def test_model_routes_need_one_clear_shape(snippet, expected):
+    text = GOOD.replace("auto: {simple: [fast-a], complex: [big, fast-a]}", snippet)
+    assert any(expected in p and p.startswith("models.auto") for p in _problems(text))
+
+
+def test_yaml_syntax_errors_have_a_line():
+    problems = _problems("backends:\n  a: {url: [\n")
+    assert problems[0].startswith("<root>: not valid YAML") and "(line" in problems[0]
+
+
+def test_the_policy_must_be_a_mapping_with_backends():
+    assert _problems("- a\n- b\n") == ["<root>: the policy must be a YAML mapping"]
+    assert any(p.startswith("backends:") for p in _problems("version: 1\n"))
+
+
+def test_a_key_shared_by_two_tenants_is_rejected():
+    text = GOOD + '  other:\n    key_sha256: ["%s"]\n' % ("a" * 64)
+    assert any("key also belongs to tenant 'acme'" in p for p in _problems(text))
+
+
+def test_launched_backends_need_a_loopback_url():
+    text = GOOD.replace(
+        "    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    launch: {model: tiny-random}\n", 1
+    ).replace("http://127.0.0.1:9001/v1/", "http://10.0.0.5:9001/v1")
+    assert any("loopback" in p for p in _problems(text))
+
+
+def test_the_shipped_policies_are_valid():
+    from pathlib import Path
+
+    from gateway.policy import load_policy
+
+    root = Path(__file__).resolve().parents[1] / "policies"
+    files = sorted(root.rglob("*.yaml"))
+    assert files, "no policies shipped"
+    for f in files:
+        load_policy(f)
