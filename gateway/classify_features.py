@@ -1,0 +1,433 @@
+"""Features of an OpenAI request body for the simple/complex classifier.
+
+Pure Python and stdlib only: the gateway computes these on the hot path. Work is capped so that a
+2,000-token prompt costs about as much as a 500-token one: cue words are read from the head and
+tail of the final user message, code and math patterns from a bounded window, and the full
+length only enters as a number.
+
+The feature names here are the contract between the runtime (`gateway.classify`) and the
+training script (`gateway.classify_train`): both call `extract()`, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Extracted", "MODEL_FEATURES", "extract", "hash_index", "request_text"]
+
+# How much of the final user message is read. Long prompts are complex by the size feature (and
+# the long-input rule) anyway; reading all of them would only cost time.
+CUE_HEAD_CHARS = 500       # the instruction usually sits at the start ...
+CUE_TAIL_CHARS = 250       # ... or at the end, after a pasted document or a word problem
+SCAN_HEAD_CHARS = 1000     # code / math patterns
+SCAN_TAIL_CHARS = 400
+PRIOR_TURN_CHARS = 400     # earlier user turns: only their cues matter
+HASH_HEAD_WORDS = 40       # n-gram part: the instruction, not the pasted material
+HASH_TAIL_WORDS = 12
+
+# Cue phrases, by group. One to three words each, matched on lower-cased word tokens.
+_CUES: dict[str, tuple[str, ...]] = {
+    "code_kw": (
+        "code coding function functions python javascript typescript java golang rust ruby php "
+        "sql html css regex algorithm algorithms program programming compile compiler debug "
+        "bug bugs api recursion recursive implement implementation snippet syntax runtime "
+        "refactor dataframe pandas numpy kotlin swiftui bash shell linux|command-line "
+        "|time complexity|linked list|binary tree|data structure|data structures|unit test"
+        "|unit tests|source code|big o"
+    ),
+    "math_kw": (
+        "calculate calculation compute solve equation equations integral derivative prove proof "
+        "theorem inequality probability percent percentage average median perimeter area volume "
+        "radius diameter circumference ratio fraction remainder divisible factorial "
+        "multiply divide divided squared sqrt logarithm polynomial quadratic algebra geometry "
+        "arithmetic formula|square root|prime number|prime numbers|compound interest"
+    ),
+    "wordprob_kw": (
+        "total each per twice half triple double left remaining spent spend spends earn earns "
+        "earned costs cost buys bought sells sold pays paid saves saved week weeks month "
+        "hours minutes miles dollars cents|how many|how much|how long|how far|how old"
+    ),
+    "reason_kw": (
+        "puzzle riddle logic logical reasoning deduce infer estimate estimation assumptions "
+        "assume suppose hypothetical paradox dilemma implications tradeoffs trade-offs "
+        "consequences step-by-step|step by step|what would happen|true false or uncertain"
+        "|think through"
+    ),
+    "plan_kw": (
+        "plan planning itinerary schedule budget curriculum roadmap strategy design architecture "
+        "outline proposal instructions recipe guide tutorial procedure steps step-by-step"
+        "|how to|how do i"
+        "|how can i|how should i|how would you|step by step"
+    ),
+    "create_verb": "write compose create draft craft generate pen produce develop|come up with",
+    "longform_noun": (
+        "story stories poem poems essay letter email script dialogue dialog conversation song "
+        "lyrics haiku limerick sonnet speech article blog narrative report review screenplay "
+        "jingle rap fable tale pitch biography monologue paragraphs chapter novel ode ballad "
+        "verse skit|blog post|cover letter"
+    ),
+    "brevity": (
+        "briefly tweet|one sentence|a sentence|single sentence|one line|one-line|one word"
+        "|single word|a word|two words|three words|a phrase|in short|yes or no|true or false"
+        "|few words|short answer|two sentences|three sentences"
+    ),
+    "oneliner_noun": (
+        "title slogan tagline headline caption metaphor simile hashtag pun motto nickname acronym "
+        "synonym synonyms antonym antonyms rhyme rhymes sentence phrase word passphrase password"
+    ),
+    "explain_kw": (
+        "explain explanation describe discuss elaborate analyze analyse analysis evaluate justify "
+        "argue critique detailed thorough comprehensive insights|how does|how do|how did|how is"
+        "|how are|how can|how would|what causes|in detail|in depth|why does|why do|why is|why are"
+    ),
+    "compare_kw": (
+        "compare contrast comparison versus vs|difference between|differences between"
+        "|pros and cons|advantages and disadvantages"
+    ),
+    "topic_kw": (
+        "challenges opportunities implications|history of|evolution of|impact of|effects of"
+        "|effect of|importance of|role of|significance of|future of|causes of"
+    ),
+    "simple_task": (
+        "classify categorize identify name list translate rewrite paraphrase rephrase edit "
+        "correct sort rank extract summarize summarise spell define definition sentiment "
+        "label tag detect pick choose select capitalize punctuate shorten|tell me whether"
+        "|which of|which one|what is|who is|who was|when was|when did|where is|what are"
+        "|positive or negative|fact or opinion|is this"
+    ),
+    "tips_kw": "tips ideas suggestions ways examples recommendations things|a few|some ideas",
+    "greet_kw": (
+        "hi hello hey hiya howdy greetings thanks thank bye goodbye sup yo|good morning"
+        "|good evening|good night|good afternoon|see you|how are you|what's up|nice to meet"
+    ),
+    "identity_kw": (
+        "yourself chatbot siri alexa cortana|who are you|what are you"
+        "|your name|are you|do you|can you|you are|you're|who made|who created|who built"
+        "|your favorite|your favourite|who trained"
+    ),
+    "feeling_kw": (
+        "bored sad happy lonely tired sorry love hate kiss hug joke lol haha stupid annoying "
+        "funny cute awesome boring friend marry date lonely"
+    ),
+    "followup_kw": (
+        "previous above earlier rework revise rephrase again instead|what if|what about"
+        "|how about|your answer|your response|your solution|your previous|the same"
+    ),
+}
+
+
+def _build_lookup() -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]],
+                             dict[str, tuple[str, ...]]]:
+    maps: tuple[dict[str, list[str]], ...] = ({}, {}, {})
+    for group, spec in _CUES.items():
+        singles, *phrases = spec.split("|")
+        for phrase in singles.split() + [p.strip() for p in phrases]:
+            words = phrase.split()
+            if words:
+                maps[min(len(words), 3) - 1].setdefault(" ".join(words), []).append(group)
+    uni, bi, tri = ({k: tuple(v) for k, v in m.items()} for m in maps)
+    return uni, bi, tri
+
+
+_UNI, _BI, _TRI = _build_lookup()
+
+# Words by str.translate + split (several times faster than a regex): everything but letters,
+# digits and the characters of "c++", "c#", "what's", "step-by-step" separates words.
+_SEPARATORS = str.maketrans({c: " " for c in "!\"$%&()*,./:;<=>?@[\\]^_`{|}~\t\n\r“”‘…—–"})
+_DIGIT_RE = re.compile(r"\d")
+_NUMBER_RE = re.compile(r"\d[\d,]*(?:\.\d+)?")
+_YEAR_RE = re.compile(r"1[5-9]\d\d|20\d\d")
+# A chain of numbers joined by operators: "9 - 2 x 3", "12*7", "3.5 / 7 + 1".
+_ARITH_RE = re.compile(r"\d+(?:\.\d+)?(?:\s*[-+*/×÷^x]\s*\d+(?:\.\d+)?)+")
+_ARITH_OP_RE = re.compile(r"[-+*/×÷^x]")
+_LATEX_RE = re.compile(r"\\(?:frac|sqrt|int|sum|prod|lim|begin|cdot|times|le|ge|pi|alpha|theta)"
+                       r"\b|\$[^$\n]{1,80}\$|\\\(|\\\[|[\^_]\{")
+# Lines that look like code; anchored at line starts, so cheap on prose.
+_CODE_LINE_RE = re.compile(
+    r"^[ \t]*(?:def |class |import |from \S+ import|return\b|#include|public |private |static "
+    r"|function\b|const |let |var |for ?\(|while ?\(|if ?\(|print\(|console\.|SELECT |"
+    r"INSERT |CREATE TABLE|>>> |[}\]];?$)", re.MULTILINE)
+_CODE_TOKENS = (";\n", "{\n", ") {", "=>", "):\n", "();", "!= ", "== ")
+_TRACE_MARKS = ("Traceback (most recent call last)", "Error:", "Exception:", "\n\tat ",
+                "\n    at ", "segmentation fault", "panicked at")
+_MONEY_RE = re.compile(r"[$€£¥] ?\d")
+_UNIT_RE = re.compile(r"\d\s?(?:%|km|kilometers?|miles?|kg|grams?|pounds|lbs?|hours?|minutes?|"
+                      r"seconds?|meters?|feet|inches|liters?|gallons?|mph|cm|mm|°)\b", re.I)
+_LONGFORM_NOUNS = (
+    "stor(?:y|ies)|poems?|essays?|letters?|e-?mails?|scripts?|dialogues?|dialogs?|songs?|lyrics"
+    "|haikus?|limericks?|sonnets?|speech(?:es)?|articles?|blog|narratives?|reports?|reviews?"
+    "|screenplays?|jingles?|raps?|fables?|tales?|pitch|biography|monologues?|paragraphs?"
+    "|chapters?|novels?|odes?|ballads?|verses?|skits?|conversations?|plays?|cover letter"
+    "|recipes?|guides?|tutorials?|itinerar(?:y|ies)|proposals?")
+_CREATIVE_RE = re.compile(r"\b(?:write|compose|create|draft|craft|generate|pen|produce|tell|make"
+                          r"|construct|come up with)\b(?:[^.?!\n\w]+[\w'-]+){0,6}?[^.?!\n\w]+"
+                          r"(?:" + _LONGFORM_NOUNS + r")\b")
+_LIST_COUNT_RE = re.compile(r"\b(?:list|name|give|suggest|provide|identify|state|generate|recall"
+                            r"|brainstorm)\s+(?:me\s+)?(?:\d|one|two|three|four|five|six|a few)\b")
+_NON_ASCII_LETTER_RE = re.compile(r"[^\x00-\x7f\u2000-\u206f\u00a0-\u00bf]")
+
+
+def _words(lowered: str) -> list[str]:
+    return lowered.translate(_SEPARATORS).split()
+_WH_START = frozenset("who what when where which whom whose".split())
+_HOW_WHY_START = frozenset("how why".split())
+
+# Features the learned scorer uses, in weight order. Others (tools, max_tokens, language, ...)
+# are reported for /v1/route/explain and used by rules: the development set has no examples of
+# them, so a learned weight would be noise.
+MODEL_FEATURES: tuple[str, ...] = (
+    "log_tokens", "long_input", "log_final_words", "multi_turn", "log_prior_assistant",
+    "prior_hard", "followup", "code_fence", "code_syntax", "code_kw", "stack_trace",
+    "docstring", "code", "math", "smalltalk", "numbers", "arith_expr", "trivial_arith", "latex",
+    "math_kw", "word_problem",
+    "money", "units", "reason_kw", "plan_kw", "creative_longform", "longform_noun",
+    "create_verb", "brevity", "oneliner_noun", "explain_kw", "compare_kw", "topic_kw",
+    "simple_task", "wh_start", "how_why_start", "short_question", "tips_kw", "list_count",
+    "greet", "identity", "feeling", "second_person", "question_marks", "given_input",
+)
+
+
+@dataclass(slots=True)
+class Extracted:
+    """What `extract` returns: named features and the hashed n-gram terms."""
+
+    features: dict[str, Any]        # every named feature (model inputs and explain-only ones)
+    terms: list[str]                # n-gram terms of the instruction, for hashing and reasons
+    prompt_tokens: int
+    max_tokens: int | None
+    has_tools: bool
+    json_schema: bool
+
+
+def hash_index(term: str, dim: int) -> int:
+    """Stable bucket of a term (crc32: same across processes, unlike `hash`)."""
+    return zlib.crc32(term.encode("utf-8", "surrogatepass")) % dim
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):   # content parts: keep the text ones, skip images/audio
+        parts = [p.get("text") for p in content if isinstance(p, Mapping)]
+        return "\n".join(p for p in parts if isinstance(p, str))
+    return ""
+
+
+def request_text(body: Mapping[str, Any]) -> tuple[str, list[str], list[str], str, int]:
+    """Split a chat or completions body into (final user text, earlier user texts, assistant
+    texts, system text, total characters)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):
+            prompt = "\n".join(p for p in prompt if isinstance(p, str))
+        text = prompt if isinstance(prompt, str) else ""
+        return text, [], [], "", len(text)
+    users: list[str] = []
+    assistants: list[str] = []
+    systems: list[str] = []
+    total = 0
+    for m in messages:
+        if not isinstance(m, Mapping):
+            continue
+        text = _content_text(m.get("content"))
+        total += len(text)
+        role = m.get("role")
+        if role == "user":
+            users.append(text)
+        elif role == "assistant":
+            assistants.append(text)
+        elif role in ("system", "developer"):
+            systems.append(text)
+        elif role == "tool":
+            assistants.append(text)
+    final = users[-1] if users else (assistants[-1] if assistants else "")
+    return final, users[:-1], assistants, "\n".join(systems), total
+
+
+def _window(text: str, head: int, tail: int) -> str:
+    if len(text) <= head + tail:
+        return text
+    return text[:head] + "\n" + text[-tail:]
+
+
+def _instruction(text: str) -> str:
+    """The instruction part of a message that pastes material before or after it ("Summarize
+    this.\n\n<article>", "<passage>\n\nWho ...?"): the shorter of the first and last
+    paragraphs when the rest is much longer. Cue words in pasted material say little about
+    the task; code and numbers in it are scanned separately."""
+    first_end = text.find("\n\n")
+    if first_end < 0 or len(text) <= 600:
+        return text
+    last_start = text.rfind("\n\n") + 2
+    first, last = text[:first_end], text[last_start:]
+    part = first if len(first.strip()) <= len(last.strip()) else last
+    return part if len(part) * 3 <= len(text) else text
+
+
+def _cue_counts(words: list[str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    n = len(words)
+    for i, w in enumerate(words):
+        for g in _UNI.get(w, ()):
+            counts[g] = counts.get(g, 0) + 1
+        if i + 1 < n:
+            bi = w + " " + words[i + 1]
+            for g in _BI.get(bi, ()):
+                counts[g] = counts.get(g, 0) + 1
+            if i + 2 < n:
+                for g in _TRI.get(bi + " " + words[i + 2], ()):
+                    counts[g] = counts.get(g, 0) + 1
+    return counts
+
+
+_HARD_GROUPS = ("code_kw", "math_kw", "reason_kw", "plan_kw", "explain_kw", "compare_kw",
+                "longform_noun")
+
+
+def _is_hard_turn(text: str) -> bool:
+    """A cheap verdict on an earlier user turn: did it ask for something hard?"""
+    t = _window(text, PRIOR_TURN_CHARS, 0)
+    counts = _cue_counts(_words(t.lower()))
+    return (any(counts.get(g) for g in _HARD_GROUPS) or "```" in t
+            or len(_NUMBER_RE.findall(t)) >= 3)
+
+
+def _clip(x: float, cap: float) -> float:
+    return x / cap if x < cap else 1.0
+
+
+def extract(body: Mapping[str, Any]) -> Extracted:
+    """Compute every named feature of a request body, plus its n-gram terms. Never raises on a
+    body of the right general shape; unknown shapes read as empty text."""
+    final, prior_users, assistants, system, total_chars = request_text(body)
+    prompt_tokens = (total_chars + 3) // 4
+    cue_text = _instruction(_window(final, CUE_HEAD_CHARS, CUE_TAIL_CHARS))
+    scan = _window(final, SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)
+    lower = cue_text.lower()
+    words = _words(lower)
+    cues = _cue_counts(words)
+    n_words = len(final.split()) if len(final) <= 4000 else len(final) // 6
+
+    has_digit = _DIGIT_RE.search(scan) is not None
+    numbers = _NUMBER_RE.findall(scan) if has_digit else []
+    quantities = sum(1 for n in numbers if not _YEAR_RE.fullmatch(n))
+    arith = [a for a in _ARITH_RE.findall(scan) if not _YEAR_RE.match(a)] if has_digit else []
+    # "what is 2+3": one operator between one-digit numbers is simple by the rubric
+    trivial = len(arith) == 1 and len(arith[0].replace(" ", "")) == 3 and quantities <= 2
+    code_lines = len(_CODE_LINE_RE.findall(scan)) + sum(1 for t in _CODE_TOKENS if t in scan)
+    stripped = final.strip()
+    first = words[0] if words else ""
+    ends_q = stripped.endswith("?")
+    wh_start = first in _WH_START
+    multi = len(prior_users) > 0
+    prior_hard = any(_is_hard_turn(t) for t in prior_users[-3:])
+    prior_asst = max((len(a) for a in assistants), default=0)
+    brevity = cues.get("brevity", 0) > 0
+    longform = cues.get("longform_noun", 0) > 0
+    # numbers in pasted material (dates, populations) are not a problem to solve
+    asked = quantities if len(cue_text) * 2 >= len(scan) else sum(
+        1 for n in _NUMBER_RE.findall(cue_text) if not _YEAR_RE.fullmatch(n))
+    word_problem = (asked >= 2 and n_words >= 12
+                    and (cues.get("wordprob_kw", 0) > 0 or cues.get("math_kw", 0) > 0))
+    lines = final.count("\n") + 1 if final else 0
+    code_kw = max(_clip(cues.get("code_kw", 0), 3), float("c++" in lower or "c#" in lower))
+    docstring = '"""' in scan or ">>>" in scan
+    trace = any(t in scan for t in _TRACE_MARKS)
+    fence = "```" in scan
+    latex = ("\\" in scan or "$" in scan or "{" in scan) and _LATEX_RE.search(scan) is not None
+    arith_expr = bool(arith) and not trivial
+    math_kw = _clip(cues.get("math_kw", 0), 3)
+    greet = cues.get("greet_kw", 0) > 0
+    identity = cues.get("identity_kw", 0) > 0
+    feeling = cues.get("feeling_kw", 0) > 0
+    hard = sum(1 for g in _HARD_GROUPS if cues.get(g))
+    non_ascii = 0 if cue_text.isascii() else len(_NON_ASCII_LETTER_RE.findall(cue_text))
+
+    tools = body.get("tools") or body.get("functions")
+    rf = body.get("response_format")
+    json_schema = isinstance(rf, Mapping) and rf.get("type") == "json_schema"
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) \
+        else None
+
+    f: dict[str, Any] = {
+        # sizes and shape
+        "prompt_tokens": prompt_tokens,
+        "log_tokens": math.log1p(prompt_tokens) / 8.0,
+        "long_input": prompt_tokens > 1500,
+        "final_words": n_words,
+        "log_final_words": math.log1p(n_words) / 6.0,
+        "turns": len(prior_users) + 1,
+        "multi_turn": multi,
+        "system_tokens": (len(system) + 3) // 4,
+        "log_prior_assistant": math.log1p(prior_asst) / 9.0,
+        "prior_hard": prior_hard,
+        "followup": multi and cues.get("followup_kw", 0) > 0,
+        # code
+        "code": code_kw > 0 or fence or docstring or trace or code_lines >= 2,
+        "math": math_kw > 0 or latex or arith_expr or word_problem,
+        "smalltalk": n_words <= 15 and not hard and (
+            greet or identity or feeling or (n_words <= 6 and not cues.get("simple_task"))),
+        "code_fence": fence,
+        "code_syntax": _clip(code_lines, 6),
+        "code_kw": code_kw,
+        "stack_trace": trace,
+        "docstring": docstring,
+        # math
+        "numbers": _clip(quantities, 8),
+        "arith_expr": arith_expr,
+        "trivial_arith": trivial,
+        "latex": latex,
+        "math_kw": math_kw,
+        "word_problem": word_problem,
+        "money": has_digit and _MONEY_RE.search(scan) is not None,
+        "units": has_digit and _UNIT_RE.search(scan) is not None,
+        # reasoning, planning, long-form writing
+        "reason_kw": _clip(cues.get("reason_kw", 0), 2),
+        "plan_kw": _clip(cues.get("plan_kw", 0), 2),
+        "creative_longform": not brevity and _CREATIVE_RE.search(lower) is not None,
+        "longform_noun": longform,
+        "create_verb": cues.get("create_verb", 0) > 0,
+        "brevity": brevity,
+        "oneliner_noun": cues.get("oneliner_noun", 0) > 0,
+        "explain_kw": _clip(cues.get("explain_kw", 0), 2),
+        "compare_kw": cues.get("compare_kw", 0) > 0,
+        "topic_kw": cues.get("topic_kw", 0) > 0,
+        # the simple side: short tasks, lookups, small talk
+        "simple_task": _clip(cues.get("simple_task", 0), 2),
+        "wh_start": wh_start,
+        "how_why_start": first in _HOW_WHY_START,
+        "short_question": n_words <= 12 and (ends_q or wh_start),
+        "tips_kw": cues.get("tips_kw", 0) > 0,
+        "list_count": _LIST_COUNT_RE.search(lower) is not None,
+        "greet": greet,
+        "identity": identity,
+        "feeling": feeling,
+        "second_person": "you" in words or "your" in words,
+        "question_marks": _clip(cue_text.count("?"), 3),
+        "lines": _clip(lines, 20),
+        "given_input": not code_lines and not fence and (
+            "\n\n" in stripped or "text:" in lower or stripped.count('"') >= 2),
+        # not learned: reported, and used by rules
+        "has_tools": bool(tools),
+        "json_schema": json_schema,
+        "max_tokens": max_tokens if max_tokens is not None else 0,
+        "non_english": non_ascii > max(8, len(cue_text) // 10),
+    }
+    head = words[:HASH_HEAD_WORDS]
+    tail = words[-HASH_TAIL_WORDS:] if len(words) > HASH_HEAD_WORDS + HASH_TAIL_WORDS else []
+    terms: list[str] = []
+    for seq in (head, tail):
+        prev = "^" if seq is head else ""
+        for w in seq:
+            terms.append(w)
+            if prev:
+                terms.append(prev + " " + w)
+            prev = w
+    return Extracted(f, terms, prompt_tokens, max_tokens, bool(tools), json_schema)
