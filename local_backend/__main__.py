@@ -1,0 +1,134 @@
+"""``python -m local_backend serve``: the OpenAI-compatible server over the local model.
+
+The port opens at once and /healthz answers 503 {"status": "loading"} while the model loads in
+a background thread (progress lines go to stderr); then 200. SIGTERM or SIGINT stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from aiohttp import web
+
+from .server import BackendState, create_app
+
+log = logging.getLogger("local_backend")
+
+_QUANTIZE = ("auto", "none", "int8", "int4")  # quantize.QUANTIZE_CHOICES, without importing torch here
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m local_backend", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over the OpenAI API")
+    serve.add_argument("--model", default="smollm2-135m-instruct", help="registry name (smollm2-135m-instruct, tiny-random), model folder, or .gguf file")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8001)
+    serve.add_argument("--quantize", choices=_QUANTIZE, default="auto", help="auto: the measured best for the device")
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    serve.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: cores - 1, at least 1)")
+    serve.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
+    serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    serve.add_argument("--served-name", default=None, help="the model id clients send (default: the model name)")
+    serve.add_argument("--default-max-tokens", type=int, default=512, help="chat max_tokens when the request sets none")
+    serve.add_argument("--default-temperature", type=float, default=0.0, help="temperature when the request sets none (0: greedy)")
+    return parser
+
+
+def _die_with_parent() -> None:
+    """When a gateway launched us (it sets LOCAL_BACKEND_PARENT_PID), get SIGTERM if it dies (Linux)."""
+    parent = os.environ.get("LOCAL_BACKEND_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != parent:  # the parent died before prctl took effect
+        sys.exit("local_backend: the launching process is gone")
+
+
+def _served_name(model: str) -> str:
+    return model if "/" not in model and not model.endswith(".gguf") else Path(model).name
+
+
+def _load_in_thread(settings: object, loop: asyncio.AbstractEventLoop) -> asyncio.Future[object]:
+    """Build the engine on a daemon thread, so a SIGTERM during a load does not wait for it."""
+    from .boot import build_engine  # imports torch: after the port is open
+
+    future: asyncio.Future[object] = loop.create_future()
+
+    def progress(line: str) -> None:
+        log.info("%s", line)
+
+    def work() -> None:
+        try:
+            engine = build_engine(settings, progress)  # type: ignore[arg-type]
+        except BaseException as exc:  # noqa: BLE001 - reported to the awaiting coroutine
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(engine))
+
+    threading.Thread(target=work, name="local-backend-load", daemon=True).start()
+    return future
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from .boot import EngineSettings
+
+    state = BackendState(
+        served_name=args.served_name or _served_name(args.model),
+        default_max_tokens=args.default_max_tokens,
+        default_temperature=args.default_temperature,
+    )
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("listening on http://%s:%d/v1 (model %s loading)", args.host, args.port, args.model)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    settings = EngineSettings(args.model, args.quantize, args.device, args.threads, args.max_batch, args.max_queue)
+    load = _load_in_thread(settings, loop)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if load.done() and load.exception() is not None:
+        state.load_error = f"{type(load.exception()).__name__}: {load.exception()}"
+        log.error("loading %s failed: %s", args.model, state.load_error)
+        code = 1
+    elif load.done():
+        state.engine = load.result()  # type: ignore[assignment]
+        log.info("ready: serving %r", state.served_name)
+        await stopping
+    stopping.cancel()
+    log.info("shutting down")
+    if state.engine is not None:
+        await asyncio.to_thread(state.engine.close)  # pending requests end with 503
+    await runner.cleanup()
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``python -m local_backend``."""
+    args = _parser().parse_args(argv)
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for bound in ("max_batch", "max_queue", "port", "default_max_tokens"):
+        if getattr(args, bound) < (0 if bound == "port" else 1):
+            _parser().error(f"--{bound.replace('_', '-')} must be positive")
+    return asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

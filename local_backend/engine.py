@@ -1,0 +1,256 @@
+"""The continuous-batching engine: one thread runs decode steps over every active sequence.
+
+Between steps it admits waiting requests (each prefilled alone, then spliced into the batch as
+a new row) and drops finished or cancelled ones, so concurrent requests share each forward
+pass. Tokens reach asyncio through ``loop.call_soon_threadsafe``; nothing here blocks the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from .kvbatch import BatchCache
+from .models import LoadedModel
+from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, Sequence
+from .sampling import choose_tokens, make_generator
+from .stats import EngineStats
+from .textstream import TextAssembler
+
+__all__ = ["Engine"]
+
+
+@dataclass(eq=False)
+class _Slot:
+    """Engine-thread state of one admitted sequence."""
+
+    seq: Sequence
+    assembler: TextAssembler
+    generator: torch.Generator | None
+    max_tokens: int
+    last_token: int = -1
+    generated: int = 0
+    done: bool = field(default=False)
+
+
+class Engine:
+    """Owns the model and the engine thread. Create, ``start()``, ``submit()``, ``close()``."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch: int = 16,
+        max_queue: int = 64,
+        prefill_budget_tokens: int = 512,
+        quantization: str = "none",
+    ) -> None:
+        self.loaded = loaded
+        self.quantization = quantization
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.device = next(self.model.parameters()).device
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.prefill_budget_tokens = prefill_budget_tokens
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.stop_token_ids = self._stop_token_ids()
+        self.stats = EngineStats()
+        self._cond = threading.Condition()
+        self._waiting: deque[Sequence] = deque()
+        self._active: list[_Slot] = []
+        self._batch = BatchCache()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def _stop_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        eos = getattr(self.model.generation_config, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        for token in (self.tokenizer.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(token) if token else None
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return frozenset(ids)
+
+    def warm_up(self, prompt_ids: list[int]) -> None:
+        """Run two prefills and one two-row decode step, so the first request pays no one-time setup."""
+        with torch.inference_mode():
+            batch = BatchCache()
+            for _ in range(2):
+                ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
+                cache = DynamicCache(config=self.model.config)
+                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                batch.add(out.past_key_values, len(prompt_ids))
+            mask, positions = batch.step_inputs()
+            ids = torch.zeros((2, 1), dtype=torch.long, device=self.device)
+            self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=batch.cache, use_cache=True)
+
+    # ---- asyncio side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread = threading.Thread(target=self._run, name="local-backend-engine", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine thread; pending requests fail with EngineClosed."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        with self._cond:
+            for seq in self._waiting:
+                seq.deliver(EngineClosed("the engine stopped"))
+            self._waiting.clear()
+
+    def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Sequence:
+        """Queue a request; raise QueueFull when the waiting queue is at its bound."""
+        if not request.prompt_ids:
+            raise ValueError("empty prompt")
+        seq = Sequence(request, loop or asyncio.get_running_loop())
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the engine is stopping")
+            if len(self._waiting) >= self.max_queue:
+                # Requests cancelled while waiting give their place back now, not when the engine gets to them.
+                live = [s for s in self._waiting if not s.cancelled]
+                self._count_cancelled(len(self._waiting) - len(live))
+                self._waiting = deque(live)
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are already waiting")
+            self._waiting.append(seq)
+            self.stats.set_load(len(self._waiting), len(self._active))
+            self._cond.notify()
+        return seq
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._closing and not self._active and not self._waiting:
+                        self._cond.wait()
+                    if self._closing:
+                        break
+                    admitted = self._take_waiting()
+                try:
+                    for seq in admitted:
+                        self._prefill(seq)
+                    self._drop_done()
+                    if self._active:
+                        self._decode_step()
+                        self._drop_done()
+                except Exception as exc:  # a failed forward pass fails its batch, not the engine
+                    for slot in self._active:
+                        slot.seq.deliver(exc)
+                    self._active, self._batch = [], BatchCache()
+                self.stats.set_load(len(self._waiting), len(self._active))
+        for slot in self._active:
+            slot.seq.deliver(EngineClosed("the engine stopped"))
+        self._active, self._batch = [], BatchCache()
+
+    def _take_waiting(self) -> list[Sequence]:
+        """Pop waiting requests that fit the batch and this step's prefill budget (at least one)."""
+        taken: list[Sequence] = []
+        budget = self.prefill_budget_tokens
+        while self._waiting and len(self._active) + len(taken) < self.max_batch:
+            seq = self._waiting[0]
+            if seq.cancelled:
+                self._waiting.popleft()
+                self._count_cancelled(1)
+                continue
+            if taken and len(seq.request.prompt_ids) > budget:
+                break
+            budget -= len(seq.request.prompt_ids)
+            taken.append(self._waiting.popleft())
+        return taken
+
+    def _count_cancelled(self, n: int) -> None:
+        for _ in range(n):
+            self.stats.observe_finish("cancelled")
+
+    def _prefill(self, seq: Sequence) -> None:
+        req = seq.request
+        if seq.cancelled:
+            self.stats.observe_finish("cancelled")
+            return
+        room = self.context_length - len(req.prompt_ids)
+        slot = _Slot(
+            seq=seq,
+            assembler=TextAssembler(self.tokenizer, req.stop),
+            generator=make_generator(req.sampling, self.device),
+            max_tokens=max(0, min(req.max_tokens, room)),
+        )
+        ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=ids, past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
+        token = choose_tokens(out.logits[:, -1, :], [req.sampling], [slot.generator])[0]
+        self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(req.prompt_ids))
+        self.stats.observe_tokens(1, decode_step=False)
+        self._emit(slot, token)
+        if not slot.done:
+            self._batch.add(out.past_key_values, len(req.prompt_ids))
+            self._active.append(slot)
+
+    def _decode_step(self) -> None:
+        mask, positions = self._batch.step_inputs()
+        ids = torch.tensor([[s.last_token] for s in self._active], dtype=torch.long, device=self.device)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=self._batch.cache,
+            use_cache=True,
+        )
+        self._batch.advance()
+        params = [s.seq.request.sampling for s in self._active]
+        tokens = choose_tokens(out.logits[:, -1, :], params, [s.generator for s in self._active])
+        self.stats.observe_tokens(len(tokens), decode_step=True)
+        for slot, token in zip(self._active, tokens, strict=True):
+            self._emit(slot, token)
+
+    def _emit(self, slot: _Slot, token: int) -> None:
+        """Account one new token for ``slot`` and send the text it completes."""
+        slot.last_token = token
+        slot.generated += 1
+        finish: str | None = None
+        if token in self.stop_token_ids:
+            text, finish = slot.assembler.flush(), "stop"
+        else:
+            text = slot.assembler.push(token)
+            if slot.assembler.stopped:
+                finish = "stop"
+            elif slot.generated >= slot.max_tokens:
+                text, finish = text + slot.assembler.flush(), "length"
+        if finish is not None:
+            slot.done = True
+            self.stats.observe_finish(finish)
+        if text or finish is not None:
+            prompt = len(slot.seq.request.prompt_ids)
+            slot.seq.deliver(Delta(text, finish, prompt, slot.generated))
+
+    def _drop_done(self) -> None:
+        keep: list[int] = []
+        for i, slot in enumerate(self._active):
+            if slot.seq.cancelled and not slot.done:
+                slot.done = True
+                self.stats.observe_finish("cancelled")
+            if not slot.done:
+                keep.append(i)
+        if len(keep) < len(self._active):
+            self._batch.keep(keep)
+            self._active = [self._active[i] for i in keep]
+
+    def snapshot(self) -> dict[str, Any]:
+        """Queue depth and batch size right now."""
+        with self._cond:
+            return {"queue_depth": len(self._waiting), "batch_size": len(self._active)}

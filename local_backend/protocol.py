@@ -1,0 +1,87 @@
+"""The engine's request/response types, free of torch so the server can start listening first.
+
+The asyncio side submits a GenerationRequest and iterates the Sequence it gets back; the
+engine thread pushes Deltas into it with ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+__all__ = ["Delta", "EngineClosed", "GenerationRequest", "QueueFull", "SamplingParams", "Sequence"]
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound; the caller should retry later."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine stopped before the request finished."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate: prompt token ids and how to decode after them."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A piece of output. The last one of a sequence carries ``finish_reason`` (stop|length)."""
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Sequence:
+    """The asyncio side of one request: iterate its deltas, or cancel it."""
+
+    def __init__(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> None:
+        self.request = request
+        self.submitted_at = time.perf_counter()
+        self.cancelled = False  # set on the loop thread, read by the engine thread (a plain bool is atomic)
+        self._loop = loop
+        self._queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
+
+    def cancel(self) -> None:
+        """Stop generating; the engine frees the slot before its next step."""
+        self.cancelled = True
+
+    def deliver(self, item: Delta | BaseException) -> None:
+        """Hand a delta (or the error that ended the sequence) to the asyncio side; engine thread only."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled = True
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Yield deltas until the one with a finish reason; raise if the engine failed."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finish_reason is not None:
+                return

@@ -1,0 +1,269 @@
+"""The aiohttp OpenAI-compatible server over one Engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from .prompts import encode_chat, encode_completion
+from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, SamplingParams, Sequence
+from .wire import (
+    SSE_DONE,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_response,
+    parse_request,
+    sse,
+    usage,
+)
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["STATE", "BackendState", "create_app"]
+
+log = logging.getLogger("local_backend.server")
+
+
+@dataclass
+class BackendState:
+    """What the handlers share: the engine once loaded, and the serving defaults."""
+
+    served_name: str
+    engine: Engine | None = None
+    load_error: str | None = None
+    default_max_tokens: int = 512
+    default_temperature: float = 0.0
+    body_limit_bytes: int = 1 << 20
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+STATE = web.AppKey("state", BackendState)
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json", headers=headers)
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.Response(body=err.body(), status=err.status, content_type="application/json", headers=err.headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    """Every error leaves in OpenAI's shape (streams commit their status first and never get here)."""
+    try:
+        return await handler(request)
+    except ApiError as err:
+        return _error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return _error_response(ApiError(exc.status, f"{request.method} {request.path}: {exc.reason}", type=kind))
+    except Exception:
+        log.exception("unhandled error on %s", request.path)
+        return _error_response(ApiError(500, "internal error in the local backend", type="server_error"))
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    too_big = ApiError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    if request.content_length is not None and request.content_length > limit:
+        raise too_big
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise too_big from None
+
+
+def _engine_for(state: BackendState, model: str) -> Engine:
+    if state.engine is None:
+        raise ApiError(503, "the model is still loading", type="server_error", code="model_loading", headers={"Retry-After": "1"})
+    if model != state.served_name:
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{state.served_name}'",
+            param="model",
+            code="model_not_found",
+        )
+    return state.engine
+
+
+async def _submit(state: BackendState, engine: Engine, ids: list[int], req: ChatRequest | CompletionRequest, param: str) -> Sequence:
+    if len(ids) >= engine.context_length:
+        raise ApiError(
+            400,
+            f"{param}: the prompt has {len(ids)} tokens; this model's context is {engine.context_length}",
+            param=param,
+            code="context_length_exceeded",
+        )
+    temperature = state.default_temperature if req.temperature is None else req.temperature
+    sampling = SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+    limit = req.token_limit() or state.default_max_tokens
+    try:
+        return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences()))
+    except QueueFull as exc:
+        raise ApiError(429, f"the local model is busy: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except EngineClosed as exc:
+        raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+
+
+async def _collect(seq: Sequence) -> tuple[str, Delta]:
+    parts: list[str] = []
+    async for delta in seq.deltas():
+        parts.append(delta.text)
+        if delta.finish_reason is not None:
+            return "".join(parts), delta
+    raise EngineClosed("the sequence ended without a finish reason")
+
+
+async def _stream(
+    request: web.Request,
+    seq: Sequence,
+    frame: Callable[[Delta, bool], list[bytes]],
+) -> web.StreamResponse:
+    """Relay deltas as SSE. Headers go out with the first token, so a failure before it is a clean error."""
+    deltas = seq.deltas()
+    try:
+        first = await anext(deltas)
+    except (EngineClosed, StopAsyncIteration) as exc:
+        raise ApiError(503, f"generation stopped: {exc}", type="server_error") from None
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    delta: Delta | None = first
+    is_first = True
+    try:
+        while delta is not None:
+            await resp.write(b"".join(frame(delta, is_first)))
+            is_first = False
+            delta = None if delta.finish_reason is not None else await anext(deltas, None)
+        await resp.write(SSE_DONE)
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # the client left; the handler's `finally` frees the slot
+    except Exception as exc:  # too late for a status code: tell the client in-band
+        log.warning("stream failed after its first token: %s", exc)
+        error = {"message": str(exc), "type": "server_error", "param": None, "code": None}
+        try:
+            await resp.write(sse({"error": error}) + SSE_DONE)
+        except ConnectionResetError:
+            pass
+    return resp
+
+
+def _rid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions"""
+    state = request.app[STATE]
+    req = parse_request(ChatRequest, await _read_body(request, state.body_limit_bytes))
+    engine = _engine_for(state, req.model)
+    ids = await asyncio.get_running_loop().run_in_executor(None, encode_chat, engine.tokenizer, req)
+    seq = await _submit(state, engine, ids, req, "messages")
+    rid, created, name = _rid("chatcmpl"), int(time.time()), state.served_name
+    try:
+        if not req.stream:
+            text, last = await _collect(seq)
+            use = usage(last.prompt_tokens, last.completion_tokens)
+            return _json(chat_response(rid, created, name, text, last.finish_reason or "stop", use))
+
+        def frame(delta: Delta, is_first: bool) -> list[bytes]:
+            out: list[bytes] = []
+            with_usage = req.include_usage
+            if is_first:
+                out.append(sse(chat_chunk(rid, created, name, {"role": "assistant", "content": ""}, None, with_usage_field=with_usage)))
+            if delta.text:
+                out.append(sse(chat_chunk(rid, created, name, {"content": delta.text}, None, with_usage_field=with_usage)))
+            if delta.finish_reason is not None:
+                out.append(sse(chat_chunk(rid, created, name, {}, delta.finish_reason, with_usage_field=with_usage)))
+                if with_usage:
+                    tail = {**chat_chunk(rid, created, name, {}, None, with_usage_field=False), "choices": []}
+                    tail["usage"] = usage(delta.prompt_tokens, delta.completion_tokens)
+                    out.append(sse(tail))
+            return out
+
+        return await _stream(request, seq, frame)
+    finally:
+        seq.cancel()  # a no-op when finished; frees the slot when the client went away
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/completions"""
+    state = request.app[STATE]
+    req = parse_request(CompletionRequest, await _read_body(request, state.body_limit_bytes))
+    engine = _engine_for(state, req.model)
+    ids = await asyncio.get_running_loop().run_in_executor(None, encode_completion, engine.tokenizer, req)
+    seq = await _submit(state, engine, ids, req, "prompt")
+    rid, created, name = _rid("cmpl"), int(time.time()), state.served_name
+    try:
+        if not req.stream:
+            text, last = await _collect(seq)
+            use = usage(last.prompt_tokens, last.completion_tokens)
+            return _json(completion_response(rid, created, name, text, last.finish_reason or "stop", use))
+
+        def frame(delta: Delta, is_first: bool) -> list[bytes]:
+            out = [sse(completion_chunk(rid, created, name, delta.text, delta.finish_reason))]
+            if delta.finish_reason is not None and req.include_usage:
+                tail = {**completion_chunk(rid, created, name, "", None), "choices": []}
+                tail["usage"] = usage(delta.prompt_tokens, delta.completion_tokens)
+                out.append(sse(tail))
+            return out
+
+        return await _stream(request, seq, frame)
+    finally:
+        seq.cancel()
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """GET /v1/models"""
+    state = request.app[STATE]
+    model = {"id": state.served_name, "object": "model", "created": state.created, "owned_by": "local"}
+    return _json({"object": "list", "data": [model]})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """GET /healthz: 200 once the model is ready, 503 while loading (or after a failed load)."""
+    state = request.app[STATE]
+    if state.engine is not None:
+        return _json({"status": "ok", "model": state.served_name})
+    if state.load_error is not None:
+        return _json({"status": "error", "error": state.load_error}, status=503)
+    return _json({"status": "loading"}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """GET /metrics: Prometheus text."""
+    state = request.app[STATE]
+    ready = 1 if state.engine is not None else 0
+    text = f"# TYPE local_backend_ready gauge\nlocal_backend_ready {ready}\n"
+    if state.engine is not None:
+        text += state.engine.stats.render(state.served_name)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+
+
+def create_app(state: BackendState) -> web.Application:
+    """The application; run it with ``handler_cancellation=True`` so a vanished client frees its slot."""
+    # aiohttp's own body cap sits above ours so our check answers first, in OpenAI's shape.
+    app = web.Application(middlewares=[_errors], client_max_size=state.body_limit_bytes + 1)
+    app[STATE] = state
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    return app

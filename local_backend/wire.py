@@ -1,0 +1,236 @@
+"""The OpenAI wire subset the local backend speaks: request models, response objects, SSE framing, errors."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+__all__ = [
+    "ApiError",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "StreamOptions",
+    "chat_chunk",
+    "chat_response",
+    "completion_chunk",
+    "completion_response",
+    "error_body",
+    "parse_request",
+    "sse",
+    "usage",
+    "SSE_DONE",
+]
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> bytes:
+        return error_body(self.message, type=self.type, param=self.param, code=self.code)
+
+
+def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> bytes:
+    """``{"error": {"message", "type", "param", "code"}}`` as JSON bytes."""
+    return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
+
+
+class _Request(BaseModel):
+    # Unknown OpenAI fields (user, metadata, penalties...) are accepted and ignored, as vLLM does.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class _Sampling(_Request):
+    model: str = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and len(v) > 4:
+            raise ValueError("at most 4 stop sequences")
+        return v
+
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] = Field(min_length=1)
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for /v1/completions
+    echo: Literal[False] = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
+        if isinstance(v, list) and v and isinstance(v[0], str) and len(v) != 1:
+            raise ValueError("exactly one prompt per request")
+        return v
+
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+_R = TypeVar("_R", bound=_Request)
+
+
+def _param(loc: tuple[int | str, ...]) -> str:
+    """pydantic's error location as an OpenAI-style parameter path: messages[0].content."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _UNION_TAGS or any(c in part for c in "[(,"):
+            continue  # a union-branch label (str, list[int], function-after[...]), not a field
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def parse_request(model: type[_R], body: bytes) -> _R:
+    """Parse and validate a JSON body, raising ApiError(400) that names the offending field."""
+    try:
+        data: Any = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param(tuple(first["loc"])) or None
+        raise ApiError(400, f"{param or 'body'}: {first['msg']}", param=param, code="invalid_value") from None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event: ``data: {json}\\n\\n``."""
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def chat_response(rid: str, created: int, model: str, text: str, finish: str, use: dict[str, int]) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+        ],
+        "usage": use,
+        "system_fingerprint": None,
+    }
+
+
+def chat_chunk(
+    rid: str,
+    created: int,
+    model: str,
+    delta: dict[str, str],
+    finish: str | None,
+    *,
+    with_usage_field: bool,
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        "system_fingerprint": None,
+    }
+    if with_usage_field:
+        chunk["usage"] = None  # as OpenAI does: null on every chunk but the last
+    return chunk
+
+
+def completion_response(rid: str, created: int, model: str, text: str, finish: str | None, use: dict[str, int] | None) -> dict[str, Any]:
+    """A ``text_completion`` object: the whole answer, or one stream chunk (``use`` None)."""
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "system_fingerprint": None,
+    }
+    body["usage"] = use
+    return body
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> dict[str, Any]:
+    return completion_response(rid, created, model, text, finish, None)

@@ -1,0 +1,157 @@
+"""The continuous-batching engine over the tiny random model (fp32: the exact path)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from local_backend.engine import Engine
+from local_backend.models import LoadedModel
+from local_backend.protocol import Delta, GenerationRequest, QueueFull, SamplingParams
+
+from .conftest import chat_ids
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Hi",
+    "Write a haiku about rain, please, and make it about autumn rain in a quiet village.",
+    "List three prime numbers.",
+    "2+2?",
+    "Explain gravity to a child in two sentences, using an example with an apple.",
+]
+
+
+async def _eventually(check, timeout_s: float = 2.0) -> bool:
+    for _ in range(int(timeout_s / 0.01)):
+        if check():
+            return True
+        await asyncio.sleep(0.01)
+    return bool(check())
+
+
+async def _run(engine: Engine, request: GenerationRequest) -> tuple[list[Delta], str]:
+    deltas = [d async for d in engine.submit(request).deltas()]
+    return deltas, "".join(d.text for d in deltas)
+
+
+async def test_batched_greedy_equals_one_at_a_time(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine(max_batch=8)
+    requests = [GenerationRequest(chat_ids(tiny, q), max_tokens=24) for q in QUESTIONS]
+    alone = [await _run(engine, r) for r in requests]
+
+    # Staggered arrivals: later requests are spliced into a batch that is already decoding,
+    # some with longer prompts than the batch so far, some shorter.
+    async def delayed(i: int, r: GenerationRequest) -> tuple[list[Delta], str]:
+        await asyncio.sleep(0.01 * (i % 3))
+        return await _run(engine, r)
+
+    batched = await asyncio.gather(*(delayed(i, r) for i, r in enumerate(requests)))
+    for (a_deltas, a_text), (b_deltas, b_text) in zip(alone, batched, strict=True):
+        assert b_text == a_text
+        assert b_deltas[-1] == a_deltas[-1]
+
+
+async def test_engine_matches_transformers_generate(tiny: LoadedModel, make_engine) -> None:
+    ids = chat_ids(tiny, QUESTIONS[0])
+    deltas, text = await _run(make_engine(), GenerationRequest(ids, max_tokens=20))
+    with torch.inference_mode():
+        out = tiny.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
+    assert text == tiny.tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
+    assert deltas[-1].finish_reason == "length"
+    assert deltas[-1].completion_tokens == 20
+    assert deltas[-1].prompt_tokens == len(ids)
+
+
+async def test_max_tokens_one_finishes_at_prefill(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine()
+    deltas, _ = await _run(engine, GenerationRequest(chat_ids(tiny, "Hi"), max_tokens=1))
+    assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 1
+    assert engine.snapshot()["batch_size"] == 0
+
+
+async def test_stop_sequence_cuts_the_text_and_finishes(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine()
+    ids = chat_ids(tiny, QUESTIONS[2])
+    _, full = await _run(engine, GenerationRequest(ids, max_tokens=30))
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert stop and full.index(stop) > 0
+    deltas, text = await _run(engine, GenerationRequest(ids, max_tokens=30, stop=(stop, "never-appears")))
+    assert text == full[: full.index(stop)]
+    assert deltas[-1].finish_reason == "stop"
+
+
+async def test_end_of_turn_token_stops_and_is_not_shown(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine()
+    ids = chat_ids(tiny, QUESTIONS[0])
+    probe, _ = await _run(engine, GenerationRequest(ids, max_tokens=1))
+    with torch.inference_mode():
+        out = tiny.model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    tokens = out[0, len(ids) :].tolist()
+    engine.stop_token_ids = frozenset({tokens[3]})  # pretend the 4th token is the end of turn
+    deltas, text = await _run(engine, GenerationRequest(ids, max_tokens=20))
+    assert deltas[-1].finish_reason == "stop"
+    assert deltas[-1].completion_tokens == 4
+    assert text == tiny.tokenizer.decode(tokens[:3], skip_special_tokens=True)
+    assert "<|im_end|>" not in text and probe
+
+
+def test_chat_template_end_of_turn_is_a_stop_token(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine(start=False)
+    assert tiny.tokenizer.convert_tokens_to_ids("<|im_end|>") in engine.stop_token_ids
+
+
+async def test_cancel_frees_the_slot_at_the_next_step(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine()
+    seq = engine.submit(GenerationRequest(chat_ids(tiny, "Hi"), max_tokens=3000))
+    stream = seq.deltas()
+    for _ in range(3):
+        assert (await anext(stream)).finish_reason is None
+    assert engine.snapshot()["batch_size"] == 1
+    seq.cancel()
+    assert await _eventually(lambda: engine.snapshot()["batch_size"] == 0)
+    deltas, _ = await _run(engine, GenerationRequest(chat_ids(tiny, "Hi"), max_tokens=3))
+    assert deltas[-1].completion_tokens == 3
+
+
+async def test_queue_full_raises_and_cancelled_waiters_give_their_place_back(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine(start=False, max_queue=2)  # not started: everything stays waiting
+    ids = chat_ids(tiny, "Hi")
+    first = engine.submit(GenerationRequest(ids, max_tokens=2))
+    engine.submit(GenerationRequest(ids, max_tokens=2))
+    with pytest.raises(QueueFull):
+        engine.submit(GenerationRequest(ids, max_tokens=2))
+    first.cancel()
+    engine.submit(GenerationRequest(ids, max_tokens=2))
+
+
+async def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine()
+    ids = chat_ids(tiny, QUESTIONS[3])
+    sampled = GenerationRequest(ids, max_tokens=16, sampling=SamplingParams(temperature=1.0, top_p=0.9, seed=7))
+    _, alone = await _run(engine, sampled)
+    others = [GenerationRequest(chat_ids(tiny, q), max_tokens=16) for q in QUESTIONS[:3]]
+    results = await asyncio.gather(_run(engine, sampled), *(_run(engine, r) for r in others))
+    assert results[0][1] == alone
+    _, greedy = await _run(engine, GenerationRequest(ids, max_tokens=16))
+    _, other_seed = await _run(engine, GenerationRequest(ids, max_tokens=16, sampling=SamplingParams(1.0, 0.9, 8)))
+    assert alone != greedy or alone != other_seed
+
+
+async def test_prompt_longer_than_context_is_capped_by_length(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine()
+    ids = chat_ids(tiny, "Hi")
+    room = 5
+    engine.context_length = len(ids) + room
+    deltas, _ = await _run(engine, GenerationRequest(ids, max_tokens=100))
+    assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == room
+
+
+async def test_metrics_count_tokens_and_requests(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine()
+    await _run(engine, GenerationRequest(chat_ids(tiny, "Hi"), max_tokens=5))
+    text = engine.stats.render("tiny-random")
+    assert 'local_backend_completion_tokens_total{model="tiny-random"} 5' in text
+    assert 'local_backend_requests_total{model="tiny-random",finish_reason="length"} 1' in text
+    assert 'local_backend_ttft_seconds_count{model="tiny-random"} 1' in text

@@ -1,0 +1,204 @@
+"""The OpenAI-compatible server over real loopback sockets: the official SDK, and raw HTTP for errors."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from local_backend.models import LoadedModel
+
+from .conftest import RunningServer, chat_ids
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def server(make_engine, serve) -> RunningServer:
+    return serve(make_engine(max_batch=8, max_queue=8))
+
+
+def test_sync_sdk_chat_non_stream(server: RunningServer, tiny: LoadedModel) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    resp = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=7)
+    assert resp.object == "chat.completion"
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == 7
+    assert resp.usage.prompt_tokens == len(chat_ids(tiny, MESSAGES[0]["content"]))
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 7
+
+
+def test_sync_sdk_chat_stream_with_usage(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    whole = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=9)
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-random", messages=MESSAGES, max_tokens=9, stream=True, stream_options={"include_usage": True}
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 9
+
+
+async def test_async_sdk_chat_concurrent_stream_and_non_stream(server: RunningServer) -> None:
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+
+    async def streamed() -> str:
+        stream = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=12, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def whole() -> str:
+        resp = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=12)
+        return resp.choices[0].message.content or ""
+
+    results = await asyncio.gather(streamed(), whole(), streamed(), whole())
+    assert len(set(results)) == 1 and results[0]
+    await client.close()
+
+
+async def test_async_sdk_completions_stream_and_non_stream(server: RunningServer) -> None:
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    resp = await client.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=6)
+    assert resp.object == "text_completion" and resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None and resp.usage.completion_tokens == 6
+    stream = await client.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=6, stream=True)
+    text = "".join([c.choices[0].text async for c in stream if c.choices])
+    assert text == resp.choices[0].text
+    await client.close()
+
+
+def test_sdk_lists_the_served_model(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny-random"]
+
+
+def test_sdk_unknown_model_is_404(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-9", messages=MESSAGES)
+    assert info.value.code == "model_not_found"
+
+
+def test_sdk_stop_sequence(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    full = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=20).choices[0].message.content
+    assert full
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    resp = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=20, stop=[stop])
+    assert resp.choices[0].message.content == full[: full.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+
+async def _post(url: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict[str, object], dict[str, str]]:
+    async with aiohttp.ClientSession() as session, session.post(url, data=body, headers=headers) as resp:
+        return resp.status, orjson.loads(await resp.read()), dict(resp.headers)
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b'{"model":"tiny-random","messages":[{"role":"user"}],"top_p":0}', 400, "top_p"),
+        (b'{"model":"tiny-random","messages":[{"role":"user","content":[{"type":"image_url"}]}]}', 400, "messages[0].content"),
+        (b'{"model":"nope","messages":[{"role":"user","content":"x"}]}', 404, "model"),
+    ],
+)
+async def test_bad_requests_get_openai_shaped_errors(server: RunningServer, body: bytes, status: int, param: str | None) -> None:
+    got, payload, _ = await _post(f"{server.base_url}/chat/completions", body)
+    assert got == status
+    error = payload["error"]
+    assert isinstance(error, dict) and set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+
+
+async def test_body_too_large_is_413(make_engine, serve) -> None:
+    server = serve(make_engine(), body_limit_bytes=1000)
+    status, payload, _ = await _post(f"{server.base_url}/chat/completions", b'{"model":"tiny-random","pad":"' + b"x" * 2000 + b'"}')
+    assert status == 413
+    assert payload["error"]["code"] == "request_too_large"  # type: ignore[index]
+
+
+async def test_prompt_beyond_the_context_is_400(server: RunningServer) -> None:
+    assert server.engine is not None
+    server.engine.context_length = 20
+    body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES})
+    status, payload, _ = await _post(f"{server.base_url}/chat/completions", body)
+    assert status == 400 and payload["error"]["code"] == "context_length_exceeded"  # type: ignore[index]
+
+
+async def test_queue_full_is_429_with_retry_after(make_engine, serve) -> None:
+    engine = make_engine(start=False, max_queue=1)  # idle engine: the first request waits for ever
+    server = serve(engine)
+    body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "max_tokens": 2})
+    async with aiohttp.ClientSession() as session:
+        waiting = asyncio.create_task(session.post(f"{server.base_url}/chat/completions", data=body))
+        for _ in range(200):
+            if engine.snapshot()["queue_depth"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        status, payload, headers = await _post(f"{server.base_url}/chat/completions", body)
+        waiting.cancel()
+    assert status == 429
+    assert headers.get("Retry-After") == "1"
+    assert payload["error"]["code"] == "queue_full"  # type: ignore[index]
+
+
+async def test_client_disconnect_frees_the_slot(server: RunningServer) -> None:
+    assert server.engine is not None
+    body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "max_tokens": 3000, "stream": True})
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(f"{server.base_url}/chat/completions", data=body)
+        await resp.content.readline()  # the first event: generation is under way
+        assert server.engine.snapshot()["batch_size"] == 1
+        resp.close()  # drop the connection mid-stream
+    for _ in range(300):
+        if server.engine.snapshot()["batch_size"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert server.engine.snapshot()["batch_size"] == 0
+
+
+async def test_non_stream_client_disconnect_frees_the_slot(server: RunningServer) -> None:
+    assert server.engine is not None
+    body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "max_tokens": 3000})
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as session:
+        with pytest.raises(asyncio.TimeoutError):
+            await session.post(f"{server.base_url}/chat/completions", data=body)
+    for _ in range(300):
+        if server.engine.snapshot()["batch_size"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert server.engine.snapshot()["batch_size"] == 0
+
+
+async def test_healthz_reports_loading_then_ok(serve, make_engine) -> None:
+    server = serve(None)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{server.root}/healthz") as resp:
+            assert resp.status == 503 and (await resp.json()) == {"status": "loading"}
+        async with session.post(f"{server.base_url}/chat/completions", data=orjson.dumps({"model": "tiny-random", "messages": MESSAGES})) as resp:
+            assert resp.status == 503
+        server.state.engine = make_engine()
+        async with session.get(f"{server.root}/healthz") as resp:
+            assert resp.status == 200 and (await resp.json()) == {"status": "ok", "model": "tiny-random"}
+
+
+async def test_metrics_expose_queue_batch_rate_and_ttft(server: RunningServer) -> None:
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=3)
+    await client.close()
+    async with aiohttp.ClientSession() as session, session.get(f"{server.root}/metrics") as resp:
+        text = await resp.text()
+    for name in ("local_backend_queue_depth", "local_backend_batch_size", "local_backend_tokens_per_second", "local_backend_ttft_seconds_bucket"):
+        assert name in text
