@@ -18,6 +18,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from .models import ModelNotFound, check_model_name
 from .server import BackendState, create_app
 
 log = logging.getLogger("local_backend")
@@ -69,13 +70,17 @@ def _load_in_thread(settings: object, loop: asyncio.AbstractEventLoop) -> asynci
     def progress(line: str) -> None:
         log.info("%s", line)
 
+    def settle(result: object, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
     def work() -> None:
         try:
             engine = build_engine(settings, progress)  # type: ignore[arg-type]
         except BaseException as exc:  # noqa: BLE001 - reported to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(exc))
+            loop.call_soon_threadsafe(settle, None, exc)
         else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(engine))
+            loop.call_soon_threadsafe(settle, engine, None)
 
     threading.Thread(target=work, name="local-backend-load", daemon=True).start()
     return future
@@ -123,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m local_backend``."""
     args = _parser().parse_args(argv)
     _die_with_parent()
+    try:
+        check_model_name(args.model)
+    except ModelNotFound as exc:
+        _parser().error(str(exc))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for bound in ("max_batch", "max_queue", "port", "default_max_tokens"):
         if getattr(args, bound) < (0 if bound == "port" else 1):

@@ -22,11 +22,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFound", "cache_dir", "load_model", "registry_names"]
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFound", "cache_dir", "check_model_name", "load_model", "registry_names"]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
@@ -63,6 +64,18 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "llm-gateway"
+
+
+def check_model_name(name_or_path: str) -> None:
+    """Raise ModelNotFound early (before torch is imported) for a name that cannot load."""
+    if name_or_path in registry_names():
+        return
+    path = Path(name_or_path).expanduser()
+    if (path.is_file() and path.suffix == ".gguf") or (path / "config.json").is_file():
+        return
+    raise ModelNotFound(
+        f"unknown model {name_or_path!r}: use one of {registry_names()}, a Hugging Face model folder, or a .gguf file"
+    )
 
 
 def _smollm2_gguf() -> Path:
@@ -113,6 +126,7 @@ def _gguf_tokenizer_dir(gguf: Path, progress: Progress) -> Path:
 
 
 def _gguf_model_dir(gguf: Path, progress: Progress) -> Path:
+    import torch
     from transformers import AutoModelForCausalLM
 
     def build(tmp: Path) -> None:
@@ -131,6 +145,7 @@ def _gguf_model_dir(gguf: Path, progress: Progress) -> Path:
 
 
 def _tiny_random(dtype: torch.dtype, progress: Progress) -> tuple[Any, Any]:
+    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(_gguf_tokenizer_dir(_smollm2_gguf(), progress)))
@@ -163,6 +178,7 @@ def load_model(name_or_path: str, *, device: str, dtype: torch.dtype, progress: 
     """Load a model and tokenizer onto ``device`` in ``dtype``, reporting steps through ``progress``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    check_model_name(name_or_path)
     started = time.perf_counter()
     if name_or_path == TINY_RANDOM:
         model, tokenizer = _tiny_random(dtype, progress)
@@ -177,10 +193,7 @@ def load_model(name_or_path: str, *, device: str, dtype: torch.dtype, progress: 
             elif (path / "config.json").is_file():
                 folder = path
             else:
-                raise ModelNotFound(
-                    f"unknown model {name_or_path!r}: use one of {registry_names()}, "
-                    "a Hugging Face model folder, or a .gguf file"
-                )
+                folder = path  # a folder without config.json: let transformers explain
         progress(f"loading weights from {folder}")
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)

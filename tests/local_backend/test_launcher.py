@@ -1,0 +1,111 @@
+"""ChildBackend: a real `python -m local_backend serve` child with the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from gateway.launcher import ChildBackend, LaunchError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(port: int, model: str = "tiny-random", **kwargs: object) -> ChildBackend:
+    return ChildBackend(
+        "local", f"http://127.0.0.1:{port}/v1", model, quantize="none", device="cpu", threads=1, startup_timeout_s=60, **kwargs
+    )  # type: ignore[arg-type]
+
+
+async def _chat(port: int) -> dict[str, object]:
+    body = {"model": "tiny-random", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            return await resp.json()  # type: ignore[no-any-return]
+
+
+async def test_start_serve_restart_after_death_and_stop() -> None:
+    port = _free_port()
+    child = _child(port)
+    await child.start()
+    supervisor = asyncio.create_task(child.supervise())
+    try:
+        assert child.running
+        assert (await _chat(port))["usage"] == {"prompt_tokens": 31, "completion_tokens": 3, "total_tokens": 34}
+        first_pid = child.pid
+        assert first_pid is not None
+        os.kill(first_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (child.running and child.pid != first_pid and await _healthy(port)):
+            assert time.monotonic() < deadline, "the child was not restarted"
+            await asyncio.sleep(0.2)
+        await _chat(port)
+    finally:
+        await child.stop()
+        supervisor.cancel()
+        await asyncio.gather(supervisor, return_exceptions=True)
+    assert not child.running
+    await child.stop()  # idempotent
+    assert not await _healthy(port)
+
+
+async def _healthy(port: int) -> bool:
+    try:
+        async with aiohttp.ClientSession() as session, session.get(f"http://127.0.0.1:{port}/healthz") as resp:
+            return resp.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+async def test_a_child_that_exits_raises_launch_error_with_its_stderr() -> None:
+    child = _child(_free_port(), model="/no/such/model")
+    with pytest.raises(LaunchError) as info:
+        await child.start()
+    message = str(info.value)
+    assert "'local'" in message and "exited with code 2" in message
+    assert "--model /no/such/model" in message  # the command
+    assert "unknown model" in message  # the child's last stderr lines
+    assert not child.running
+
+
+async def test_startup_timeout_kills_the_child() -> None:
+    # A child that never answers /healthz: a python that just sleeps.
+    child = ChildBackend("slow", f"http://127.0.0.1:{_free_port()}/v1", "tiny-random", startup_timeout_s=0.5, python=sys.executable, extra_args=())
+    child.command = [sys.executable, "-c", "import time; time.sleep(30)"]
+    with pytest.raises(LaunchError, match="not healthy after"):
+        await child.start()
+    assert not child.running
+
+
+async def test_port_in_use_is_refused_before_spawning() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        child = _child(holder.getsockname()[1])
+        with pytest.raises(LaunchError, match="already in use"):
+            await child.start()
+    assert child.pid is None
+
+
+def test_url_without_http_host_is_rejected() -> None:
+    with pytest.raises(ValueError, match="http://host:port"):
+        ChildBackend("x", "unix:///tmp/sock", "tiny-random")
+
+
+def test_launcher_does_not_import_torch_or_local_backend() -> None:
+    import subprocess
+
+    code = "import sys, gateway.launcher; print(any(m == 'torch' or m.startswith('local_backend') for m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
