@@ -36,6 +36,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     ]
     for line in missing:
         print(f"{args.file}: warning: {line}", file=sys.stderr)
+    from .classify import Classifier
+
+    try:
+        Classifier.load(policy.classifier.weights_file)
+    except ValueError as exc:
+        print(f"{args.file}: classifier.weights_file: {exc}", file=sys.stderr)
+        return 1
     print(
         f"{args.file}: ok ({len(policy.backends)} backends, {len(policy.public_models())} models, "
         f"{len(policy.tenants)} tenants)"
@@ -54,10 +61,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     policy = _policy_path(args.policy)
     from .policy import PolicyError, load_policy
 
+    from .runtime import build_runtime
+
     try:
-        load_policy(policy)  # fail fast, with every error, before binding anything
-    except PolicyError as exc:
-        print(exc, file=sys.stderr)
+        # Fail fast, with every error, before binding anything: the policy, then what it refers
+        # to (API key variables, a classifier weights file).
+        build_runtime(load_policy(policy), {}, generation=0)
+    except (PolicyError, ValueError) as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
         return 1
     from .serve import run_worker, supervise_workers
 

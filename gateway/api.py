@@ -39,8 +39,11 @@ def _api_key(request: web.Request) -> str | None:
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"the request body is {request.content_length} bytes; the limit is {limit}")
+    length = request.content_length
+    if length is not None:
+        if length > limit:
+            raise PayloadTooLarge(f"the request body is {length} bytes; the limit is {limit}")
+        return await request.read()  # the common case: one read, the length is known and allowed
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.content.iter_any():

@@ -53,6 +53,7 @@ async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
         connector=connector,
         auto_decompress=False,  # bytes pass through as the backend sent them
         skip_auto_headers=("User-Agent",),
+        cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must not keep one caller's cookies for the next
         json_serialize=lambda o: orjson.dumps(o).decode(),
     )
     rt = app[LIVE].runtime

@@ -8,6 +8,8 @@ from typing import Any
 
 import orjson
 
+from .classify import Verdict
+
 __all__ = ["Call", "Endpoint", "ENDPOINTS"]
 
 
@@ -46,6 +48,7 @@ class Call:
     cls: str = "complex"
     score: float | None = None
     reasons: list[str] = field(default_factory=list)
+    verdict: Verdict | None = None
     cache: str = "bypass"
     backend: str | None = None
     attempts: list[str] = field(default_factory=list)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import multiprocess
 import os
+from typing import Any
 
-__all__ = ["Metrics"]
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+
+__all__ = ["Metrics", "BackendMetrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
@@ -66,6 +67,23 @@ class Metrics:
         self.classified = Counter(
             "gateway_classified", "Requests per class from the classifier", ["class"], registry=r
         )
+        self._requests: dict[tuple[str, str, str, str, int], Any] = {}
+        self._backends: dict[str, BackendMetrics] = {}
+
+    def request_done(self, model: str, backend: str, cls: str, cache: str, code: int) -> None:
+        """Count one answered request (label children are cached: labels() is slow on the hot path)."""
+        key = (model, backend, cls, cache, code)
+        child = self._requests.get(key)
+        if child is None:
+            child = self._requests[key] = self.requests.labels(model, backend, cls, cache, str(code))
+        child.inc()
+
+    def for_backend(self, name: str) -> "BackendMetrics":
+        """The per-backend children, looked up once per backend."""
+        bm = self._backends.get(name)
+        if bm is None:
+            bm = self._backends[name] = BackendMetrics(self, name)
+        return bm
 
     def exposition(self) -> bytes:
         """The text /metrics serves; all workers' values when running multi-process."""
@@ -74,3 +92,26 @@ class Metrics:
             multiprocess.MultiProcessCollector(merged)
             return generate_latest(merged)
         return generate_latest(self.registry)
+
+
+class BackendMetrics:
+    """Label children of one backend, bound once."""
+
+    __slots__ = ("duration", "ttft", "inter_token", "inflight", "failovers", "malformed", "_errors", "_m", "name")
+
+    def __init__(self, m: Metrics, name: str) -> None:
+        self._m = m
+        self.name = name
+        self.duration = m.duration.labels(name)
+        self.ttft = m.ttft.labels(name)
+        self.inter_token = m.inter_token.labels(name)
+        self.inflight = m.inflight.labels(name)
+        self.failovers = m.failovers.labels(name)
+        self.malformed = m.malformed_chunks.labels(name)
+        self._errors: dict[str, Any] = {}
+
+    def error(self, kind: str) -> None:
+        child = self._errors.get(kind)
+        if child is None:
+            child = self._errors[kind] = self._m.upstream_errors.labels(self.name, kind)
+        child.inc()

@@ -42,8 +42,9 @@ def _prepare(call: Call, rt: Runtime) -> Any:
     rt.tenants.authorize(tenant, call.model)
     call.priority = call.priority or tenant.priority
     route = rt.route(call.model)
-    verdict = rt.classify(call, route)
-    call.cls, call.score, call.reasons = verdict.cls, verdict.score, list(verdict.reasons)
+    if call.endpoint.name != "embeddings":
+        call.verdict = verdict = rt.classify(call, route)
+        call.cls, call.score, call.reasons = verdict.cls, verdict.score, verdict.reasons
     return route
 
 
@@ -51,10 +52,10 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
     """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
     try:
         route = _prepare(call, rt)
-        sink.set_header("x-gateway-class", call.cls)
-        sink.set_header("x-gateway-cache", call.cache)
-        if call.endpoint.name != "embeddings":
+        if call.verdict is not None and call.verdict.features:
+            sink.set_header("x-gateway-class", call.cls)
             ctx.metrics.classified.labels(call.cls).inc()
+        sink.set_header("x-gateway-cache", call.cache)
         await relay(call, route.candidates(call.cls), ctx, sink)
     except ClientGone:
         call.finish = "client_disconnect"
@@ -74,8 +75,8 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
 def _observe(call: Call, ctx: RelayContext) -> None:
     m = ctx.metrics
     backend = call.backend or "none"
-    m.requests.labels(call.model or "unknown", backend, call.cls, call.cache, str(call.status)).inc()
-    m.duration.labels(backend).observe(call.elapsed_s())
+    m.request_done(call.model or "unknown", backend, call.cls, call.cache, call.status)
+    m.for_backend(backend).duration.observe(call.elapsed_s())
     if call.finish == "client_disconnect":
         m.client_disconnects.inc()
     usage = call.usage
@@ -114,13 +115,17 @@ def explain(call: Call, rt: Runtime) -> dict[str, Any]:
         candidates.append(entry)
     if chosen is None and candidates:
         chosen = candidates[0]["backend"]  # the relay still tries unhealthy backends as a last resort
+    v = call.verdict
     return {
         "model": call.model,
         "tenant": call.tenant,
         "priority": call.priority,
         "class": call.cls,
-        "score": call.score,
+        "score": None if v is None else round(v.score, 4),
+        "threshold": None if v is None else round(v.threshold, 4),
+        "rule": None if v is None else v.rule,
         "reasons": call.reasons,
+        "features": {} if v is None else v.features,
         "cache": call.cache,
         "strategy": "ordered",
         "candidates": candidates,

@@ -90,6 +90,7 @@ class ModelRoute(_Section):
     backends: tuple[str, ...] | None = None
     simple: tuple[str, ...] | None = None
     complex: tuple[str, ...] | None = None
+    threshold: float | None = Field(None, ge=0, le=1)  # classifier score above which a request is complex
 
     @model_validator(mode="after")
     def _one_style(self) -> "ModelRoute":
@@ -102,7 +103,25 @@ class ModelRoute(_Section):
             names = getattr(self, field)
             if names is not None and len(names) == 0:
                 raise ValueError(f"`{field}` must list at least one backend")
+        if self.threshold is not None and not split:
+            raise ValueError("`threshold` only applies to routes with `simple`/`complex` lists")
         return self
+
+
+class ClassifierRulesPolicy(_Section):
+    """Rules that force `complex` whatever the score; null turns a limit off."""
+
+    complex_over_prompt_tokens: int | None = Field(1500, gt=0)
+    tools_complex: bool = True
+    response_format_complex: bool = False
+    complex_over_max_tokens: int | None = Field(None, gt=0)
+
+
+class ClassifierPolicy(_Section):
+    threshold: float | None = Field(None, ge=0, le=1)  # None: the threshold shipped with the weights
+    weights_file: str | None = None  # None: the shipped weights
+    rules: ClassifierRulesPolicy = ClassifierRulesPolicy()
+    classify_all: bool = False  # also classify models that do not route by class (for metrics/headers)
 
 
 class TenantPolicy(_Section):
@@ -148,6 +167,7 @@ class Policy(_Section):
     models: dict[str, ModelRoute] = {}
     tenants: dict[str, TenantPolicy] = {}
     admin: AdminPolicy | None = None
+    classifier: ClassifierPolicy = ClassifierPolicy()
 
     @field_validator("backends", "models", "tenants")
     @classmethod

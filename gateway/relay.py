@@ -123,13 +123,13 @@ async def _try(
 ) -> bool:
     """One attempt on a backend whose slot we hold. True when the call is answered (or lost to
     a mid-stream failure, which is answered with an error event)."""
-    m = ctx.metrics
+    m = ctx.metrics.for_backend(backend.name)
     tracker = backend.tracker
     tracker.inflight += 1
-    m.inflight.labels(backend.name).inc()
+    m.inflight.inc()
     started = time.perf_counter()
     if call.attempts:
-        m.failovers.labels(backend.name).inc()
+        m.failovers.inc()
     call.attempts.append(backend.name)
     call.backend = backend.name
     sink.set_header("x-gateway-backend", backend.name)
@@ -137,7 +137,7 @@ async def _try(
         ok = await _attempt(call, backend, ctx, sink, progress, started)
     except _AttemptFailed as failed:
         failures.append((backend.name, failed.err))
-        m.upstream_errors.labels(backend.name, failed.kind).inc()
+        m.error(failed.kind)
         tracker.observe_done(time.perf_counter() - started, ok=False)
         if failed.counts_against_health:
             backend.health.report_failure()
@@ -147,7 +147,7 @@ async def _try(
         raise
     finally:
         tracker.inflight -= 1
-        m.inflight.labels(backend.name).dec()
+        m.inflight.dec()
         backend.slots.release()
     tracker.observe_done(time.perf_counter() - started, ok=ok)
     if ok:
@@ -167,19 +167,29 @@ async def _attempt(
     now = loop.time()
     call_deadline = now + call.remaining_s()
     first_deadline = min(now + t.first_token_ms / 1000, call_deadline)
-    url = backend.base_url + call.endpoint.upstream_path
+    url = backend.urls[call.endpoint.name]
     body = call.body_for(backend.upstream_model(call.model))
     headers = {**backend.headers, "X-Request-Id": call.request_id}
+    resp: aiohttp.ClientResponse | None = None
+    raw = b""
+    timer = asyncio.timeout_at(first_deadline)  # one timer per attempt, moved as the phases change
     try:
-        async with asyncio.timeout_at(first_deadline):
-            resp = await ctx.session.post(
-                url, data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=None, connect=t.connect_ms / 1000)
-            )
+        async with timer:
+            resp = await ctx.session.post(url, data=body, headers=headers, timeout=backend.client_timeout)
+            if resp.status == 200 and not call.stream:
+                timer.reschedule(min(now + t.total_ms / 1000, call_deadline))
+                raw = await resp.read()
     except TimeoutError:
-        raise _AttemptFailed(UpstreamTimeout(f"no response within {_ms(first_deadline - now)} ms"), "timeout") from None
+        if resp is None:
+            raise _AttemptFailed(UpstreamTimeout(f"no response within {_ms(first_deadline - now)} ms"), "timeout") from None
+        resp.close()
+        raise _AttemptFailed(UpstreamTimeout("the answer did not complete in time"), "timeout") from None
     except aiohttp.ClientConnectorError as exc:
         raise _AttemptFailed(UpstreamError(f"cannot connect to {url}: {exc.os_error or exc}"), "connect") from None
     except (aiohttp.ClientError, OSError) as exc:
+        if resp is not None:
+            resp.close()
+            raise _AttemptFailed(UpstreamError(f"connection lost while reading the answer: {exc}"), "disconnect") from None
         raise _AttemptFailed(UpstreamError(f"request failed: {type(exc).__name__}: {exc}"), "connect") from None
     done = False
     try:
@@ -188,7 +198,7 @@ async def _attempt(
         if call.stream:
             done = await _stream(call, backend, resp, ctx, sink, progress, started, first_deadline, call_deadline)
         else:
-            await _whole(call, backend, resp, sink, min(now + t.total_ms / 1000, call_deadline))
+            await _deliver(call, raw, sink)
             done = True
         return done
     finally:
@@ -220,14 +230,8 @@ async def _refuse(resp: aiohttp.ClientResponse, backend: Backend, deadline: floa
     raise UpstreamRejected(status, raw, backend.name)
 
 
-async def _whole(call: Call, backend: Backend, resp: aiohttp.ClientResponse, sink: Sink, deadline: float) -> None:
-    try:
-        async with asyncio.timeout_at(deadline):
-            raw = await resp.read()
-    except TimeoutError:
-        raise _AttemptFailed(UpstreamTimeout("the answer did not complete in time"), "timeout") from None
-    except (aiohttp.ClientError, OSError) as exc:
-        raise _AttemptFailed(UpstreamError(f"connection lost while reading the answer: {exc}"), "disconnect") from None
+async def _deliver(call: Call, raw: bytes, sink: Sink) -> None:
+    """Check a whole answer is an answer (a 200 with garbage fails over), then pass its bytes on."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
@@ -254,9 +258,9 @@ async def _stream(
 ) -> bool:
     """Pass a stream through event by event, as bytes. True when it ended properly."""
     loop = asyncio.get_running_loop()
-    m = ctx.metrics
+    m = ctx.metrics.for_backend(backend.name)
     idle_s = backend.timeouts.idle_ms / 1000
-    itl_hist = m.inter_token.labels(backend.name)
+    itl_hist = m.inter_token
     decoder = SSEDecoder()
     held: list[bytes] = []  # events before the first content token, released with it
     first = finished = saw_done = error_event = False
@@ -284,7 +288,7 @@ async def _stream(
                     except orjson.JSONDecodeError:
                         obj = None
                     if not isinstance(obj, dict):
-                        m.malformed_chunks.labels(backend.name).inc()
+                        m.malformed.inc()
                         continue
                     if "error" in obj:
                         if not first:
@@ -316,7 +320,7 @@ async def _stream(
                         else:
                             call.ttft_s = now - call.t0
                             backend.tracker.observe_ttft(now - started)
-                            m.ttft.labels(backend.name).observe(call.ttft_s)
+                            m.ttft.observe(call.ttft_s)
                         last_content = now
                     if first:
                         out.append(ev)
@@ -344,7 +348,7 @@ async def _stream(
         cut = None if finished else "the backend's connection was lost mid-stream"
     else:
         if error_event:
-            m.upstream_errors.labels(backend.name, "error_event_mid_stream").inc()
+            m.error("error_event_mid_stream")
             call.finish = "error"
             await _client_write(sink.end())
             return False
@@ -354,12 +358,12 @@ async def _stream(
             cut = "the backend's stream ended before its finish reason"
     if cut is not None:
         # A cut stream is never presented as a success: an error event, and no [DONE].
-        m.upstream_errors.labels(backend.name, "cut_mid_stream").inc()
+        m.error("cut_mid_stream")
         call.finish = "cut"
         await _client_write(sink.fail(UpstreamError(cut)))
         return False
     if not saw_done:
-        m.upstream_errors.labels(backend.name, "missing_done").inc()  # completed by the gateway
+        m.error("missing_done")  # completed by the gateway
     call.finish = "ok"
     await _client_write(sink.write(SSE_DONE))
     await _client_write(sink.end())

@@ -10,21 +10,18 @@ import time
 from dataclasses import dataclass
 
 from .auth import Tenants
-from .call import Call
 from .backends import Backend, BackendState, Slots
+from .call import Call
+from .classify import Classifier, Rules, Verdict
 from .errors import ModelNotFound
 from .health import Health
 from .latency import Tracker
 from .policy import Policy
 
-__all__ = ["Runtime", "Route", "Verdict", "build_runtime"]
+__all__ = ["Runtime", "Route", "build_runtime"]
 
 
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    cls: str
-    score: float | None
-    reasons: tuple[str, ...]
+_UNCLASSIFIED = Verdict("complex", 0.0, 1.0, None, {}, ["not classified: this model does not route by class"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,13 +32,14 @@ class Route:
     simple: tuple[Backend, ...]
     complex: tuple[Backend, ...]
     split: bool  # True when simple and complex prompts go to different lists (the `auto` style)
+    threshold: float | None = None
 
     def candidates(self, cls: str) -> tuple[Backend, ...]:
         return self.simple if cls == "simple" else self.complex
 
 
 class Runtime:
-    def __init__(self, policy: Policy, backends: dict[str, Backend], generation: int) -> None:
+    def __init__(self, policy: Policy, backends: dict[str, Backend], classifier: Classifier, generation: int) -> None:
         self.policy = policy
         self.generation = generation
         self.created = time.time()
@@ -62,13 +60,22 @@ class Runtime:
                     tuple(backends[b] for b in r.simple or ()),
                     tuple(backends[b] for b in r.complex or ()),
                     split=True,
+                    threshold=r.threshold,
                 )
         self.routes = routes
         self.public_models = policy.public_models()
+        cp = policy.classifier
+        self.classifier = classifier
+        self.threshold = cp.threshold
+        self.classify_all = cp.classify_all
+        self.rules = Rules(**cp.rules.model_dump())
 
-    def classify(self, call: "Call", route: Route) -> "Verdict":
-        """Until a classifier is configured every request counts as complex."""
-        return Verdict("complex", None, ("no classifier configured: every request counts as complex",))
+    def classify(self, call: Call, route: Route) -> Verdict:
+        """simple|complex for routes that split by class (or every route with `classify_all`)."""
+        if not (route.split or self.classify_all):
+            return _UNCLASSIFIED
+        threshold = route.threshold if route.threshold is not None else self.threshold
+        return self.classifier.classify(call.body, threshold=threshold, rules=self.rules)
 
     def route(self, model: str) -> Route:
         route = self.routes.get(model)
@@ -95,4 +102,6 @@ def build_runtime(policy: Policy, states: dict[str, BackendState], generation: i
         backend.state.health.eject_s = srv.eject_ms / 1000
         backend.slots.limit = backend.policy.max_concurrency
         states[name] = backend.state
-    return Runtime(policy, backends, generation)
+    # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
+    classifier = Classifier.load(policy.classifier.weights_file)
+    return Runtime(policy, backends, classifier, generation)

@@ -102,3 +102,22 @@ def test_serve_refuses_a_bad_policy_before_binding(tmp_path):
     bad.write_text("backends: {}\n")
     r = _gateway("serve", "--policy", str(bad), "--port", str(_free_port()))
     assert r.returncode == 1 and "backends" in r.stderr
+
+
+def test_serve_and_check_refuse_a_missing_weights_file(tmp_path):
+    bad = tmp_path / "p.yaml"
+    bad.write_text(
+        "backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\nclassifier: {weights_file: /nonexistent.json}\n"
+    )
+    r = _gateway("check", str(bad))
+    assert r.returncode == 1 and "weights_file" in r.stderr
+    r = _gateway("serve", "--policy", str(bad), "--port", str(_free_port()))
+    assert r.returncode == 1 and "/nonexistent.json" in r.stderr
+
+
+def test_serve_refuses_a_missing_api_key_variable(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m], api_key_env: NO_SUCH_KEY_VAR}}\n")
+    env = {k: v for k, v in os.environ.items() if k != "NO_SUCH_KEY_VAR"}
+    r = _gateway("serve", "--policy", str(p), "--port", str(_free_port()), env=env)
+    assert r.returncode == 1 and "NO_SUCH_KEY_VAR is not set" in r.stderr

@@ -91,7 +91,7 @@ async def test_response_headers_follow_the_contract(upstream, gateway):
     h = raw.headers
     assert h["x-request-id"] == "req-123"
     assert h["x-gateway-backend"] == "a"
-    assert h["x-gateway-class"] in ("simple", "complex")
+    assert "x-gateway-class" not in h  # this model does not route by class: not classified
     assert h["x-gateway-cache"] in ("hit", "miss", "bypass")
     assert float(h["x-gateway-queue-ms"]) >= 0
     # the request id reaches the backend too, and the client's own key never does
@@ -198,3 +198,71 @@ async def test_raw_sse_bytes_are_forwarded_unchanged(upstream, gateway):
     assert events[-2] == b"data: [DONE]" and events[-1] == b""
     first = orjson.loads(events[0][6:])
     assert first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def _auto_policy(small, big, **classifier):
+    return {
+        "backends": {
+            "small": {"url": small.url, "models": ["tiny"]},
+            "big": {"url": big.url, "models": ["large"]},
+        },
+        "models": {"auto": {"simple": ["small"], "complex": ["big", "small"]}},
+        "classifier": classifier,
+    }
+
+
+async def test_auto_sends_simple_prompts_to_the_simple_list_and_hard_ones_elsewhere(upstream, gateway):
+    small, big = await upstream("small"), await upstream("big")
+    gw = await gateway(_auto_policy(small, big))
+    c = gw.client()
+    easy = await c.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "What is the capital of France?"}]
+    )
+    assert easy.headers["x-gateway-class"] == "simple" and easy.headers["x-gateway-backend"] == "small"
+    hard = await c.chat.completions.with_raw_response.create(
+        model="auto",
+        messages=[{"role": "user", "content": "Write a Python function that merges two sorted linked lists, with tests."}],
+    )
+    assert hard.headers["x-gateway-class"] == "complex" and hard.headers["x-gateway-backend"] == "big"
+    # each backend got its own model name
+    assert small.stats.models == ["tiny"] and big.stats.models == ["large"]
+
+
+async def test_tools_force_complex_and_explain_says_why(upstream, gateway):
+    small, big = await upstream("small"), await upstream("big")
+    gw = await gateway(_auto_policy(small, big))
+    body = {
+        "model": "auto",
+        "messages": [{"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    }
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/route/explain", json=body) as r:
+            out = await r.json()
+    assert out["class"] == "complex" and out["rule"] and out["chosen"] == "big"
+    assert out["features"]["prompt_tokens"] >= 1 and 0 <= out["score"] <= 1
+    assert out["threshold"] is not None
+    body.pop("tools")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/route/explain", json=body) as r:
+            out = await r.json()
+    assert out["class"] == "simple" and out["rule"] is None and out["chosen"] == "small"
+
+
+async def test_a_threshold_of_zero_sends_everything_to_the_complex_list(upstream, gateway):
+    small, big = await upstream("small"), await upstream("big")
+    policy = _auto_policy(small, big)
+    policy["models"]["auto"]["threshold"] = 0.0
+    gw = await gateway(policy)
+    raw = await gw.client().chat.completions.with_raw_response.create(model="auto", messages=[{"role": "user", "content": "hi"}])
+    assert raw.headers["x-gateway-class"] == "complex"
+
+
+async def test_classify_all_labels_requests_to_fixed_routes_too(upstream, gateway):
+    up = await upstream("a")
+    gw = await gateway(simple_policy(up, classifier={"classify_all": True}))
+    raw = await gw.client().chat.completions.with_raw_response.create(model="gpt-test", messages=MSG)
+    assert raw.headers["x-gateway-class"] in ("simple", "complex")
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/metrics") as r:
+            assert "gateway_classified_total{class=" in await r.text()
