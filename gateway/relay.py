@@ -83,6 +83,9 @@ async def relay(call: Call, candidates: Sequence[Backend], ctx: RelayContext, si
         for backend in _order(candidates):
             if attempts >= ctx.server.max_attempts or call.remaining_s() <= 0:
                 break
+            if not backend.health.ready:
+                failures.append((backend.name, Unavailable("the backend is starting", retry_after_s=5)))
+                continue
             cooling = backend.health.cooling_for()
             if cooling > 0:
                 failures.append((backend.name, RateLimited(f"asked us to back off for {cooling:.1f}s more", retry_after_s=cooling)))
