@@ -109,8 +109,8 @@ def test_the_shipped_policies_are_valid():
 
     from gateway.policy import load_policy
 
-    root = Path(__file__).resolve().parents[1] / "policies"
-    files = sorted(root.rglob("*.yaml"))
+    root = Path(__file__).resolve().parents[1]
+    files = sorted([*(root / "policies").rglob("*.yaml"), *(root / "deploy" / "policies").rglob("*.yaml")])
     assert files, "no policies shipped"
     for f in files:
         load_policy(f)
