@@ -104,6 +104,7 @@ async def relay(call: Call, candidates: Sequence[Backend], ctx: RelayContext, si
             waited = time.perf_counter() - started
             call.queue_ms += waited * 1000
             ctx.metrics.queue_wait.observe(waited)
+            sink.set_header("x-gateway-queue-ms", f"{call.queue_ms:.1f}")
             if got and await _try(call, backend, ctx, sink, progress, failures):
                 return
             if not got:

@@ -222,3 +222,32 @@ async def test_fast_failures_still_get_a_real_status_before_heartbeats_start(ups
     gw = await gateway(simple_policy(bad, server={"heartbeat_after_ms": 2000}))
     with pytest.raises(openai.InternalServerError):
         await _stream_text(gw.client())
+
+
+async def test_when_every_backend_is_full_requests_wait_for_a_slot_and_say_how_long(upstream, gateway):
+    up = await upstream("a", tokens=2, ttft_ms=200)
+    policy = simple_policy(up)
+    policy["backends"]["a"]["max_concurrency"] = 1
+    gw = await gateway(policy)
+    c = gw.client()
+    first, second = await asyncio.gather(
+        c.chat.completions.with_raw_response.create(model="gpt-test", messages=MSG),
+        c.chat.completions.with_raw_response.create(model="gpt-test", messages=MSG),
+    )
+    waits = sorted(float(r.headers["x-gateway-queue-ms"]) for r in (first, second))
+    assert waits[0] == 0 and waits[1] >= 100
+    assert up.stats.requests == 2
+
+
+async def test_a_full_backend_that_stays_full_past_the_deadline_gives_503(upstream, gateway):
+    up = await upstream("a", tokens=2, ttft_ms=1500)
+    policy = simple_policy(up)
+    policy["backends"]["a"]["max_concurrency"] = 1
+    gw = await gateway(policy)
+    c = gw.client()
+    slow = asyncio.create_task(c.chat.completions.create(model="gpt-test", messages=MSG))
+    await asyncio.sleep(0.2)
+    with pytest.raises(openai.APIStatusError) as exc:
+        await c.chat.completions.create(model="gpt-test", messages=MSG, extra_headers={"x-request-timeout-ms": "300"})
+    assert exc.value.status_code in (503, 504)
+    await slow
