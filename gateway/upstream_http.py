@@ -1,0 +1,403 @@
+"""A lean keep-alive HTTP/1.1 client for the upstream hot path.
+
+aiohttp's ClientSession builds a ClientRequest, a ClientResponse, timers, traces and a cookie pass
+for every call; the relay needs none of that. This is one asyncio.Protocol per connection over the
+llhttp parser (httptools), an idle pool per (scheme, host, port), and a response that hands its
+body over as bytes as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Mapping
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+__all__ = [
+    "UpstreamConnectError",
+    "UpstreamDisconnected",
+    "UpstreamHTTPError",
+    "UpstreamPool",
+    "UpstreamProtocolError",
+    "UpstreamResponse",
+]
+
+_HIGH_WATER = 1 << 20  # buffered body bytes at which we stop reading the socket until the consumer reads
+_MAX_TARGETS = 256  # parsed URLs kept; the relay posts to a handful of fixed URLs
+
+
+class UpstreamHTTPError(Exception):
+    """Base of every error this client raises."""
+
+
+class UpstreamConnectError(UpstreamHTTPError, OSError):
+    """The connection could not be opened (refused, unreachable, TLS failure, connect timeout)."""
+
+
+class UpstreamDisconnected(UpstreamHTTPError, ConnectionError):
+    """The connection was lost before the response was complete."""
+
+
+class UpstreamProtocolError(UpstreamHTTPError):
+    """The upstream sent something that is not a valid HTTP/1.x response."""
+
+
+class _Conn(asyncio.Protocol):
+    """One connection; its per-exchange state is reset by begin() for each request."""
+
+    __slots__ = (
+        "active", "body", "buffered", "closed", "complete", "exc", "got_bytes", "headers_done", "idle_since",
+        "info", "keep_alive", "key", "loop", "parser", "paused", "raw_headers", "registry", "status",
+        "transport", "waiter",
+    )  # fmt: skip
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, str, int], registry: set[_Conn]) -> None:
+        self.loop = loop
+        self.key = key
+        self.registry = registry
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.closed = False
+        self.idle_since = 0.0
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.begin(active=False)
+
+    def begin(self, *, active: bool) -> None:
+        self.active = active
+        self.got_bytes = False
+        self.info = False  # inside a 1xx interim response
+        self.headers_done = False
+        self.complete = False
+        self.keep_alive = False
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.exc: UpstreamHTTPError | None = None
+
+    # -- asyncio.Protocol ---------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.registry.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active or self.complete:
+            self.abort()  # bytes nobody asked for: this socket can't be trusted again
+            return
+        self.got_bytes = True
+        try:
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # 101 is no answer to a POST
+            if not self.complete:
+                self.fail(UpstreamProtocolError(f"invalid HTTP response from upstream: {exc}"))
+            self.abort()
+            self.wake()
+            return
+        self.wake()  # once per read, however many parser events it held
+        if self.buffered > _HIGH_WATER and not self.paused and not self.complete and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> None:
+        return None  # let the transport close; connection_lost decides what the EOF meant
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.registry.discard(self)
+        if not self.active or self.complete or self.exc is not None:
+            self.wake()
+            return
+        if self.headers_done and self._eof_delimited():
+            self.complete = True  # an HTTP/1.0-style body ends with the connection
+            self.keep_alive = False
+            self.wake()
+            return
+        where = "mid-body" if self.headers_done else "before the response headers"
+        reason = f": {exc}" if exc else ""
+        self.fail(UpstreamDisconnected(f"upstream closed the connection {where}{reason}"))
+
+    # -- httptools callbacks --------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second response to one request: stop parsing, keep the first, drop the socket
+            raise UpstreamProtocolError("unsolicited bytes after the response")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): the real answer follows
+            self.info = True
+            self.raw_headers = []
+            return
+        self.status = status
+        self.keep_alive = self.parser.should_keep_alive()
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        if self.info:
+            self.info = False
+            return
+        self.complete = True
+
+    # -- used by the pool and the response ----------------------------------------------------
+
+    def _eof_delimited(self) -> bool:
+        for name, value in self.raw_headers:
+            low = name.lower()
+            if low == b"content-length" or (low == b"transfer-encoding" and b"chunked" in value.lower()):
+                return False
+        return True
+
+    def fail(self, exc: UpstreamHTTPError) -> None:
+        if self.exc is None:
+            self.exc = exc
+        self.wake()
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self) -> None:
+        """Wait for the next parser event; a cancelled wait closes the connection."""
+        fut = self.loop.create_future()
+        self.waiter = fut
+        try:
+            await fut
+        except BaseException:
+            self.abort()  # never hand a half-read connection back to the pool
+            raise
+        finally:
+            self.waiter = None
+
+    def take(self) -> bytes:
+        data = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+        self.body = []
+        self.buffered = 0
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    def abort(self) -> None:
+        self.keep_alive = False
+        if self.transport is not None and not self.closed:
+            self.transport.abort()  # no flush, no linger: the upstream sees the disconnect now
+        if self.active and not self.complete:
+            self.fail(UpstreamDisconnected("the response was closed"))
+
+
+class UpstreamResponse:
+    """A response whose status line and headers are in; the body is read with read()/readany()."""
+
+    __slots__ = ("_closed", "_conn", "_headers", "_pool", "_raw", "status")
+
+    def __init__(self, pool: UpstreamPool, conn: _Conn) -> None:
+        self.status = conn.status
+        self._raw = conn.raw_headers  # begin() starts a new list: this one survives the connection's reuse
+        self._conn: _Conn | None = conn
+        self._pool = pool
+        self._headers: CIMultiDictProxy[str] | None = None
+        self._closed = False
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]:
+        """Response headers, case-insensitive (decoded once, on first access)."""
+        if self._headers is None:
+            pairs = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in self._raw]
+            self._headers = CIMultiDictProxy(CIMultiDict(pairs))
+        return self._headers
+
+    def _live(self) -> _Conn | None:
+        conn = self._conn
+        if conn is None and self._closed:
+            raise UpstreamDisconnected("the response was closed")
+        return conn
+
+    async def readany(self) -> bytes:
+        """The body bytes that have arrived (waiting for some if none have); b"" at the end."""
+        conn = self._live()
+        if conn is None:
+            return b""
+        while True:
+            if conn.body:
+                return conn.take()
+            if conn.exc is not None:
+                raise conn.exc
+            if conn.complete:
+                return b""
+            await conn.wait()
+
+    async def read(self) -> bytes:
+        """The whole body (Content-Length, chunked, or until EOF)."""
+        conn = self._live()
+        if conn is None:
+            return b""
+        parts: list[bytes] = []
+        while True:
+            if conn.body:
+                parts.append(conn.take())
+            if conn.exc is not None:
+                raise conn.exc
+            if conn.complete:
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            await conn.wait()
+
+    def release(self) -> None:
+        """Done with the response: a complete keep-alive connection goes back to the pool, any
+        other is closed."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.complete and conn.keep_alive and not conn.closed and conn.exc is None:
+            self._pool._put(conn)
+        else:
+            self._closed = not conn.complete  # reading a complete body after release gives b""
+            conn.abort()
+
+    def close(self) -> None:
+        """Abandon the response: close the socket now."""
+        conn, self._conn = self._conn, None
+        self._closed = True
+        if conn is not None:
+            conn.abort()
+
+
+class _Target:
+    __slots__ = ("head", "host", "key", "port", "tls")
+
+    def __init__(self, url: URL) -> None:
+        if url.scheme not in ("http", "https") or not url.raw_host or url.port is None:
+            raise ValueError(f"not an http(s) URL: {url}")
+        self.host = url.raw_host
+        self.port = url.port
+        self.tls = url.scheme == "https"
+        self.key = (url.scheme, self.host, self.port)
+        self.head = f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {url.host_port_subcomponent}\r\n"
+
+
+class UpstreamPool:
+    """Keep-alive HTTP/1.1 connections per (scheme, host, port); http and https."""
+
+    def __init__(
+        self, *, max_idle_per_host: int = 256, idle_timeout_s: float = 60.0, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
+        self._max_idle = max_idle_per_host
+        self._idle_timeout_s = idle_timeout_s
+        self._ssl = ssl_context
+        self._idle: dict[tuple[str, str, int], deque[_Conn]] = {}
+        self._conns: set[_Conn] = set()  # every open connection, idle or busy, for close()
+        self._targets: dict[URL | str, _Target] = {}
+
+    async def post(
+        self, url: URL | str, body: bytes, headers: Mapping[str, str], *, connect_timeout_s: float
+    ) -> UpstreamResponse:
+        """POST `body`; return once the status line and headers are in (bound it with asyncio.timeout).
+
+        `headers` must not carry Host, Content-Length or Transfer-Encoding: those are ours.
+        Raises UpstreamConnectError, UpstreamDisconnected or UpstreamProtocolError. A pooled
+        connection that turns out to be closed before any response byte arrived is retried once on
+        a fresh one: the upstream never saw that request."""
+        target = self._targets.get(url)
+        if target is None:
+            target = _Target(url if isinstance(url, URL) else URL(url))
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()
+            self._targets[url] = target
+        lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+        # Each line holds exactly one CR and one LF: anything more is an injection attempt.
+        if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):
+            raise ValueError("header names and values must not contain CR or LF")
+        data = b"".join((f"{target.head}{lines}Content-Length: {len(body)}\r\n\r\n".encode(), body))
+        conn = self._checkout(target.key)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, data)
+            except UpstreamDisconnected:
+                if conn.got_bytes:
+                    raise
+                # A stale keep-alive socket (closed by the upstream while idle): safe to resend.
+        conn = await self._connect(target, connect_timeout_s)
+        return await self._exchange(conn, data)
+
+    async def close(self) -> None:
+        """Close every connection, idle or busy."""
+        for conn in list(self._conns):
+            conn.abort()
+        self._conns.clear()
+        self._idle.clear()
+
+    async def _exchange(self, conn: _Conn, data: bytes) -> UpstreamResponse:
+        conn.begin(active=True)
+        try:
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                raise UpstreamDisconnected("upstream closed the connection before the request")
+            conn.transport.write(data)
+            while not conn.headers_done:
+                if conn.exc is not None:
+                    raise conn.exc
+                await conn.wait()
+        except BaseException:
+            conn.abort()
+            raise
+        return UpstreamResponse(self, conn)
+
+    def _checkout(self, key: tuple[str, str, int]) -> _Conn | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        oldest_ok = self._now() - self._idle_timeout_s
+        while idle:
+            conn = idle.pop()  # most recently used first: least likely to have been closed
+            if not conn.closed and conn.idle_since >= oldest_ok:
+                return conn
+            conn.abort()
+        return None
+
+    def _put(self, conn: _Conn) -> None:
+        conn.begin(active=False)
+        now = conn.idle_since = self._now()
+        idle = self._idle.get(conn.key)
+        if idle is None:
+            idle = self._idle[conn.key] = deque()
+        while idle and (len(idle) >= self._max_idle or idle[0].idle_since < now - self._idle_timeout_s):
+            idle.popleft().abort()
+        idle.append(conn)
+
+    async def _connect(self, target: _Target, timeout_s: float) -> _Conn:
+        loop = asyncio.get_running_loop()
+        ctx = None
+        if target.tls:
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()  # loads the CA store: once, and only for https
+            ctx = self._ssl
+        try:
+            async with asyncio.timeout(timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: _Conn(loop, target.key, self._conns),
+                    target.host,
+                    target.port,
+                    ssl=ctx,
+                    server_hostname=target.host if ctx is not None else None,
+                )
+        except TimeoutError:
+            raise UpstreamConnectError(f"connect to {target.host}:{target.port} timed out after {timeout_s:g}s") from None
+        except OSError as exc:
+            raise UpstreamConnectError(f"cannot connect to {target.host}:{target.port}: {exc}") from exc
+        return conn
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()

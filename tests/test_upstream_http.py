@@ -1,0 +1,477 @@
+"""UpstreamPool over real loopback sockets: an aiohttp server for well-behaved upstreams, a raw
+asyncio server for the misbehaving ones (drops, hangs, stale keep-alive, HTTP/1.0 bodies)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+pytest.importorskip("httptools")
+
+from gateway.upstream_http import (
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamPool,
+    UpstreamProtocolError,
+)
+
+BIG = bytes(range(256)) * 8192  # 2 MiB
+
+
+class Web:
+    """An aiohttp upstream that records the peer of every request (one peer = one connection)."""
+
+    def __init__(self) -> None:
+        self.peers: list[tuple[str, int]] = []
+        self.first_chunk_seen = asyncio.Event()
+        self.url = ""
+        app = web.Application(client_max_size=8 << 20)
+        app.router.add_post("/echo", self.echo)
+        app.router.add_post("/big", self.big)
+        app.router.add_post("/close", self.close)
+        app.router.add_post("/status/{code}", self.status)
+        app.router.add_post("/stream", self.stream)
+        app.router.add_post("/slow", self.slow)
+        self.runner = web.AppRunner(app, access_log=None)
+
+    async def echo(self, request: web.Request) -> web.Response:
+        self.peers.append(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
+        body = await request.read()
+        return web.Response(body=body, headers={"X-Seen-Type": request.headers.get("Content-Type", "")})
+
+    async def big(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if request.query.get("chunked"):
+            resp = web.StreamResponse()
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            for i in range(0, len(BIG), 100_000):
+                await resp.write(BIG[i : i + 100_000])
+            await resp.write_eof()
+            return resp
+        return web.Response(body=BIG)
+
+    async def close(self, request: web.Request) -> web.Response:
+        self.peers.append(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
+        await request.read()
+        return web.Response(body=b"bye", headers={"Connection": "close"})
+
+    async def status(self, request: web.Request) -> web.Response:
+        code = int(request.match_info["code"])
+        return web.Response(status=code, body=b'{"error": "nope"}', headers={"Retry-After": "3"})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: 1\n\n")
+        await asyncio.wait_for(self.first_chunk_seen.wait(), 5)  # the next byte waits for the client's proof
+        for i in range(2, 5):
+            await asyncio.sleep(0.01)
+            await resp.write(b"data: %d\n\n" % i)
+        await resp.write_eof()
+        return resp
+
+    async def slow(self, request: web.Request) -> web.Response:
+        self.peers.append(request.transport.get_extra_info("peername"))  # type: ignore[union-attr]
+        await asyncio.sleep(0.05)
+        return web.Response(body=await request.read())
+
+
+@pytest.fixture
+async def srv() -> AsyncIterator[Web]:
+    s = Web()
+    await s.runner.setup()
+    site = web.TCPSite(s.runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    s.url = f"http://127.0.0.1:{port}"
+    yield s
+    await s.runner.cleanup()
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[UpstreamPool]:
+    p = UpstreamPool()
+    yield p
+    await p.close()
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def raw_server(handler: Handler) -> tuple[asyncio.Server, str]:
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request (headers + Content-Length body); b"" when the client closed."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return b""
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    return head + await reader.readexactly(length)
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+H = {"Content-Type": "application/json"}
+
+
+async def test_content_length_body_and_headers(srv: Web, pool: UpstreamPool) -> None:
+    resp = await pool.post(srv.url + "/echo", b'{"a": 1}', H, connect_timeout_s=1)
+    assert resp.status == 200
+    assert resp.headers["x-seen-type"] == "application/json"
+    assert resp.headers["Content-Length"] == "8"
+    assert await resp.read() == b'{"a": 1}'
+    resp.release()
+
+
+async def test_keep_alive_reuses_one_connection(srv: Web, pool: UpstreamPool) -> None:
+    for i in range(20):
+        resp = await pool.post(srv.url + "/echo", b"%d" % i, H, connect_timeout_s=1)
+        assert await resp.read() == b"%d" % i
+        resp.release()
+    assert len(set(srv.peers)) == 1
+
+
+async def test_connection_close_is_not_reused(srv: Web, pool: UpstreamPool) -> None:
+    for _ in range(3):
+        resp = await pool.post(srv.url + "/close", b"x", H, connect_timeout_s=1)
+        assert await resp.read() == b"bye"
+        resp.release()
+    assert len(set(srv.peers)) == 3
+
+
+async def test_error_statuses_carry_their_bodies(srv: Web, pool: UpstreamPool) -> None:
+    for code in (400, 429, 500, 503):
+        resp = await pool.post(srv.url + f"/status/{code}", b"", H, connect_timeout_s=1)
+        assert resp.status == code
+        assert resp.headers.get("retry-after") == "3"
+        assert await resp.read() == b'{"error": "nope"}'
+        resp.release()
+
+
+async def test_large_bodies_content_length_and_chunked(srv: Web, pool: UpstreamPool) -> None:
+    for path in ("/big", "/big?chunked=1"):
+        resp = await pool.post(srv.url + path, BIG, H, connect_timeout_s=1)
+        assert await resp.read() == BIG
+        resp.release()
+
+
+async def test_slow_consumer_gets_every_byte(srv: Web, pool: UpstreamPool) -> None:
+    resp = await pool.post(srv.url + "/big?chunked=1", b"", H, connect_timeout_s=1)
+    await asyncio.sleep(0.1)  # let the buffer pass the high-water mark: reading pauses, nothing is lost
+    assert resp._conn is not None and resp._conn.paused
+    got = bytearray()
+    while chunk := await resp.readany():
+        got += chunk
+    assert bytes(got) == BIG
+    resp.release()
+
+
+async def test_readany_streams_chunks_as_they_arrive(srv: Web, pool: UpstreamPool) -> None:
+    resp = await pool.post(srv.url + "/stream", b"{}", H, connect_timeout_s=1)
+    assert resp.headers["Transfer-Encoding"] == "chunked"
+    assert await asyncio.wait_for(resp.readany(), 2) == b"data: 1\n\n"  # before the server wrote the rest
+    srv.first_chunk_seen.set()
+    rest = b""
+    while chunk := await resp.readany():
+        rest += chunk
+    assert rest == b"data: 2\n\ndata: 3\n\ndata: 4\n\n"
+    assert await resp.readany() == b""
+    resp.release()
+    resp = await pool.post(srv.url + "/echo", b"again", H, connect_timeout_s=1)  # the stream's socket is reusable
+    assert await resp.read() == b"again"
+    resp.release()
+
+
+async def test_concurrent_requests_open_many_connections(srv: Web, pool: UpstreamPool) -> None:
+    async def one(i: int) -> bytes:
+        resp = await pool.post(srv.url + "/slow", b"%d" % i, H, connect_timeout_s=1)
+        try:
+            return await resp.read()
+        finally:
+            resp.release()
+
+    assert await asyncio.gather(*(one(i) for i in range(40))) == [b"%d" % i for i in range(40)]
+    assert len(set(srv.peers)) == 40
+    await asyncio.gather(*(one(i) for i in range(40)))
+    assert len(set(srv.peers)) == 40  # the second wave reused the pooled connections
+
+
+async def test_drop_mid_body_raises() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        with pytest.raises(UpstreamDisconnected, match="mid-body"):
+            await resp.read()
+        resp.close()
+        await pool.close()
+
+
+async def test_drop_mid_chunked_stream_raises_after_the_bytes_that_came() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        assert await resp.readany() == b"data: 1\n\n"
+        with pytest.raises(UpstreamDisconnected):
+            await resp.readany()
+        resp.close()
+        await pool.close()
+
+
+async def test_eof_delimited_body_is_complete() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end")
+        await writer.drain()
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        assert await resp.read() == b"until the end"
+        resp.release()
+        await pool.close()
+
+
+async def test_interim_response_is_skipped_and_extra_bytes_drop_the_socket() -> None:
+    conns = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        conns += 1
+        while await read_request(reader):
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + OK + b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nextra")
+            await writer.drain()
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        for _ in range(2):
+            resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+            assert (resp.status, await resp.read()) == (200, b"ok")
+            resp.release()
+        assert conns == 2  # a socket that sent a second, unasked-for response is not reused
+        await pool.close()
+
+
+async def test_garbage_is_a_protocol_error() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
+        await writer.drain()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        with pytest.raises(UpstreamProtocolError):
+            await pool.post(url, b"{}", H, connect_timeout_s=1)
+        await pool.close()
+
+
+async def test_timeout_on_a_silent_upstream_closes_the_socket() -> None:
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await reader.read()  # returns when the client closes
+        gone.set()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.1):
+                await pool.post(url, b"{}", H, connect_timeout_s=1)
+        await asyncio.wait_for(gone.wait(), 1)
+        await pool.close()
+
+
+async def test_cancelling_a_stream_read_closes_the_socket() -> None:
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await reader.read()
+        gone.set()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        assert await resp.readany() == b"abc"
+        task = asyncio.create_task(resp.readany())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(gone.wait(), 1)
+        with pytest.raises(UpstreamDisconnected):
+            await resp.readany()
+        resp.release()  # a half-read connection is closed, never pooled
+        assert not pool._idle.get(("http", "127.0.0.1", int(url.rsplit(":", 1)[1])))
+        await pool.close()
+
+
+async def test_stale_pooled_connection_is_retried_once_on_a_fresh_one() -> None:
+    conns = requests = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns, requests
+        conns += 1
+        requests += 1
+        await read_request(reader)
+        writer.write(OK)  # keep-alive by default...
+        await writer.drain()
+        if conns == 1 and await read_request(reader):
+            requests += 1  # ...but the second request on it gets no answer at all
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        for _ in range(3):
+            resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+            assert await resp.read() == b"ok"
+            resp.release()
+            await asyncio.sleep(0.01)  # later sockets are closed while idle: seen before the next post
+        assert (conns, requests) == (3, 4)  # the unanswered request was resent once, on a new socket
+        await pool.close()
+
+
+async def test_a_fresh_connection_that_drops_is_not_retried() -> None:
+    conns = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns
+        conns += 1
+        await read_request(reader)
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        with pytest.raises(UpstreamDisconnected, match="before the response headers"):
+            await pool.post(url, b"{}", H, connect_timeout_s=1)
+        assert conns == 1
+        await pool.close()
+
+
+async def test_connect_refused_is_a_connect_error(pool: UpstreamPool) -> None:
+    server, url = await raw_server(lambda r, w: asyncio.sleep(0))
+    server.close()
+    await server.wait_closed()
+    with pytest.raises(UpstreamConnectError) as info:
+        await pool.post(url, b"{}", H, connect_timeout_s=1)
+    assert isinstance(info.value, OSError)
+
+
+async def test_header_injection_is_refused(srv: Web, pool: UpstreamPool) -> None:
+    with pytest.raises(ValueError):
+        await pool.post(srv.url + "/echo", b"", {"X-A": "1\r\nX-B: 2"}, connect_timeout_s=1)
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl CLI")
+    d = tmp_path_factory.mktemp("tls")
+    key, crt = d / "k.pem", d / "c.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(crt),
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return key, crt
+
+
+async def test_https_with_a_verified_self_signed_cert(srv: Web, cert: tuple[Path, Path]) -> None:
+    key, crt = cert
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(crt, key)
+    site = web.TCPSite(srv.runner, "127.0.0.1", 0, ssl_context=server_ctx)
+    await site.start()
+    url = f"https://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/echo"  # type: ignore[union-attr]
+    pool = UpstreamPool(ssl_context=ssl.create_default_context(cafile=str(crt)))
+    for i in range(3):
+        resp = await pool.post(url, b"secret %d" % i, H, connect_timeout_s=2)
+        assert await resp.read() == b"secret %d" % i
+        resp.release()
+    assert len(set(srv.peers)) == 1
+    await pool.close()
+    with pytest.raises(UpstreamConnectError):  # the default context does not trust it
+        await UpstreamPool().post(url, b"", H, connect_timeout_s=2)
+
+
+def test_the_same_behaviour_on_uvloop() -> None:
+    """The gateway serves on uvloop, whose transports are not asyncio's: run the scenarios there too."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def with_server(test: Callable[[Web, UpstreamPool], Awaitable[None]]) -> None:
+        s = Web()
+        await s.runner.setup()
+        site = web.TCPSite(s.runner, "127.0.0.1", 0)
+        await site.start()
+        s.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        p = UpstreamPool()
+        try:
+            await test(s, p)
+        finally:
+            await p.close()
+            await s.runner.cleanup()
+
+    served = (
+        test_keep_alive_reuses_one_connection,
+        test_connection_close_is_not_reused,
+        test_large_bodies_content_length_and_chunked,
+        test_slow_consumer_gets_every_byte,
+        test_readany_streams_chunks_as_they_arrive,
+        test_concurrent_requests_open_many_connections,
+    )
+    raw = (
+        test_drop_mid_body_raises,
+        test_drop_mid_chunked_stream_raises_after_the_bytes_that_came,
+        test_eof_delimited_body_is_complete,
+        test_garbage_is_a_protocol_error,
+        test_interim_response_is_skipped_and_extra_bytes_drop_the_socket,
+        test_timeout_on_a_silent_upstream_closes_the_socket,
+        test_cancelling_a_stream_read_closes_the_socket,
+        test_stale_pooled_connection_is_retried_once_on_a_fresh_one,
+        test_a_fresh_connection_that_drops_is_not_retried,
+    )
+
+    async def main() -> None:
+        for test in served:
+            await with_server(test)
+        for t in raw:
+            await t()
+
+    uvloop.run(main())
