@@ -1,78 +1,285 @@
-"""Per-backend latency tracking: recent TTFT, inter-token gaps, durations and errors.
+"""Per-backend latency tracking: TTFT, inter-token gaps, durations, errors and timeouts.
+
+Two views of the same measurements:
+
+- *Windowed quantiles* (P50/P95/P99 over the last `window_s`) for operators and for the first-token
+  deadline: a bounded ring of recent samples, sorted lazily when read.
+- *A prediction* of the next request's TTFT for the selector: an online fit of
+  ``TTFT = a + b * prompt_tokens`` in which the slope `b` is a slow, count-decayed least-squares fit
+  and the level `a` is a peak-sensitive EWMA: it rises at once on a slow sample and falls back over
+  ~`decay_s` seconds of fast ones. Nothing decays while a backend is idle: an idle backend keeps the
+  last estimate it earned (decaying it is what keeps sending traffic back to a degraded backend).
 
 State stays in process (per replica): a shared, stale view makes replicas herd onto one backend.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
-__all__ = ["Tracker", "quantile"]
+__all__ = ["Tracker", "Window", "quantile"]
+
+_SORT_EVERY_S = 0.25  # hot-path quantile reads may be this stale; sorting 512 floats costs ~15 us
 
 
-def quantile(sorted_values: list[float], q: float) -> float | None:
-    """Nearest-rank quantile of an already sorted list."""
+def quantile(sorted_values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank quantile of an already sorted sequence (None when empty)."""
     if not sorted_values:
         return None
     idx = min(len(sorted_values) - 1, max(0, int(q * len(sorted_values) + 0.5) - 1))
     return sorted_values[idx]
 
 
-@dataclass
+class Window:
+    """Samples of the last `span_s` seconds (at most `max_samples`), with a lazily sorted copy."""
+
+    __slots__ = ("span_s", "_samples", "_sorted", "_dirty", "_sorted_at")
+
+    def __init__(self, span_s: float, max_samples: int) -> None:
+        self.span_s = span_s
+        self._samples: deque[tuple[float, float]] = deque(maxlen=max_samples)
+        self._sorted: list[float] = []
+        self._dirty = False
+        self._sorted_at = -math.inf
+
+    def add(self, now: float, value: float) -> None:
+        """Record one sample; O(1) amortised."""
+        self._samples.append((now, value))
+        self._dirty = True
+
+    def sorted(self, now: float, max_age_s: float = 0.0) -> list[float]:
+        """The window's values in order. With max_age_s > 0 a sorted copy up to that old is reused,
+        so per-request readers do not sort on every write."""
+        samples = self._samples
+        horizon = now - self.span_s
+        while samples and samples[0][0] < horizon:
+            samples.popleft()
+            self._dirty = True
+        if self._dirty and (max_age_s <= 0 or now - self._sorted_at >= max_age_s or not self._sorted):
+            self._sorted = sorted(v for _, v in samples)
+            self._dirty = False
+            self._sorted_at = now
+        return self._sorted
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+
 class Tracker:
-    """Sliding-window samples for one backend; cheap to update on every request."""
+    """Latency state of one (backend, model) pair; every update is O(1).
 
-    window_s: float = 60.0
-    max_samples: int = 512
-    clock: Callable[[], float] = time.monotonic
-    ttft: deque[tuple[float, float]] = field(default_factory=deque)
-    itl: deque[tuple[float, float]] = field(default_factory=deque)
-    duration: deque[tuple[float, float]] = field(default_factory=deque)
-    outcomes: deque[tuple[float, bool]] = field(default_factory=deque)
-    inflight: int = 0
+    The relay increments and decrements `inflight` itself around each attempt.
+    """
 
-    def _push(self, q: deque, value: object) -> None:
-        q.append((self.clock(), value))
-        if len(q) > self.max_samples:
-            q.popleft()
+    def __init__(
+        self,
+        window_s: float = 60.0,
+        max_samples: int = 512,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        decay_s: float = 3.0,
+        rise: float = 0.5,
+        slope_memory: int = 64,
+        error_memory: int = 10,
+    ) -> None:
+        """decay_s: time constant of the level's fall (about 97% recovered after 10 s of fast samples).
+        rise: share of an upward gap closed by one slow sample (0.5: a 20x spike shows as 10x at once,
+        while a lone outlier on a noisy backend does not erase its history).
+        slope_memory / error_memory: samples (not seconds) of memory, so idle time changes nothing."""
+        self.window_s = window_s
+        self.max_samples = max_samples
+        self.clock = clock
+        self.decay_s = decay_s
+        self.rise = rise
+        self.inflight = 0
+        self.ttft = Window(window_s, max_samples)
+        self.itl = Window(window_s, max_samples)
+        self.duration = Window(window_s, max_samples)
+        self.outcomes: deque[tuple[float, bool, bool]] = deque(maxlen=max_samples)  # (t, ok, timeout)
+        self.total_requests = 0
+        self.total_errors = 0
+        self.total_timeouts = 0
+        self.last_sample_at = -math.inf  # when the prediction last learned something
+        # Prediction: level (peak-EWMA of TTFT - slope * prompt_tokens) and slope fit.
+        self._level: float | None = None
+        self._slope = 0.0
+        self._fitted = False
+        self._keep = 1.0 - 1.0 / slope_memory
+        self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._itl_ewma: float | None = None
+        self._err_keep = 1.0 - 1.0 / error_memory
+        self.error_ewma = 0.0  # share of recent attempts that failed (count-decayed)
 
-    def observe_ttft(self, seconds: float) -> None:
-        self._push(self.ttft, seconds)
+    # -- reports from the relay ------------------------------------------------------------------
+
+    def observe_ttft(self, seconds: float, prompt_tokens: int | None = None) -> None:
+        """A streamed request's first content token arrived `seconds` after it was sent."""
+        now = self.clock()
+        self.ttft.add(now, seconds)
+        self._learn(now, seconds, prompt_tokens, fit=True)
 
     def observe_itl(self, seconds: float) -> None:
-        self._push(self.itl, seconds)
+        """The gap between two content tokens of a stream."""
+        self.itl.add(self.clock(), seconds)
+        e = self._itl_ewma
+        self._itl_ewma = seconds if e is None else e + 0.05 * (seconds - e)
 
-    def observe_done(self, seconds: float, ok: bool) -> None:
-        self._push(self.duration, seconds)
-        self._push(self.outcomes, ok)
+    def observe_done(
+        self,
+        seconds: float,
+        ok: bool,
+        *,
+        prompt_tokens: int | None = None,
+        completion_tokens: int | None = None,
+        streamed: bool = True,
+        timeout: bool = False,
+    ) -> None:
+        """An attempt ended after `seconds`: answered (ok) or failed.
 
-    def _recent(self, q: deque) -> list:
-        horizon = self.clock() - self.window_s
-        while q and q[0][0] < horizon:
-            q.popleft()
-        return [v for _, v in q]
+        streamed=False with ok: the answer's TTFT is inferred as `seconds - completion_tokens * ITL`,
+        so non-streamed traffic teaches the prediction too. timeout=True marks a first-token (or
+        whole-answer) deadline: `seconds` is then a lower bound of the TTFT and raises the level,
+        so a stuck backend ranks last even though it never produced a sample.
+        """
+        now = self.clock()
+        self.duration.add(now, seconds)
+        self.outcomes.append((now, ok, timeout))
+        self.total_requests += 1
+        self.error_ewma *= self._err_keep
+        if not ok:
+            self.total_errors += 1
+            self.error_ewma += 1.0 - self._err_keep
+        if timeout:
+            self.total_timeouts += 1
+            self._learn(now, seconds, prompt_tokens, fit=False)
+        elif ok and not streamed:
+            decode = (completion_tokens or 0) * (self._itl_ewma or 0.0)
+            self._learn(now, max(seconds - decode, 0.0), prompt_tokens, fit=True)
+
+    # -- prediction ----------------------------------------------------------------------------
+
+    def _learn(self, now: float, ttft: float, prompt_tokens: int | None, *, fit: bool) -> None:
+        x = self._mean_x() if prompt_tokens is None else float(prompt_tokens)
+        residual = ttft - self._slope * x
+        level = self._level
+        if level is None:
+            self._level = residual
+        elif residual > level:
+            self._level = level + self.rise * (residual - level)
+        else:
+            # Weight by elapsed time: ~decay_s of samples replace the level, whatever the rate.
+            w = 1.0 - math.exp(-(now - self.last_sample_at) / self.decay_s)
+            if residual > 0.0 and level > 0.0:
+                # Geometric, since latencies differ by factors: a 20x gap closes as fast as a 2x one.
+                self._level = level * (residual / level) ** w
+            else:
+                self._level = level + w * (residual - level)
+        self.last_sample_at = now
+        if fit and prompt_tokens is not None:
+            self._fit(x, ttft)
+
+    def _fit(self, x: float, y: float) -> None:
+        k = self._keep
+        self._sw = self._sw * k + 1.0
+        self._sx = self._sx * k + x
+        self._sy = self._sy * k + y
+        self._sxx = self._sxx * k + x * x
+        self._sxy = self._sxy * k + x * y
+        var_x = self._sxx * self._sw - self._sx * self._sx
+        # Refit only once prompt sizes actually vary (std >= 32 tokens), else the slope is noise.
+        if self._sw >= 8 and var_x > (32.0 * self._sw) ** 2:
+            slope = max(0.0, (self._sxy * self._sw - self._sx * self._sy) / var_x)
+            if not self._fitted:
+                # Until now the level held whole TTFTs, peaks of long prompts included: restart it
+                # from the fit's intercept.
+                self._fitted = True
+                self._level = (self._sy - slope * self._sx) / self._sw
+            elif self._level is not None:
+                self._level -= (slope - self._slope) * self._mean_x()  # keep the mean prediction
+            self._slope = slope
+
+    def _mean_x(self) -> float:
+        return self._sx / self._sw if self._sw else 0.0
+
+    def predict_ttft(self, prompt_tokens: int | None = None) -> float | None:
+        """Expected TTFT in seconds for a prompt of this size; None before the first sample."""
+        level = self._level
+        if level is None:
+            return None
+        x = self._mean_x() if prompt_tokens is None else prompt_tokens
+        return max(level + self._slope * x, 0.0)
+
+    @property
+    def slope_s_per_token(self) -> float:
+        """Fitted prefill cost per prompt token, in seconds (0 until prompt sizes vary)."""
+        return self._slope
+
+    def idle_s(self) -> float:
+        """Seconds since the prediction last learned something (inf when it never did)."""
+        return self.clock() - self.last_sample_at
+
+    def first_token_deadline_s(
+        self,
+        default_s: float,
+        floor_s: float = 2.0,
+        *,
+        prompt_tokens: int | None = None,
+        mult: float = 2.0,
+        min_samples: int = 20,
+    ) -> float:
+        """How long to wait for this backend's first token: mult x its live TTFT P95, at least
+        floor_s, at most default_s (the configured timeout, also used until min_samples exist).
+
+        Only answered requests count towards the P95 (timeouts are censored), so a stuck backend
+        does not stretch its own deadline. A prompt longer than usual adds its fitted prefill time.
+        """
+        ttft = self.ttft.sorted(self.clock(), _SORT_EVERY_S)
+        if len(ttft) < min_samples:
+            return default_s
+        p95 = quantile(ttft, 0.95) or 0.0
+        if prompt_tokens is not None:
+            p95 += self._slope * max(0.0, prompt_tokens - self._mean_x())
+        return min(default_s, max(floor_s, mult * p95))
+
+    # -- reporting -----------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, float | int | None]:
-        """The numbers /admin/backends shows."""
-        ttft = sorted(self._recent(self.ttft))
-        itl = sorted(self._recent(self.itl))
-        dur = sorted(self._recent(self.duration))
-        outcomes = self._recent(self.outcomes)
-        errors = sum(1 for ok in outcomes if not ok)
+        """The numbers /admin/backends and /v1/route/explain show (exact, not cached)."""
+        now = self.clock()
+        ttft = self.ttft.sorted(now)
+        itl = self.itl.sorted(now)
+        dur = self.duration.sorted(now)
+        outcomes = self.outcomes
+        horizon = now - self.window_s
+        while outcomes and outcomes[0][0] < horizon:
+            outcomes.popleft()
+        n = len(outcomes)
+        errors = sum(1 for _, ok, _ in outcomes if not ok)
+        timeouts = sum(1 for _, _, to in outcomes if to)
+        predicted = self.predict_ttft()
         return {
             "inflight": self.inflight,
-            "requests": len(outcomes),
+            "requests": n,
             "errors": errors,
-            "error_rate": round(errors / len(outcomes), 4) if outcomes else 0.0,
+            "error_rate": round(errors / n, 4) if n else 0.0,
+            "timeouts": timeouts,
+            "timeout_rate": round(timeouts / n, 4) if n else 0.0,
             "ttft_p50_ms": _ms(quantile(ttft, 0.5)),
             "ttft_p95_ms": _ms(quantile(ttft, 0.95)),
+            "ttft_p99_ms": _ms(quantile(ttft, 0.99)),
             "inter_token_p50_ms": _ms(quantile(itl, 0.5)),
             "inter_token_p95_ms": _ms(quantile(itl, 0.95)),
+            "inter_token_p99_ms": _ms(quantile(itl, 0.99)),
             "duration_p50_ms": _ms(quantile(dur, 0.5)),
             "duration_p95_ms": _ms(quantile(dur, 0.95)),
+            "duration_p99_ms": _ms(quantile(dur, 0.99)),
+            "predicted_ttft_ms": _ms(predicted),
+            "ttft_ms_per_1k_prompt_tokens": round(self._slope * 1e6, 2),
+            "error_ewma": round(self.error_ewma, 4),
+            "idle_s": None if math.isinf(self.last_sample_at) else round(now - self.last_sample_at, 3),
         }
 
 

@@ -1,0 +1,268 @@
+"""Pure ranking of a request's candidate backends; no I/O, no clock of its own.
+
+`Selector.rank()` orders the candidates: the eligible ones first, the pick first of all, then the
+rest best first (the failover order); the ineligible ones last, least bad first, each with the
+reason it was skipped. Health decides eligibility, the tracker predicts, the selector only ranks.
+
+The `latency` strategy scores a candidate as
+
+    predicted_ttft(prompt_tokens) * (1 + queue_weight * inflight)
+        + error_penalty_s * error_ewma + cost_weight_s * cost
+
+and picks at random among those within `tie_pct` of the best (so replicas with the same view do
+not herd), or, with `p2c_min` or more eligible candidates, the better of two drawn at random from
+those within `p2c_band` of the best. Two exceptions keep estimates honest without letting an idle
+degraded backend look good (its estimate never decays while idle):
+
+- cold start: a candidate without samples is scored at the median of the others' predictions, and
+  gets one request at once if nothing is in flight to it;
+- exploration: an eligible candidate that has learned nothing for `explore_after_s` and has nothing
+  in flight gets one request, at most once every `explore_every` picks of this selector, so a
+  healed backend is noticed within seconds while a degraded one costs well under 5% of traffic.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from operator import itemgetter
+from typing import NamedTuple
+
+from .health import Health
+from .latency import Tracker
+
+__all__ = ["Candidate", "Ranked", "Selector", "STRATEGIES", "skip_reason", "usable"]
+
+STRATEGIES = ("latency", "round_robin", "least_inflight", "weighted")
+
+_MIN_BASE_S = 1e-3  # so that in-flight load still orders candidates predicted at ~0 s
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One backend as the selector sees it. Holds live references: build it once per route."""
+
+    name: str
+    tracker: Tracker
+    health: Health
+    weight: float = 1.0  # for `weighted`
+    cost: float = 0.0  # in any unit; Selector.cost_weight_s says how many seconds one unit is worth
+
+
+class Ranked(NamedTuple):
+    """A candidate's place in the ranking. `index` points into the sequence given to rank().
+
+    A NamedTuple, not a frozen dataclass: rank() builds one per candidate per request, and a frozen
+    dataclass's __init__ costs ~3 us on the hot path where a tuple costs ~0.3 us."""
+
+    name: str
+    index: int
+    predicted_ttft_s: float | None  # the tracker's prediction for this prompt (None: no samples)
+    score: float  # the strategy's sort key, lower ranks earlier; inf when skipped
+    skipped: str | None = None  # why it is not eligible: starting, ejected, cooling, probing
+    note: str | None = None  # why it is where it is: tie, p2c, explore, prior, last resort
+
+
+def skip_reason(c: Candidate) -> str | None:
+    """Why `c` should get no traffic now (None when it may)."""
+    state = c.health.state()
+    if state == "healthy":
+        return None
+    if state == "probing":
+        # Half-open: one trial request at a time decides whether it is back.
+        return "probing: a trial request is in flight" if c.tracker.inflight > 0 else None
+    return state
+
+
+def _least_bad_key(c: Candidate) -> tuple[float, int, int]:
+    return (c.health.available_in(), c.health.consecutive_failures, c.tracker.inflight)
+
+
+def usable(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates that may take traffic, in the given order.
+
+    When none may, the least bad one alone (the soonest back, then the fewest failures): health
+    never takes the last backend out of a route, since an answer from a doubtful backend beats a
+    certain error. Backends still starting are never returned: they cannot answer at all.
+    """
+    ok = [c for c in candidates if skip_reason(c) is None]
+    if ok:
+        return ok
+    rest = [c for c in candidates if c.health.ready]
+    return [min(rest, key=_least_bad_key)] if rest else []
+
+
+class Selector:
+    """Ranks candidates with one strategy. Keeps a little state (round-robin position, exploration
+    budget), so keep one per model route and replace it with the route on reload."""
+
+    def __init__(
+        self,
+        strategy: str = "latency",
+        *,
+        rng: random.Random | None = None,
+        tie_pct: float = 0.05,
+        cost_weight_s: float = 0.0,
+        queue_weight: float = 0.1,
+        error_penalty_s: float = 1.0,
+        explore_after_s: float = 3.0,
+        explore_every: int = 50,
+        p2c_min: int = 6,
+        p2c_band: float = 0.5,
+    ) -> None:
+        """queue_weight: each request in flight adds this share of the predicted TTFT (1.0 is the
+        classic peak-EWMA; measured TTFT already reflects load, so a small share only breaks ties
+        and stops herding between measurements). error_penalty_s: seconds added at a 100% recent
+        error rate. explore_after_s=0 turns exploration off (cold start still explores)."""
+        if strategy not in STRATEGIES:
+            raise ValueError(f"unknown routing strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+        self.strategy = strategy
+        self.rng = rng or random.Random()
+        self.tie_pct = tie_pct
+        self.cost_weight_s = cost_weight_s
+        self.queue_weight = queue_weight
+        self.error_penalty_s = error_penalty_s
+        self.explore_after_s = explore_after_s
+        self.explore_every = explore_every
+        self.p2c_min = p2c_min
+        self.p2c_band = p2c_band
+        self._rr = 0
+        self._since_explore = explore_every  # a silent backend may be explored on the first pick
+
+    def rank(self, candidates: Sequence[Candidate], prompt_tokens: int | None = None) -> list[Ranked]:
+        """All candidates, eligible first (the pick first, then best first), skipped ones last."""
+        eligible: list[tuple[int, Candidate, float | None]] = []
+        skipped: list[tuple[int, Candidate, float | None, str]] = []
+        for i, c in enumerate(candidates):
+            pred = c.tracker.predict_ttft(prompt_tokens)
+            h = c.health
+            now = h.clock()
+            # Fast path for the common case (fully healthy); skip_reason() decides the rest.
+            if h.ready and not h.ejections and now >= h.cooldown_until and now >= h.ejected_until:
+                eligible.append((i, c, pred))
+                continue
+            reason = skip_reason(c)
+            if reason is None:
+                eligible.append((i, c, pred))
+            else:
+                skipped.append((i, c, pred, reason))
+        if self.strategy == "latency":
+            out = self._latency(eligible)
+        elif self.strategy == "round_robin":
+            out = self._round_robin(eligible)
+        elif self.strategy == "least_inflight":
+            out = self._least_inflight(eligible)
+        else:
+            out = self._weighted(eligible)
+        skipped.sort(key=lambda s: _least_bad_key(s[1]))
+        for n, (i, c, pred, reason) in enumerate(skipped):
+            last = not out and n == 0 and c.health.ready
+            out.append(Ranked(c.name, i, pred, math.inf, reason, "last resort: no candidate is available" if last else None))
+        return out
+
+    # -- strategies ------------------------------------------------------------------------------
+
+    def _latency(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
+        if not eligible:
+            return []
+        prior = None
+        if any(p is None for _, _, p in eligible):
+            known = sorted(p for _, _, p in eligible if p is not None)
+            prior = known[len(known) // 2] if known else None
+        qw, ep, cw = self.queue_weight, self.error_penalty_s, self.cost_weight_s
+        scored: list[tuple[float, int, Candidate, float | None]] = []
+        for i, c, pred in eligible:
+            base = pred if pred is not None else prior
+            if base is None or base < _MIN_BASE_S:
+                base = _MIN_BASE_S
+            t = c.tracker
+            score = base * (1.0 + qw * t.inflight) + ep * t.error_ewma + cw * c.cost
+            scored.append((score, i, c, pred))
+        scored.sort(key=itemgetter(0))
+        self._since_explore += 1
+        pick, note = self._explore(scored)
+        if pick is None:
+            pick, note = self._pick_best(scored)
+        first = scored.pop(pick)
+        ranked = [Ranked(first[2].name, first[1], first[3], first[0], None, note or _prior_note(first[3]))]
+        ranked += [Ranked(c.name, i, p, s, None, _prior_note(p)) for s, i, c, p in scored]
+        return ranked
+
+    def _explore(self, scored: list[tuple[float, int, Candidate, float | None]]) -> tuple[int | None, str | None]:
+        """A candidate owed a request to refresh its estimate: never measured, or silent too long."""
+        budget = self.explore_after_s > 0 and self._since_explore >= self.explore_every
+        best: tuple[int, float] | None = None
+        for n in range(1, len(scored)):  # the natural pick (0) needs no exploring
+            t = scored[n][2].tracker
+            if t.inflight or not (budget or t.total_requests == 0):
+                continue
+            idle = t.idle_s()
+            cold = t.total_requests == 0 and math.isinf(idle)
+            if cold or (budget and idle >= self.explore_after_s):
+                if best is None or idle > best[1]:
+                    best = (n, idle)
+        if best is None:
+            return None, None
+        n, idle = best
+        tracker = scored[n][2].tracker
+        if tracker.total_requests == 0 and math.isinf(idle):
+            return n, "cold start: no samples yet"
+        self._since_explore = 0
+        return n, "explore: no sample yet" if math.isinf(idle) else f"explore: no sample for {idle:.1f} s"
+
+    def _pick_best(self, scored: list[tuple[float, int, Candidate, float | None]]) -> tuple[int, str | None]:
+        best = scored[0][0]
+        if len(scored) >= self.p2c_min:
+            band = best * (1.0 + self.p2c_band)
+            within = 1
+            while within < len(scored) and scored[within][0] <= band:
+                within += 1
+            if within >= 2:
+                rnd = self.rng.random
+                a, b = int(rnd() * within), int(rnd() * (within - 1))
+                a, b = (a, b + 1) if b >= a else (b, a)  # two distinct draws, a < b
+                if scored[b][0] <= scored[a][0] * (1.0 + self.tie_pct):
+                    a = self.rng.choice((a, b))  # a near tie: either, or equal scores starve one
+                return a, "best of two"
+        limit = best * (1.0 + self.tie_pct)
+        ties = 1
+        while ties < len(scored) and scored[ties][0] <= limit:
+            ties += 1
+        if ties == 1:
+            return 0, None
+        return self.rng.randrange(ties), f"tie among {ties}"
+
+    def _round_robin(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
+        n = len(eligible)
+        if not n:
+            return []
+        start = self._rr % n
+        self._rr += 1
+        order = eligible[start:] + eligible[:start]
+        return [Ranked(c.name, i, p, float(k)) for k, (i, c, p) in enumerate(order)]
+
+    def _least_inflight(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
+        rnd = self.rng.random
+        keyed = sorted(((c.tracker.inflight, rnd(), i, c, p) for i, c, p in eligible), key=lambda k: (k[0], k[1]))
+        return [Ranked(c.name, i, p, float(load)) for load, _, i, c, p in keyed]
+
+    def _weighted(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
+        if not eligible:
+            return []
+        total = sum(max(c.weight, 0.0) for _, c, _ in eligible)
+        pick = 0
+        if total > 0:
+            r = self.rng.random() * total
+            for pick, (_, c, _) in enumerate(eligible):
+                r -= max(c.weight, 0.0)
+                if r < 0:
+                    break
+        rest = sorted(eligible[:pick] + eligible[pick + 1 :], key=lambda e: -e[1].weight)
+        order = [eligible[pick], *rest]
+        return [Ranked(c.name, i, p, float(k)) for k, (i, c, p) in enumerate(order)]
+
+
+def _prior_note(pred: float | None) -> str | None:
+    return "no samples: scored at the median of the others" if pred is None else None
