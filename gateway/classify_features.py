@@ -38,14 +38,18 @@ _CUES: dict[str, tuple[str, ...]] = {
         "bug bugs api recursion recursive implement implementation snippet syntax runtime "
         "refactor dataframe pandas numpy kotlin swiftui bash shell linux|command-line "
         "|time complexity|linked list|binary tree|data structure|data structures|unit test"
-        "|unit tests|source code|big o"
+        "|unit tests|source code|big o|machine learning|neural network|neural networks"
     ),
     "math_kw": (
         "calculate calculation compute solve equation equations integral derivative prove proof "
-        "theorem inequality probability percent percentage average median perimeter area volume "
-        "radius diameter circumference ratio fraction remainder divisible factorial "
-        "multiply divide divided squared sqrt logarithm polynomial quadratic algebra geometry "
-        "arithmetic formula|square root|prime number|prime numbers|compound interest"
+        "theorem inequality probability factorial sqrt logarithm polynomial quadratic algebra "
+        "geometry arithmetic|square root|prime number|prime numbers|compound interest"
+    ),
+    # math words that are as often about text or everyday things ("divide this list into two
+    # paragraphs", "a chemical formula"): they count only next to numbers
+    "math_weak_kw": (
+        "percent percentage average median perimeter area volume radius diameter circumference "
+        "ratio fraction remainder divisible multiply divide divided squared formula sum"
     ),
     "wordprob_kw": (
         "total each per twice half triple double left remaining spent spend spends earn earns "
@@ -56,11 +60,12 @@ _CUES: dict[str, tuple[str, ...]] = {
         "puzzle riddle logic logical reasoning deduce infer estimate estimation assumptions "
         "assume suppose hypothetical paradox dilemma implications tradeoffs trade-offs "
         "consequences step-by-step|step by step|what would happen|true false or uncertain"
-        "|think through"
+        "|think through|validate|disprove|refute"
     ),
     "plan_kw": (
         "plan planning itinerary schedule budget curriculum roadmap strategy design architecture "
-        "outline proposal instructions recipe guide tutorial procedure steps step-by-step"
+        "outline proposal instructions recipe guide tutorial procedure steps step-by-step "
+        "to-do todo checklist"
         "|how to|how do i"
         "|how can i|how should i|how would you|step by step"
     ),
@@ -84,6 +89,7 @@ _CUES: dict[str, tuple[str, ...]] = {
         "explain explanation describe discuss elaborate analyze analyse analysis evaluate justify "
         "argue critique detailed thorough comprehensive insights|how does|how do|how did|how is"
         "|how are|how can|how would|what causes|in detail|in depth|why does|why do|why is|why are"
+        "|in what ways|fleshed out"
     ),
     "compare_kw": (
         "compare contrast comparison versus vs|difference between|differences between"
@@ -101,6 +107,11 @@ _CUES: dict[str, tuple[str, ...]] = {
         "|positive or negative|fact or opinion|is this"
     ),
     "tips_kw": "tips ideas suggestions ways examples recommendations things|a few|some ideas",
+    "lookup_kw": "|how many|how much|how long|how far|how old|how tall|how big|how often|is it true",
+    "given_kw": (
+        "following given above below|based on|according to|from the text|in the text"
+        "|this paragraph|this passage|the passage|the paragraph|this text|this sentence"
+    ),
     "greet_kw": (
         "hi hello hey hiya howdy greetings thanks thank bye goodbye sup yo|good morning"
         "|good evening|good night|good afternoon|see you|how are you|what's up|nice to meet"
@@ -169,7 +180,34 @@ _CREATIVE_RE = re.compile(r"\b(?:write|compose|create|draft|craft|generate|pen|p
                           r"(?:" + _LONGFORM_NOUNS + r")\b")
 _LIST_COUNT_RE = re.compile(r"\b(?:list|name|give|suggest|provide|identify|state|generate|recall"
                             r"|brainstorm)\s+(?:me\s+)?(?:\d|one|two|three|four|five|six|a few)\b")
+_URL_RE = re.compile(r"\S+://\S+")
+# a requested output size: "briefly", "in three sentences", "less than 20 words", "a 5-sentence"
+_SHORT_OUTPUT_RE = re.compile(
+    r"\b(?:brief|briefly|short|shortly|concise|concisely|succinct|(?:one|two|three|four|five|\d{1,2})"
+    r"[- ](?:sentences?|words?|lines?|bullet)|(?:less|fewer|no more|not more) than \d+ words"
+    r"|under \d+ words|in a (?:nutshell|sentence|word|phrase))\b")
+_WH_ANY = frozenset("who what when where which whom whose".split())
+_DEFINE_HEADS = frozenset(("what is", "what are", "what's", "who is", "who was", "what does",
+                           "describe what", "explain what", "define what", "tell me what",
+                           "what was", "what were"))
 _NON_ASCII_LETTER_RE = re.compile(r"[^\x00-\x7f\u2000-\u206f\u00a0-\u00bf]")
+
+
+def _split_given(text: str, n_words: int) -> tuple[str, int]:
+    """(the instruction, the number of words of given material) for a message that pastes
+    material before or after a shorter instruction, at any length; (text, 0) otherwise."""
+    first_end = text.find("\n\n")
+    if first_end < 0:
+        colon = text.find(":")    # "Classify these: a, b, c" / "Text: ..." on one line
+        if 0 < colon < len(text) - 1 and colon * 2 < len(text) and "?" not in text[colon:]:
+            instr = text[:colon]
+            return instr, max(n_words - len(instr.split()), 0)
+        return text, 0
+    last_start = text.rfind("\n\n") + 2
+    first, last = text[:first_end], text[last_start:]
+    instr = first if len(first) <= len(last) else last
+    n_instr = len(instr.split())
+    return instr, max(n_words - n_instr, 0)
 
 
 def _words(lowered: str) -> list[str]:
@@ -189,6 +227,7 @@ MODEL_FEATURES: tuple[str, ...] = (
     "create_verb", "brevity", "oneliner_noun", "explain_kw", "compare_kw", "topic_kw",
     "simple_task", "wh_start", "how_why_start", "short_question", "tips_kw", "list_count",
     "greet", "identity", "feeling", "second_person", "question_marks", "given_input",
+    "no_hard", "factoid", "define_q", "short_output", "input_share", "given_task",
 )
 
 
@@ -310,6 +349,8 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     cue_text = _instruction(_window(final, CUE_HEAD_CHARS, CUE_TAIL_CHARS))
     scan = _window(final, SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)
     lower = cue_text.lower()
+    if "://" in lower:      # a URL names a page, it is not code ("...nytimes.com/...html")
+        lower = _URL_RE.sub(" url ", lower)
     words = _words(lower)
     cues = _cue_counts(words)
     n_words = len(final.split()) if len(final) <= 4000 else len(final) // 6
@@ -333,8 +374,19 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     # numbers in pasted material (dates, populations) are not a problem to solve
     asked = quantities if len(cue_text) * 2 >= len(scan) else sum(
         1 for n in _NUMBER_RE.findall(cue_text) if not _YEAR_RE.fullmatch(n))
+    # the instruction and the material it works on ("Summarize this.\n\n<text>"): how much of
+    # the request is given input, read the same way for short and long messages
+    instr, given_words = _split_given(stripped, n_words)
+    if asked and given_words and "\n\n" in stripped:
+        # numbers in pasted prose (dates, sizes) are not a problem to solve, unless the
+        # instruction asks for math ("Solve this:\n\n<word problem>")
+        ic = _cue_counts(_words(instr[:CUE_HEAD_CHARS].lower()))
+        if not (ic.get("math_kw") or ic.get("math_weak_kw") or ic.get("wordprob_kw")):
+            asked = sum(1 for n in _NUMBER_RE.findall(instr[:CUE_HEAD_CHARS])
+                        if not _YEAR_RE.fullmatch(n))
+    math_hits = cues.get("math_kw", 0) + (cues.get("math_weak_kw", 0) if asked else 0)
     word_problem = (asked >= 2 and n_words >= 12
-                    and (cues.get("wordprob_kw", 0) > 0 or cues.get("math_kw", 0) > 0))
+                    and (cues.get("wordprob_kw", 0) > 0 or math_hits > 0))
     lines = final.count("\n") + 1 if final else 0
     code_kw = max(_clip(cues.get("code_kw", 0), 3), float("c++" in lower or "c#" in lower))
     docstring = '"""' in scan or ">>>" in scan
@@ -342,11 +394,26 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     fence = "```" in scan
     latex = ("\\" in scan or "$" in scan or "{" in scan) and _LATEX_RE.search(scan) is not None
     arith_expr = bool(arith) and not trivial
-    math_kw = _clip(cues.get("math_kw", 0), 3)
+    math_kw = _clip(math_hits, 3)
     greet = cues.get("greet_kw", 0) > 0
     identity = cues.get("identity_kw", 0) > 0
     feeling = cues.get("feeling_kw", 0) > 0
     hard = sum(1 for g in _HARD_GROUPS if cues.get(g))
+    creative = not brevity and (_CREATIVE_RE.search(lower) is not None
+                                or "write about" in lower or "write an essay" in lower)
+    code = code_kw > 0 or fence or docstring or trace or code_lines >= 2
+    is_math = math_kw > 0 or latex or arith_expr or word_problem
+    # nothing in the request asks for code, math, reasoning, planning or long-form writing
+    no_hard = not (hard or creative or code or is_math or cues.get("topic_kw")
+                   or (multi and prior_hard))
+    short_output = brevity or _SHORT_OUTPUT_RE.search(lower) is not None
+    instr_n = n_words - given_words
+    # a short lookup: a wh-word or "how many/long/..." in a short request with no hard cue
+    factoid = no_hard and instr_n <= 20 and (
+        any(w in _WH_ANY for w in words[:20]) or cues.get("lookup_kw", 0) > 0)
+    head2 = " ".join(words[:2])
+    define_q = instr_n <= 12 and (head2 in _DEFINE_HEADS or first == "define") \
+        and "and" not in words[2:]
     non_ascii = 0 if cue_text.isascii() else len(_NON_ASCII_LETTER_RE.findall(cue_text))
 
     tools = body.get("tools") or body.get("functions")
@@ -370,9 +437,10 @@ def extract(body: Mapping[str, Any]) -> Extracted:
         "prior_hard": prior_hard,
         "followup": multi and cues.get("followup_kw", 0) > 0,
         # code
-        "code": code_kw > 0 or fence or docstring or trace or code_lines >= 2,
-        "math": math_kw > 0 or latex or arith_expr or word_problem,
-        "smalltalk": n_words <= 15 and not hard and (
+        "code": code,
+        "math": is_math,
+        "smalltalk": n_words <= 15 and not hard and not creative and not cues.get("topic_kw")
+        and not (multi and prior_hard) and not cues.get("create_verb") and (
             greet or identity or feeling or (n_words <= 6 and not cues.get("simple_task"))),
         "code_fence": fence,
         "code_syntax": _clip(code_lines, 6),
@@ -391,7 +459,7 @@ def extract(body: Mapping[str, Any]) -> Extracted:
         # reasoning, planning, long-form writing
         "reason_kw": _clip(cues.get("reason_kw", 0), 2),
         "plan_kw": _clip(cues.get("plan_kw", 0), 2),
-        "creative_longform": not brevity and _CREATIVE_RE.search(lower) is not None,
+        "creative_longform": creative,
         "longform_noun": longform,
         "create_verb": cues.get("create_verb", 0) > 0,
         "brevity": brevity,
@@ -414,6 +482,14 @@ def extract(body: Mapping[str, Any]) -> Extracted:
         "lines": _clip(lines, 20),
         "given_input": not code_lines and not fence and (
             "\n\n" in stripped or "text:" in lower or stripped.count('"') >= 2),
+        # rubric: the simple side's shapes
+        "no_hard": no_hard,
+        "factoid": factoid,
+        "define_q": define_q,
+        "short_output": short_output,
+        "input_share": given_words / n_words if given_words and n_words else 0.0,
+        "given_task": bool(given_words) and not code_lines and not fence and (
+            cues.get("simple_task", 0) > 0 or "?" in instr or cues.get("given_kw", 0) > 0),
         # not learned: reported, and used by rules
         "has_tools": bool(tools),
         "json_schema": json_schema,
