@@ -71,7 +71,7 @@ _LABELS: dict[str, str] = {
     "list_count": "short list", "greet": "greeting", "identity": "about the assistant",
     "feeling": "small talk", "second_person": "addresses the assistant",
     "question_marks": "questions", "lines": "many lines", "given_input": "given input text",
-    "log_final_words": "request length", "no_hard": "no hard-task cue",
+    "log_final_words": "request length", "no_hard": "no hard-task cue", "premise_question": "premises then a question",
     "factoid": "short lookup", "define_q": "what-is/definition", "short_output": "short output asked",
     "input_share": "mostly given text", "given_task": "task on given text",
 }

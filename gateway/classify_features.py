@@ -155,6 +155,8 @@ _NUMBER_RE = re.compile(r"\d[\d,]*(?:\.\d+)?")
 _YEAR_RE = re.compile(r"1[5-9]\d\d|20\d\d")
 # A chain of numbers joined by operators: "9 - 2 x 3", "12*7", "3.5 / 7 + 1".
 _ARITH_RE = re.compile(r"\d+(?:\.\d+)?(?:\s*[-+*/×÷^x]\s*\d+(?:\.\d+)?)+")
+# an equation with variables: "x+y = 4z", "2x - 3 = 7", "f(x) = x^2"
+_ALGEBRA_RE = re.compile(r"(?:\b\d*[a-z]\b|\))\s*(?:[-+*/^]\s*\w+\s*)*=\s*[-\d(]*[a-z0-9]")
 _ARITH_OP_RE = re.compile(r"[-+*/×÷^x]")
 _LATEX_RE = re.compile(r"\\(?:frac|sqrt|int|sum|prod|lim|begin|cdot|times|le|ge|pi|alpha|theta)"
                        r"\b|\$[^$\n]{1,80}\$|\\\(|\\\[|[\^_]\{")
@@ -175,8 +177,11 @@ _LONGFORM_NOUNS = (
     "|screenplays?|jingles?|raps?|fables?|tales?|pitch|biography|monologues?|paragraphs?"
     "|chapters?|novels?|odes?|ballads?|verses?|skits?|conversations?|plays?|cover letter"
     "|recipes?|guides?|tutorials?|itinerar(?:y|ies)|proposals?")
+# the long-form noun must be what is written ("write a short story"), not what the output is for
+# ("generate a topic sentence for an article", "a closing to a business email")
 _CREATIVE_RE = re.compile(r"\b(?:write|compose|create|draft|craft|generate|pen|produce|tell|make"
-                          r"|construct|come up with)\b(?:[^.?!\n\w]+[\w'-]+){0,6}?[^.?!\n\w]+"
+                          r"|construct|come up with)\b(?:[^.?!\n\w]+(?!(?:for|to|about|of|on|in"
+                          r"|into|from|with|that|which|based|like)\b)[\w'-]+){0,6}?[^.?!\n\w]+"
                           r"(?:" + _LONGFORM_NOUNS + r")\b")
 _LIST_COUNT_RE = re.compile(r"\b(?:list|name|give|suggest|provide|identify|state|generate|recall"
                             r"|brainstorm)\s+(?:me\s+)?(?:\d|one|two|three|four|five|six|a few)\b")
@@ -227,7 +232,7 @@ MODEL_FEATURES: tuple[str, ...] = (
     "create_verb", "brevity", "oneliner_noun", "explain_kw", "compare_kw", "topic_kw",
     "simple_task", "wh_start", "how_why_start", "short_question", "tips_kw", "list_count",
     "greet", "identity", "feeling", "second_person", "question_marks", "given_input",
-    "no_hard", "factoid", "define_q", "short_output", "input_share", "given_task",
+    "no_hard", "premise_question", "factoid", "define_q", "short_output", "input_share", "given_task",
 )
 
 
@@ -393,7 +398,8 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     trace = any(t in scan for t in _TRACE_MARKS)
     fence = "```" in scan
     latex = ("\\" in scan or "$" in scan or "{" in scan) and _LATEX_RE.search(scan) is not None
-    arith_expr = bool(arith) and not trivial
+    arith_expr = (bool(arith) and not trivial) or (
+        "=" in scan and not code_lines and _ALGEBRA_RE.search(scan) is not None)
     math_kw = _clip(math_hits, 3)
     greet = cues.get("greet_kw", 0) > 0
     identity = cues.get("identity_kw", 0) > 0
@@ -411,6 +417,10 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     # a short lookup: a wh-word or "how many/long/..." in a short request with no hard cue
     factoid = no_hard and instr_n <= 20 and (
         any(w in _WH_ANY for w in words[:20]) or cues.get("lookup_kw", 0) > 0)
+    # a puzzle's shape: stated premises, then a question about them ("A is the father of B. B is
+    # the father of C. What is ...?"), in the user's own words rather than pasted material
+    premise_question = ends_q and not given_words and cue_text.count(". ") >= 2 \
+        and len(cue_text) < 600
     head2 = " ".join(words[:2])
     define_q = instr_n <= 12 and (head2 in _DEFINE_HEADS or first == "define") \
         and "and" not in words[2:]
@@ -484,6 +494,7 @@ def extract(body: Mapping[str, Any]) -> Extracted:
             "\n\n" in stripped or "text:" in lower or stripped.count('"') >= 2),
         # rubric: the simple side's shapes
         "no_hard": no_hard,
+        "premise_question": premise_question,
         "factoid": factoid,
         "define_q": define_q,
         "short_output": short_output,

@@ -44,7 +44,8 @@ PRIORS: dict[str, float] = {
     "prior_hard": 1.0, "followup": 1.0, "log_prior_assistant": 1.0,
     "smalltalk": -2.0, "brevity": -1.5, "oneliner_noun": -1.0, "trivial_arith": -1.5,
     "short_question": -1.0, "wh_start": -0.5, "simple_task": -1.0, "tips_kw": -0.5,
-    "list_count": -0.5,
+    "list_count": -0.5, "no_hard": -1.0, "factoid": -0.5, "define_q": -1.0, "short_output": -0.5,
+    "given_task": -0.5, "premise_question": 1.0,
 }
 
 
