@@ -1,0 +1,105 @@
+"""The key-value Store that the cache (and later the quotas) sit on, and its in-memory implementation.
+
+A Store holds opaque bytes under string keys, each with a TTL. Implementations raise StoreError
+when they cannot answer (unavailable, timed out); callers treat that as a miss and fail open.
+The Redis implementation lives in store_redis.py, so the embedded default never imports redis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+__all__ = ["StoreError", "Store", "MemoryStore"]
+
+
+class StoreError(Exception):
+    """The store could not answer in time (down, slow, refused). Callers fail open."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    async def get(self, key: str) -> bytes | None:
+        """The value under `key`, or None when absent or expired."""
+        ...
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        """Store `value` under `key` for `ttl_s` seconds (replacing any previous value)."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Remove `key`; absent keys are fine."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the store is not used afterwards."""
+        ...
+
+
+class MemoryStore:
+    """A per-process LRU with a TTL per key, bounded by total bytes and by item count.
+
+    get/set are O(1) (an OrderedDict in recency order). Expired items are dropped when read, and
+    otherwise age out through the LRU order, so no sweeper task is needed. `clock` is injectable
+    for tests. A value larger than `max_bytes` is not stored at all.
+    """
+
+    __slots__ = ("_items", "_bytes", "max_bytes", "max_items", "_clock")
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int = 256 << 20,
+        max_items: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_bytes <= 0 or max_items <= 0:
+            raise ValueError("max_bytes and max_items must be positive")
+        self._items: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
+        self._bytes = 0
+        self.max_bytes = max_bytes
+        self.max_items = max_items
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held (keys and values), the quantity bounded by max_bytes."""
+        return self._bytes
+
+    async def get(self, key: str) -> bytes | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        if item[1] <= self._clock():
+            self._drop(key)
+            return None
+        self._items.move_to_end(key)
+        return item[0]
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        if key in self._items:
+            self._drop(key)
+        size = len(key) + len(value)
+        if ttl_s <= 0 or size > self.max_bytes:
+            return
+        self._items[key] = (value, self._clock() + ttl_s)
+        self._bytes += size
+        while self._bytes > self.max_bytes or len(self._items) > self.max_items:
+            self._drop(next(iter(self._items)))  # the least recently used
+
+    async def delete(self, key: str) -> None:
+        if key in self._items:
+            self._drop(key)
+
+    async def close(self) -> None:
+        self._items.clear()
+        self._bytes = 0
+
+    def _drop(self, key: str) -> None:
+        value, _ = self._items.pop(key)
+        self._bytes -= len(key) + len(value)

@@ -1,0 +1,263 @@
+"""Store contract tests, run against MemoryStore and RedisStore alike, plus each one's specifics.
+
+Redis tests use the shared server at 127.0.0.1:6379, DB 13, with a unique key prefix per test
+(deleted afterwards); the outage tests start a redis-server of their own on a free port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aredis
+
+from gateway.store import MemoryStore, Store, StoreError
+from gateway.store_redis import RedisStore
+
+REDIS_URL = "redis://127.0.0.1:6379/13"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _delete_prefix(prefix: str) -> None:
+    raw = aredis.Redis.from_url(REDIS_URL)
+    try:
+        keys = [k async for k in raw.scan_iter(match=prefix + "*", count=1000)]
+        if keys:
+            await raw.delete(*keys)
+    finally:
+        await raw.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _redis_store() -> AsyncIterator[RedisStore]:
+    prefix = f"test:store:{uuid.uuid4().hex}:"
+    # A generous timeout: these tests check the contract, not the latency of a busy CI machine.
+    store = RedisStore(REDIS_URL, timeout_ms=500, prefix=prefix)
+    try:
+        yield store
+    finally:
+        await store.close()
+        await _delete_prefix(prefix)
+
+
+@pytest.fixture
+async def redis_store() -> AsyncIterator[RedisStore]:
+    async with _redis_store() as store:
+        yield store
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+    else:
+        async with _redis_store() as s:
+            yield s
+
+
+# --- the contract ---
+
+
+async def test_missing_key_reads_as_none(store: Store) -> None:
+    assert await store.get("absent") is None
+
+
+async def test_values_round_trip_byte_exact(store: Store) -> None:
+    value = b'{"a":1}\x00\xff' + bytes(range(256))
+    await store.set("k", value, 60)
+    assert await store.get("k") == value
+
+
+async def test_set_replaces_and_delete_removes(store: Store) -> None:
+    await store.set("k", b"one", 60)
+    await store.set("k", b"two", 60)
+    assert await store.get("k") == b"two"
+    await store.delete("k")
+    await store.delete("k")  # deleting an absent key is fine
+    assert await store.get("k") is None
+
+
+async def test_non_positive_ttl_stores_nothing(store: Store) -> None:
+    await store.set("k", b"old", 60)
+    await store.set("k", b"new", 0)
+    assert await store.get("k") is None
+
+
+async def test_concurrent_calls_all_answer(store: Store) -> None:
+    await asyncio.gather(*(store.set(f"k{i}", str(i).encode(), 60) for i in range(50)))
+    got = await asyncio.gather(*(store.get(f"k{i}") for i in range(50)))
+    assert got == [str(i).encode() for i in range(50)]
+
+
+def test_both_stores_satisfy_the_protocol() -> None:
+    assert isinstance(MemoryStore(), Store)
+    assert isinstance(RedisStore(REDIS_URL), Store)
+
+
+# --- MemoryStore ---
+
+
+async def test_memory_ttl_expires_on_the_injected_clock() -> None:
+    clock = FakeClock()
+    s = MemoryStore(clock=clock)
+    await s.set("k", b"v", 10)
+    clock.now += 9.9
+    assert await s.get("k") == b"v"
+    clock.now += 0.2
+    assert await s.get("k") is None
+    assert len(s) == 0 and s.used_bytes == 0
+
+
+async def test_memory_evicts_least_recently_used_by_count() -> None:
+    s = MemoryStore(max_items=3)
+    for k in "abc":
+        await s.set(k, b"v", 60)
+    await s.get("a")  # a is now the most recent: b goes first
+    await s.set("d", b"v", 60)
+    assert [await s.get(k) for k in "abcd"] == [b"v", None, b"v", b"v"]
+    assert len(s) == 3
+
+
+async def test_memory_evicts_by_bytes_and_skips_oversized_values() -> None:
+    s = MemoryStore(max_bytes=100)
+    await s.set("a", b"x" * 40, 60)  # 41 bytes with the key
+    await s.set("b", b"x" * 40, 60)
+    await s.set("c", b"x" * 40, 60)  # 123 > 100: a is evicted
+    assert await s.get("a") is None and await s.get("b") and await s.get("c")
+    assert s.used_bytes == 82
+    await s.set("big", b"x" * 200, 60)
+    assert await s.get("big") is None and s.used_bytes == 82
+    await s.set("b", b"y", 60)  # replacing frees the old value's bytes
+    assert s.used_bytes == 41 + 2
+
+
+# --- RedisStore ---
+
+
+async def test_redis_ttl_expires_for_real(redis_store: RedisStore) -> None:
+    await redis_store.set("k", b"v", 0.05)  # PX 50
+    assert await redis_store.get("k") == b"v"
+    await asyncio.sleep(0.12)
+    assert await redis_store.get("k") is None
+
+
+async def test_redis_prefix_namespaces_keys(redis_store: RedisStore) -> None:
+    await redis_store.set("k", b"v", 60)
+    raw = aredis.Redis.from_url(REDIS_URL)
+    try:
+        assert await raw.get(redis_store.prefix + "k") == b"v"
+        assert await raw.get("k") != b"v" or redis_store.prefix == ""
+    finally:
+        await raw.aclose()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class OwnRedis:
+    """A redis-server of the test's own, started and killed by PID."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port), timeout=0.1) as c:
+                c.sendall(b"PING\r\n")
+                if c.recv(16).startswith(b"+PONG"):
+                    return
+            time.sleep(0.01)
+        raise RuntimeError("redis-server did not start")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[OwnRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    server = OwnRedis(_free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                server.signal(signal.SIGCONT)
+        server.kill()
+
+
+# 100 ms budgets (not the few ms of production) keep these tests steady on a loaded CI machine; the
+# point is that a dead or stalled Redis costs about the budget, never a multi-second socket timeout.
+async def _fails_fast(call: object, limit_s: float) -> float:
+    started = time.perf_counter()
+    with pytest.raises(StoreError):
+        await call  # type: ignore[misc]
+    took = time.perf_counter() - started
+    assert took < limit_s, f"took {took * 1000:.0f} ms"
+    return took
+
+
+async def test_redis_down_fails_fast_and_reconnects_by_itself(own_redis: OwnRedis) -> None:
+    store = RedisStore(f"redis://127.0.0.1:{own_redis.port}/0", timeout_ms=100, max_connections=4)
+    try:
+        await store.set("k", b"v", 60)
+        await asyncio.gather(*(store.get("k") for _ in range(4)))  # several pooled connections
+        own_redis.kill()
+        await _fails_fast(store.get("k"), 0.5)
+        await _fails_fast(store.set("k", b"v", 60), 0.5)
+        for _ in range(5):  # every call while down is bounded, not only the first
+            await _fails_fast(store.get("k"), 0.5)
+        own_redis.start()  # same port, empty data
+        assert await store.get("k") is None
+        await store.set("k", b"back", 60)
+        assert await asyncio.gather(*(store.get("k") for _ in range(4))) == [b"back"] * 4
+    finally:
+        await store.close()
+
+
+async def test_redis_stalled_times_out_within_the_budget(own_redis: OwnRedis) -> None:
+    store = RedisStore(f"redis://127.0.0.1:{own_redis.port}/0", timeout_ms=100)
+    try:
+        await store.set("k", b"v", 60)
+        own_redis.signal(signal.SIGSTOP)  # alive but not answering: the slow-Redis case
+        took = await _fails_fast(store.get("k"), 0.5)
+        assert took >= 0.09
+        await _fails_fast(store.set("k", b"v", 60), 0.5)
+        own_redis.signal(signal.SIGCONT)
+        assert await store.get("k") == b"v"
+    finally:
+        await store.close()
