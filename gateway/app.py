@@ -8,8 +8,6 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aiohttp
-import orjson
 from aiohttp import web
 
 from .api import routes
@@ -20,6 +18,7 @@ from .policy import LaunchPolicy, Policy, load_policy
 from .relay import RelayContext
 from .reload import Live, Reloader
 from .runtime import Runtime, build_runtime
+from .upstream_http import UpstreamPool
 
 __all__ = ["create_app"]
 
@@ -40,26 +39,19 @@ def create_app(policy: Policy | str | Path) -> web.Application:
     app[LIVE] = live
     app[RELOADER] = Reloader(path, live, states, metrics, on_swap=children.reconcile)
     app.add_routes(routes())
-    app.cleanup_ctx.append(_upstream_session)
+    app.cleanup_ctx.append(_upstream_pool)
     app.cleanup_ctx.append(children.context)
     app.cleanup_ctx.append(_reload_watch)
     return app
 
 
-async def _upstream_session(app: web.Application) -> AsyncIterator[None]:
-    """One pooled keep-alive session for every upstream call."""
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ttl_dns_cache=300, keepalive_timeout=60)
-    session = aiohttp.ClientSession(
-        connector=connector,
-        auto_decompress=False,  # bytes pass through as the backend sent them
-        skip_auto_headers=("User-Agent",),
-        cookie_jar=aiohttp.DummyCookieJar(),  # a proxy must not keep one caller's cookies for the next
-        json_serialize=lambda o: orjson.dumps(o).decode(),
-    )
+async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
+    """One keep-alive connection pool for every upstream call."""
+    pool = UpstreamPool()
     rt = app[LIVE].runtime
-    app[RELAY] = RelayContext(session, app[METRICS], rt.server)
+    app[RELAY] = RelayContext(pool, app[METRICS], rt.server)
     yield
-    await session.close()
+    await pool.close()
 
 
 async def _reload_watch(app: web.Application) -> AsyncIterator[None]:

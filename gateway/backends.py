@@ -10,7 +10,6 @@ import os
 from collections import deque
 from dataclasses import dataclass, field
 
-import aiohttp
 from yarl import URL
 
 from .call import ENDPOINTS
@@ -94,7 +93,6 @@ class Backend:
         self.timeouts = policy.timeouts
         # Built once: URL parsing and timeout objects are measurable costs per request.
         self.urls = {name: URL(self.base_url + ep.upstream_path) for name, ep in ENDPOINTS.items()}
-        self.client_timeout = aiohttp.ClientTimeout(total=None, connect=policy.timeouts.connect_ms / 1000)
         # identity: the relay reads every event, and passes bytes on without re-encoding them.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if policy.api_key_env:

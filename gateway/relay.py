@@ -14,7 +14,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
 from .backends import Backend
@@ -31,6 +30,7 @@ from .errors import (
 from .metrics import Metrics
 from .policy import ServerPolicy
 from .sink import Sink
+from .upstream_http import UpstreamConnectError, UpstreamHTTPError, UpstreamPool, UpstreamResponse
 from .wire import SSE_DONE, SSE_HEARTBEAT, SSEDecoder, event_data
 
 __all__ = ["relay", "ClientGone"]
@@ -61,7 +61,7 @@ class _Progress:
 
 @dataclass(slots=True)
 class RelayContext:
-    session: aiohttp.ClientSession
+    pool: UpstreamPool
     metrics: Metrics
     server: ServerPolicy
 
@@ -174,12 +174,12 @@ async def _attempt(
     url = backend.urls[call.endpoint.name]
     body = call.body_for(backend.upstream_model(call.model))
     headers = {**backend.headers, "X-Request-Id": call.request_id}
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     raw = b""
     timer = asyncio.timeout_at(first_deadline)  # one timer per attempt, moved as the phases change
     try:
         async with timer:
-            resp = await ctx.session.post(url, data=body, headers=headers, timeout=backend.client_timeout)
+            resp = await ctx.pool.post(url, body, headers, connect_timeout_s=t.connect_ms / 1000)
             if resp.status == 200 and not call.stream:
                 timer.reschedule(min(now + t.total_ms / 1000, call_deadline))
                 raw = await resp.read()
@@ -188,9 +188,9 @@ async def _attempt(
             raise _AttemptFailed(UpstreamTimeout(f"no response within {_ms(first_deadline - now)} ms"), "timeout") from None
         resp.close()
         raise _AttemptFailed(UpstreamTimeout("the answer did not complete in time"), "timeout") from None
-    except aiohttp.ClientConnectorError as exc:
-        raise _AttemptFailed(UpstreamError(f"cannot connect to {url}: {exc.os_error or exc}"), "connect") from None
-    except (aiohttp.ClientError, OSError) as exc:
+    except UpstreamConnectError as exc:
+        raise _AttemptFailed(UpstreamError(f"cannot connect to {url}: {exc}"), "connect") from None
+    except (UpstreamHTTPError, OSError) as exc:
         if resp is not None:
             resp.close()
             raise _AttemptFailed(UpstreamError(f"connection lost while reading the answer: {exc}"), "disconnect") from None
@@ -212,14 +212,19 @@ async def _attempt(
             resp.close()  # never leave a half-read or cancelled upstream on the pool
 
 
-async def _refuse(resp: aiohttp.ClientResponse, backend: Backend, deadline: float) -> None:
+async def _refuse(resp: UpstreamResponse, backend: Backend, deadline: float) -> None:
     """Turn a non-200 answer into a failover (raise _AttemptFailed) or a pass-back (UpstreamRejected)."""
     status = resp.status
+    raw = b""
     try:
         async with asyncio.timeout_at(deadline):
-            raw = await resp.content.read(64 * 1024)
-    except (TimeoutError, aiohttp.ClientError):
-        raw = b""
+            while len(raw) < 64 * 1024:  # enough to explain the error; never buffer a huge one
+                chunk = await resp.readany()
+                if not chunk:
+                    break
+                raw += chunk
+    except (TimeoutError, UpstreamHTTPError):
+        pass
     snippet = raw[:_ERROR_SNIPPET].decode("utf-8", "replace")
     if status in (429, 503):
         retry_after = _retry_after(resp.headers.get("Retry-After"))
@@ -252,7 +257,7 @@ async def _deliver(call: Call, raw: bytes, sink: Sink) -> None:
 async def _stream(
     call: Call,
     backend: Backend,
-    resp: aiohttp.ClientResponse,
+    resp: UpstreamResponse,
     ctx: RelayContext,
     sink: Sink,
     progress: _Progress,
@@ -274,7 +279,7 @@ async def _stream(
     try:
         async with timer:
             while True:
-                chunk = await resp.content.readany()
+                chunk = await resp.readany()
                 if not chunk:
                     break
                 out: list[bytes] = []
@@ -346,7 +351,7 @@ async def _stream(
                 "first_token_timeout",
             ) from None
         cut = None if finished else f"the stream stalled for more than {backend.timeouts.idle_ms} ms"
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, ConnectionResetError) as exc:
+    except UpstreamHTTPError as exc:
         if not first:
             raise _AttemptFailed(UpstreamError(f"connection lost before the first token: {exc}"), "disconnect") from None
         cut = None if finished else "the backend's connection was lost mid-stream"

@@ -1,0 +1,67 @@
+"""Helpers for benchmarks: start our own processes on free loopback ports and read their CPU/RSS."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args: list[str], env: dict[str, str] | None = None, cpus: str | None = None) -> subprocess.Popen[bytes]:
+    """Start a Python module as a child process (optionally pinned to CPUs with taskset)."""
+    cmd = [sys.executable, *args]
+    if cpus:
+        cmd = ["taskset", "-c", cpus, *cmd]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+
+
+def wait_http(url: str, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up in {timeout_s}s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a process we started, by its PID."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its children that were waited for."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
