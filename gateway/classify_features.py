@@ -191,6 +191,9 @@ _SHORT_OUTPUT_RE = re.compile(
     r"\b(?:brief|briefly|short|shortly|concise|concisely|succinct|(?:one|two|three|four|five|\d{1,2})"
     r"[- ](?:sentences?|words?|lines?|bullet)|(?:less|fewer|no more|not more) than \d+ words"
     r"|under \d+ words|in a (?:nutshell|sentence|word|phrase))\b")
+_NUMBER_WORDS = frozenset("two three four five six seven eight nine ten eleven twelve twenty thirty "
+                          "forty fifty hundred thousand twice thrice half third quarter double "
+                          "triple dozen".split())
 _WH_ANY = frozenset("who what when where which whom whose".split())
 _DEFINE_HEADS = frozenset(("what is", "what are", "what's", "who is", "who was", "what does",
                            "describe what", "explain what", "define what", "tell me what",
@@ -389,6 +392,9 @@ def extract(body: Mapping[str, Any]) -> Extracted:
         if not (ic.get("math_kw") or ic.get("math_weak_kw") or ic.get("wordprob_kw")):
             asked = sum(1 for n in _NUMBER_RE.findall(instr[:CUE_HEAD_CHARS])
                         if not _YEAR_RE.fullmatch(n))
+    # quantities written out count too ("a third of that", "thrice as much", "three eggs")
+    if cues.get("wordprob_kw") or cues.get("math_kw") or cues.get("math_weak_kw"):
+        asked += sum(1 for w in words if w in _NUMBER_WORDS)
     math_hits = cues.get("math_kw", 0) + (cues.get("math_weak_kw", 0) if asked else 0)
     word_problem = (asked >= 2 and n_words >= 12
                     and (cues.get("wordprob_kw", 0) > 0 or math_hits > 0))
