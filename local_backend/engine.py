@@ -196,10 +196,11 @@ class Engine:
         token = choose_tokens(out.logits[:, -1, :], [req.sampling], [slot.generator])[0]
         self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(req.prompt_ids))
         self.stats.observe_tokens(1, decode_step=False)
+        # Join the batch before the first token goes out, so a client that sees a token sees a slot;
+        # a sequence that is already done leaves again in _drop_done.
+        self._batch.add(out.past_key_values, len(req.prompt_ids))
+        self._active.append(slot)
         self._emit(slot, token)
-        if not slot.done:
-            self._batch.add(out.past_key_values, len(req.prompt_ids))
-            self._active.append(slot)
 
     def _decode_step(self) -> None:
         mask, positions = self._batch.step_inputs()
@@ -223,7 +224,7 @@ class Engine:
         slot.last_token = token
         slot.generated += 1
         finish: str | None = None
-        if token in self.stop_token_ids:
+        if token in self.stop_token_ids and not slot.seq.request.ignore_eos:
             text, finish = slot.assembler.flush(), "stop"
         else:
             text = slot.assembler.push(token)

@@ -43,6 +43,7 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
     sampling = SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
     limit = req.token_limit() or state.default_max_tokens
     try:
-        return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences()))
+        return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos))
     except QueueFull as exc:
         raise ApiError(429, f"the local model is busy: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except EngineClosed as exc:

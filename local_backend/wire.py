@@ -88,6 +88,7 @@ class _Sampling(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
+    ignore_eos: bool = False  # vLLM's extension: keep generating past the end-of-turn token
 
     @field_validator("stop")
     @classmethod

@@ -67,37 +67,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def start_server(state: BackendState) -> tuple[RunningServer, Callable[[], None]]:
+    """Run create_app(state) on a free loopback port in a background thread; returns it and its stop."""
+    port = _free_port()
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
+
+    async def boot() -> None:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(boot(), loop).result(10)
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+    root = f"http://127.0.0.1:{port}"
+    return RunningServer(base_url=f"{root}/v1", root=root, state=state, engine=state.engine), stop
+
+
 @pytest.fixture
 def serve() -> Iterator[Callable[..., RunningServer]]:
-    """Start create_app(state) on a loopback port in a background thread; stopped after the test."""
+    """Start servers over given engines (None: still loading); all stopped after the test."""
     stops: list[Callable[[], None]] = []
 
     def start(engine: Engine | None, *, served_name: str = "tiny-random", **state_kwargs: int) -> RunningServer:
-        state = BackendState(served_name=served_name, engine=engine, **state_kwargs)
-        port = _free_port()
-        loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
-
-        async def boot() -> None:
-            await runner.setup()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
-            ready.set()
-
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
-        asyncio.run_coroutine_threadsafe(boot(), loop).result(10)
-        ready.wait(10)
-
-        def stop() -> None:
-            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-            loop.close()
-
+        server, stop = start_server(BackendState(served_name=served_name, engine=engine, **state_kwargs))
         stops.append(stop)
-        root = f"http://127.0.0.1:{port}"
-        return RunningServer(base_url=f"{root}/v1", root=root, state=state, engine=engine)
+        return server
 
     yield start
     for stop in stops:

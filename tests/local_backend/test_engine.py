@@ -68,7 +68,7 @@ async def test_max_tokens_one_finishes_at_prefill(tiny: LoadedModel, make_engine
     engine = make_engine()
     deltas, _ = await _run(engine, GenerationRequest(chat_ids(tiny, "Hi"), max_tokens=1))
     assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 1
-    assert engine.snapshot()["batch_size"] == 0
+    assert await _eventually(lambda: engine.snapshot()["batch_size"] == 0)
 
 
 async def test_stop_sequence_cuts_the_text_and_finishes(tiny: LoadedModel, make_engine) -> None:
