@@ -148,6 +148,9 @@ async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS]
     for b in rt.backends.values():
         m.healthy.labels(b.name).set(1 if b.health.healthy else 0)
+        p95 = b.tracker.ttft_p95_s(min_samples=1)
+        if p95 is not None:
+            m.ttft_p95.labels(b.name).set(p95)
     return web.Response(body=m.exposition(), content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 
@@ -170,6 +173,8 @@ async def admin_backends(request: web.Request) -> web.Response:
         out[name] = {
             "url": b.base_url,
             "health": b.health.state(),
+            "ejections_in_a_row": b.health.ejections,
+            "available_in_s": round(min(b.health.available_in(), 1e9), 3),
             "consecutive_failures": b.health.consecutive_failures,
             "cooling_s": round(b.health.cooling_for(), 3),
             "max_concurrency": b.slots.limit,

@@ -16,6 +16,7 @@ from .keys import LIVE, METRICS, RELAY, RELOADER
 from .metrics import Metrics
 from .policy import LaunchPolicy, Policy, load_policy
 from .relay import RelayContext
+from .probes import run_probes
 from .reload import Live, Reloader
 from .runtime import Runtime, build_runtime
 from .upstream_http import UpstreamPool
@@ -42,14 +43,23 @@ def create_app(policy: Policy | str | Path) -> web.Application:
     app.cleanup_ctx.append(_upstream_pool)
     app.cleanup_ctx.append(children.context)
     app.cleanup_ctx.append(_reload_watch)
+    app.cleanup_ctx.append(_probes)
     return app
+
+
+async def _probes(app: web.Application) -> AsyncIterator[None]:
+    task = asyncio.create_task(run_probes(app[LIVE], app[METRICS]))
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     """One keep-alive connection pool for every upstream call."""
     pool = UpstreamPool()
     rt = app[LIVE].runtime
-    app[RELAY] = RelayContext(pool, app[METRICS], rt.server)
+    app[RELAY] = RelayContext(pool, app[METRICS], rt.server, rt.routing)
     yield
     await pool.close()
 
@@ -61,6 +71,7 @@ async def _reload_watch(app: web.Application) -> AsyncIterator[None]:
 
     async def on_swap(runtime: Runtime) -> None:
         ctx.server = runtime.server  # relay settings follow the policy in force
+        ctx.routing = runtime.routing
         if original_swap is not None:
             await original_swap(runtime)
 

@@ -49,6 +49,7 @@ class Call:
     score: float | None = None
     reasons: list[str] = field(default_factory=list)
     verdict: Verdict | None = None
+    prompt_tokens: int = 0  # an estimate, the same number for routing and the trackers
     cache: str = "bypass"
     backend: str | None = None
     attempts: list[str] = field(default_factory=list)

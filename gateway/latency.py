@@ -244,6 +244,17 @@ class Tracker:
             p95 += self._slope * max(0.0, prompt_tokens - self._mean_x())
         return min(default_s, max(floor_s, mult * p95))
 
+    def ttft_p95_s(self, prompt_tokens: int | None = None, min_samples: int = 10) -> float | None:
+        """The live TTFT P95 for a prompt of this size (None until min_samples exist): when a
+        first token is later than this, a hedge may start."""
+        ttft = self.ttft.sorted(self.clock(), _SORT_EVERY_S)
+        if len(ttft) < min_samples:
+            return None
+        p95 = quantile(ttft, 0.95) or 0.0
+        if prompt_tokens is not None:
+            p95 += self._slope * max(0.0, prompt_tokens - self._mean_x())
+        return p95
+
     # -- reporting -----------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, float | int | None]:

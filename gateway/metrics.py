@@ -67,6 +67,18 @@ class Metrics:
         self.classified = Counter(
             "gateway_classified", "Requests per class from the classifier", ["class"], registry=r
         )
+        self.hedges = Counter(
+            "gateway_hedges", "Hedged requests: started, won (the hedge answered first), lost, budget_exhausted, no_candidate",
+            ["result"], registry=r,
+        )
+        self.ejections = Counter(
+            "gateway_backend_ejections", "Times a backend was ejected by passive health checks", ["backend"], registry=r
+        )
+        self.probes = Counter("gateway_probes", "Active health probes", ["backend", "result"], registry=r)
+        self.ttft_p95 = Gauge(
+            "gateway_backend_ttft_p95_seconds", "Live TTFT P95 per backend (60 s window)", ["backend"], registry=r,
+            multiprocess_mode="livemax",
+        )
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
 
@@ -97,7 +109,7 @@ class Metrics:
 class BackendMetrics:
     """Label children of one backend, bound once."""
 
-    __slots__ = ("duration", "ttft", "inter_token", "inflight", "failovers", "malformed", "_errors", "_m", "name")
+    __slots__ = ("duration", "ttft", "inter_token", "inflight", "failovers", "malformed", "ejections", "_errors", "_m", "name")
 
     def __init__(self, m: Metrics, name: str) -> None:
         self._m = m
@@ -108,6 +120,7 @@ class BackendMetrics:
         self.inflight = m.inflight.labels(name)
         self.failovers = m.failovers.labels(name)
         self.malformed = m.malformed_chunks.labels(name)
+        self.ejections = m.ejections.labels(name)
         self._errors: dict[str, Any] = {}
 
     def error(self, kind: str) -> None:

@@ -42,9 +42,13 @@ def _prepare(call: Call, rt: Runtime) -> Any:
     rt.tenants.authorize(tenant, call.model)
     call.priority = call.priority or tenant.priority
     route = rt.route(call.model)
+    call.prompt_tokens = len(call.raw) // 4  # cheap; the classifier's estimate replaces it when it runs
     if call.endpoint.name != "embeddings":
         call.verdict = verdict = rt.classify(call, route)
         call.cls, call.score, call.reasons = verdict.cls, verdict.score, verdict.reasons
+        estimate = verdict.features.get("prompt_tokens")
+        if isinstance(estimate, int):
+            call.prompt_tokens = estimate
     return route
 
 
@@ -56,7 +60,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
             sink.set_header("x-gateway-class", call.cls)
             ctx.metrics.classified.labels(call.cls).inc()
         sink.set_header("x-gateway-cache", call.cache)
-        await relay(call, route.candidates(call.cls), ctx, sink)
+        await relay(call, route, ctx, sink)
     except ClientGone:
         call.finish = "client_disconnect"
     except GatewayError as err:
@@ -93,28 +97,31 @@ def _observe(call: Call, ctx: RelayContext) -> None:
 def explain(call: Call, rt: Runtime) -> dict[str, Any]:
     """What the gateway would do with this request, calling no backend."""
     route = _prepare(call, rt)
+    pool = route.pool(call.cls)
+    ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
     candidates = []
-    chosen = None
-    for b in route.candidates(call.cls):
+    for r in ranked:
+        b = pool.backends[r.index]
         snap = b.tracker.snapshot()
-        state = b.health.state()
-        entry = {
-            "backend": b.name,
-            "upstream_model": b.upstream_model(call.model),
-            "health": state,
-            "inflight": b.slots.used,
-            "max_concurrency": b.slots.limit,
-            "ttft_p50_ms": snap["ttft_p50_ms"],
-            "ttft_p95_ms": snap["ttft_p95_ms"],
-            "predicted_ttft_ms": snap["ttft_p50_ms"],
-        }
-        if state == "healthy" and chosen is None:
-            chosen = b.name
-        elif state != "healthy":
-            entry["skipped"] = f"backend is {state}"
-        candidates.append(entry)
-    if chosen is None and candidates:
-        chosen = candidates[0]["backend"]  # the relay still tries unhealthy backends as a last resort
+        candidates.append(
+            {
+                "backend": b.name,
+                "upstream_model": b.upstream_model(call.model),
+                "health": b.health.state(),
+                "inflight": b.slots.used,
+                "max_concurrency": b.slots.limit,
+                "ttft_p50_ms": snap["ttft_p50_ms"],
+                "ttft_p95_ms": snap["ttft_p95_ms"],
+                "predicted_ttft_ms": None if r.predicted_ttft_s is None else round(r.predicted_ttft_s * 1000, 2),
+                "score": None if r.score == float("inf") else round(r.score, 6),
+                "error_rate": snap["error_rate"],
+                "skipped": r.skipped,
+                "note": r.note,
+            }
+        )
+    chosen = None
+    if ranked and (ranked[0].skipped is None or (ranked[0].note or "").startswith("last resort")):
+        chosen = pool.backends[ranked[0].index].name
     v = call.verdict
     return {
         "model": call.model,
@@ -126,8 +133,10 @@ def explain(call: Call, rt: Runtime) -> dict[str, Any]:
         "rule": None if v is None else v.rule,
         "reasons": call.reasons,
         "features": {} if v is None else v.features,
+        "prompt_tokens": call.prompt_tokens,
         "cache": call.cache,
-        "strategy": "ordered",
+        "strategy": pool.selector.strategy,
+        "hedge": route.hedge is not None,
         "candidates": candidates,
         "chosen": chosen,
     }

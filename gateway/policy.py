@@ -61,6 +61,8 @@ class BackendPolicy(_Section):
     max_concurrency: int = Field(64, gt=0)
     timeouts: TimeoutsPolicy = TimeoutsPolicy()
     launch: LaunchPolicy | None = None
+    weight: float = Field(1.0, gt=0)  # share of traffic under the `weighted` strategy
+    cost: float = Field(0.0, ge=0)  # relative price; traded against latency by routing.cost_weight_s
 
     @field_validator("url")
     @classmethod
@@ -84,6 +86,14 @@ class BackendPolicy(_Section):
         return {m: m for m in self.models}
 
 
+class HedgePolicy(_Section):
+    """Start the same request on the next best backend when the first token is late."""
+
+    max_extra_pct: float = Field(5.0, gt=0, le=100)  # hedges as a share of this model's requests
+    min_delay_ms: int = Field(50, ge=0)  # never hedge sooner than this
+    default_delay_ms: int = Field(2_000, gt=0)  # before the backend has a live P95
+
+
 class ModelRoute(_Section):
     """Candidates for one public model: an ordered list, or one list per request class."""
 
@@ -91,6 +101,8 @@ class ModelRoute(_Section):
     simple: tuple[str, ...] | None = None
     complex: tuple[str, ...] | None = None
     threshold: float | None = Field(None, ge=0, le=1)  # classifier score above which a request is complex
+    hedge: HedgePolicy | None = None  # opt-in
+    strategy: Literal["latency", "round_robin", "least_inflight", "weighted", "ordered"] | None = None  # None: routing.strategy
 
     @model_validator(mode="after")
     def _one_style(self) -> "ModelRoute":
@@ -150,8 +162,24 @@ class ServerPolicy(_Section):
     max_attempts: int = Field(3, ge=1, le=10)  # backends tried before the first byte
     heartbeat_after_ms: int = Field(5_000, gt=0)  # SSE comment heartbeats while a stream waits
     heartbeat_interval_ms: int = Field(5_000, gt=0)
-    failures_to_eject: int = Field(3, ge=1)  # consecutive failures that mark a backend unhealthy
-    eject_ms: int = Field(10_000, gt=0)
+
+
+class RoutingPolicy(_Section):
+    strategy: Literal["latency", "round_robin", "least_inflight", "weighted", "ordered"] = "latency"
+    tie_pct: float = Field(5.0, ge=0, le=100)  # backends this close to the best share traffic at random
+    cost_weight_s: float = Field(0.0, ge=0)  # seconds of predicted TTFT one unit of backend `cost` is worth
+    # The first-token deadline of a backend follows its live P95: max(multiplier x P95, floor),
+    # capped by its timeouts.first_token_ms (which also applies until enough samples exist).
+    deadline_p95_multiplier: float = Field(2.0, ge=1)
+    deadline_floor_ms: int = Field(2_000, gt=0)
+
+
+class HealthPolicy(_Section):
+    failures_to_eject: int = Field(3, ge=1)  # consecutive failures or timeouts
+    eject_ms: int = Field(10_000, gt=0)  # first ejection; doubles while it keeps failing
+    max_eject_ms: int = Field(60_000, gt=0)
+    probe_interval_ms: int = Field(5_000, gt=0)  # probes to ejected and idle backends
+    probe_timeout_ms: int = Field(2_000, gt=0)
 
 
 class ReloadPolicy(_Section):
@@ -162,6 +190,8 @@ class ReloadPolicy(_Section):
 class Policy(_Section):
     version: Literal[1] = 1
     server: ServerPolicy = ServerPolicy()
+    routing: RoutingPolicy = RoutingPolicy()
+    health: HealthPolicy = HealthPolicy()
     reload: ReloadPolicy = ReloadPolicy()
     backends: dict[str, BackendPolicy] = Field(min_length=1)
     models: dict[str, ModelRoute] = {}

@@ -28,7 +28,9 @@ from .errors import (
     UpstreamTimeout,
 )
 from .metrics import Metrics
-from .policy import ServerPolicy
+from .policy import RoutingPolicy, ServerPolicy
+from .routing import Ranked
+from .runtime import Pool, Route
 from .sink import Sink
 from .upstream_http import UpstreamConnectError, UpstreamHTTPError, UpstreamPool, UpstreamResponse
 from .wire import SSE_DONE, SSE_HEARTBEAT, SSEDecoder, event_data
@@ -57,6 +59,12 @@ class _AttemptFailed(Exception):
 @dataclass(slots=True)
 class _Progress:
     first_sent: bool = False  # a content event reached the client: no more failover
+    owner: str | None = None  # the backend whose answer the client gets (first content, or whole body)
+    rivals: list[asyncio.Task[bool]] | None = None  # hedged attempts: the owner cancels the others
+
+
+class _Lost(Exception):
+    """A hedged attempt whose rival reached the client first."""
 
 
 @dataclass(slots=True)
@@ -64,40 +72,73 @@ class RelayContext:
     pool: UpstreamPool
     metrics: Metrics
     server: ServerPolicy
+    routing: RoutingPolicy
 
 
-def _order(candidates: Sequence[Backend]) -> list[Backend]:
-    """Healthy backends in policy order, then the ejected ones as a last resort."""
-    healthy = [b for b in candidates if b.health.healthy]
-    return healthy + [b for b in candidates if not b.health.healthy]
+def _claim(progress: _Progress, backend: Backend, call: Call, sink: Sink) -> None:
+    """Take the client for `backend` (first content token, or a whole answer); raise _Lost when a
+    hedged rival already has it. Synchronous: check-and-set cannot interleave on one loop."""
+    if progress.owner is not None and progress.owner != backend.name:
+        raise _Lost()
+    progress.owner = backend.name
+    call.backend = backend.name
+    sink.set_header("x-gateway-backend", backend.name)
+    if progress.rivals:
+        me = asyncio.current_task()
+        for task in progress.rivals:
+            if task is not me:
+                task.cancel()  # the loser's upstream connection closes at once
 
 
-async def relay(call: Call, candidates: Sequence[Backend], ctx: RelayContext, sink: Sink) -> None:
-    """Answer `call` from the first candidate that works; raise AllBackendsFailed otherwise."""
+def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> tuple[list[Backend], list[Ranked]]:
+    """The backends to try, best first, from the pool's selector; skipped ones explain themselves."""
+    ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
+    order = [pool.backends[r.index] for r in ranked if r.skipped is None]
+    if not order and ranked and ranked[0].note and ranked[0].note.startswith("last resort"):
+        last = pool.backends[ranked[0].index]
+        if last.health.cooling_for() <= 0:  # never call a backend that asked for a pause
+            order.append(last)
+    for r in ranked:
+        b = pool.backends[r.index]
+        if r.skipped is None or b in order:
+            continue
+        if r.skipped == "starting":
+            failures.append((b.name, Unavailable("the backend is starting", retry_after_s=5)))
+        elif r.skipped == "cooling":
+            wait = b.health.cooling_for()
+            failures.append((b.name, RateLimited(f"asked us to back off for {wait:.1f}s more", retry_after_s=wait)))
+        else:
+            failures.append((b.name, Unavailable(f"skipped: {r.skipped}", retry_after_s=max(1.0, b.health.available_in()))))
+    return order, ranked
+
+
+async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None:
+    """Answer `call` from the best candidate that works; raise AllBackendsFailed otherwise."""
+    pool = route.pool(call.cls)
     progress = _Progress()
     failures: list[tuple[str, GatewayError]] = []
+    order, _ = _plan(call, pool, failures)
     full: list[Backend] = []
     heartbeat = asyncio.create_task(_heartbeat(sink, ctx.server, progress)) if call.stream else None
     try:
         attempts = 0
-        for backend in _order(candidates):
+        for i, backend in enumerate(order):
             if attempts >= ctx.server.max_attempts or call.remaining_s() <= 0:
                 break
-            if not backend.health.ready:
-                failures.append((backend.name, Unavailable("the backend is starting", retry_after_s=5)))
-                continue
-            cooling = backend.health.cooling_for()
-            if cooling > 0:
-                failures.append((backend.name, RateLimited(f"asked us to back off for {cooling:.1f}s more", retry_after_s=cooling)))
-                continue
             if not backend.slots.try_acquire():
                 full.append(backend)
                 continue
             attempts += 1
-            if await _try(call, backend, ctx, sink, progress, failures):
+            # The live-P95 deadline only while another backend could take over.
+            last = attempts >= ctx.server.max_attempts or i == len(order) - 1
+            if route.hedge is not None and attempts == 1 and not last:
+                answered = await _hedged(call, backend, order[i + 1 :], route, ctx, sink, progress, failures)
+            else:
+                answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=not last)
+            if answered:
                 return
         if attempts == 0 and full:
-            # Every candidate is at its max_concurrency: queue for the first one, within the deadline.
+            # Every candidate is at its max_concurrency: queue for the best one, within the deadline.
             backend = full[0]
             started = time.perf_counter()
             got = await backend.slots.acquire(min(call.remaining_s(), backend.timeouts.first_token_ms / 1000))
@@ -105,7 +146,7 @@ async def relay(call: Call, candidates: Sequence[Backend], ctx: RelayContext, si
             call.queue_ms += waited * 1000
             ctx.metrics.queue_wait.observe(waited)
             sink.set_header("x-gateway-queue-ms", f"{call.queue_ms:.1f}")
-            if got and await _try(call, backend, ctx, sink, progress, failures):
+            if got and await _try(call, backend, ctx, sink, progress, failures, live_deadline=False):
                 return
             if not got:
                 failures.extend((b.name, Unavailable("at max_concurrency", retry_after_s=1)) for b in full)
@@ -117,6 +158,50 @@ async def relay(call: Call, candidates: Sequence[Backend], ctx: RelayContext, si
                 await heartbeat
 
 
+async def _hedged(
+    call: Call,
+    primary: Backend,
+    others: Sequence[Backend],
+    route: Route,
+    ctx: RelayContext,
+    sink: Sink,
+    progress: _Progress,
+    failures: list[tuple[str, GatewayError]],
+) -> bool:
+    """Run the primary; if its first token is later than its live P95, run the same request on
+    the next best backend too. Whichever reaches the client first wins; the other is cancelled."""
+    hp, budget = route.hedge, route.budget
+    assert hp is not None and budget is not None
+    budget.note_request()
+    p95 = primary.tracker.ttft_p95_s(call.prompt_tokens)
+    delay = hp.default_delay_ms / 1000 if p95 is None else max(hp.min_delay_ms / 1000, p95)
+    tasks = [asyncio.create_task(_try(call, primary, ctx, sink, progress, failures, live_deadline=True))]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=min(delay, max(0.0, call.remaining_s())))
+        if not done and progress.owner is None:
+            second = next((b for b in others if b.slots.try_acquire()), None)
+            if second is None:
+                ctx.metrics.hedges.labels("no_candidate").inc()
+            elif not budget.try_spend():
+                second.slots.release()
+                ctx.metrics.hedges.labels("budget_exhausted").inc()
+            else:
+                ctx.metrics.hedges.labels("started").inc()
+                progress.rivals = tasks
+                tasks.append(asyncio.create_task(_try(call, second, ctx, sink, progress, failures, live_deadline=True)))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        for task in tasks:
+            task.cancel()  # the client went away, or we are done: no attempt outlives the relay
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if len(tasks) == 2 and progress.owner is not None:
+        ctx.metrics.hedges.labels("won" if progress.owner != primary.name else "lost").inc()
+    for r in results:
+        if isinstance(r, (ClientGone, UpstreamRejected)) and progress.owner is None:
+            raise r
+    return any(r is True for r in results)
+
+
 async def _try(
     call: Call,
     backend: Backend,
@@ -124,11 +209,14 @@ async def _try(
     sink: Sink,
     progress: _Progress,
     failures: list[tuple[str, GatewayError]],
+    *,
+    live_deadline: bool,
 ) -> bool:
     """One attempt on a backend whose slot we hold. True when the call is answered (or lost to
     a mid-stream failure, which is answered with an error event)."""
     m = ctx.metrics.for_backend(backend.name)
     tracker = backend.tracker
+    health = backend.health
     tracker.inflight += 1
     m.inflight.inc()
     started = time.perf_counter()
@@ -137,32 +225,49 @@ async def _try(
     call.attempts.append(backend.name)
     call.backend = backend.name
     sink.set_header("x-gateway-backend", backend.name)
+    pt = call.prompt_tokens
+    ejections = health.ejections
     try:
-        ok = await _attempt(call, backend, ctx, sink, progress, started)
+        ok = await _attempt(call, backend, ctx, sink, progress, started, live_deadline)
     except _AttemptFailed as failed:
         failures.append((backend.name, failed.err))
         m.error(failed.kind)
-        tracker.observe_done(time.perf_counter() - started, ok=False)
+        timeout = failed.kind in ("timeout", "first_token_timeout")
+        tracker.observe_done(time.perf_counter() - started, ok=False, prompt_tokens=pt, streamed=call.stream, timeout=timeout)
         if failed.counts_against_health:
-            backend.health.report_failure()
+            health.report_failure()
+            if health.ejections > ejections:
+                m.ejections.inc()
         return False
+    except _Lost:
+        return False  # a hedged rival answered first: nothing about this backend is known
     except UpstreamRejected:
-        tracker.observe_done(time.perf_counter() - started, ok=True)  # the backend itself is fine
+        # The backend is fine; it rejected the request. Not a latency sample (an instant 4xx).
+        tracker.observe_done(time.perf_counter() - started, ok=True)
         raise
     finally:
         tracker.inflight -= 1
         m.inflight.dec()
         backend.slots.release()
-    tracker.observe_done(time.perf_counter() - started, ok=ok)
+    completion = (call.usage or {}).get("completion_tokens")
+    tracker.observe_done(
+        time.perf_counter() - started,
+        ok=ok,
+        prompt_tokens=pt,
+        completion_tokens=completion if isinstance(completion, int) else None,
+        streamed=call.stream,
+    )
     if ok:
-        backend.health.report_success()
+        health.report_success()
     else:
-        backend.health.report_failure()
+        health.report_failure()
+        if health.ejections > ejections:
+            m.ejections.inc()
     return True
 
 
 async def _attempt(
-    call: Call, backend: Backend, ctx: RelayContext, sink: Sink, progress: _Progress, started: float
+    call: Call, backend: Backend, ctx: RelayContext, sink: Sink, progress: _Progress, started: float, live_deadline: bool
 ) -> bool:
     """Send the request; True when answered in full, False when a stream failed after its first
     token (the client got an error event). Raises _AttemptFailed to fail over."""
@@ -170,7 +275,13 @@ async def _attempt(
     t = backend.timeouts
     now = loop.time()
     call_deadline = now + call.remaining_s()
-    first_deadline = min(now + t.first_token_ms / 1000, call_deadline)
+    first_s = t.first_token_ms / 1000
+    if live_deadline:  # a stuck backend is abandoned after ~2x its live P95, not a fixed timeout
+        rp = ctx.routing
+        first_s = backend.tracker.first_token_deadline_s(
+            first_s, rp.deadline_floor_ms / 1000, prompt_tokens=call.prompt_tokens, mult=rp.deadline_p95_multiplier
+        )
+    first_deadline = min(now + first_s, call_deadline)
     url = backend.urls[call.endpoint.name]
     body = call.body_for(backend.upstream_model(call.model))
     headers = {**backend.headers, "X-Request-Id": call.request_id}
@@ -202,7 +313,7 @@ async def _attempt(
         if call.stream:
             done = await _stream(call, backend, resp, ctx, sink, progress, started, first_deadline, call_deadline)
         else:
-            await _deliver(call, raw, sink)
+            await _deliver(call, backend, raw, sink, progress)
             done = True
         return done
     finally:
@@ -239,7 +350,7 @@ async def _refuse(resp: UpstreamResponse, backend: Backend, deadline: float) -> 
     raise UpstreamRejected(status, raw, backend.name)
 
 
-async def _deliver(call: Call, raw: bytes, sink: Sink) -> None:
+async def _deliver(call: Call, backend: Backend, raw: bytes, sink: Sink, progress: _Progress) -> None:
     """Check a whole answer is an answer (a 200 with garbage fails over), then pass its bytes on."""
     try:
         obj = orjson.loads(raw)
@@ -247,6 +358,7 @@ async def _deliver(call: Call, raw: bytes, sink: Sink) -> None:
         obj = None
     if not isinstance(obj, dict) or ("choices" not in obj and "data" not in obj):
         raise _AttemptFailed(UpstreamError("the backend answered 200 with a malformed body"), "malformed")
+    _claim(progress, backend, call, sink)
     usage = obj.get("usage")
     if isinstance(usage, dict):
         call.usage = usage
@@ -327,8 +439,9 @@ async def _stream(
                             itl_hist.observe(now - last_content)
                             backend.tracker.observe_itl(now - last_content)
                         else:
+                            _claim(progress, backend, call, sink)
                             call.ttft_s = now - call.t0
-                            backend.tracker.observe_ttft(now - started)
+                            backend.tracker.observe_ttft(now - started, prompt_tokens=call.prompt_tokens)
                             m.ttft.observe(call.ttft_s)
                         last_content = now
                     if first:
@@ -336,6 +449,8 @@ async def _stream(
                     else:
                         held.append(ev)
                         if content or finished:
+                            if not content:
+                                _claim(progress, backend, call, sink)  # an empty answer: its finish is its first byte
                             first = progress.first_sent = True
                             out, held = held, []
                 if out:

@@ -35,7 +35,7 @@ from .latency import Tracker
 
 __all__ = ["Candidate", "Ranked", "Selector", "STRATEGIES", "skip_reason", "usable"]
 
-STRATEGIES = ("latency", "round_robin", "least_inflight", "weighted")
+STRATEGIES = ("latency", "round_robin", "least_inflight", "weighted", "ordered")
 
 _MIN_BASE_S = 1e-3  # so that in-flight load still orders candidates predicted at ~0 s
 
@@ -154,6 +154,8 @@ class Selector:
             out = self._round_robin(eligible)
         elif self.strategy == "least_inflight":
             out = self._least_inflight(eligible)
+        elif self.strategy == "ordered":
+            out = [Ranked(c.name, i, p, float(k)) for k, (i, c, p) in enumerate(eligible)]
         else:
             out = self._weighted(eligible)
         skipped.sort(key=lambda s: _least_bad_key(s[1]))

@@ -7,7 +7,7 @@ old and the new policy within one request.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .auth import Tenants
 from .backends import Backend, BackendState, Slots
@@ -16,26 +16,72 @@ from .classify import Classifier, Rules, Verdict
 from .errors import ModelNotFound
 from .health import Health
 from .latency import Tracker
-from .policy import Policy
+from .policy import HedgePolicy, ModelRoute, Policy
+from .routing import Candidate, Selector
 
-__all__ = ["Runtime", "Route", "build_runtime"]
+__all__ = ["Runtime", "Route", "Pool", "HedgeBudget", "build_runtime"]
 
 
 _UNCLASSIFIED = Verdict("complex", 0.0, 1.0, None, {}, ["not classified: this model does not route by class"])
 
 
+@dataclass
+class HedgeBudget:
+    """Hedges may add at most `pct` % extra upstream calls, measured over a decaying window."""
+
+    pct: float
+    half_life_s: float = 60.0
+    clock: object = time.monotonic
+    _requests: float = 0.0
+    _hedges: float = 0.0
+    _at: float = field(default_factory=time.monotonic)
+
+    def _decay(self) -> None:
+        now = self.clock()  # type: ignore[operator]
+        k = 0.5 ** ((now - self._at) / self.half_life_s)
+        self._requests *= k
+        self._hedges *= k
+        self._at = now
+
+    def note_request(self) -> None:
+        self._decay()
+        self._requests += 1
+
+    def try_spend(self) -> bool:
+        """True (and counted) when one more hedge stays within the budget."""
+        self._decay()
+        if self._hedges + 1 > self.pct / 100 * self._requests + 1:  # +1: one hedge allowed from the start
+            return False
+        self._hedges += 1
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """The candidates of one (model, class) and the selector that ranks them."""
+
+    backends: tuple[Backend, ...]
+    candidates: tuple[Candidate, ...]
+    selector: Selector
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
-    """Candidate backends for one public model, in policy order, per request class."""
+    """Candidate backends for one public model, per request class."""
 
     model: str
-    simple: tuple[Backend, ...]
-    complex: tuple[Backend, ...]
+    simple: Pool
+    complex: Pool
     split: bool  # True when simple and complex prompts go to different lists (the `auto` style)
     threshold: float | None = None
+    hedge: HedgePolicy | None = None
+    budget: HedgeBudget | None = None
+
+    def pool(self, cls: str) -> Pool:
+        return self.simple if cls == "simple" else self.complex
 
     def candidates(self, cls: str) -> tuple[Backend, ...]:
-        return self.simple if cls == "simple" else self.complex
+        return self.pool(cls).backends
 
 
 class Runtime:
@@ -46,22 +92,12 @@ class Runtime:
         self.backends = backends
         self.tenants = Tenants(policy)
         self.server = policy.server
+        self.routing = policy.routing
         routes: dict[str, Route] = {}
-        for model, candidates in policy.served_models().items():
-            picked = tuple(backends[b] for b in candidates)
-            routes[model] = Route(model, picked, picked, split=False)
+        for model, names in policy.served_models().items():
+            routes[model] = self._route(model, ModelRoute(backends=names))
         for model, r in policy.models.items():
-            if r.backends is not None:
-                picked = tuple(backends[b] for b in r.backends)
-                routes[model] = Route(model, picked, picked, split=False)
-            else:
-                routes[model] = Route(
-                    model,
-                    tuple(backends[b] for b in r.simple or ()),
-                    tuple(backends[b] for b in r.complex or ()),
-                    split=True,
-                    threshold=r.threshold,
-                )
+            routes[model] = self._route(model, r)
         self.routes = routes
         self.public_models = policy.public_models()
         cp = policy.classifier
@@ -69,6 +105,29 @@ class Runtime:
         self.threshold = cp.threshold
         self.classify_all = cp.classify_all
         self.rules = Rules(**cp.rules.model_dump())
+
+    def _pool(self, names: tuple[str, ...], strategy: str) -> Pool:
+        rp = self.routing
+        picked = tuple(self.backends[b] for b in names)
+        cands = tuple(Candidate(b.name, b.tracker, b.health, b.policy.weight, b.policy.cost) for b in picked)
+        selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s)
+        return Pool(picked, cands, selector)
+
+    def _route(self, model: str, r: ModelRoute) -> Route:
+        strategy = r.strategy or self.routing.strategy
+        budget = HedgeBudget(r.hedge.max_extra_pct) if r.hedge else None
+        if r.backends is not None:
+            pool = self._pool(r.backends, strategy)
+            return Route(model, pool, pool, split=False, hedge=r.hedge, budget=budget)
+        return Route(
+            model,
+            self._pool(r.simple or (), strategy),
+            self._pool(r.complex or (), strategy),
+            split=True,
+            threshold=r.threshold,
+            hedge=r.hedge,
+            budget=budget,
+        )
 
     def classify(self, call: Call, route: Route) -> Verdict:
         """simple|complex for routes that split by class (or every route with `classify_all`)."""
@@ -90,18 +149,18 @@ def build_runtime(policy: Policy, states: dict[str, BackendState], generation: i
     Raises ValueError (e.g. a missing API key variable) without touching the running one.
     """
     backends: dict[str, Backend] = {}
-    srv = policy.server
+    hp = policy.health
     for name, bp in policy.backends.items():
-        state = states.get(name) or BackendState(
-            Tracker(), Health(failures_to_eject=srv.failures_to_eject, eject_s=srv.eject_ms / 1000), Slots(bp.max_concurrency)
-        )
+        state = states.get(name) or BackendState(Tracker(), Health(), Slots(bp.max_concurrency))
         backends[name] = Backend(name, bp, state)
-    # Only now that every backend built: apply the new limits to the live state.
-    for name, backend in backends.items():
-        backend.state.health.failures_to_eject = srv.failures_to_eject
-        backend.state.health.eject_s = srv.eject_ms / 1000
-        backend.slots.limit = backend.policy.max_concurrency
-        states[name] = backend.state
     # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
     classifier = Classifier.load(policy.classifier.weights_file)
+    # Only now that everything built: apply the new limits to the live state.
+    for name, backend in backends.items():
+        h = backend.state.health
+        h.failures_to_eject = hp.failures_to_eject
+        h.eject_s = hp.eject_ms / 1000
+        h.max_eject_s = hp.max_eject_ms / 1000
+        backend.slots.limit = backend.policy.max_concurrency
+        states[name] = backend.state
     return Runtime(policy, backends, classifier, generation)

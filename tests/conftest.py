@@ -90,6 +90,11 @@ async def gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
 def simple_policy(*ups: FakeUpstream, model: str = "gpt-test", **extra: Any) -> dict[str, Any]:
     """A policy routing `model` to the given upstreams, in order."""
     backends = {up.name: {"url": up.url, "models": [model]} for up in ups}
-    policy: dict[str, Any] = {"version": 1, "backends": backends, "models": {model: {"backends": [u.name for u in ups]}}}
+    # `ordered`: these tests are about failover in a known order; routing tests choose their strategy.
+    policy: dict[str, Any] = {
+        "version": 1,
+        "backends": backends,
+        "models": {model: {"backends": [u.name for u in ups], "strategy": "ordered"}},
+    }
     policy.update(extra)
     return policy

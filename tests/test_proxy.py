@@ -206,7 +206,7 @@ def _auto_policy(small, big, **classifier):
             "small": {"url": small.url, "models": ["tiny"]},
             "big": {"url": big.url, "models": ["large"]},
         },
-        "models": {"auto": {"simple": ["small"], "complex": ["big", "small"]}},
+        "models": {"auto": {"simple": ["small"], "complex": ["big"]}},
         "classifier": classifier,
     }
 
