@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from . import pipeline
+from .cache import cache_control
 from .call import ENDPOINTS, Call
 from .errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, Unauthorized
 from .keys import LIVE, METRICS, RELAY, RELOADER
@@ -69,6 +70,7 @@ def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeo
     priority = h.get("x-priority")
     if priority is not None and priority not in ("priority", "default", "flex"):
         raise BadRequest("header x-priority must be one of priority, default, flex", param="x-priority")
+    no_cache, no_store = cache_control(h.get("cache-control"))
     return Call(
         request_id=rid,
         endpoint=ENDPOINTS[endpoint_name],
@@ -76,7 +78,8 @@ def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeo
         api_key=_api_key(request),
         deadline=time.monotonic() + timeout_ms / 1000,
         priority=priority,
-        no_cache="no-cache" in h.get("cache-control", ""),
+        no_cache=no_cache,
+        no_store=no_store,
     )
 
 
@@ -127,7 +130,7 @@ async def route_explain(request: web.Request) -> web.Response:
     try:
         raw = await _read_body(request, rt.server.max_body_bytes)
         call = _new_call(request, "chat", raw, rt.server.request_timeout_ms)
-        return _json(pipeline.explain(call, rt), headers={"x-request-id": call.request_id})
+        return _json(await pipeline.explain(call, rt), headers={"x-request-id": call.request_id})
     except GatewayError as err:
         return _error(err)
 

@@ -14,11 +14,12 @@ from .api import routes
 from .backends import BackendState
 from .keys import LIVE, METRICS, RELAY, RELOADER
 from .metrics import Metrics
-from .policy import LaunchPolicy, Policy, load_policy
+from .policy import LaunchPolicy, Policy, StorePolicy, load_policy
 from .relay import RelayContext
 from .probes import run_probes
 from .reload import Live, Reloader
 from .runtime import Runtime, build_runtime
+from .store import Store
 from .upstream_http import UpstreamPool
 
 __all__ = ["create_app"]
@@ -33,18 +34,31 @@ def create_app(policy: Policy | str | Path) -> web.Application:
     assert isinstance(loaded, Policy)
     app = web.Application(client_max_size=1 << 30)  # the policy's own limit is enforced per request
     metrics = Metrics()
+    # What outlives a reload: backend measurements (by name) and cache stores (by settings).
     states: dict[str, BackendState] = {}
-    live = Live(build_runtime(loaded, states, generation=1))
+    stores: dict[StorePolicy, Store] = {}
+
+    def build(p: Policy, generation: int) -> Runtime:
+        return build_runtime(p, states, generation, stores, on_cache_error=lambda op: metrics.cache_errors.labels(op).inc())
+
+    live = Live(build(loaded, 1))
     children = _Children()
     app[METRICS] = metrics
     app[LIVE] = live
-    app[RELOADER] = Reloader(path, live, states, metrics, on_swap=children.reconcile)
+    app[RELOADER] = Reloader(path, live, build, metrics, on_swap=children.reconcile)
     app.add_routes(routes())
     app.cleanup_ctx.append(_upstream_pool)
+    app.cleanup_ctx.append(lambda _app: _close_stores(stores))
     app.cleanup_ctx.append(children.context)
     app.cleanup_ctx.append(_reload_watch)
     app.cleanup_ctx.append(_probes)
     return app
+
+
+async def _close_stores(stores: dict[StorePolicy, Store]) -> AsyncIterator[None]:
+    yield
+    for store in stores.values():
+        await store.close()
 
 
 async def _probes(app: web.Application) -> AsyncIterator[None]:

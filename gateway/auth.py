@@ -7,7 +7,7 @@ import hmac
 from dataclasses import dataclass
 
 from .errors import Forbidden, Unauthorized
-from .policy import Policy
+from .policy import CacheOverride, Policy
 
 __all__ = ["Tenant", "Tenants", "hash_key"]
 
@@ -22,6 +22,8 @@ class Tenant:
     name: str
     priority: str
     models: frozenset[str] | None  # None: every public model
+    cache_namespace: str = "default"  # whose cached answers this tenant may receive
+    cache: CacheOverride | None = None
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -36,7 +38,13 @@ class Tenants:
     def __init__(self, policy: Policy) -> None:
         self._by_digest: dict[str, Tenant] = {}
         for name, tp in policy.tenants.items():
-            tenant = Tenant(name, tp.priority, frozenset(tp.models) if tp.models is not None else None)
+            tenant = Tenant(
+                name,
+                tp.priority,
+                frozenset(tp.models) if tp.models is not None else None,
+                cache_namespace=tp.cache_namespace or f"tenant:{name}",
+                cache=tp.cache,
+            )
             for digest in tp.key_sha256:
                 self._by_digest[digest] = tenant
         self._admin = set(policy.admin.key_sha256) if policy.admin else set()

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from .cache import Entry
 from .classify import Verdict
 
 __all__ = ["Call", "Endpoint", "ENDPOINTS"]
@@ -38,6 +39,7 @@ class Call:
     deadline: float  # time.monotonic() by which the client must have an answer
     priority: str | None = None  # asked for by the request; None: the tenant's default
     no_cache: bool = False  # cache-control: no-cache
+    no_store: bool = False  # cache-control: no-store
     # Filled in by the parse stage:
     body: dict[str, Any] = field(default_factory=dict)
     model: str = ""
@@ -50,6 +52,8 @@ class Call:
     reasons: list[str] = field(default_factory=list)
     verdict: Verdict | None = None
     prompt_tokens: int = 0  # an estimate, the same number for routing and the trackers
+    capture: int = 0  # > 0: keep the complete answer (up to this many bytes) in `entry` for the cache
+    entry: Entry | None = None
     cache: str = "bypass"
     backend: str | None = None
     attempts: list[str] = field(default_factory=list)

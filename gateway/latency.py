@@ -58,7 +58,9 @@ class Window:
         while samples and samples[0][0] < horizon:
             samples.popleft()
             self._dirty = True
-        if self._dirty and (max_age_s <= 0 or now - self._sorted_at >= max_age_s or not self._sorted):
+        # Small windows are always exact (sorting a few dozen floats costs ~2 us): a young
+        # backend's count and quantiles must not lag behind its first samples.
+        if self._dirty and (max_age_s <= 0 or len(samples) < 64 or now - self._sorted_at >= max_age_s):
             self._sorted = sorted(v for _, v in samples)
             self._dirty = False
             self._sorted_at = now

@@ -79,6 +79,12 @@ class Metrics:
             "gateway_backend_ttft_p95_seconds", "Live TTFT P95 per backend (60 s window)", ["backend"], registry=r,
             multiprocess_mode="livemax",
         )
+        self.cache_lookups = Counter(
+            "gateway_cache_lookups", "Cache decisions per request: hit, miss, bypass", ["result"], registry=r
+        )
+        self.cache_errors = Counter(
+            "gateway_cache_errors", "Cache store failures (the request went upstream)", ["op"], registry=r
+        )
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
 

@@ -12,7 +12,9 @@ from typing import Any
 from .call import Call
 from .errors import GatewayError
 from .relay import ClientGone, RelayContext, relay
-from .runtime import Runtime
+from .auth import Tenant
+from .cache import Entry, replay_json, replay_sse
+from .runtime import Route, Runtime
 from .sink import Sink
 from .wire import ChatRequest, CompletionRequest, EmbeddingRequest, parse_body
 
@@ -35,7 +37,7 @@ def parse(call: Call) -> None:
         call.priority = _TIERS[tier]
 
 
-def _prepare(call: Call, rt: Runtime) -> Any:
+def _prepare(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     tenant = rt.tenants.authenticate(call.api_key)
     call.tenant = tenant.name
     parse(call)
@@ -49,18 +51,39 @@ def _prepare(call: Call, rt: Runtime) -> Any:
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
             call.prompt_tokens = estimate
-    return route
+    return route, tenant
 
 
 async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
     """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
     try:
-        route = _prepare(call, rt)
+        route, tenant = _prepare(call, rt)
         if call.verdict is not None and call.verdict.features:
             sink.set_header("x-gateway-class", call.cls)
             ctx.metrics.classified.labels(call.cls).inc()
-        sink.set_header("x-gateway-cache", call.cache)
-        await relay(call, route, ctx, sink)
+        plan = rt.cache_plan(call, route, tenant)
+        if plan.key is None or rt.cache is None:
+            call.cache = "bypass"
+            ctx.metrics.cache_lookups.labels("bypass").inc()
+            sink.set_header("x-gateway-cache", "bypass")
+            await relay(call, route, ctx, sink)
+            return
+        entry = await rt.cache.lookup(plan.key)
+        if entry is None:
+            async with ctx.flight.hold(plan.key, wait_s=call.remaining_s()) as flight:
+                entry = None if flight.leader else flight.entry
+                if entry is None:  # the leader, or a follower whose leader stored nothing
+                    call.cache = "miss"
+                    ctx.metrics.cache_lookups.labels("miss").inc()
+                    sink.set_header("x-gateway-cache", "miss")
+                    call.capture = rt.cache.max_entry_bytes
+                    await relay(call, route, ctx, sink)
+                    if call.entry is not None and plan.store:
+                        await rt.cache.save(plan.key, call.entry, ttl_s=plan.ttl_s)
+                        flight.publish(call.entry)
+                    return
+        await _replay(call, entry, sink)
+        ctx.metrics.cache_lookups.labels("hit").inc()
     except ClientGone:
         call.finish = "client_disconnect"
     except GatewayError as err:
@@ -74,6 +97,24 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         raise
     finally:
         _observe(call, ctx)
+
+
+async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
+    """Answer from the cache: the stored JSON, or the same answer replayed as an SSE stream."""
+    call.cache, call.backend = "hit", "cache"
+    sink.set_header("x-gateway-cache", "hit")
+    sink.set_header("x-gateway-backend", "cache")
+    try:
+        if call.stream:
+            opts = call.body.get("stream_options")
+            include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            await sink.write(b"".join(replay_sse(entry, include_usage=include_usage)))
+            await sink.end()
+        else:
+            await sink.send(200, replay_json(entry))
+    except ConnectionResetError:
+        raise ClientGone() from None
+    call.finish = "ok"
 
 
 def _observe(call: Call, ctx: RelayContext) -> None:
@@ -94,9 +135,12 @@ def _observe(call: Call, ctx: RelayContext) -> None:
         log.warning("request %s failed with %s: %s", call.request_id, call.status, call.error)
 
 
-def explain(call: Call, rt: Runtime) -> dict[str, Any]:
+async def explain(call: Call, rt: Runtime) -> dict[str, Any]:
     """What the gateway would do with this request, calling no backend."""
-    route = _prepare(call, rt)
+    route, tenant = _prepare(call, rt)
+    plan = rt.cache_plan(call, route, tenant)
+    if plan.key is not None and rt.cache is not None:
+        call.cache = "miss" if await rt.cache.lookup(plan.key) is None else "hit"
     pool = route.pool(call.cls)
     ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
     candidates = []
@@ -135,6 +179,7 @@ def explain(call: Call, rt: Runtime) -> dict[str, Any]:
         "features": {} if v is None else v.features,
         "prompt_tokens": call.prompt_tokens,
         "cache": call.cache,
+        "cache_reason": plan.reason,
         "strategy": pool.selector.strategy,
         "hedge": route.hedge is not None,
         "candidates": candidates,

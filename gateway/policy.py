@@ -86,6 +86,14 @@ class BackendPolicy(_Section):
         return {m: m for m in self.models}
 
 
+class CacheOverride(_Section):
+    """Per model or per tenant: widen or narrow what the cache keeps (unset: inherit)."""
+
+    enabled: bool | None = None
+    deterministic_only: bool | None = None
+    ttl_s: float | None = Field(None, gt=0)
+
+
 class HedgePolicy(_Section):
     """Start the same request on the next best backend when the first token is late."""
 
@@ -102,6 +110,7 @@ class ModelRoute(_Section):
     complex: tuple[str, ...] | None = None
     threshold: float | None = Field(None, ge=0, le=1)  # classifier score above which a request is complex
     hedge: HedgePolicy | None = None  # opt-in
+    cache: CacheOverride | None = None
     strategy: Literal["latency", "round_robin", "least_inflight", "weighted", "ordered"] | None = None  # None: routing.strategy
 
     @model_validator(mode="after")
@@ -140,6 +149,8 @@ class TenantPolicy(_Section):
     key_sha256: tuple[str, ...] = Field(min_length=1)
     priority: Priority = "default"
     models: tuple[str, ...] | None = None  # None: every public model
+    cache_namespace: str | None = None  # tenants naming the same namespace share cached answers
+    cache: CacheOverride | None = None
 
     @field_validator("key_sha256")
     @classmethod
@@ -182,6 +193,29 @@ class HealthPolicy(_Section):
     probe_timeout_ms: int = Field(2_000, gt=0)
 
 
+class StorePolicy(_Section):
+    """Where the cache lives: Redis shared by every replica, or (url omitted) this process's memory."""
+
+    url: str | None = None  # redis://host:port/db, rediss://..., unix:///path.sock
+    timeout_ms: float = Field(10.0, gt=0)  # a slow store is a miss, not a wait
+    max_connections: int = Field(64, gt=0)
+    memory_max_bytes: int = Field(256 * 1024 * 1024, gt=0)  # the in-memory store's size
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(redis|rediss|unix)://", v):
+            raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {v!r}")
+        return v
+
+
+class CachePolicy(_Section):
+    enabled: bool = True
+    ttl_s: float = Field(3600.0, gt=0)
+    max_entry_bytes: int = Field(256 * 1024, gt=0)
+    deterministic_only: bool = True  # only temperature 0 or seeded requests (n = 1)
+
+
 class ReloadPolicy(_Section):
     watch: bool = True
     interval_ms: int = Field(1_000, gt=0)
@@ -191,6 +225,8 @@ class Policy(_Section):
     version: Literal[1] = 1
     server: ServerPolicy = ServerPolicy()
     routing: RoutingPolicy = RoutingPolicy()
+    store: StorePolicy = StorePolicy()
+    cache: CachePolicy = CachePolicy()
     health: HealthPolicy = HealthPolicy()
     reload: ReloadPolicy = ReloadPolicy()
     backends: dict[str, BackendPolicy] = Field(min_length=1)

@@ -12,11 +12,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
 from .backends import Backend
+from .cache import SingleFlight, StreamAssembler, entry_from_response
 from .call import Call
 from .errors import (
     AllBackendsFailed,
@@ -69,10 +70,13 @@ class _Lost(Exception):
 
 @dataclass(slots=True)
 class RelayContext:
+    """What every request shares in one process (sessions, metrics, single flight)."""
+
     pool: UpstreamPool
     metrics: Metrics
     server: ServerPolicy
     routing: RoutingPolicy
+    flight: SingleFlight = field(default_factory=SingleFlight)
 
 
 def _claim(progress: _Progress, backend: Backend, call: Call, sink: Sink) -> None:
@@ -359,6 +363,8 @@ async def _deliver(call: Call, backend: Backend, raw: bytes, sink: Sink, progres
     if not isinstance(obj, dict) or ("choices" not in obj and "data" not in obj):
         raise _AttemptFailed(UpstreamError("the backend answered 200 with a malformed body"), "malformed")
     _claim(progress, backend, call, sink)
+    if call.capture:
+        call.entry = entry_from_response(raw, call.capture)
     usage = obj.get("usage")
     if isinstance(usage, dict):
         call.usage = usage
@@ -383,6 +389,7 @@ async def _stream(
     idle_s = backend.timeouts.idle_ms / 1000
     itl_hist = m.inter_token
     decoder = SSEDecoder()
+    assembler = StreamAssembler(call.capture) if call.capture else None  # the answer, for the cache
     held: list[bytes] = []  # events before the first content token, released with it
     first = finished = saw_done = error_event = False
     last_content = 0.0
@@ -418,6 +425,8 @@ async def _stream(
                         out.append(ev)
                         error_event = True
                         break
+                    if assembler is not None:
+                        assembler.feed(obj)
                     content = False
                     for choice in obj.get("choices") or ():
                         if not isinstance(choice, dict):
@@ -488,6 +497,8 @@ async def _stream(
         return False
     if not saw_done:
         m.error("missing_done")  # completed by the gateway
+    if assembler is not None:
+        call.entry = assembler.entry()
     call.finish = "ok"
     await _client_write(sink.write(SSE_DONE))
     await _client_write(sink.end())

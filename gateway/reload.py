@@ -15,10 +15,9 @@ import signal
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from .backends import BackendState
 from .metrics import Metrics
 from .policy import Policy, PolicyError, load_policy
-from .runtime import Runtime, build_runtime
+from .runtime import Runtime
 
 __all__ = ["Live", "Reloader"]
 
@@ -41,13 +40,13 @@ class Reloader:
         self,
         path: Path | None,
         live: Live,
-        states: dict[str, BackendState],
+        build: Callable[[Policy, int], Runtime],
         metrics: Metrics,
         on_swap: Callable[[Runtime], Awaitable[None]] | None = None,
     ) -> None:
         self.path = path
         self.live = live
-        self.states = states
+        self.build = build
         self.metrics = metrics
         self.on_swap = on_swap
         self._lock = asyncio.Lock()
@@ -61,7 +60,7 @@ class Reloader:
         async with self._lock:
             try:
                 policy: Policy = await asyncio.to_thread(load_policy, self.path)
-                runtime = build_runtime(policy, self.states, self.live.runtime.generation + 1)
+                runtime = self.build(policy, self.live.runtime.generation + 1)
             except (PolicyError, ValueError) as exc:
                 self.metrics.policy_reloads.labels("error").inc()
                 log.error("policy reload (%s) rejected, keeping generation %d: %s", trigger, self.live.runtime.generation, exc)

@@ -7,6 +7,7 @@ old and the new policy within one request.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .auth import Tenants
@@ -16,10 +17,14 @@ from .classify import Classifier, Rules, Verdict
 from .errors import ModelNotFound
 from .health import Health
 from .latency import Tracker
-from .policy import HedgePolicy, ModelRoute, Policy
+from .auth import Tenant
+from .cache import Cache, cache_key, cacheable_request
+from .policy import CacheOverride, HedgePolicy, ModelRoute, Policy, StorePolicy
+from .store import MemoryStore, Store
+from .store_redis import RedisStore
 from .routing import Candidate, Selector
 
-__all__ = ["Runtime", "Route", "Pool", "HedgeBudget", "build_runtime"]
+__all__ = ["Runtime", "Route", "Pool", "HedgeBudget", "CachePlan", "build_runtime", "open_store"]
 
 
 _UNCLASSIFIED = Verdict("complex", 0.0, 1.0, None, {}, ["not classified: this model does not route by class"])
@@ -76,6 +81,7 @@ class Route:
     threshold: float | None = None
     hedge: HedgePolicy | None = None
     budget: HedgeBudget | None = None
+    cache: CacheOverride | None = None
 
     def pool(self, cls: str) -> Pool:
         return self.simple if cls == "simple" else self.complex
@@ -84,8 +90,23 @@ class Route:
         return self.pool(cls).backends
 
 
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """What the cache does for one call: `key` None means bypass, for `reason`."""
+
+    key: str | None
+    reason: str | None
+    ttl_s: float = 0.0
+    store: bool = True  # False: `cache-control: no-store`
+
+
+_NO_CACHE = CachePlan(None, "caching is off for this model")
+
+
 class Runtime:
-    def __init__(self, policy: Policy, backends: dict[str, Backend], classifier: Classifier, generation: int) -> None:
+    def __init__(
+        self, policy: Policy, backends: dict[str, Backend], classifier: Classifier, generation: int, cache: Cache | None = None
+    ) -> None:
         self.policy = policy
         self.generation = generation
         self.created = time.time()
@@ -105,6 +126,30 @@ class Runtime:
         self.threshold = cp.threshold
         self.classify_all = cp.classify_all
         self.rules = Rules(**cp.rules.model_dump())
+        self.cache = cache
+
+    def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
+        """Whether and under which key this call's answer is looked up and stored.
+
+        Settings resolve tenant over model over the policy's `cache` section."""
+        if self.cache is None or call.endpoint.name == "embeddings":
+            return _NO_CACHE
+        cp = self.policy.cache
+        enabled, deterministic, ttl = cp.enabled, cp.deterministic_only, cp.ttl_s
+        for o in (route.cache, tenant.cache):
+            if o is not None:
+                enabled = enabled if o.enabled is None else o.enabled
+                deterministic = deterministic if o.deterministic_only is None else o.deterministic_only
+                ttl = ttl if o.ttl_s is None else o.ttl_s
+        if not enabled:
+            return _NO_CACHE
+        if call.no_cache:
+            return CachePlan(None, "cache-control: no-cache")
+        why = cacheable_request(call.body, require_deterministic=deterministic)
+        if why is not None:
+            return CachePlan(None, why)
+        key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body)
+        return CachePlan(key, None, ttl, not call.no_store)
 
     def _pool(self, names: tuple[str, ...], strategy: str) -> Pool:
         rp = self.routing
@@ -118,7 +163,7 @@ class Runtime:
         budget = HedgeBudget(r.hedge.max_extra_pct) if r.hedge else None
         if r.backends is not None:
             pool = self._pool(r.backends, strategy)
-            return Route(model, pool, pool, split=False, hedge=r.hedge, budget=budget)
+            return Route(model, pool, pool, split=False, hedge=r.hedge, budget=budget, cache=r.cache)
         return Route(
             model,
             self._pool(r.simple or (), strategy),
@@ -127,6 +172,7 @@ class Runtime:
             threshold=r.threshold,
             hedge=r.hedge,
             budget=budget,
+            cache=r.cache,
         )
 
     def classify(self, call: Call, route: Route) -> Verdict:
@@ -143,8 +189,15 @@ class Runtime:
         return route
 
 
-def build_runtime(policy: Policy, states: dict[str, BackendState], generation: int) -> Runtime:
-    """Build a Runtime; backend measurements carry over from `states` (updated in place).
+def build_runtime(
+    policy: Policy,
+    states: dict[str, BackendState],
+    generation: int,
+    stores: dict[StorePolicy, Store] | None = None,
+    on_cache_error: Callable[[str], None] | None = None,
+) -> Runtime:
+    """Build a Runtime; backend measurements carry over from `states`, and cache stores from
+    `stores` (both updated in place; a store is reused while its settings stay the same).
 
     Raises ValueError (e.g. a missing API key variable) without touching the running one.
     """
@@ -163,4 +216,20 @@ def build_runtime(policy: Policy, states: dict[str, BackendState], generation: i
         h.max_eject_s = hp.max_eject_ms / 1000
         backend.slots.limit = backend.policy.max_concurrency
         states[name] = backend.state
-    return Runtime(policy, backends, classifier, generation)
+    cache = None
+    if policy.cache.enabled or any(r.cache and r.cache.enabled for r in policy.models.values()) or any(
+        t.cache and t.cache.enabled for t in policy.tenants.values()
+    ):
+        registry = stores if stores is not None else {}
+        store = registry.get(policy.store)
+        if store is None:
+            store = registry[policy.store] = open_store(policy.store)
+        cache = Cache(store, ttl_s=policy.cache.ttl_s, max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error)
+    return Runtime(policy, backends, classifier, generation, cache)
+
+
+def open_store(sp: StorePolicy) -> Store:
+    """The store a policy names (no connection is made until it is used)."""
+    if sp.url is None:
+        return MemoryStore(max_bytes=sp.memory_max_bytes)
+    return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections)
