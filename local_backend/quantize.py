@@ -3,18 +3,18 @@
 ``auto`` resolves to the fastest mode whose greedy answers on a fixed question set stay as
 correct as fp32's (bench/local_model.py; numbers in local_backend/README.md):
 
-- CPU: ``int4`` when torchao is installed (weight-only int4, groups of 128, bf16 activations):
-  1.2-1.3x fp32's decode speed here and as many right answers or more. ``int8`` (torch's
-  dynamic int8 linears) decoded 1.3-1.8x faster but garbled some answers, and its activation
-  scale is shared by a batch's rows, so batch-mates change a request's output. Without
-  torchao, ``auto`` is ``none`` (fp32, exact and batch-independent).
+- CPU: ``none`` (fp32). ``int8`` (torch's dynamic int8 linears, per-channel weights) decoded
+  1.25-1.8x faster and halved TTFT, but lost answers fp32 gets right and garbled one; its
+  activation scale is also shared by a batch's rows, so batch-mates change a request's output.
+  ``int4`` (torchao weight-only, groups of 128, bf16 activations) kept every right answer but
+  was not reliably faster (0.85-1.3x decode over three runs) and doubled TTFT (bf16 prefill).
+  fp32 is also the exact path: batched greedy output equals one-at-a-time output.
 - CUDA: ``none`` in bf16: for a 135M model, weight-only int8/int4 saves little memory
   bandwidth and adds dequantization work; torchao's kernels are offered for larger models.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import warnings
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ import torch
 __all__ = ["QUANTIZE_CHOICES", "QuantPlan", "apply_quantization", "plan_quantization"]
 
 QUANTIZE_CHOICES = ("auto", "none", "int8", "int4")
+_CPU_AUTO = "none"
 _CUDA_AUTO = "none"
 _INT4_GROUP_SIZE = 128  # groups of 32 garbled an answer; 64 was no faster
 
@@ -50,14 +51,10 @@ def plan_quantization(quantize: str, device: str) -> QuantPlan:
     if device == "cuda":
         mode = _CUDA_AUTO if quantize == "auto" else quantize
         return QuantPlan(mode, torch.bfloat16, device)
-    mode = _cpu_auto() if quantize == "auto" else quantize
+    mode = _CPU_AUTO if quantize == "auto" else quantize
     # int4 on CPU packs weights for bf16 matmuls (AVX-512 BF16/AMX); int8 dynamic and none stay fp32.
     dtype = torch.bfloat16 if mode == "int4" else torch.float32
     return QuantPlan(mode, dtype, device)
-
-
-def _cpu_auto() -> str:
-    return "int4" if importlib.util.find_spec("torchao") is not None else "none"
 
 
 def _linear(module: torch.nn.Module, fqn: str) -> bool:
