@@ -11,105 +11,22 @@ reported beside the direct one and as a ratio.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import re
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._load import lua_post, pct, run_in_subprocess, wrk  # noqa: E402
 from bench._procs import cpu_seconds, free_port, peak_rss_mb, start, stop, wait_http  # noqa: E402
 
 BODY = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16})
 STREAM_BODY = orjson.dumps(
     {"model": "gpt-test", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16, "stream": True}
 )
-LUA = """
-wrk.method = "POST"
-wrk.body = '%s'
-wrk.headers["Content-Type"] = "application/json"
-wrk.headers["Authorization"] = "Bearer sk-bench"
-""" % BODY.decode()
-
-
-def wrk(url: str, connections: int, duration: int, script: Path) -> dict[str, float]:
-    out = subprocess.run(
-        ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
-        capture_output=True, text=True, check=True,
-    ).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    errors = re.search(r"Socket errors: (.*)", out)
-    return {"rps": rps, "requests": total, "non2xx": int(non2xx.group(1)) if non2xx else 0, "socket_errors": errors.group(1) if errors else ""}
-
-
-async def _fixed_rate(url: str, rate: float, duration: float) -> list[float]:
-    """Open loop: a request every 1/rate s regardless of answers; returns latencies (s)."""
-    lat: list[float] = []
-    errors = 0
-    conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=conn) as http:
-        async def one() -> None:
-            nonlocal errors
-            t0 = time.perf_counter()
-            async with http.post(url, data=BODY, headers={"Content-Type": "application/json"}) as r:
-                await r.read()
-                if r.status != 200:
-                    errors += 1
-            lat.append(time.perf_counter() - t0)
-
-        # warm the pool
-        await asyncio.gather(*(one() for _ in range(50)))
-        lat.clear()
-        tasks = []
-        start_t = time.perf_counter()
-        n = int(rate * duration)
-        for i in range(n):
-            delay = start_t + i / rate - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one()))
-        await asyncio.gather(*tasks)
-    if errors:
-        raise RuntimeError(f"{errors} errors at fixed rate against {url}")
-    return lat
-
-
-async def _ttft(url: str, n: int) -> list[float]:
-    """Sequential streamed requests; time to the first content chunk."""
-    out = []
-    async with aiohttp.ClientSession() as http:
-        for i in range(n + 20):
-            t0 = time.perf_counter()
-            async with http.post(url, data=STREAM_BODY, headers={"Content-Type": "application/json"}) as r:
-                first = None
-                async for line in r.content:
-                    if first is None and b'"content":"w' in line:
-                        first = time.perf_counter() - t0
-                if i >= 20:  # skip warm-up
-                    out.append(first)
-    return out
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def run_in_subprocess(fn: str, *args: object) -> list[float]:
-    """Run a load function in its own process so the client does not share our interpreter."""
-    code = f"import asyncio,json,sys; sys.path.insert(0,'.'); from bench.gateway_overhead import {fn}; print(json.dumps(asyncio.run({fn}(*{args!r}))))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
-    return json.loads(out.stdout)
 
 
 def main() -> None:
@@ -123,7 +40,7 @@ def main() -> None:
         sys.exit("wrk not found: apt-get install wrk")
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     script = tmp / "post.lua"
-    script.write_text(LUA)
+    script.write_text(lua_post(BODY, {"Authorization": "Bearer sk-bench"}))
     up_port, gw_port = free_port(), free_port()
     policy = tmp / "policy.yaml"
     policy.write_text(
@@ -145,10 +62,10 @@ def main() -> None:
         g = wrk(via, args.connections, args.duration, script)
         cpu_per_req_us = (cpu_seconds(gateway.pid) - cpu0) / g["requests"] * 1e6
         results["throughput"] = {"direct_rps": d["rps"], "gateway_rps": g["rps"], "gateway_non2xx": g["non2xx"]}
-        lat_d = run_in_subprocess("_fixed_rate", direct, args.rate, args.duration)
-        lat_g = run_in_subprocess("_fixed_rate", via, args.rate, args.duration)
-        ttft_d = run_in_subprocess("_ttft", direct.replace("/chat", "/chat"), args.stream_n)
-        ttft_g = run_in_subprocess("_ttft", via, args.stream_n)
+        lat_d = run_in_subprocess("fixed_rate", direct, args.rate, args.duration, BODY.decode())
+        lat_g = run_in_subprocess("fixed_rate", via, args.rate, args.duration, BODY.decode())
+        ttft_d = run_in_subprocess("ttft", direct, args.stream_n, STREAM_BODY.decode())
+        ttft_g = run_in_subprocess("ttft", via, args.stream_n, STREAM_BODY.decode())
         rss = peak_rss_mb(gateway.pid)
     finally:
         stop(gateway)
@@ -158,10 +75,10 @@ def main() -> None:
     ms = 1000
     rows = [
         ("throughput, non-stream, c=%d (req/s)" % args.connections, d["rps"], g["rps"], g["rps"] / d["rps"]),
-        ("latency p50 at %d req/s (ms)" % args.rate, _pct(lat_d, 0.5) * ms, _pct(lat_g, 0.5) * ms, _pct(lat_g, 0.5) / _pct(lat_d, 0.5)),
-        ("latency p99 at %d req/s (ms)" % args.rate, _pct(lat_d, 0.99) * ms, _pct(lat_g, 0.99) * ms, _pct(lat_g, 0.99) / _pct(lat_d, 0.99)),
-        ("stream TTFT p50 (ms)", _pct(ttft_d, 0.5) * ms, _pct(ttft_g, 0.5) * ms, _pct(ttft_g, 0.5) / _pct(ttft_d, 0.5)),
-        ("stream TTFT p99 (ms)", _pct(ttft_d, 0.99) * ms, _pct(ttft_g, 0.99) * ms, _pct(ttft_g, 0.99) / _pct(ttft_d, 0.99)),
+        ("latency p50 at %d req/s (ms)" % args.rate, pct(lat_d, 0.5) * ms, pct(lat_g, 0.5) * ms, pct(lat_g, 0.5) / pct(lat_d, 0.5)),
+        ("latency p99 at %d req/s (ms)" % args.rate, pct(lat_d, 0.99) * ms, pct(lat_g, 0.99) * ms, pct(lat_g, 0.99) / pct(lat_d, 0.99)),
+        ("stream TTFT p50 (ms)", pct(ttft_d, 0.5) * ms, pct(ttft_g, 0.5) * ms, pct(ttft_g, 0.5) / pct(ttft_d, 0.5)),
+        ("stream TTFT p99 (ms)", pct(ttft_d, 0.99) * ms, pct(ttft_g, 0.99) * ms, pct(ttft_g, 0.99) / pct(ttft_d, 0.99)),
     ]
     print(f"\n{'metric':42} {'direct':>10} {'gateway':>10} {'ratio':>7} {'added':>9}")
     for name, dv, gv, ratio in rows:

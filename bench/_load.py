@@ -1,0 +1,108 @@
+"""Load generators shared by the benchmarks: wrk for throughput, an open-loop client for latency."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def lua_post(body: bytes, headers: dict[str, str] | None = None) -> str:
+    """A wrk script that POSTs `body` as JSON."""
+    lines = ['wrk.method = "POST"', "wrk.body = '%s'" % body.decode(), 'wrk.headers["Content-Type"] = "application/json"']
+    lines += [f'wrk.headers["{k}"] = "{v}"' for k, v in (headers or {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def wrk(url: str, connections: int, duration: int, script: Path) -> dict[str, float]:
+    out = subprocess.run(
+        ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    errors = re.search(r"Socket errors: (.*)", out)
+    return {"rps": rps, "requests": total, "non2xx": int(non2xx.group(1)) if non2xx else 0, "socket_errors": errors.group(1) if errors else ""}
+
+
+async def fixed_rate(url: str, rate: float, duration: float, body: bytes | str, headers: dict[str, str] | None = None) -> list[float]:
+    """Open loop: a request every 1/rate s regardless of answers; returns latencies (s).
+
+    The client is the gateway's own lean HTTP/1.1 pool on uvloop (~50 us of CPU per request),
+    so the harness adds as little as it can to what it measures."""
+    from gateway.upstream_http import UpstreamPool
+
+    data = body.encode() if isinstance(body, str) else body
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    lat: list[float] = []
+    errors = 0
+    pool = UpstreamPool()
+
+    async def one() -> None:
+        nonlocal errors
+        t0 = time.perf_counter()
+        r = await pool.post(url, data, hdrs, connect_timeout_s=5)
+        await r.read()
+        r.release()
+        if r.status != 200:
+            errors += 1
+        lat.append(time.perf_counter() - t0)
+
+    try:
+        await asyncio.gather(*(one() for _ in range(50)))  # warm the pool
+        lat.clear()
+        tasks = []
+        start_t = time.perf_counter()
+        n = int(rate * duration)
+        for i in range(n):
+            delay = start_t + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    finally:
+        await pool.close()
+    if errors:
+        raise RuntimeError(f"{errors} errors at fixed rate against {url}")
+    return lat
+
+
+async def ttft(url: str, n: int, body: bytes | str) -> list[float]:
+    """Sequential streamed requests; time to the first content chunk."""
+    out = []
+    async with aiohttp.ClientSession() as http:
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+                first = None
+                async for line in r.content:
+                    if first is None and b'"content":"w' in line:
+                        first = time.perf_counter() - t0
+                if i >= 20:  # skip warm-up
+                    out.append(first)
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def run_in_subprocess(fn: str, *args: object) -> list[float]:
+    """Run a load function of this module in its own process, so the client does not share the
+    benchmark's interpreter."""
+    code = (
+        "import json,sys,uvloop; sys.path.insert(0,'.'); "
+        f"from bench._load import {fn}; print(json.dumps(uvloop.run({fn}(*{args!r}))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    return json.loads(out.stdout)
