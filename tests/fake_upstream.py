@@ -4,6 +4,11 @@ Run it as its own process: `python -m tests.fake_upstream --port 9001 --ttft-ms 
 or in-process with `FakeUpstream(...).start()`. `POST /_control` changes its behaviour at run
 time (JSON with any Behaviour field); `GET /_stats` reports what it saw.
 
+Load and faults: `capacity` (> 0) lets at most that many requests generate at once; the rest wait
+in FIFO order before their TTFT starts, so queueing shows up as TTFT (0: unlimited). `fail_pct`
+(a share, 0..1) answers that share of requests 500 at once, before the first byte, chosen by a
+counter (deterministic: 0.2 fails every 5th request), without taking a capacity slot.
+
 Modes: ok, error_500, error_429, error_503, error_400, error_401, hang (never answers), stall
 (headers, role chunk, then silence), disconnect (drops the connection after `fail_after` tokens),
 cut (ends the stream after `fail_after` tokens, no finish reason), no_done (finish reason, then
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -36,12 +42,17 @@ class Behaviour:
     retry_after_s: float | None = None
     model: str | None = None  # the model name to answer with; None: echo the request's
     prompt_ms_per_kchar: float = 0.0  # extra TTFT per 1,000 prompt characters
+    capacity: int = 0  # > 0: at most this many requests generate at once, the rest queue (FIFO) before their TTFT
+    fail_pct: float = 0.0  # share (0..1) of requests answered 500 at once, before the first byte (counter-chosen)
 
 
 @dataclass
 class Stats:
     requests: int = 0
     active: int = 0
+    generating: int = 0  # holding a capacity slot (or all active ones without a capacity)
+    queued: int = 0  # waiting for a capacity slot
+    failed: int = 0  # answered 500 by fail_pct
     completed: int = 0
     cancelled: int = 0  # the client (the gateway) went away mid-answer
     models: list[str] = field(default_factory=list)
@@ -63,6 +74,8 @@ class FakeUpstream:
         self.port = port
         self.stats = Stats()
         self._runner: web.AppRunner | None = None
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()  # FIFO capacity queue
+        self._fail_acc = 0.0  # fail_pct counter: a request fails each time this passes 1
         self.app = web.Application()
         self.app.add_routes(
             [
@@ -95,6 +108,7 @@ class FakeUpstream:
 
     def set(self, **changes: Any) -> None:
         self.behaviour = dataclasses.replace(self.behaviour, **changes)
+        self._wake()  # a larger (or no) capacity lets queued requests start now
 
     # -- handlers ---------------------------------------------------------------------------
 
@@ -102,6 +116,9 @@ class FakeUpstream:
         return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
+        mode = self.behaviour.mode
+        if mode.startswith("error_") and mode[6:].isdigit() and int(mode[6:]) >= 500:
+            return web.json_response({"error": {"message": "down"}}, status=int(mode[6:]))  # down everywhere
         return web.json_response({"object": "list", "data": [{"id": self.behaviour.model or "fake", "object": "model"}]})
 
     async def _control(self, request: web.Request) -> web.Response:
@@ -137,7 +154,18 @@ class FakeUpstream:
         st.last_headers = dict(request.headers)
         st.last_body = body
         try:
-            resp = await self._respond(request, body, chat, b, len(raw))
+            if b.fail_pct > 0:
+                self._fail_acc += b.fail_pct
+                if self._fail_acc >= 1.0:
+                    self._fail_acc -= 1.0
+                    st.failed += 1
+                    err = {"error": {"message": f"fake upstream {self.name} failed (fail_pct)", "type": "server_error", "param": None, "code": None}}
+                    return web.Response(status=500, body=orjson.dumps(err), content_type="application/json")
+            await self._acquire()
+            try:
+                resp = await self._respond(request, body, chat, self.behaviour, len(raw))
+            finally:
+                self._release()
             st.completed += 1
             return resp
         except asyncio.CancelledError:
@@ -145,6 +173,40 @@ class FakeUpstream:
             raise
         finally:
             st.active -= 1
+
+    # -- capacity: a FIFO gate in front of generation -----------------------------------------
+
+    async def _acquire(self) -> None:
+        """Take a generation slot, waiting in FIFO order while `capacity` are taken."""
+        cap = self.behaviour.capacity
+        if cap <= 0 or (not self._waiters and self.stats.generating < cap):
+            self.stats.generating += 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self.stats.queued += 1
+        try:
+            await fut  # _wake() counts the slot as ours before resolving
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self._release()  # a slot was handed over just as the client went away: pass it on
+            else:
+                self._waiters.remove(fut)
+            raise
+        finally:
+            self.stats.queued -= 1
+
+    def _release(self) -> None:
+        self.stats.generating -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        cap = self.behaviour.capacity
+        while self._waiters and (cap <= 0 or self.stats.generating < cap):
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self.stats.generating += 1
+                fut.set_result(None)
 
     async def _respond(self, request: web.Request, body: dict[str, Any], chat: bool, b: Behaviour, size: int) -> web.StreamResponse:
         model = b.model or body.get("model", "fake")
