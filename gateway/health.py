@@ -58,12 +58,16 @@ class Health:
             self._eject(now)  # a failed half-open trial re-ejects at once, for longer
 
     def report_probe(self, ok: bool) -> None:
-        """An active probe's result. A good probe ends an ejection early (half-open: the next real
-        request decides); a failed one counts as a failure unless the backend is already out."""
+        """An active probe's result. A good probe ends a first ejection early (half-open: the next
+        real request decides); a failed one counts as a failure unless the backend is already out."""
         if not ok:
             self.report_failure()
         elif self.clock() < self.ejected_until:
-            self.ejected_until = 0.0
+            # Only a first ejection ends early: a backend whose cheap probe works while its real
+            # requests keep failing would otherwise get a trial request every probe interval,
+            # whatever its back-off says.
+            if self.ejections <= 1:
+                self.ejected_until = 0.0
         elif self.ejections == 0:
             self.consecutive_failures = 0
 

@@ -30,7 +30,6 @@ from .errors import (
 )
 from .metrics import Metrics
 from .policy import RoutingPolicy, ServerPolicy
-from .routing import Ranked
 from .runtime import Pool, Route
 from .sink import Sink
 from .upstream_http import UpstreamConnectError, UpstreamHTTPError, UpstreamPool, UpstreamResponse
@@ -94,7 +93,7 @@ def _claim(progress: _Progress, backend: Backend, call: Call, sink: Sink) -> Non
                 task.cancel()  # the loser's upstream connection closes at once
 
 
-def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> tuple[list[Backend], list[Ranked]]:
+def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> list[Backend]:
     """The backends to try, best first, from the pool's selector; skipped ones explain themselves."""
     ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
     order = [pool.backends[r.index] for r in ranked if r.skipped is None]
@@ -113,7 +112,7 @@ def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> t
             failures.append((b.name, RateLimited(f"asked us to back off for {wait:.1f}s more", retry_after_s=wait)))
         else:
             failures.append((b.name, Unavailable(f"skipped: {r.skipped}", retry_after_s=max(1.0, b.health.available_in()))))
-    return order, ranked
+    return order
 
 
 async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None:
@@ -121,7 +120,7 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
     pool = route.pool(call.cls)
     progress = _Progress()
     failures: list[tuple[str, GatewayError]] = []
-    order, _ = _plan(call, pool, failures)
+    order = _plan(call, pool, failures)
     full: list[Backend] = []
     heartbeat = asyncio.create_task(_heartbeat(sink, ctx.server, progress)) if call.stream else None
     try:
@@ -129,6 +128,8 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
         for i, backend in enumerate(order):
             if attempts >= ctx.server.max_attempts or call.remaining_s() <= 0:
                 break
+            if backend.name in call.attempts:
+                continue  # it already ran as a hedge
             if not backend.slots.try_acquire():
                 full.append(backend)
                 continue

@@ -146,3 +146,16 @@ def test_limits_can_be_changed_after_construction():
     h.failures_to_eject, h.eject_s = 1, 2.0
     h.report_failure()
     assert h.state() == "ejected" and h.available_in() == pytest.approx(2.0)
+
+
+def test_a_good_probe_does_not_cut_short_a_repeated_ejection():
+    clock = Clock()
+    h = Health(failures_to_eject=1, eject_s=10, jitter=0.0, clock=clock)
+    h.report_failure()  # first ejection: 10 s
+    h.report_probe(True)
+    assert h.state() == "probing"  # a first ejection ends early on a good probe
+    h.report_failure()  # the trial failed: ejected again, for 20 s
+    h.report_probe(True)  # the cheap probe works, the real requests do not
+    assert h.state() == "ejected"
+    clock.t += 20.1
+    assert h.state() == "probing"

@@ -168,3 +168,15 @@ async def test_an_ejected_backend_is_probed_back_and_explain_shows_why_it_was_sk
     r = await c.chat.completions.with_raw_response.create(model="m", messages=MSG)
     assert r.headers["x-gateway-backend"] == "a" and backend.health.state() == "healthy"
     assert 'gateway_probes_total{backend="a",result="ok"}' in await _metrics(gw)
+
+
+async def test_when_both_hedged_attempts_fail_the_next_backend_answers_and_none_is_tried_twice(upstream, gateway):
+    a = await upstream("a", mode="stall")
+    b = await upstream("b", mode="stall")
+    c3 = await upstream("c", ttft_ms=5, tokens=2)
+    policy = _policy(a, b, c3, strategy="ordered", model={"hedge": {"max_extra_pct": 100, "min_delay_ms": 20, "default_delay_ms": 50}})
+    for name in ("a", "b"):
+        policy["backends"][name]["timeouts"] = {"first_token_ms": 300}
+    gw = await gateway(policy)
+    assert await _stream(gw.client()) == "c"
+    assert (a.stats.requests, b.stats.requests, c3.stats.requests) == (1, 1, 1)
