@@ -1,6 +1,7 @@
 """The request pipeline, top to bottom, in one place.
 
-authenticate -> parse -> authorize -> classify -> (cache) -> route -> relay -> observe
+authenticate -> parse -> authorize -> classify -> cache lookup (single flight) -> route + relay
+(failover, hedging, streaming) -> cache store -> observe
 """
 
 from __future__ import annotations
@@ -9,11 +10,11 @@ import asyncio
 import logging
 from typing import Any
 
+from .auth import Tenant
+from .cache import Entry, replay_json, replay_sse
 from .call import Call
 from .errors import GatewayError
 from .relay import ClientGone, RelayContext, relay
-from .auth import Tenant
-from .cache import Entry, replay_json, replay_sse
 from .runtime import Route, Runtime
 from .sink import Sink
 from .wire import ChatRequest, CompletionRequest, EmbeddingRequest, parse_body
