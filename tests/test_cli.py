@@ -65,15 +65,15 @@ async def test_serve_with_two_workers_shares_the_port_and_aggregates_metrics(ups
         sys.executable, "-m", "gateway", "serve", "--port", str(port), "--workers", "2",
         cwd=ROOT, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
     )
+    seen: list[str] = []
     try:
+        # Both workers up before any request: each logs when it serves.
+        async with asyncio.timeout(60):
+            while sum("serving on" in line for line in seen) < 2:
+                line = (await proc.stderr.readline()).decode()  # type: ignore[union-attr]
+                assert line, "the gateway exited: " + "".join(seen)
+                seen.append(line)
         async with aiohttp.ClientSession() as http:
-            for _ in range(200):
-                try:
-                    async with http.get(f"http://127.0.0.1:{port}/healthz") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.05)
             client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
             n = 20
             # separate connections, so SO_REUSEPORT spreads them over both workers
@@ -92,9 +92,9 @@ async def test_serve_with_two_workers_shares_the_port_and_aggregates_metrics(ups
     finally:
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.wait_for(proc.communicate(), 20)
-    assert proc.returncode == 0
-    pids = {w.split("pid ")[1].split(")")[0] for w in err.decode().splitlines() if "serving on" in w}
-    assert len(pids) == 2, err.decode()[-2000:]
+    assert proc.returncode == 0, err.decode()[-2000:]
+    pids = {w.split("pid ")[1].split(")")[0] for w in seen if "serving on" in w}
+    assert len(pids) == 2, seen
 
 
 def test_serve_refuses_a_bad_policy_before_binding(tmp_path):
