@@ -2,7 +2,8 @@
 
     python bench/gateway_overhead.py [--duration 10] [--rate 500] [--connections 32]
 
-Measures non-streaming throughput at concurrency 32 (wrk, a C load generator), latency p50/p99 at
+Also runs a bare aiohttp passthrough (bench/_minproxy.py) in the same run as the floor to compare
+with: the machine's speed moves between runs, the ratios do not. Measures non-streaming throughput at concurrency 32 (wrk, a C load generator), latency p50/p99 at
 a fixed request rate (an open-loop generator in its own process), TTFT added on streams, the
 gateway's CPU time per request and its peak RSS. One gateway worker, uvloop. Each figure is
 reported beside the direct one and as a ratio.
@@ -41,7 +42,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     script = tmp / "post.lua"
     script.write_text(lua_post(BODY, {"Authorization": "Bearer sk-bench"}))
-    up_port, gw_port = free_port(), free_port()
+    up_port, gw_port, mp_port = free_port(), free_port(), free_port()
     policy = tmp / "policy.yaml"
     policy.write_text(
         f"backends:\n  up: {{url: 'http://127.0.0.1:{up_port}/v1', models: [gpt-test], max_concurrency: 1024}}\n"
@@ -50,17 +51,23 @@ def main() -> None:
     upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"])
     gateway = start(["-m", "gateway", "serve", "--policy", str(policy), "--port", str(gw_port)], env={"GATEWAY_LOG_LEVEL": "WARNING"})
     direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+    bare = start(["bench/_minproxy.py", direct, str(mp_port)])
+    via_bare = f"http://127.0.0.1:{mp_port}/v1/chat/completions"
     via = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
     results: dict[str, dict[str, float]] = {}
     try:
         wait_http(f"http://127.0.0.1:{up_port}/healthz")
         wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        wait_http(f"http://127.0.0.1:{mp_port}/healthz")
         wrk(via, args.connections, 2, script)  # warm-up
         wrk(direct, args.connections, 2, script)
         d = wrk(direct, args.connections, args.duration, script)
         cpu0 = cpu_seconds(gateway.pid)
         g = wrk(via, args.connections, args.duration, script)
         cpu_per_req_us = (cpu_seconds(gateway.pid) - cpu0) / g["requests"] * 1e6
+        cpu0 = cpu_seconds(bare.pid)
+        b = wrk(via_bare, args.connections, args.duration, script)
+        bare_cpu_us = (cpu_seconds(bare.pid) - cpu0) / b["requests"] * 1e6
         results["throughput"] = {"direct_rps": d["rps"], "gateway_rps": g["rps"], "gateway_non2xx": g["non2xx"]}
         lat_d = run_in_subprocess("fixed_rate", direct, args.rate, args.duration, BODY.decode())
         lat_g = run_in_subprocess("fixed_rate", via, args.rate, args.duration, BODY.decode())
@@ -69,6 +76,7 @@ def main() -> None:
         rss = peak_rss_mb(gateway.pid)
     finally:
         stop(gateway)
+        stop(bare)
         stop(upstream)
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -84,12 +92,20 @@ def main() -> None:
     for name, dv, gv, ratio in rows:
         print(f"{name:42} {dv:10.2f} {gv:10.2f} {ratio:7.2f} {gv - dv:9.2f}")
     print(f"{'gateway CPU per request (us)':42} {'':10} {cpu_per_req_us:10.0f}")
+    print(
+        f"bare aiohttp passthrough, same run: {b['rps']:.0f} req/s, {bare_cpu_us:.0f} us CPU per request "
+        f"(gateway/bare: {g['rps'] / b['rps']:.2f}x req/s, {cpu_per_req_us / bare_cpu_us:.2f}x CPU)"
+    )
     print(f"{'gateway peak RSS (MB)':42} {'':10} {rss:10.1f}")
     print(f"(non-2xx through the gateway: {g['non2xx']}; wrk socket errors: {g['socket_errors'] or 'none'})")
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
     (out / "gateway_overhead.json").write_text(
-        json.dumps({"rows": rows, "cpu_per_request_us": cpu_per_req_us, "peak_rss_mb": rss, "args": vars(args)}, indent=2)
+        json.dumps(
+            {"rows": rows, "cpu_per_request_us": cpu_per_req_us, "bare_proxy": {"rps": b["rps"], "cpu_per_request_us": bare_cpu_us},
+             "peak_rss_mb": rss, "args": vars(args)},
+            indent=2,
+        )
     )
 
 
