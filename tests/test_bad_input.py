@@ -127,3 +127,34 @@ async def test_unknown_paths_are_404_in_openai_shape(upstream, gateway):
         async with http.get(gw.url + "/v1/nothing-here") as r:
             assert r.status == 404
             assert (await r.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_odd_bodies_never_crash_the_gateway(upstream, gateway):
+    """A seeded spray of odd-but-JSON bodies: every answer is a 200 or an OpenAI-shaped 4xx."""
+    import random
+
+    up = await upstream("a", tokens=1)
+    policy = simple_policy(up)
+    policy["models"]["auto"] = {"simple": ["a"], "complex": ["a"]}  # the classifier sees every body too
+    gw = await gateway(policy)
+    rng = random.Random(7)
+    values = [None, 0, -1, 1.5, 10**30, "", "x" * 3000, [], {}, [1, "a"], {"k": [None]}, True, "\u202e\U0001f600"]
+
+    def odd():
+        msg = {"role": rng.choice(["user", "system", "assistant", "tool", "developer", 5, None]), "content": rng.choice(values)}
+        if rng.random() < 0.3:
+            msg["content"] = [{"type": rng.choice(["text", "image_url", "x"]), "text": rng.choice(values)}]
+        body = {"model": rng.choice(["gpt-test", "auto", "", None, 3]), "messages": [msg] * rng.randint(0, 3)}
+        for key in rng.sample(["stream", "max_tokens", "temperature", "tools", "response_format", "n", "stop"], 3):
+            body[key] = rng.choice(values)
+        return body
+
+    async with aiohttp.ClientSession() as http:
+        for _ in range(150):
+            async with http.post(gw.url + "/v1/chat/completions", json=odd()) as r:
+                raw = await r.read()
+                assert r.status in (200, 400, 404), (r.status, raw[:300])
+                if r.status != 200:
+                    assert set(orjson.loads(raw)["error"]) == {"message", "type", "param", "code"}
+            async with http.post(gw.url + "/v1/route/explain", json=odd()) as r:
+                assert r.status in (200, 400, 404), (r.status, await r.text())
