@@ -122,7 +122,7 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
     failures: list[tuple[str, GatewayError]] = []
     order = _plan(call, pool, failures)
     full: list[Backend] = []
-    heartbeat = asyncio.create_task(_heartbeat(sink, ctx.server, progress)) if call.stream else None
+    heartbeat = _Heartbeat(sink, ctx.server, progress) if call.stream else None
     try:
         attempts = 0
         for i, backend in enumerate(order):
@@ -158,9 +158,7 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
         raise AllBackendsFailed(failures, deadline_hit=call.remaining_s() <= 0)
     finally:
         if heartbeat is not None:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-                await heartbeat
+            await heartbeat.stop()
 
 
 async def _hedged(
@@ -506,14 +504,34 @@ async def _stream(
     return True
 
 
-async def _heartbeat(sink: Sink, server: ServerPolicy, progress: _Progress) -> None:
+class _Heartbeat:
     """SSE comments while a stream waits for its first token, so idle-timeout proxies keep it open.
 
-    They start only after heartbeat_after_ms: a fast failure still gets a real HTTP status."""
-    await asyncio.sleep(server.heartbeat_after_ms / 1000)
-    while not progress.first_sent:
-        await sink.write(SSE_HEARTBEAT)
-        await asyncio.sleep(server.heartbeat_interval_ms / 1000)
+    They start only after heartbeat_after_ms (a fast failure still gets a real HTTP status), and
+    only then does a task exist: most streams never need one, and a timer is cheaper than a task."""
+
+    __slots__ = ("_sink", "_server", "_progress", "_timer", "_task")
+
+    def __init__(self, sink: Sink, server: ServerPolicy, progress: _Progress) -> None:
+        self._sink, self._server, self._progress = sink, server, progress
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(server.heartbeat_after_ms / 1000, self._start)
+
+    def _start(self) -> None:
+        if not self._progress.first_sent:
+            self._task = asyncio.get_running_loop().create_task(self._beat())
+
+    async def _beat(self) -> None:
+        while not self._progress.first_sent:
+            await self._sink.write(SSE_HEARTBEAT)
+            await asyncio.sleep(self._server.heartbeat_interval_ms / 1000)
+
+    async def stop(self) -> None:
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+                await self._task
 
 
 async def _client_write(aw: object) -> None:
