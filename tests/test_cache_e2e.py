@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
-import uuid
 
 import aiohttp
 import openai

@@ -4,7 +4,6 @@ and stops it on shutdown. The fast tests use the tiny random model; the slow one
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 
 import aiohttp
