@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import orjson
 
 from .backends import Backend
-from .cache import SingleFlight, StreamAssembler, entry_from_response
+from .cache import SingleFlight
+from .cache_entry import StreamAssembler, entry_from_response
 from .call import Call
 from .errors import GatewayError, RateLimited, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 from .metrics import Metrics

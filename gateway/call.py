@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from .cache import Entry
+from .cache_entry import Entry
 from .classify import Verdict
 
 __all__ = ["Call", "Endpoint", "ENDPOINTS"]

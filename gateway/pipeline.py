@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from .auth import Tenant
-from .cache import Entry, replay_json, replay_sse
+from .cache_entry import Entry, replay_json, replay_sse
 from .call import Call
 from .errors import GatewayError
 from .relay import ClientGone, RelayContext, relay

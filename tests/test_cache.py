@@ -15,18 +15,8 @@ import pytest
 import redis.asyncio as aredis
 from aiohttp import web
 
-from gateway.cache import (
-    Cache,
-    Entry,
-    SingleFlight,
-    StreamAssembler,
-    cache_control,
-    cache_key,
-    cacheable_request,
-    entry_from_response,
-    replay_json,
-    replay_sse,
-)
+from gateway.cache import Cache, SingleFlight, cache_control, cache_key, cacheable_request
+from gateway.cache_entry import Entry, StreamAssembler, entry_from_response, replay_json, replay_sse
 from gateway.store import MemoryStore, Store, StoreError
 from gateway.store_redis import RedisStore
 
