@@ -72,24 +72,13 @@ async def _probes(app: web.Application) -> AsyncIterator[None]:
 async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     """One keep-alive connection pool for every upstream call."""
     pool = UpstreamPool()
-    rt = app[LIVE].runtime
-    app[RELAY] = RelayContext(pool, app[METRICS], rt.server, rt.routing)
+    app[RELAY] = RelayContext(pool, app[METRICS])
     yield
     await pool.close()
 
 
 async def _reload_watch(app: web.Application) -> AsyncIterator[None]:
     reloader = app[RELOADER]
-    ctx = app[RELAY]
-    original_swap = reloader.on_swap
-
-    async def on_swap(runtime: Runtime) -> None:
-        ctx.server = runtime.server  # relay settings follow the policy in force
-        ctx.routing = runtime.routing
-        if original_swap is not None:
-            await original_swap(runtime)
-
-    reloader.on_swap = on_swap
     watcher = None
     if reloader.path is not None and app[LIVE].runtime.policy.reload.watch:
         watcher = asyncio.create_task(reloader.watch(app[LIVE].runtime.policy.reload.interval_ms / 1000))

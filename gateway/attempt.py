@@ -20,7 +20,7 @@ from .cache_entry import StreamAssembler, entry_from_response
 from .call import Call
 from .errors import GatewayError, RateLimited, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 from .metrics import Metrics
-from .policy import RoutingPolicy, ServerPolicy
+from .policy import RoutingPolicy
 from .sink import Sink
 from .upstream_http import UpstreamConnectError, UpstreamHTTPError, UpstreamPool, UpstreamResponse
 from .wire import SSE_DONE, SSEDecoder, event_data
@@ -59,12 +59,11 @@ class Lost(Exception):
 
 @dataclass(slots=True)
 class RelayContext:
-    """What every request shares in one process (sessions, metrics, single flight)."""
+    """What every request shares in one process (the upstream pool, metrics, single flight).
+    Policy settings come with each request's Route instead, so a reload never changes them mid-request."""
 
     pool: UpstreamPool
     metrics: Metrics
-    server: ServerPolicy
-    routing: RoutingPolicy
     flight: SingleFlight = field(default_factory=SingleFlight)
 
 
@@ -84,7 +83,13 @@ def claim(progress: Progress, backend: Backend, call: Call, sink: Sink) -> None:
 
 
 async def attempt(
-    call: Call, backend: Backend, ctx: RelayContext, sink: Sink, progress: Progress, started: float, live_deadline: bool
+    call: Call,
+    backend: Backend,
+    ctx: RelayContext,
+    sink: Sink,
+    progress: Progress,
+    started: float,
+    live_deadline: RoutingPolicy | None,
 ) -> bool:
     """Send the request; True when answered in full, False when a stream failed after its first
     token (the client got an error event). Raises AttemptFailed to fail over."""
@@ -93,8 +98,8 @@ async def attempt(
     now = loop.time()
     call_deadline = now + call.remaining_s()
     first_s = t.first_token_ms / 1000
-    if live_deadline:  # a stuck backend is abandoned after ~2x its live P95, not a fixed timeout
-        rp = ctx.routing
+    if live_deadline is not None:  # a stuck backend is abandoned after ~2x its live P95, not a fixed timeout
+        rp = live_deadline
         first_s = backend.tracker.first_token_deadline_s(
             first_s, rp.deadline_floor_ms / 1000, prompt_tokens=call.prompt_tokens, mult=rp.deadline_p95_multiplier
         )

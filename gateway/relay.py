@@ -15,7 +15,7 @@ from .attempt import AttemptFailed, ClientGone, Lost, Progress, RelayContext, at
 from .backends import Backend
 from .call import Call
 from .errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected
-from .policy import ServerPolicy
+from .policy import RoutingPolicy, ServerPolicy
 from .runtime import Pool, Route
 from .sink import Sink
 from .wire import SSE_HEARTBEAT
@@ -52,11 +52,12 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
     failures: list[tuple[str, GatewayError]] = []
     order = _plan(call, pool, failures)
     full: list[Backend] = []
-    heartbeat = _Heartbeat(sink, ctx.server, progress) if call.stream else None
+    server = route.server
+    heartbeat = _Heartbeat(sink, server, progress) if call.stream else None
     try:
         attempts = 0
         for i, backend in enumerate(order):
-            if attempts >= ctx.server.max_attempts or call.remaining_s() <= 0:
+            if attempts >= server.max_attempts or call.remaining_s() <= 0:
                 break
             if backend.name in call.attempts:
                 continue  # it already ran as a hedge
@@ -65,11 +66,11 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
                 continue
             attempts += 1
             # The live-P95 deadline only while another backend could take over.
-            last = attempts >= ctx.server.max_attempts or i == len(order) - 1
+            last = attempts >= server.max_attempts or i == len(order) - 1
             if route.hedge is not None and attempts == 1 and not last:
                 answered = await _hedged(call, backend, order[i + 1 :], route, ctx, sink, progress, failures)
             else:
-                answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=not last)
+                answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None if last else route.routing)
             if answered:
                 return
         if attempts == 0 and full:
@@ -81,7 +82,7 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
             call.queue_ms += waited * 1000
             ctx.metrics.queue_wait.observe(waited)
             sink.set_header("x-gateway-queue-ms", f"{call.queue_ms:.1f}")
-            if got and await _try(call, backend, ctx, sink, progress, failures, live_deadline=False):
+            if got and await _try(call, backend, ctx, sink, progress, failures, live_deadline=None):
                 return
             if not got:
                 failures.extend((b.name, Unavailable("at max_concurrency", retry_after_s=1)) for b in full)
@@ -108,7 +109,7 @@ async def _hedged(
     budget.note_request()
     p95 = primary.tracker.ttft_p95_s(call.prompt_tokens)
     delay = hp.default_delay_ms / 1000 if p95 is None else max(hp.min_delay_ms / 1000, p95)
-    tasks = [asyncio.create_task(_try(call, primary, ctx, sink, progress, failures, live_deadline=True))]
+    tasks = [asyncio.create_task(_try(call, primary, ctx, sink, progress, failures, live_deadline=route.routing))]
     try:
         done, _ = await asyncio.wait(tasks, timeout=min(delay, max(0.0, call.remaining_s())))
         if not done and progress.owner is None:
@@ -121,7 +122,7 @@ async def _hedged(
             else:
                 ctx.metrics.hedges.labels("started").inc()
                 progress.rivals = tasks
-                tasks.append(asyncio.create_task(_try(call, second, ctx, sink, progress, failures, live_deadline=True)))
+                tasks.append(asyncio.create_task(_try(call, second, ctx, sink, progress, failures, live_deadline=route.routing)))
         results = await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         for task in tasks:
@@ -143,9 +144,10 @@ async def _try(
     progress: Progress,
     failures: list[tuple[str, GatewayError]],
     *,
-    live_deadline: bool,
+    live_deadline: RoutingPolicy | None,
 ) -> bool:
-    """One attempt on a backend whose slot we hold. True when the call is answered (or lost to
+    """One attempt on a backend whose slot we hold (`live_deadline`: the rule for a first-token
+    deadline from live data, None for the backend's fixed one). True when the call is answered (or lost to
     a mid-stream failure, which is answered with an error event)."""
     m = ctx.metrics.for_backend(backend.name)
     tracker = backend.tracker

@@ -19,7 +19,7 @@ from .health import Health
 from .latency import Tracker
 from .auth import Tenant
 from .cache import Cache, cache_key, cacheable_request
-from .policy import CacheOverride, HedgePolicy, ModelRoute, Policy, StorePolicy
+from .policy import CacheOverride, HedgePolicy, ModelRoute, Policy, RoutingPolicy, ServerPolicy, StorePolicy
 from .store import MemoryStore, Store
 from .store_redis import RedisStore
 from .routing import Candidate, Selector
@@ -82,6 +82,9 @@ class Route:
     hedge: HedgePolicy | None = None
     budget: HedgeBudget | None = None
     cache: CacheOverride | None = None
+    # The settings of the policy this route came from: a request keeps them to its end.
+    server: ServerPolicy = field(default_factory=ServerPolicy)
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
 
     def pool(self, cls: str) -> Pool:
         return self.simple if cls == "simple" else self.complex
@@ -163,7 +166,10 @@ class Runtime:
         budget = HedgeBudget(r.hedge.max_extra_pct) if r.hedge else None
         if r.backends is not None:
             pool = self._pool(r.backends, strategy)
-            return Route(model, pool, pool, split=False, hedge=r.hedge, budget=budget, cache=r.cache)
+            return Route(
+                model, pool, pool, split=False, hedge=r.hedge, budget=budget, cache=r.cache,
+                server=self.server, routing=self.routing,
+            )
         return Route(
             model,
             self._pool(r.simple or (), strategy),
@@ -173,6 +179,8 @@ class Runtime:
             hedge=r.hedge,
             budget=budget,
             cache=r.cache,
+            server=self.server,
+            routing=self.routing,
         )
 
     def classify(self, call: Call, route: Route) -> Verdict:

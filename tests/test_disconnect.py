@@ -8,6 +8,7 @@ import aiohttp
 import orjson
 import pytest
 
+from gateway.keys import LIVE
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -49,7 +50,7 @@ async def test_disconnect_cancels_upstream_and_frees_the_slot(upstream, gateway,
     finally:
         await http.close()
     await _wait_for(lambda: up.stats.cancelled == 1)
-    backend = gw.app[__import__("gateway.keys", fromlist=["LIVE"]).LIVE].runtime.backends["a"]
+    backend = gw.app[LIVE].runtime.backends["a"]
     await _wait_for(lambda: backend.slots.used == 0 and backend.tracker.inflight == 0)
     assert (await _admin(gw))["a"]["inflight"] == 0
     # the single slot is free again: the next request gets through at once

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from gateway.auth import hash_key
-from gateway.keys import LIVE
+from gateway.keys import LIVE, RELOADER
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -114,3 +114,20 @@ async def test_requests_in_flight_finish_under_the_policy_they_started_with(upst
     assert "".join(parts) == "".join(f"w{i} " for i in range(20))
     with pytest.raises(openai.NotFoundError):
         await client.chat.completions.create(model="gpt-test", messages=MSG)
+
+
+async def test_a_reload_does_not_change_the_settings_of_a_request_in_flight(upstream, gateway):
+    a = await upstream("a", tokens=3, ttft_ms=400)
+    gw = await gateway(simple_policy(a, reload={"watch": False}))
+    client = gw.client()
+    slow = asyncio.create_task(client.chat.completions.create(model="gpt-test", messages=MSG))
+    await asyncio.sleep(0.1)
+    stricter = simple_policy(a, reload={"watch": False})
+    stricter["backends"]["a"]["timeouts"] = {"first_token_ms": 50, "total_ms": 50}
+    gw.write_policy(stricter)
+    ok, _ = await gw.app[RELOADER].reload("test")
+    assert ok
+    r = await slow  # started under the old policy: its 600 s deadline, not the new 50 ms
+    assert r.choices[0].message.content == "w0 w1 w2 "
+    with pytest.raises(openai.APIStatusError):
+        await client.chat.completions.create(model="gpt-test", messages=MSG)  # the new policy applies to new requests
