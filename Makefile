@@ -38,6 +38,10 @@ check: $(STAMP)
 bench: $(STAMP)
 	@command -v wrk >/dev/null || { echo "bench needs wrk: apt-get install wrk"; exit 1; }
 	$(PY) bench/gateway_overhead.py
+	$(PY) bench/upstream_client.py
+	$(PY) bench/selection.py
+	$(PY) bench/routing.py
+	$(PY) bench/cache.py
 	$(PY) bench/classifier.py
 	$(PY) bench/local_model.py
 
