@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -22,8 +23,9 @@ import aiohttp
 import orjson
 import uvloop
 
-from bench._procs import cpu_seconds, free_port, start, stop, wait_http
-from gateway.upstream_http import UpstreamPool
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
+from bench._procs import cpu_seconds, free_port, start, stop, wait_http  # noqa: E402
+from gateway.upstream_http import UpstreamPool  # noqa: E402
 
 Send = Callable[[bytes], Awaitable[int]]
 
