@@ -85,6 +85,9 @@ class Metrics:
         self.cache_errors = Counter(
             "gateway_cache_errors", "Cache store failures (the request went upstream)", ["op"], registry=r
         )
+        # Bound once: labels() is slow on the hot path, and these label sets are fixed.
+        self.lookup = {r: self.cache_lookups.labels(r) for r in ("hit", "miss", "bypass")}
+        self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
 

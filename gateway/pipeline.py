@@ -61,11 +61,11 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         route, tenant = _prepare(call, rt)
         if call.verdict is not None and call.verdict.features:
             sink.set_header("x-gateway-class", call.cls)
-            ctx.metrics.classified.labels(call.cls).inc()
+            ctx.metrics.per_class[call.cls].inc()
         plan = rt.cache_plan(call, route, tenant)
         if plan.key is None or rt.cache is None:
             call.cache = "bypass"
-            ctx.metrics.cache_lookups.labels("bypass").inc()
+            ctx.metrics.lookup["bypass"].inc()
             sink.set_header("x-gateway-cache", "bypass")
             await relay(call, route, ctx, sink)
             return
@@ -75,7 +75,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
                 entry = None if flight.leader else flight.entry
                 if entry is None:  # the leader, or a follower whose leader stored nothing
                     call.cache = "miss"
-                    ctx.metrics.cache_lookups.labels("miss").inc()
+                    ctx.metrics.lookup["miss"].inc()
                     sink.set_header("x-gateway-cache", "miss")
                     call.capture = rt.cache.max_entry_bytes
                     await relay(call, route, ctx, sink)
@@ -84,7 +84,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
                         flight.publish(call.entry)
                     return
         await _replay(call, entry, sink)
-        ctx.metrics.cache_lookups.labels("hit").inc()
+        ctx.metrics.lookup["hit"].inc()
     except ClientGone:
         call.finish = "client_disconnect"
     except GatewayError as err:
