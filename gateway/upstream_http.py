@@ -21,12 +21,17 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamDisconnected",
     "UpstreamHTTPError",
+    "UpstreamHeadersTooLarge",
+    "UpstreamMaybeSent",
     "UpstreamPool",
     "UpstreamProtocolError",
     "UpstreamResponse",
+    "UpstreamTooLarge",
 ]
 
 _HIGH_WATER = 1 << 20  # buffered body bytes at which we stop reading the socket until the consumer reads
+MAX_HEADER_BYTES = 64 * 1024  # default cap on a response's head (status line, headers, interim responses)
+MAX_HEADERS = 256  # default cap on the number of response header lines (LLM APIs send a few dozen)
 _MAX_TARGETS = 256  # parsed URLs kept; the relay posts to a handful of fixed URLs
 
 
@@ -39,26 +44,67 @@ class UpstreamConnectError(UpstreamHTTPError, OSError):
 
 
 class UpstreamDisconnected(UpstreamHTTPError, ConnectionError):
-    """The connection was lost before the response was complete."""
+    """The connection was lost before the response was complete.
+
+    Raised by UpstreamPool.post() only as its subclass UpstreamMaybeSent, or (plain) when the request
+    provably never left: the connection was already closed when it was about to be written."""
+
+
+class UpstreamMaybeSent(UpstreamDisconnected):
+    """post(): the request was written, then the connection died before the response headers.
+
+    The upstream may have received, processed and billed it, so the pool never resends it: the
+    caller must count it as an attempt (it is a failure of that backend, like a reset mid-answer).
+    Only a request that provably never left (written to no socket, because the pooled connection
+    was already closed) is resent, once, on a fresh connection."""
 
 
 class UpstreamProtocolError(UpstreamHTTPError):
     """The upstream sent something that is not a valid HTTP/1.x response."""
 
 
+class UpstreamTooLarge(UpstreamHTTPError):
+    """The upstream sent more than a cap allows (`limit` bytes); the connection was aborted.
+
+    Raised by UpstreamResponse.read(max_bytes=...) for a body, and as UpstreamHeadersTooLarge by
+    post() for the response headers."""
+
+    def __init__(self, message: str, limit: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class UpstreamHeadersTooLarge(UpstreamTooLarge, UpstreamProtocolError):
+    """post(): the response headers (status line and any interim responses included) exceed the
+    pool's `max_header_bytes`, or their count exceeds `max_headers`."""
+
+
+class _NotSent(UpstreamDisconnected):
+    """The connection was closed before the request was written to it: safe to send elsewhere."""
+
+
 class _Conn(asyncio.Protocol):
     """One connection; its per-exchange state is reset by begin() for each request."""
 
     __slots__ = (
-        "active", "body", "buffered", "closed", "complete", "exc", "got_bytes", "headers_done", "idle_since",
-        "info", "keep_alive", "key", "loop", "parser", "paused", "raw_headers", "registry", "status",
-        "transport", "waiter",
+        "active", "body", "buffered", "closed", "complete", "exc", "head_bytes", "header_bytes",
+        "headers_done", "idle_since", "info", "keep_alive", "key", "loop", "max_header_bytes", "max_headers",
+        "parser", "paused", "raw_headers", "registry", "status", "transport", "waiter",
     )  # fmt: skip
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, key: tuple[str, str, int], registry: set[_Conn]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        key: tuple[str, str, int],
+        registry: set[_Conn],
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_headers: int = MAX_HEADERS,
+    ) -> None:
         self.loop = loop
         self.key = key
         self.registry = registry
+        self.max_header_bytes = max_header_bytes
+        self.max_headers = max_headers
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
@@ -69,12 +115,13 @@ class _Conn(asyncio.Protocol):
 
     def begin(self, *, active: bool) -> None:
         self.active = active
-        self.got_bytes = False
         self.info = False  # inside a 1xx interim response
         self.headers_done = False
         self.complete = False
         self.keep_alive = False
         self.status = 0
+        self.head_bytes = 0  # bytes read while the headers were incomplete (the parser buffers a header line)
+        self.header_bytes = 0  # the size of the header lines parsed (trailers included)
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.buffered = 0
@@ -90,7 +137,6 @@ class _Conn(asyncio.Protocol):
         if not self.active or self.complete:
             self.abort()  # bytes nobody asked for: this socket can't be trusted again
             return
-        self.got_bytes = True
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # 101 is no answer to a POST
@@ -99,6 +145,11 @@ class _Conn(asyncio.Protocol):
             self.abort()
             self.wake()
             return
+        if not self.headers_done:
+            self.head_bytes += len(data)
+            if self.head_bytes > self.max_header_bytes:  # e.g. one endless header line, never passed to on_header
+                self._head_too_large()
+                return
         self.wake()  # once per read, however many parser events it held
         if self.buffered > _HIGH_WATER and not self.paused and not self.complete and self.transport is not None:
             self.paused = True
@@ -118,9 +169,11 @@ class _Conn(asyncio.Protocol):
             self.keep_alive = False
             self.wake()
             return
-        where = "mid-body" if self.headers_done else "before the response headers"
         reason = f": {exc}" if exc else ""
-        self.fail(UpstreamDisconnected(f"upstream closed the connection {where}{reason}"))
+        if self.headers_done:
+            self.fail(UpstreamDisconnected(f"upstream closed the connection mid-body{reason}"))
+        else:  # active: the request was written (an unwritten one never gets here, see _exchange)
+            self.fail(UpstreamMaybeSent(f"upstream closed the connection before the response headers{reason}"))
 
     # -- httptools callbacks --------------------------------------------------------------------
 
@@ -130,6 +183,18 @@ class _Conn(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.raw_headers.append((name, value))
+        self.header_bytes += len(name) + len(value) + 4
+        if self.header_bytes > self.max_header_bytes or len(self.raw_headers) > self.max_headers:
+            self._head_too_large()
+            raise self.exc  # type: ignore[misc]  # stops the parser; data_received keeps this error
+
+    def _head_too_large(self) -> None:
+        if len(self.raw_headers) > self.max_headers:
+            msg, limit = f"response headers exceed {self.max_headers} lines", self.max_headers
+        else:
+            msg, limit = f"response headers exceed {self.max_header_bytes} bytes", self.max_header_bytes
+        self.fail(UpstreamHeadersTooLarge(msg, limit))
+        self.abort()
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
@@ -240,15 +305,26 @@ class UpstreamResponse:
                 return b""
             await conn.wait()
 
-    async def read(self) -> bytes:
-        """The whole body (Content-Length, chunked, or until EOF)."""
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        """The whole body (Content-Length, chunked, or until EOF).
+
+        With `max_bytes`, a body longer than that raises UpstreamTooLarge as soon as the bytes that
+        came pass it: reading stops and the connection is aborted (never pooled). None: no cap."""
         conn = self._live()
         if conn is None:
             return b""
         parts: list[bytes] = []
+        size = 0
         while True:
             if conn.body:
                 parts.append(conn.take())
+                if max_bytes is not None:
+                    size += len(parts[-1])
+                    if size > max_bytes:
+                        exc = UpstreamTooLarge(f"response body exceeds {max_bytes} bytes", max_bytes)
+                        conn.fail(exc)
+                        conn.abort()
+                        raise exc
             if conn.exc is not None:
                 raise conn.exc
             if conn.complete:
@@ -289,14 +365,30 @@ class _Target:
 
 
 class UpstreamPool:
-    """Keep-alive HTTP/1.1 connections per (scheme, host, port); http and https."""
+    """Keep-alive HTTP/1.1 connections per (scheme, host, port); http and https.
+
+    Nothing an upstream sends is held without bound: a response head (status line, header lines,
+    interim 1xx responses) over `max_header_bytes`, or with more than `max_headers` header lines,
+    fails post() with UpstreamHeadersTooLarge (an UpstreamProtocolError and an UpstreamTooLarge); a
+    body read with read(max_bytes=N) stops at N; a body read with readany() holds at most ~1 MiB
+    before the socket is paused until the consumer reads."""
 
     def __init__(
-        self, *, max_idle_per_host: int = 256, idle_timeout_s: float = 60.0, ssl_context: ssl.SSLContext | None = None
+        self,
+        *,
+        max_idle_per_host: int = 256,
+        idle_timeout_s: float = 60.0,
+        ssl_context: ssl.SSLContext | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_headers: int = MAX_HEADERS,
     ) -> None:
+        if max_header_bytes <= 0 or max_headers <= 0:
+            raise ValueError("max_header_bytes and max_headers must be positive")
         self._max_idle = max_idle_per_host
         self._idle_timeout_s = idle_timeout_s
         self._ssl = ssl_context
+        self._max_header_bytes = max_header_bytes
+        self._max_headers = max_headers
         self._idle: dict[tuple[str, str, int], deque[_Conn]] = {}
         self._conns: set[_Conn] = set()  # every open connection, idle or busy, for close()
         self._targets: dict[URL | str, _Target] = {}
@@ -307,9 +399,12 @@ class UpstreamPool:
         """POST `body`; return once the status line and headers are in (bound it with asyncio.timeout).
 
         `headers` must not carry Host, Content-Length or Transfer-Encoding: those are ours.
-        Raises UpstreamConnectError, UpstreamDisconnected or UpstreamProtocolError. A pooled
-        connection that turns out to be closed before any response byte arrived is retried once on
-        a fresh one: the upstream never saw that request."""
+        Raises UpstreamConnectError (nothing was sent), UpstreamMaybeSent (the request was written,
+        then the connection died before the response headers: the upstream may have it, so it is
+        never resent here), UpstreamProtocolError (UpstreamHeadersTooLarge included), or, rarely,
+        a plain UpstreamDisconnected (a fresh connection closed before the request was written).
+        A pooled connection found closed before the request was written to it (the write never
+        happened, so the upstream cannot have seen it) is replaced by a fresh one, once."""
         target = self._targets.get(url)
         if target is None:
             target = _Target(url if isinstance(url, URL) else URL(url))
@@ -325,10 +420,8 @@ class UpstreamPool:
         if conn is not None:
             try:
                 return await self._exchange(conn, data)
-            except UpstreamDisconnected:
-                if conn.got_bytes:
-                    raise
-                # A stale keep-alive socket (closed by the upstream while idle): safe to resend.
+            except _NotSent:
+                pass  # closed while idle, before we wrote a byte to it: the request never left
         conn = await self._connect(target, connect_timeout_s)
         return await self._exchange(conn, data)
 
@@ -340,10 +433,11 @@ class UpstreamPool:
         self._idle.clear()
 
     async def _exchange(self, conn: _Conn, data: bytes) -> UpstreamResponse:
-        conn.begin(active=True)
+        if conn.closed or conn.transport is None or conn.transport.is_closing():
+            conn.abort()
+            raise _NotSent("upstream closed the connection before the request was written")
+        conn.begin(active=True)  # from here on a lost connection is UpstreamMaybeSent: see connection_lost
         try:
-            if conn.closed or conn.transport is None or conn.transport.is_closing():
-                raise UpstreamDisconnected("upstream closed the connection before the request")
             conn.transport.write(data)
             while not conn.headers_done:
                 if conn.exc is not None:
@@ -361,7 +455,7 @@ class UpstreamPool:
         oldest_ok = self._now() - self._idle_timeout_s
         while idle:
             conn = idle.pop()  # most recently used first: least likely to have been closed
-            if not conn.closed and conn.idle_since >= oldest_ok:
+            if not conn.closed and conn.idle_since >= oldest_ok and not conn.transport.is_closing():  # type: ignore[union-attr]
                 return conn
             conn.abort()
         return None
@@ -386,7 +480,7 @@ class UpstreamPool:
         try:
             async with asyncio.timeout(timeout_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Conn(loop, target.key, self._conns),
+                    lambda: _Conn(loop, target.key, self._conns, self._max_header_bytes, self._max_headers),
                     target.host,
                     target.port,
                     ssl=ctx,

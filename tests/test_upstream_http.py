@@ -4,9 +4,11 @@ asyncio server for the misbehaving ones (drops, hangs, stale keep-alive, HTTP/1.
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import ssl
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -18,9 +20,13 @@ pytest.importorskip("httptools")
 from gateway.upstream_http import (
     UpstreamConnectError,
     UpstreamDisconnected,
+    UpstreamHeadersTooLarge,
+    UpstreamMaybeSent,
     UpstreamPool,
     UpstreamProtocolError,
+    UpstreamTooLarge,
 )
+from gateway.wire import SSEDecoder, SSEEventTooLarge
 
 BIG = bytes(range(256)) * 8192  # 2 MiB
 
@@ -341,29 +347,70 @@ async def test_cancelling_a_stream_read_closes_the_socket() -> None:
         await pool.close()
 
 
-async def test_stale_pooled_connection_is_retried_once_on_a_fresh_one() -> None:
+async def test_a_request_written_then_dropped_is_never_resent() -> None:
+    """A pooled connection that dies after the request went out, before any response byte: the
+    upstream may have logged (and billed) it, so the caller hears so and nothing is sent again."""
     conns = requests = 0
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal conns, requests
         conns += 1
-        requests += 1
-        await read_request(reader)
-        writer.write(OK)  # keep-alive by default...
-        await writer.drain()
-        if conns == 1 and await read_request(reader):
-            requests += 1  # ...but the second request on it gets no answer at all
+        while await read_request(reader):
+            requests += 1
+            if conns == 1 and requests == 2:
+                break  # the second request on the first socket: read, never answered
+            writer.write(OK)  # keep-alive by default
+            await writer.drain()
         writer.close()
 
     server, url = await raw_server(handler)
     pool = UpstreamPool()
     async with server:
-        for _ in range(3):
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        assert await resp.read() == b"ok"
+        resp.release()  # pooled, and still open when the next post takes it
+        with pytest.raises(UpstreamMaybeSent, match="before the response headers") as info:
+            await pool.post(url, b"{}", H, connect_timeout_s=1)
+        assert isinstance(info.value, UpstreamDisconnected)
+        assert (conns, requests) == (1, 2)  # not resent on a fresh socket
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)  # the next request gets a fresh one
+        assert await resp.read() == b"ok"
+        resp.release()
+        assert (conns, requests) == (2, 3)
+        await pool.close()
+
+
+async def test_a_pooled_connection_closed_before_the_write_is_replaced_and_sent_once() -> None:
+    conns = requests = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal conns, requests
+        conns += 1
+        while await read_request(reader):
+            requests += 1
+            writer.write(OK)
+            await writer.drain()
+            if conns == 1:
+                break  # the first socket is closed by the upstream while idle
+        writer.close()
+
+    server, url = await raw_server(handler)
+    key = ("http", "127.0.0.1", int(url.rsplit(":", 1)[1]))
+    pool = UpstreamPool()
+    async with server:
+        for _ in range(2):
             resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
             assert await resp.read() == b"ok"
             resp.release()
-            await asyncio.sleep(0.01)  # later sockets are closed while idle: seen before the next post
-        assert (conns, requests) == (3, 4)  # the unanswered request was resent once, on a new socket
+            await asyncio.sleep(0.01)  # the first socket's close is seen while it is idle
+        assert (conns, requests) == (2, 2)
+        # Closing but not yet closed (the transport's connection_lost is still to run): not written to.
+        idle = pool._idle[key][-1]
+        idle.transport.close()  # type: ignore[union-attr]
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        assert await resp.read() == b"ok"
+        resp.release()
+        assert (conns, requests) == (3, 3)  # every request sent exactly once
         await pool.close()
 
 
@@ -397,6 +444,167 @@ async def test_connect_refused_is_a_connect_error(pool: UpstreamPool) -> None:
 async def test_header_injection_is_refused(srv: Web, pool: UpstreamPool) -> None:
     with pytest.raises(ValueError):
         await pool.post(srv.url + "/echo", b"", {"X-A": "1\r\nX-B: 2"}, connect_timeout_s=1)
+
+
+async def endless(writer: asyncio.StreamWriter, head: bytes, piece: bytes, gone: asyncio.Event) -> None:
+    """Write `head`, then `piece` forever, until the client goes away."""
+    try:
+        writer.write(head)
+        while True:
+            writer.write(piece)
+            await writer.drain()
+    except (ConnectionError, OSError):
+        gone.set()
+
+
+@pytest.mark.parametrize("piece", [b"a" * 100, b"a" * 16384], ids=["dribbled", "bulk"])
+async def test_an_endless_response_header_fails_at_the_cap(piece: bytes) -> None:
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await endless(writer, b"HTTP/1.1 200 OK\r\nX-Junk: ", piece, gone)
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        with pytest.raises(UpstreamProtocolError, match="response headers exceed 65536 bytes") as info:
+            async with asyncio.timeout(5):
+                await pool.post(url, b"{}", H, connect_timeout_s=1)
+        assert isinstance(info.value, UpstreamHeadersTooLarge) and isinstance(info.value, UpstreamTooLarge)
+        assert info.value.limit == 65536
+        await asyncio.wait_for(gone.wait(), 2)  # the socket was dropped, not left reading
+        await pool.close()
+
+
+async def test_too_many_header_lines_and_a_big_head_in_one_read_fail() -> None:
+    heads = {
+        "/lines": b"HTTP/1.1 200 OK\r\n" + b"X-N: 1\r\n" * 20 + b"Content-Length: 2\r\n\r\nok",
+        "/bytes": b"HTTP/1.1 200 OK\r\nX-Big: " + b"b" * 3000 + b"\r\nContent-Length: 2\r\n\r\nok",
+        "/fine": b"HTTP/1.1 200 OK\r\n" + b"X-N: 1\r\n" * 8 + b"Content-Length: 200000\r\n\r\n" + b"z" * 200_000,
+    }
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        req = await read_request(reader)
+        writer.write(heads[req.split(b" ")[1].decode()])  # all in one write
+        await writer.drain()
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool(max_header_bytes=1024, max_headers=16)
+    async with server:
+        with pytest.raises(UpstreamHeadersTooLarge, match="response headers exceed 16 lines"):
+            await pool.post(url + "/lines", b"{}", H, connect_timeout_s=1)
+        with pytest.raises(UpstreamHeadersTooLarge, match="response headers exceed 1024 bytes"):
+            await pool.post(url + "/bytes", b"{}", H, connect_timeout_s=1)
+        resp = await pool.post(url + "/fine", b"{}", H, connect_timeout_s=1)  # body bytes don't count
+        assert await resp.read() == b"z" * 200_000
+        resp.release()
+        await pool.close()
+
+
+async def test_read_stops_at_max_bytes(srv: Web, pool: UpstreamPool) -> None:
+    for path in ("/big", "/big?chunked=1"):
+        resp = await pool.post(srv.url + path, b"", H, connect_timeout_s=1)
+        assert await resp.read(max_bytes=len(BIG)) == BIG  # exactly at the cap: fine
+        resp.release()
+        resp = await pool.post(srv.url + path, b"", H, connect_timeout_s=1)
+        with pytest.raises(UpstreamTooLarge, match=f"response body exceeds {len(BIG) - 1} bytes") as info:
+            await resp.read(max_bytes=len(BIG) - 1)
+        assert info.value.limit == len(BIG) - 1
+        conn = resp._conn
+        resp.release()
+        assert conn is not None and (conn.closed or conn.transport.is_closing())  # type: ignore[union-attr]
+    resp = await pool.post(srv.url + "/echo", b"after", H, connect_timeout_s=1)
+    assert await resp.read(max_bytes=5) == b"after"
+    resp.release()
+
+
+async def test_an_endless_body_stops_at_max_bytes_and_drops_the_socket() -> None:
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await endless(writer, b"HTTP/1.0 200 OK\r\n\r\n", b"x" * 65536, gone)
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        with pytest.raises(UpstreamTooLarge):
+            async with asyncio.timeout(5):
+                await resp.read(max_bytes=1 << 20)
+        await asyncio.wait_for(gone.wait(), 2)
+        with pytest.raises(UpstreamTooLarge):  # the response stays failed
+            await resp.readany()
+        resp.release()
+        await pool.close()
+
+
+async def test_an_endless_sse_event_fails_at_the_decoders_cap() -> None:
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        first = b"data: 1\n\ndata: "
+        await endless(writer, head + b"%x\r\n%s\r\n" % (len(first), first), b"400\r\n" + b"x" * 1024 + b"\r\n", gone)
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        decoder = SSEDecoder(max_event_bytes=256 * 1024)
+        events: list[bytes] = []
+        with pytest.raises(SSEEventTooLarge, match="an SSE event exceeds 262144 bytes") as info:
+            async with asyncio.timeout(5):
+                while chunk := await resp.readany():
+                    events += decoder.feed(chunk)
+        assert info.value.limit == 256 * 1024 and isinstance(info.value, ValueError)
+        assert events == [b"data: 1\n\n"]
+        resp.close()
+        await asyncio.wait_for(gone.wait(), 2)
+        await pool.close()
+
+
+def test_sse_event_cap_counts_whole_events_too() -> None:
+    d = SSEDecoder(max_event_bytes=100)
+    assert d.feed(b"data: " + b"x" * 94 + b"\n\n") == [b"data: " + b"x" * 94 + b"\n\n"]  # 100: at the cap
+    with pytest.raises(SSEEventTooLarge):
+        d.feed(b"data: " + b"x" * 95 + b"\n\n")  # terminated in the same read, still too big
+    assert SSEDecoder().max_event_bytes == 1 << 20
+
+
+def test_sse_decoder_is_split_invariant() -> None:
+    """However the reads split a stream (CRLF halves and terminators across reads included), the
+    events and the pending tail are those of feeding it whole."""
+    rnd = random.Random(9)
+    for _ in range(2000):
+        stream = b""
+        for i in range(rnd.randint(0, 6)):
+            nl, nl2 = rnd.choice([b"\n", b"\r\n"]), rnd.choice([b"\n", b"\r\n"])
+            stream += rnd.choice([b"", b"event: e" + nl, b": c" + nl]) + b"data: {\"a\":%d}" % i + rnd.choice([b"", b"x" * 40]) + nl + nl2
+        stream += rnd.choice([b"", b"data: tail", b"data: x\r", b"data: y\n", b"data: z\r\n"])
+        whole = SSEDecoder()
+        expected = whole.feed(stream)
+        d, got, i = SSEDecoder(), [], 0
+        while i < len(stream):
+            n = rnd.choice([1, 2, 3, 7, 50])
+            got += d.feed(stream[i : i + n])
+            i += n
+        assert got == expected, stream
+        assert d.pending == whole.pending, stream
+
+
+def test_an_event_dribbled_in_tiny_reads_costs_linear_time() -> None:
+    """A backend can send one event a few bytes per read: holding it must not copy it per read."""
+    event = b"data: " + b"x" * ((1 << 20) - 16)
+    d = SSEDecoder()
+    t0 = time.perf_counter()
+    for i in range(0, len(event), 64):
+        assert d.feed(event[i : i + 64]) == []
+    assert d.feed(b"\n\n") == [event + b"\n\n"]
+    assert time.perf_counter() - t0 < 1.0  # copying the held bytes per read took ~10 s here
 
 
 @pytest.fixture(scope="module")
@@ -455,6 +663,7 @@ def test_the_same_behaviour_on_uvloop() -> None:
         test_slow_consumer_gets_every_byte,
         test_readany_streams_chunks_as_they_arrive,
         test_concurrent_requests_open_many_connections,
+        test_read_stops_at_max_bytes,
     )
     raw = (
         test_drop_mid_body_raises,
@@ -464,8 +673,12 @@ def test_the_same_behaviour_on_uvloop() -> None:
         test_interim_response_is_skipped_and_extra_bytes_drop_the_socket,
         test_timeout_on_a_silent_upstream_closes_the_socket,
         test_cancelling_a_stream_read_closes_the_socket,
-        test_stale_pooled_connection_is_retried_once_on_a_fresh_one,
+        test_a_request_written_then_dropped_is_never_resent,
+        test_a_pooled_connection_closed_before_the_write_is_replaced_and_sent_once,
         test_a_fresh_connection_that_drops_is_not_retried,
+        test_too_many_header_lines_and_a_big_head_in_one_read_fail,
+        test_an_endless_body_stops_at_max_bytes_and_drops_the_socket,
+        test_an_endless_sse_event_fails_at_the_decoders_cap,
     )
 
     async def main() -> None:
@@ -473,5 +686,7 @@ def test_the_same_behaviour_on_uvloop() -> None:
             await with_server(test)
         for t in raw:
             await t()
+        for piece in (b"a" * 100, b"a" * 16384):
+            await test_an_endless_response_header_fails_at_the_cap(piece)
 
     uvloop.run(main())
