@@ -34,7 +34,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         for name, b in policy.backends.items()
         if b.api_key_env and not os.environ.get(b.api_key_env)
     ]
-    for line in missing:
+    from .auth import key_warnings
+
+    for line in [*missing, *key_warnings(policy)]:
         print(f"{args.file}: warning: {line}", file=sys.stderr)
     from .classify import Classifier
 
@@ -53,7 +55,28 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_hash_key(args: argparse.Namespace) -> int:
     from .auth import hash_key
 
-    print(hash_key(args.key))
+    if args.new:
+        import secrets
+
+        key = "sk-" + secrets.token_urlsafe(32)
+        print(f"key:        {key}   (give it to the caller; it is stored nowhere)")
+        print(f"key_sha256: {hash_key(key)}   (put this in the policy)")
+        return 0
+    key = args.key
+    if key is None:
+        # From stdin: a key on the command line shows up in `ps` and in shell history.
+        if sys.stdin.isatty():
+            print("key (not echoed, end with Enter): ", end="", file=sys.stderr, flush=True)
+            import getpass
+
+            key = getpass.getpass(prompt="")
+        else:
+            key = sys.stdin.readline()
+        key = key.strip()  # as the gateway strips the bearer header
+    if not key:
+        print("gateway: hash-key: empty key", file=sys.stderr)
+        return 1
+    print(hash_key(key))
     return 0
 
 
@@ -63,10 +86,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from .runtime import build_runtime
 
+    from .auth import open_mode_problem
+
     try:
         # Fail fast, with every error, before binding anything: the policy, then what it refers
         # to (API key variables, a classifier weights file).
-        build_runtime(load_policy(policy), {}, generation=0)
+        loaded = load_policy(policy)
+        problem = open_mode_problem(loaded, args.host)
+        if problem is not None:
+            print(f"gateway: {policy}: {problem}", file=sys.stderr)
+            return 2
+        build_runtime(loaded, {}, generation=0)
     except (PolicyError, ValueError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 1
@@ -91,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser("check", help="validate a policy file; exit 1 on error")
     check.add_argument("file")
     check.set_defaults(func=cmd_check)
-    hk = sub.add_parser("hash-key", help="print the sha256 to put in a policy's key_sha256 list")
-    hk.add_argument("key")
+    hk = sub.add_parser(
+        "hash-key",
+        help="print the sha256 to put in a policy's key_sha256 list (the key is read from stdin)",
+    )
+    hk.add_argument("key", nargs="?", help="the key (better: omit it and pipe it on stdin; argv shows in ps)")
+    hk.add_argument("--new", action="store_true", help="make a new random key and print it with its digest")
     hk.set_defaults(func=cmd_hash_key)
     args = parser.parse_args(argv)
     from .serve import setup_logging

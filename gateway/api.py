@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from decimal import Decimal, InvalidOperation
 
 import orjson
 from aiohttp import web
@@ -14,9 +15,13 @@ from .cache import cache_control
 from .call import ENDPOINTS, Call
 from .errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, Unauthorized
 from .keys import LIVE, METRICS, RELAY, RELOADER
+from .routing import usable
 from .sink import HttpSink
 
-__all__ = ["routes"]
+__all__ = ["LOOPBACK", "routes"]
+
+# Whether the app is bound to a loopback address only (set by create_app from its `host`).
+LOOPBACK: web.AppKey[bool] = web.AppKey("loopback", bool)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _JSON = "application/json"
@@ -55,18 +60,40 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def _request_id(request: web.Request) -> str:
+    """The caller's x-request-id when it is a safe token; otherwise a fresh one (a bad one is never
+    echoed back: it could split headers or inject into logs)."""
+    rid = request.headers.get("x-request-id")
+    if rid and _REQUEST_ID.match(rid):
+        return rid
+    return os.urandom(12).hex()
+
+
+def _timeout_ms(asked: str | None, server_timeout_ms: int) -> int:
+    """The request's deadline: `x-request-timeout-ms` may shorten the server's, never lengthen it.
+
+    Decimal, not float: `1e400` is a huge finite number (clamped), not an overflow; `inf`, `nan`
+    and values <= 0 are 400s."""
+    if not asked:
+        return server_timeout_ms
+    try:
+        value = Decimal(asked.strip())
+    except InvalidOperation:
+        value = Decimal("NaN")
+    if not value.is_finite() or value <= 0:
+        raise BadRequest(
+            f"header x-request-timeout-ms must be a positive, finite number of milliseconds, got {asked[:40]!r}",
+            param="x-request-timeout-ms",
+        )
+    if value >= server_timeout_ms:  # compared before int(): int(Decimal("1e999999")) would be huge
+        return server_timeout_ms
+    return max(1, int(value))
+
+
 def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeout_ms: int) -> Call:
     h = request.headers
-    rid = h.get("x-request-id")
-    if not rid or not _REQUEST_ID.match(rid):
-        rid = os.urandom(12).hex()
-    timeout_ms = server_timeout_ms
-    asked = h.get("x-request-timeout-ms")
-    if asked:
-        try:
-            timeout_ms = min(timeout_ms, max(1, int(float(asked))))
-        except ValueError:
-            raise BadRequest("header x-request-timeout-ms must be a number of milliseconds", param="x-request-timeout-ms") from None
+    rid = _request_id(request)
+    timeout_ms = _timeout_ms(h.get("x-request-timeout-ms"), server_timeout_ms)
     priority = h.get("x-priority")
     if priority is not None and priority not in ("priority", "default", "flex"):
         raise BadRequest("header x-priority must be one of priority, default, flex", param="x-priority")
@@ -85,13 +112,11 @@ def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeo
 
 async def _proxy(request: web.Request, endpoint_name: str) -> web.StreamResponse:
     rt = request.app[LIVE].runtime  # one snapshot for the whole request
-    headers = {"x-request-id": request.headers.get("x-request-id", "")}
     try:
         raw = await _read_body(request, rt.server.max_body_bytes)
         call = _new_call(request, endpoint_name, raw, rt.server.request_timeout_ms)
     except GatewayError as err:
-        headers["x-request-id"] = headers["x-request-id"] or os.urandom(12).hex()
-        return _error(err, headers)
+        return _error(err, {"x-request-id": _request_id(request)})
     sink = HttpSink(request, {"x-request-id": call.request_id, "x-gateway-queue-ms": "0"})
     await pipeline.run(call, rt, request.app[RELAY], sink)
     assert sink.response is not None
@@ -132,7 +157,7 @@ async def route_explain(request: web.Request) -> web.Response:
         call = _new_call(request, "chat", raw, rt.server.request_timeout_ms)
         return _json(await pipeline.explain(call, rt), headers={"x-request-id": call.request_id})
     except GatewayError as err:
-        return _error(err)
+        return _error(err, {"x-request-id": _request_id(request)})
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -140,14 +165,30 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """200 when every model route can send each request class to some backend, as the router sees
+    it (a launched model still loading cannot; an ejected last resort still can)."""
     rt = request.app[LIVE].runtime
     healthy = [b.name for b in rt.backends.values() if b.health.healthy]
-    body = {"status": "ready" if healthy else "not ready", "policy_generation": rt.generation, "healthy_backends": healthy}
-    return _json(body, status=200 if healthy else 503)
+    unserved = [
+        model
+        for model, route in rt.routes.items()
+        if not (usable(route.simple.candidates) and usable(route.complex.candidates))
+    ]
+    body = {
+        "status": "not ready" if unserved else "ready",
+        "policy_generation": rt.generation,
+        "healthy_backends": healthy,
+        "models_without_backend": unserved,
+    }
+    if unserved:
+        body["detail"] = "no usable backend (starting, or none configured) for: " + ", ".join(unserved)
+    return _json(body, status=503 if unserved else 200)
 
 
 async def metrics(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
+    if not rt.tenants.may_scrape(_api_key(request)):
+        return _error(Unauthorized("/metrics needs a key from `metrics.key_sha256` or an admin key"))
     m = request.app[METRICS]
     for b in rt.backends.values():
         m.healthy.labels(b.name).set(1 if b.health.healthy else 0)
@@ -160,7 +201,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 def _require_admin(request: web.Request) -> None:
     rt = request.app[LIVE].runtime
-    if not rt.tenants.is_admin(_api_key(request)):
+    if not rt.tenants.is_admin(_api_key(request), loopback=request.app[LOOPBACK]):
         raise Unauthorized("admin endpoints need an admin key (policy `admin.key_sha256`)")
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .api import routes
+from .api import LOOPBACK, routes
+from .auth import is_loopback, open_mode_problem
 from .backends import BackendState
 from .keys import LIVE, METRICS, RELAY, RELOADER
 from .metrics import Metrics
@@ -27,8 +28,12 @@ __all__ = ["create_app"]
 log = logging.getLogger("gateway.app")
 
 
-def create_app(policy: Policy | str | Path) -> web.Application:
-    """Build the gateway app from a policy object or a policy file (the file is then watched)."""
+def create_app(policy: Policy | str | Path, host: str | None = None) -> web.Application:
+    """Build the gateway app from a policy object or a policy file (the file is then watched).
+
+    `host` is the address it will be bound to (None: loopback). A policy without tenants is
+    refused (ValueError) on any other address unless it sets `server.open_access`, at start and
+    on every reload."""
     path = None if isinstance(policy, Policy) else Path(policy)
     loaded = load_policy(path) if path is not None else policy
     assert isinstance(loaded, Policy)
@@ -39,11 +44,15 @@ def create_app(policy: Policy | str | Path) -> web.Application:
     stores: dict[StorePolicy, Store] = {}
 
     def build(p: Policy, generation: int) -> Runtime:
+        problem = open_mode_problem(p, host)
+        if problem is not None:  # e.g. a reload that drops every tenant must not open the doors
+            raise ValueError(problem)
         return build_runtime(p, states, generation, stores, on_cache_error=lambda op: metrics.cache_errors.labels(op).inc())
 
     live = Live(build(loaded, 1))
     children = _Children()
     app[METRICS] = metrics
+    app[LOOPBACK] = is_loopback(host)
     app[LIVE] = live
     app[RELOADER] = Reloader(path, live, build, metrics, on_swap=children.reconcile)
     app.add_routes(routes())

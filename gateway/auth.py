@@ -4,17 +4,92 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 from dataclasses import dataclass
 
 from .errors import Forbidden, Unauthorized
 from .policy import CacheOverride, Policy
 
-__all__ = ["Tenant", "Tenants", "hash_key"]
+__all__ = [
+    "Tenant",
+    "Tenants",
+    "hash_key",
+    "is_loopback",
+    "is_placeholder",
+    "key_warnings",
+    "open_mode_problem",
+    "NEW_KEY_COMMAND",
+]
+
+# The one command that makes a real key: it prints the key (give it to the tenant) and its digest.
+NEW_KEY_COMMAND = "gateway hash-key --new"
 
 
 def hash_key(key: str) -> str:
     """The digest to put in a policy's `key_sha256` list."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+# Keys an attacker tries first; `gateway check` warns when a digest is one of theirs.
+_GUESSABLE = (
+    "", "0", "1", "2", "3", "123", "1234", "12345", "123456", "password", "secret", "admin", "changeme",
+    "test", "key", "apikey", "api-key", "sk-test", "sk-1", "sk-admin", "letmein", "qwerty",
+)  # fmt: skip
+
+
+def is_placeholder(digest: str) -> bool:
+    """A digest no key can match, as the shipped examples carry (32 leading zero hex digits: the
+    chance that a real key's sha256 starts so is 2**-128)."""
+    return digest.startswith("0" * 32)
+
+
+def key_warnings(policy: Policy) -> list[str]:
+    """What `gateway check` warns about in the policy's keys: placeholders that no caller can
+    match yet, and digests of guessable keys."""
+    weak = {hash_key(k): k for k in _GUESSABLE}
+    lists = [(f"tenants.{n}.key_sha256", t.key_sha256) for n, t in policy.tenants.items()]
+    if policy.admin is not None:
+        lists.append(("admin.key_sha256", policy.admin.key_sha256))
+    lists.append(("metrics.key_sha256", policy.metrics.key_sha256))
+    out: list[str] = []
+    for path, digests in lists:
+        for i, digest in enumerate(digests):
+            if is_placeholder(digest):
+                out.append(f"{path}[{i}]: a placeholder no key matches; make a real key with `{NEW_KEY_COMMAND}`")
+            elif digest in weak:
+                out.append(f"{path}[{i}]: the digest of the guessable key {weak[digest]!r}; make a real one with `{NEW_KEY_COMMAND}`")
+    if policy.open and not policy.server.open_access:
+        out.append("tenants: none, so anyone may call; `gateway serve` allows that on a loopback address only")
+    return out
+
+
+def is_loopback(host: str | None) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost).
+
+    None means "not bound by `gateway serve`" (an app built in a test or embedded): loopback.
+    Any other name counts as reachable from the network, since it may resolve to anything."""
+    if host is None or host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_mode_problem(policy: Policy, host: str | None) -> str | None:
+    """Why this policy must not be served on `host`, or None when it may.
+
+    A policy without tenants lets anyone in (spending the backends' API keys, reading /admin):
+    fine on loopback, refused on any other address unless `server.open_access: true` says so."""
+    if not policy.open or policy.server.open_access or is_loopback(host):
+        return None
+    return (
+        f"refusing to serve a policy without tenants on {host}: anyone who can reach it could use "
+        "the backends (and their API keys). Either give callers keys: run "
+        f"`{NEW_KEY_COMMAND}` (or `gateway hash-key` with the key on stdin) and add the digest "
+        "under `tenants: {NAME: {key_sha256: [DIGEST]}}`; or, to serve it open on purpose, set "
+        "`server: {open_access: true}` in the policy; or bind to 127.0.0.1."
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +108,8 @@ OPEN_TENANT = Tenant("default", "default", None)
 
 
 class Tenants:
-    """Authenticates callers. A policy without tenants runs open (local development)."""
+    """Authenticates callers. A policy without tenants runs open: on a loopback address (local
+    development), or elsewhere only with `server.open_access` (see `open_mode_problem`)."""
 
     def __init__(self, policy: Policy) -> None:
         self._by_digest: dict[str, Tenant] = {}
@@ -48,7 +124,9 @@ class Tenants:
             for digest in tp.key_sha256:
                 self._by_digest[digest] = tenant
         self._admin = set(policy.admin.key_sha256) if policy.admin else set()
+        self._metrics = set(policy.metrics.key_sha256)
         self.open = not self._by_digest
+        self.tenant_label = policy.metrics.tenant_label
 
     def authenticate(self, api_key: str | None) -> Tenant:
         """The tenant for a bearer key; Unauthorized for a missing or unknown key."""
@@ -66,8 +144,28 @@ class Tenants:
         if not tenant.may_use(model):
             raise Forbidden(f"tenant {tenant.name!r} may not use model {model!r}", param="model")
 
-    def is_admin(self, api_key: str | None) -> bool:
-        """Admin endpoints: an admin key when the policy lists some; open only when the whole policy is."""
-        if not self._admin:
-            return self.open
-        return bool(api_key) and any(hmac.compare_digest(hash_key(api_key), d) for d in self._admin)
+    def is_admin(self, api_key: str | None, *, loopback: bool = True) -> bool:
+        """Admin endpoints need an admin key. A policy that lists none leaves them open only in
+        loopback open mode: no tenants, served on a loopback address (local development)."""
+        if self._admin:
+            return _matches(api_key, self._admin)
+        return self.open and loopback
+
+    def may_scrape(self, api_key: str | None) -> bool:
+        """/metrics: open unless `metrics.key_sha256` lists keys; then one of those or an admin key."""
+        if not self._metrics:
+            return True
+        return _matches(api_key, self._metrics) or _matches(api_key, self._admin)
+
+    def metric_label(self, tenant: str) -> str:
+        """The tenant's label value in metrics: its name, or `tenant` when `metrics.tenant_label`
+        is false (names of customers are not for every dashboard)."""
+        return tenant if self.tenant_label else "tenant"
+
+
+def _matches(api_key: str | None, digests: set[str]) -> bool:
+    """Whether the key's digest is one of `digests`, compared in constant time."""
+    if not api_key or not digests:
+        return False
+    digest = hash_key(api_key)
+    return any(hmac.compare_digest(digest, d) for d in digests)

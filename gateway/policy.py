@@ -6,7 +6,10 @@ Every error names its YAML path (and line, when known), e.g.
 
 from __future__ import annotations
 
+import difflib
 import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,11 +23,13 @@ __all__ = [
     "BackendPolicy",
     "ModelRoute",
     "TenantPolicy",
+    "MetricsPolicy",
     "load_policy",
     "parse_policy",
 ]
 
 Priority = Literal["priority", "default", "flex"]
+Endpoint = Literal["chat", "completions", "embeddings"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 
 
@@ -63,6 +68,8 @@ class BackendPolicy(_Section):
     launch: LaunchPolicy | None = None
     weight: float = Field(1.0, gt=0)  # share of traffic under the `weighted` strategy
     cost: float = Field(0.0, ge=0)  # relative price; traded against latency by routing.cost_weight_s
+    # The OpenAI endpoints this backend serves; embeddings are opt-in (most chat servers lack them).
+    endpoints: tuple[Endpoint, ...] = Field(("chat", "completions"), min_length=1)
 
     @field_validator("url")
     @classmethod
@@ -90,7 +97,7 @@ class CacheOverride(_Section):
     """Per model or per tenant: widen or narrow what the cache keeps (unset: inherit)."""
 
     enabled: bool | None = None
-    deterministic_only: bool | None = None
+    include_sampled: bool | None = None
     ttl_s: float | None = Field(None, gt=0)
 
 
@@ -167,12 +174,24 @@ class AdminPolicy(_Section):
     _check = field_validator("key_sha256")(TenantPolicy._hex_digests.__func__)  # type: ignore[attr-defined]
 
 
+class MetricsPolicy(_Section):
+    """Who may scrape /metrics, and what its labels reveal."""
+
+    key_sha256: tuple[str, ...] = ()  # empty: /metrics is open; else this key or an admin key
+    tenant_label: bool = True  # False: tenant names never appear as label values
+
+    _check = field_validator("key_sha256")(TenantPolicy._hex_digests.__func__)  # type: ignore[attr-defined]
+
+
 class ServerPolicy(_Section):
     max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
     request_timeout_ms: int = Field(600_000, gt=0)  # default deadline; x-request-timeout-ms may shorten it
     max_attempts: int = Field(3, ge=1, le=10)  # backends tried before the first byte
     heartbeat_after_ms: int = Field(5_000, gt=0)  # SSE comment heartbeats while a stream waits
     heartbeat_interval_ms: int = Field(5_000, gt=0)
+    # A policy without tenants serves anyone. That is allowed on a loopback address only, unless
+    # this says so: the operator states that an open gateway on the network is intended.
+    open_access: bool = False
 
 
 class RoutingPolicy(_Section):
@@ -188,7 +207,7 @@ class RoutingPolicy(_Section):
 class HealthPolicy(_Section):
     failures_to_eject: int = Field(3, ge=1)  # consecutive failures or timeouts
     eject_ms: int = Field(10_000, gt=0)  # first ejection; doubles while it keeps failing
-    max_eject_ms: int = Field(60_000, gt=0)
+    max_eject_ms: int = Field(30_000, gt=0)  # caps how long a recovered backend goes unnoticed
     probe_interval_ms: int = Field(5_000, gt=0)  # probes to ejected and idle backends
     probe_timeout_ms: int = Field(2_000, gt=0)
 
@@ -213,7 +232,9 @@ class CachePolicy(_Section):
     enabled: bool = True
     ttl_s: float = Field(3600.0, gt=0)
     max_entry_bytes: int = Field(256 * 1024, gt=0)
-    deterministic_only: bool = True  # only temperature 0 or seeded requests (n = 1)
+    # Also serve and store sampled answers (temperature > 0 without a seed): callers asking for
+    # variety would get the same text again. Off: only temperature 0 or seeded requests (n = 1).
+    include_sampled: bool = False
 
 
 class ReloadPolicy(_Section):
@@ -233,6 +254,7 @@ class Policy(_Section):
     models: dict[str, ModelRoute] = {}
     tenants: dict[str, TenantPolicy] = {}
     admin: AdminPolicy | None = None
+    metrics: MetricsPolicy = MetricsPolicy()
     classifier: ClassifierPolicy = ClassifierPolicy()
 
     @field_validator("backends", "models", "tenants")
@@ -250,6 +272,11 @@ class Policy(_Section):
             for public in backend.model_map:
                 out.setdefault(public, []).append(bname)
         return {m: tuple(b) for m, b in out.items()}
+
+    @property
+    def open(self) -> bool:
+        """No tenants: every caller is let in, without a key."""
+        return not self.tenants
 
     def public_models(self) -> list[str]:
         names = dict.fromkeys(self.models)
@@ -305,41 +332,111 @@ def _line_of(node: yaml.Node | None, parts: list[Any]) -> int | None:
     return line
 
 
-def _cross_check(policy: Policy) -> list[tuple[tuple[Any, ...], str]]:
+def _as_dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _as_names(v: Any) -> list[Any]:
+    return list(v) if isinstance(v, (list, tuple)) else []
+
+
+def _served(backend: Any) -> set[str]:
+    """Public model names a raw backend entry lists (a list, or the keys of a map)."""
+    models = _as_dict(backend).get("models")
+    return {str(m) for m in (models if isinstance(models, (list, dict)) else [])}
+
+
+def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
+    """References between sections, checked on the raw YAML data.
+
+    Raw data, not the validated model: `gateway check` then reports a route naming an unknown
+    backend in the same pass as a schema error elsewhere. Entries of the wrong shape are skipped
+    (the schema check reports them)."""
     problems: list[tuple[tuple[Any, ...], str]] = []
-    for mname, route in policy.models.items():
+    backends = _as_dict(data.get("backends"))
+    models = _as_dict(data.get("models"))
+    tenants = _as_dict(data.get("tenants"))
+    for mname, route in models.items():
         for field in ("backends", "simple", "complex"):
-            for i, bname in enumerate(getattr(route, field) or ()):
+            for i, bname in enumerate(_as_names(_as_dict(route).get(field))):
                 loc = ("models", mname, field, i)
-                backend = policy.backends.get(bname)
-                if backend is None:
+                if not isinstance(bname, str):
+                    continue
+                if bname not in backends:
                     problems.append((loc, f"unknown backend {bname!r}"))
-                elif field == "backends" and mname not in backend.model_map:
+                elif field == "backends" and str(mname) not in _served(backends[bname]):
                     problems.append((loc, f"backend {bname!r} does not serve model {mname!r} (add it to its `models`)"))
-    known = set(policy.public_models())
-    for tname, tenant in policy.tenants.items():
-        for i, m in enumerate(tenant.models or ()):
-            if m not in known:
+    known = {str(m) for m in models}.union(*(_served(b) for b in backends.values()))
+    for tname, tenant in tenants.items():
+        for i, m in enumerate(_as_names(_as_dict(tenant).get("models"))):
+            if isinstance(m, str) and m not in known:
                 problems.append((("tenants", tname, "models", i), f"unknown model {m!r}"))
     seen: dict[str, str] = {}
-    for tname, tenant in policy.tenants.items():
-        for i, digest in enumerate(tenant.key_sha256):
+    for tname, tenant in tenants.items():
+        for i, digest in enumerate(_as_names(_as_dict(tenant).get("key_sha256"))):
+            if not isinstance(digest, str):
+                continue
             if digest in seen and seen[digest] != tname:
                 problems.append((("tenants", tname, "key_sha256", i), f"key also belongs to tenant {seen[digest]!r}"))
             seen[digest] = tname
     ports: dict[str, str] = {}
-    for bname, backend in policy.backends.items():
-        if backend.launch is not None:
-            if not re.match(r"^http://(127\.0\.0\.1|localhost|\[::1\]):\d+", backend.url):
-                problems.append((("backends", bname, "url"), "a launched backend needs an explicit loopback host:port URL"))
-            if backend.url in ports:
-                problems.append((("backends", bname, "url"), f"same URL as launched backend {ports[backend.url]!r}"))
-            ports[backend.url] = bname
+    for bname, backend in backends.items():
+        b = _as_dict(backend)
+        url = b.get("url")
+        if b.get("launch") is None or not isinstance(url, str):
+            continue
+        url = url.rstrip("/")
+        if not re.match(r"^http://(127\.0\.0\.1|localhost|\[::1\]):\d+", url):
+            problems.append((("backends", bname, "url"), "a launched backend needs an explicit loopback host:port URL"))
+        if url in ports:
+            problems.append((("backends", bname, "url"), f"same URL as launched backend {ports[url]!r}"))
+        ports[url] = bname
+    if _as_dict(data.get("server")).get("open_access") is True and tenants:
+        problems.append((("server", "open_access"), "a policy with tenants is never open; remove `open_access`"))
     return problems
 
 
+def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The policy section class that a (pydantic) error location points into, if it resolves."""
+    node: Any = Policy
+    for part in loc:
+        model = _model_in(node)
+        if model is not None and isinstance(part, str) and part in model.model_fields:
+            node = model.model_fields[part].annotation
+        elif typing.get_origin(_unwrap(node)) is dict:
+            node = typing.get_args(_unwrap(node))[1]  # `part` is a name chosen by the operator
+        else:
+            return None
+    return _model_in(node)
+
+
+def _unwrap(tp: Any) -> Any:
+    """`X | None` -> X."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _model_in(tp: Any) -> type[BaseModel] | None:
+    tp = _unwrap(tp)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _unknown_field(loc: tuple[Any, ...]) -> str:
+    """'unknown field', with the closest valid name of that section when one is close."""
+    section = _section_at(loc[:-1])
+    if section is None or not isinstance(loc[-1], str):
+        return "unknown field"
+    close = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1, cutoff=0.75)
+    return f"unknown field; did you mean `{close[0]}`?" if close else "unknown field"
+
+
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
-    """Parse and validate policy YAML text; raise PolicyError listing every problem."""
+    """Parse and validate policy YAML text; raise PolicyError listing every problem.
+
+    Schema errors and cross-reference errors are reported together, in one pass."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -349,26 +446,26 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         raise PolicyError(source, [Problem("", f"not valid YAML: {getattr(exc, 'problem', exc)}", line)]) from None
     if not isinstance(data, dict):
         raise PolicyError(source, [Problem("", "the policy must be a YAML mapping")])
+    problems: list[Problem] = []
+    policy: Policy | None = None
     try:
         policy = Policy.model_validate(data)
     except ValidationError as exc:
-        problems = []
         for err in exc.errors():
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("tuple", "dict"))))
             text_path, parts = _path(loc)
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
-                msg = "unknown field"
+                msg = _unknown_field(loc)
             problems.append(Problem(text_path, msg, _line_of(root, parts)))
+    schema_paths = {p.path for p in problems}
+    for loc, msg in _cross_check(data):
+        text_path, parts = _path(loc)
+        if text_path not in schema_paths:  # one complaint per place
+            problems.append(Problem(text_path, msg, _line_of(root, parts)))
+    if problems or policy is None:
         # A union (list-or-map) reports once per branch; keep each message once.
-        raise PolicyError(source, list(dict.fromkeys(problems))) from None
-    cross = _cross_check(policy)
-    if cross:
-        problems = []
-        for loc, msg in cross:
-            text_path, parts = _path(loc)
-            problems.append(Problem(text_path, msg, _line_of(root, parts)))
-        raise PolicyError(source, problems)
+        raise PolicyError(source, list(dict.fromkeys(problems)))
     return policy
 
 

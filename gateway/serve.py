@@ -24,7 +24,7 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
 
     from .app import create_app
 
-    app = create_app(policy)
+    app = create_app(policy, host)
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
     # request is abandoned at once and every slot is returned.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=log if access_log else None)

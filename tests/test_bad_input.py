@@ -62,6 +62,9 @@ async def test_unknown_model_is_404(upstream, gateway):
         ({"model": "gpt-test", "messages": [{"content": "x"}]}, "messages[0].role"),
         ({"model": "gpt-test", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"model": "gpt-test", "messages": MSG, "stream": "yes please"}, "stream"),
+        ({"model": "gpt-test", "messages": MSG, "stream": "yes"}, "stream"),  # strict: no "yes"/"1"/1
+        ({"model": "gpt-test", "messages": MSG, "stream": 1}, "stream"),
+        ({"model": "gpt-test", "messages": MSG, "service_tier": "ultra"}, "service_tier"),
         ({"model": "gpt-test", "messages": MSG, "max_tokens": 0}, "max_tokens"),
         ({"model": "gpt-test", "messages": MSG, "temperature": 7}, "temperature"),
         ({"model": 42, "messages": MSG}, "model"),
@@ -118,6 +121,15 @@ async def test_bad_headers_are_400(upstream, gateway):
         with pytest.raises(openai.BadRequestError) as exc:
             await gw.client().chat.completions.create(model="gpt-test", messages=MSG, extra_headers=headers)
         assert exc.value.body["param"] == param  # type: ignore[index]
+
+
+async def test_every_openai_service_tier_is_accepted(upstream, gateway):
+    up = await upstream("a")
+    gw = await gateway(simple_policy(up))
+    for tier in ("auto", "default", "flex", "priority", "scale"):
+        r = await _post(gw, {"model": "gpt-test", "messages": MSG, "service_tier": tier})
+        assert r["choices"], tier  # type: ignore[index]
+    assert up.stats.requests == 5
 
 
 async def test_unknown_paths_are_404_in_openai_shape(upstream, gateway):

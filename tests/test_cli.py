@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import signal
 import socket
@@ -20,19 +21,37 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _gateway(*args: str, **kw) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True, timeout=60, **kw)
+    kw.setdefault("timeout", 60)
+    return subprocess.run([sys.executable, "-m", "gateway", *args], cwd=ROOT, capture_output=True, text=True, **kw)
 
 
 def test_check_prints_every_error_with_its_path_and_exits_1(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(
-        "backends:\n  a: {url: 'ftp://x', models: [m], extra: 1}\nmodels:\n  auto: {simple: [a], complex: [zz]}\n"
+        "backends:\n  a: {url: 'ftp://x', models: [m], extra: 1, max_concurency: 4}\n"
+        "models:\n  auto: {simple: [a], complex: [zz]}\n"
     )
     r = _gateway("check", str(bad))
     assert r.returncode == 1
     assert "backends.a.url: must be an http:// or https:// URL" in r.stderr
     assert "backends.a.extra: unknown field (line 2)" in r.stderr
-    assert "2 error(s)" in r.stderr  # cross-checks run once the structure is valid
+    assert "backends.a.max_concurency: unknown field; did you mean `max_concurrency`? (line 2)" in r.stderr
+    # Cross-references in the same pass as the schema errors, not only once the structure is valid.
+    assert "models.auto.complex[0]: unknown backend 'zz' (line 4)" in r.stderr
+    assert "4 error(s)" in r.stderr
+
+
+def test_check_warns_about_placeholder_and_guessable_keys(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text(
+        "backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\n"
+        f"tenants: {{t: {{key_sha256: ['{'0' * 63}1']}}}}\n"
+        f"admin: {{key_sha256: ['{hashlib.sha256(b'password').hexdigest()}']}}\n"
+    )
+    r = _gateway("check", str(p))
+    assert r.returncode == 0, r.stderr
+    assert "tenants.t.key_sha256[0]: a placeholder no key matches" in r.stderr
+    assert "admin.key_sha256[0]: the digest of the guessable key 'password'" in r.stderr
 
 
 def test_check_accepts_the_default_policy():
@@ -43,9 +62,51 @@ def test_check_accepts_the_default_policy():
 
 def test_hash_key_prints_the_digest():
     r = _gateway("hash-key", "sk-1")
-    import hashlib
-
     assert r.stdout.strip() == hashlib.sha256(b"sk-1").hexdigest()
+
+
+def test_hash_key_reads_the_key_from_stdin():
+    """A key on argv shows up in `ps`; piped in (with its newline, as `echo` sends it) it does not."""
+    r = _gateway("hash-key", input="sk-secret\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == hashlib.sha256(b"sk-secret").hexdigest()
+    assert _gateway("hash-key", input="").returncode == 1  # an empty key is refused, not hashed
+
+
+def test_hash_key_new_makes_a_key_and_its_digest():
+    r = _gateway("hash-key", "--new")
+    lines = dict(line.split()[:2] for line in r.stdout.splitlines())
+    key, digest = lines["key:"], lines["key_sha256:"]
+    assert key.startswith("sk-") and len(key) > 40
+    assert digest == hashlib.sha256(key.encode()).hexdigest()
+
+
+def test_serve_refuses_an_open_policy_on_a_public_address(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text("backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\n")
+    r = _gateway("serve", "--policy", str(p), "--host", "0.0.0.0", "--port", str(_free_port()), timeout=15)
+    assert r.returncode != 0
+    assert "gateway hash-key" in r.stderr and "tenants:" in r.stderr and "open_access: true" in r.stderr
+    assert "serving on" not in r.stderr
+
+
+async def test_serve_on_a_public_address_with_open_access_or_tenants_starts(tmp_path):
+    """`server.open_access: true` states openness on purpose; a policy with tenants is never open."""
+    for extra in ("server: {open_access: true}\n", f"tenants: {{t: {{key_sha256: ['{'0' * 64}']}}}}\n"):
+        p = tmp_path / "p.yaml"
+        p.write_text("backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\nreload: {watch: false}\n" + extra)
+        port = _free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "serve", "--policy", str(p), "--host", "0.0.0.0", "--port", str(port),
+            cwd=ROOT, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            async with asyncio.timeout(30):
+                while "serving on" not in (line := (await proc.stderr.readline()).decode()):  # type: ignore[union-attr]
+                    assert line, "the gateway exited"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.communicate(), 20)
 
 
 def _free_port() -> int:

@@ -114,3 +114,73 @@ def test_the_shipped_policies_are_valid():
     assert files, "no policies shipped"
     for f in files:
         load_policy(f)
+
+
+def test_a_misspelt_key_gets_a_did_you_mean():
+    problems = _problems(GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    max_concurency: 4\n", 1))
+    assert "backends.fast-a.max_concurency: unknown field; did you mean `max_concurrency`? (line 8)" in problems
+    problems = _problems(GOOD + "cache: {include_sampeld: true}\nserver: {open_acess: true}\n")
+    assert any(p.startswith("cache.include_sampeld: unknown field; did you mean `include_sampled`?") for p in problems)
+    assert any(p.startswith("server.open_acess: unknown field; did you mean `open_access`?") for p in problems)
+    assert any(p.startswith("backends.fast-a.colour: unknown field (") for p in _problems(GOOD.replace(
+        "    api_key_env: FAST_A_KEY\n", "    api_key_env: FAST_A_KEY\n    colour: blue\n")))  # nothing close
+
+
+def test_schema_and_cross_reference_errors_come_in_one_pass():
+    text = GOOD.replace("complex: [big, fast-a]", "complex: [big, b9]").replace("priority: priority", "priority: urgent")
+    problems = _problems(text)
+    assert any(p.startswith("tenants.acme.priority:") for p in problems)
+    assert "models.auto.complex[1]: unknown backend 'b9' (line 13)" in problems
+
+
+def test_backends_say_which_endpoints_they_serve():
+    p = parse_policy(GOOD)
+    assert p.backends["fast-a"].endpoints == ("chat", "completions")  # embeddings are opt-in
+    p = parse_policy(GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    endpoints: [embeddings]\n", 1))
+    assert p.backends["fast-a"].endpoints == ("embeddings",)
+    for bad in ("[]", "[chat, images]"):
+        text = GOOD.replace("    models: [gpt-4o-mini]\n", f"    models: [gpt-4o-mini]\n    endpoints: {bad}\n", 1)
+        assert any(p.startswith("backends.fast-a.endpoints") for p in _problems(text)), bad
+
+
+def test_the_cache_serves_sampled_answers_only_when_a_policy_says_so():
+    p = parse_policy(GOOD)
+    assert p.cache.include_sampled is False
+    p = parse_policy(GOOD + "cache: {include_sampled: true}\n")
+    assert p.cache.include_sampled is True
+    p = parse_policy(GOOD.replace("gpt-4o-mini: {backends: [fast-a]}", "gpt-4o-mini: {backends: [fast-a], cache: {include_sampled: true}}"))
+    assert p.models["gpt-4o-mini"].cache.include_sampled is True and p.tenants["acme"].cache is None
+    assert any(p.startswith("cache.deterministic_only: unknown field") for p in _problems(GOOD + "cache: {deterministic_only: false}\n"))
+
+
+def test_metrics_and_open_access_settings():
+    p = parse_policy(GOOD)
+    assert p.metrics.key_sha256 == () and p.metrics.tenant_label is True and p.server.open_access is False
+    p = parse_policy(GOOD + "metrics: {key_sha256: ['%s'], tenant_label: false}\n" % ("b" * 64))
+    assert p.metrics.key_sha256 == ("b" * 64,) and p.metrics.tenant_label is False
+    assert any(p.startswith("metrics.key_sha256") for p in _problems(GOOD + "metrics: {key_sha256: [password]}\n"))
+    # open_access is for a policy without tenants: with tenants it would say something untrue
+    assert any(p.startswith("server.open_access:") for p in _problems(GOOD + "server: {open_access: true}\n"))
+
+
+def test_shipped_policies_are_safe_to_copy():
+    """No digest of a guessable key; a policy served on 0.0.0.0 has tenants (not an open relay)."""
+    from pathlib import Path
+
+    import yaml
+
+    from gateway.auth import key_warnings
+
+    root = Path(__file__).resolve().parents[1]
+    texts = {f: f.read_text() for f in [*(root / "policies").rglob("*.yaml"), *(root / "deploy" / "policies").rglob("*.yaml")]}
+    for f in (root / "deploy" / "kubernetes").glob("*.yaml"):
+        for doc in yaml.safe_load_all(f.read_text()):
+            if doc and doc.get("kind") == "ConfigMap" and "policy.yaml" in doc.get("data", {}):
+                texts[f] = doc["data"]["policy.yaml"]
+    deployed = {root / "deploy" / "policies" / "compose.yaml", root / "deploy" / "kubernetes" / "gateway.yaml"}
+    assert deployed <= set(texts)
+    for f, text in texts.items():
+        policy = parse_policy(text, str(f))
+        assert not [w for w in key_warnings(policy) if "guessable" in w], f
+        if f in deployed:
+            assert policy.tenants, f"{f} is served on 0.0.0.0: it needs tenants"
