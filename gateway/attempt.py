@@ -22,14 +22,24 @@ from .errors import GatewayError, RateLimited, Unavailable, UpstreamError, Upstr
 from .metrics import Metrics
 from .policy import RoutingPolicy
 from .sink import Sink
-from .upstream_http import UpstreamConnectError, UpstreamHTTPError, UpstreamPool, UpstreamResponse
-from .wire import SSE_DONE, SSEDecoder, event_data
+from .upstream_http import (
+    UpstreamConnectError,
+    UpstreamHTTPError,
+    UpstreamMaybeSent,
+    UpstreamPool,
+    UpstreamResponse,
+    UpstreamTooLarge,
+)
+from .wire import SSE_DONE, SSEDecoder, SSEEventTooLarge, event_data
 
 __all__ = ["AttemptFailed", "ClientGone", "Lost", "Progress", "RelayContext", "attempt", "claim", "client_write"]
 
 _AFTER_FINISH_S = 2.0  # how long to wait for a usage chunk or [DONE] after the finish reason
 _DEFAULT_COOLDOWN_S = 1.0  # a 429/503 without Retry-After still pauses that backend briefly
 _ERROR_SNIPPET = 300
+# Nothing a backend sends is unbounded: past these, the attempt fails with a 502 naming the backend.
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a non-streamed answer (large embedding batches included)
+MAX_HELD_BYTES = 1024 * 1024  # stream events held back before the first content token
 
 
 class ClientGone(Exception):
@@ -39,11 +49,10 @@ class ClientGone(Exception):
 class AttemptFailed(Exception):
     """A backend failed before anything reached the client: the next candidate may take over."""
 
-    def __init__(self, err: GatewayError, kind: str, *, counts_against_health: bool = True) -> None:
+    def __init__(self, err: GatewayError, kind: str) -> None:
         super().__init__(err.message)
         self.err = err
-        self.kind = kind
-        self.counts_against_health = counts_against_health
+        self.kind = kind  # a key of health.OUTCOMES: how the failure is accounted
 
 
 @dataclass(slots=True)
@@ -90,9 +99,10 @@ async def attempt(
     progress: Progress,
     started: float,
     live_deadline: RoutingPolicy | None,
-) -> bool:
-    """Send the request; True when answered in full, False when a stream failed after its first
-    token (the client got an error event). Raises AttemptFailed to fail over."""
+) -> str:
+    """Send the request; returns the outcome kind (health.OUTCOMES) once the client has its answer:
+    "ok", or a mid-stream failure the client got as an error event. Raises AttemptFailed to fail
+    over, UpstreamRejected to pass a 4xx back, ClientGone when the client left."""
     loop = asyncio.get_running_loop()
     t = backend.timeouts
     now = loop.time()
@@ -115,34 +125,53 @@ async def attempt(
             resp = await ctx.pool.post(url, body, headers, connect_timeout_s=t.connect_ms / 1000)
             if resp.status == 200 and not call.stream:
                 timer.reschedule(min(now + t.total_ms / 1000, call_deadline))
-                raw = await resp.read()
+                raw = await resp.read(max_bytes=MAX_BODY_BYTES)
     except TimeoutError:
+        if resp is not None:
+            resp.close()
+        if call.deadline_passed():
+            raise _caller_deadline(call, backend) from None
         if resp is None:
             raise AttemptFailed(UpstreamTimeout(f"no response within {_ms(first_deadline - now)} ms"), "timeout") from None
-        resp.close()
         raise AttemptFailed(UpstreamTimeout("the answer did not complete in time"), "timeout") from None
     except UpstreamConnectError as exc:
         raise AttemptFailed(UpstreamError(f"cannot connect to {url}: {exc}"), "connect") from None
+    except UpstreamTooLarge as exc:
+        if resp is not None:
+            resp.close()
+        raise AttemptFailed(UpstreamError(f"backend {backend.name!r}: {exc}"), "too_large") from None
     except (UpstreamHTTPError, OSError) as exc:
         if resp is not None:
             resp.close()
             raise AttemptFailed(UpstreamError(f"connection lost while reading the answer: {exc}"), "disconnect") from None
+        if isinstance(exc, UpstreamMaybeSent):
+            # The request left and may have been processed (and billed): an attempt, never resent.
+            raise AttemptFailed(UpstreamError(f"connection lost after the request was sent: {exc}"), "reset_before_headers") from None
         raise AttemptFailed(UpstreamError(f"request failed: {type(exc).__name__}: {exc}"), "connect") from None
-    done = False
+    kind = "failed"
     try:
         if resp.status != 200:
             await _refuse(resp, backend, first_deadline)
         if call.stream:
-            done = await _stream(call, backend, resp, ctx, sink, progress, started, first_deadline, call_deadline)
+            kind = await _stream(call, backend, resp, ctx, sink, progress, started, first_deadline, call_deadline)
         else:
             await _deliver(call, backend, raw, sink, progress)
-            done = True
-        return done
+            kind = "ok"
+        return kind
     finally:
-        if done:
+        if kind == "ok":
             resp.release()
         else:
             resp.close()  # never leave a half-read or cancelled upstream on the pool
+
+
+def _caller_deadline(call: Call, backend: Backend) -> AttemptFailed:
+    """The request's own deadline passed: the caller's choice, not the backend's failure."""
+    err = UpstreamTimeout(
+        f"the request's deadline of {call.timeout_ms()} ms (x-request-timeout-ms or server.request_timeout_ms) "
+        f"passed before backend {backend.name!r} answered"
+    )
+    return AttemptFailed(err, "caller_deadline")
 
 
 async def _refuse(resp: UpstreamResponse, backend: Backend, deadline: float) -> None:
@@ -164,10 +193,11 @@ async def _refuse(resp: UpstreamResponse, backend: Backend, deadline: float) -> 
         backend.health.cool_down(retry_after if retry_after is not None else _DEFAULT_COOLDOWN_S)
         cls = RateLimited if status == 429 else Unavailable
         err = cls(f"HTTP {status} (retry after {retry_after or _DEFAULT_COOLDOWN_S:g}s)", retry_after_s=retry_after)
-        # A backend that asks for a pause is busy, not broken: it cools down, it is not ejected.
-        raise AttemptFailed(err, f"http_{status}", counts_against_health=status == 503)
-    if status >= 500 or status in (401, 403, 404, 408):
-        # Our key, our model name, or the backend itself is wrong: another backend may do better.
+        # A backend that asks for a pause is busy: it cools down (429 is not a failure, see health.OUTCOMES).
+        raise AttemptFailed(err, f"http_{status}")
+    if status >= 500 or status in (401, 403, 404, 405, 408):
+        # Our key, our model name, the path, or the backend itself is wrong: another backend may
+        # do better. Whether it counts against this one's health: health.OUTCOMES.
         raise AttemptFailed(UpstreamError(f"HTTP {status}: {snippet}"), f"http_{status}")
     raise UpstreamRejected(status, raw, backend.name)
 
@@ -200,8 +230,9 @@ async def _stream(
     started: float,
     first_deadline: float,
     call_deadline: float,
-) -> bool:
-    """Pass a stream through event by event, as bytes. True when it ended properly."""
+) -> str:
+    """Pass a stream through event by event, as bytes. Returns the outcome kind: "ok" when it
+    ended properly, else how it failed after the first token (the client got an error event)."""
     loop = asyncio.get_running_loop()
     m = ctx.metrics.for_backend(backend.name)
     idle_s = backend.timeouts.idle_ms / 1000
@@ -209,10 +240,12 @@ async def _stream(
     decoder = SSEDecoder()
     assembler = StreamAssembler(call.capture) if call.capture else None  # the answer, for the cache
     held: list[bytes] = []  # events before the first content token, released with it
+    held_bytes = 0
     first = finished = saw_done = error_event = False
     last_content = 0.0
     timer = asyncio.timeout_at(first_deadline)
     cut: str | None = None
+    kind = "ok"
     try:
         async with timer:
             while True:
@@ -275,6 +308,12 @@ async def _stream(
                         out.append(ev)
                     else:
                         held.append(ev)
+                        held_bytes += len(ev)
+                        if held_bytes > MAX_HELD_BYTES and not (content or finished):
+                            raise AttemptFailed(
+                                UpstreamError(f"backend {backend.name!r} sent over {MAX_HELD_BYTES} bytes before its first token"),
+                                "too_large",
+                            )
                         if content or finished:
                             if not content:
                                 claim(progress, backend, call, sink)  # an empty answer: its finish is its first byte
@@ -287,32 +326,40 @@ async def _stream(
                 if first:
                     timer.reschedule(min(loop.time() + (_AFTER_FINISH_S if finished else idle_s), call_deadline))
     except TimeoutError:
-        if not first:
+        if call.deadline_passed():
+            if not first:
+                raise _caller_deadline(call, backend) from None
+            cut, kind = f"the request's deadline of {call.timeout_ms()} ms passed mid-stream", "caller_deadline"
+        elif not first:
             raise AttemptFailed(
                 UpstreamTimeout(f"no first token within {_ms(first_deadline - loop.time() + (time.perf_counter() - started))} ms"),
                 "first_token_timeout",
             ) from None
-        cut = None if finished else f"the stream stalled for more than {backend.timeouts.idle_ms} ms"
+        else:
+            cut, kind = None if finished else f"the stream stalled for more than {backend.timeouts.idle_ms} ms", "cut_mid_stream"
+    except SSEEventTooLarge as exc:
+        if not first:
+            raise AttemptFailed(UpstreamError(f"backend {backend.name!r}: {exc}"), "too_large") from None
+        cut, kind = f"backend {backend.name!r}: {exc}", "too_large"
     except UpstreamHTTPError as exc:
         if not first:
             raise AttemptFailed(UpstreamError(f"connection lost before the first token: {exc}"), "disconnect") from None
-        cut = None if finished else "the backend's connection was lost mid-stream"
+        cut, kind = None if finished else "the backend's connection was lost mid-stream", "cut_mid_stream"
     else:
         if error_event:
-            m.error("error_event_mid_stream")
             call.finish = "error"
             await client_write(sink.end())
-            return False
+            return "error_event_mid_stream"
         if not saw_done and not finished:
             if not first:
                 raise AttemptFailed(UpstreamError("the stream ended before the first token"), "cut")
-            cut = "the backend's stream ended before its finish reason"
+            cut, kind = "the backend's stream ended before its finish reason", "cut_mid_stream"
     if cut is not None:
         # A cut stream is never presented as a success: an error event, and no [DONE].
-        m.error("cut_mid_stream")
         call.finish = "cut"
-        await client_write(sink.fail(UpstreamError(cut)))
-        return False
+        err: GatewayError = UpstreamTimeout(cut) if kind == "caller_deadline" else UpstreamError(cut)
+        await client_write(sink.fail(err))
+        return kind
     if not saw_done:
         m.error("missing_done")  # completed by the gateway
     if assembler is not None:
@@ -320,7 +367,7 @@ async def _stream(
     call.finish = "ok"
     await client_write(sink.write(SSE_DONE))
     await client_write(sink.end())
-    return True
+    return "ok"
 
 
 async def client_write(aw: object) -> None:

@@ -21,18 +21,31 @@ __all__ = ["Backend", "BackendState", "Slots"]
 
 
 class Slots:
-    """At most `limit` requests in flight; waiters are served first come, first served."""
+    """At most `limit` requests in flight; waiters are served first come, first served.
 
-    __slots__ = ("limit", "used", "_waiters")
+    The count lives in the backend's tracker (`tracker.inflight`): one number that the limit, the
+    selector and /admin all read. Whoever acquires a slot releases it in the same `try/finally`
+    (see relay._try), so a task cancelled at any await point gives its slot back."""
 
-    def __init__(self, limit: int) -> None:
+    __slots__ = ("limit", "_tracker", "_waiters")
+
+    def __init__(self, limit: int, tracker: Tracker | None = None) -> None:
         self.limit = limit
-        self.used = 0
+        self._tracker = tracker if tracker is not None else Tracker()
         self._waiters: deque[asyncio.Future[None]] = deque()
 
+    @property
+    def used(self) -> int:
+        """Requests in flight on this backend."""
+        return self._tracker.inflight
+
+    def free(self) -> bool:
+        """True when try_acquire() would succeed now."""
+        return self._tracker.inflight < self.limit and not self._waiters
+
     def try_acquire(self) -> bool:
-        if self.used < self.limit and not self._waiters:
-            self.used += 1
+        if self._tracker.inflight < self.limit and not self._waiters:
+            self._tracker.inflight += 1
             return True
         return False
 
@@ -64,7 +77,7 @@ class Slots:
             if not fut.done():
                 fut.set_result(None)  # the slot passes to the waiter; `used` is unchanged
                 return
-        self.used -= 1
+        self._tracker.inflight -= 1
 
 
 @dataclass
@@ -74,7 +87,11 @@ class BackendState:
     tracker: Tracker = field(default_factory=Tracker)
     health: Health = field(default_factory=Health)
     # In-flight slots live here, not on Backend, so a reload mid-request keeps counting right.
-    slots: Slots = field(default_factory=lambda: Slots(64))
+    slots: Slots | None = None
+
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            self.slots = Slots(64, self.tracker)
 
 
 class Backend:
@@ -89,7 +106,8 @@ class Backend:
         self.state = state
         self.tracker = state.tracker
         self.health = state.health
-        self.slots = state.slots
+        assert state.slots is not None
+        self.slots: Slots = state.slots
         self.timeouts = policy.timeouts
         # Built once: URL parsing and timeout objects are measurable costs per request.
         self.urls = {name: URL(self.base_url + ep.upstream_path) for name, ep in ENDPOINTS.items()}

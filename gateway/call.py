@@ -45,9 +45,10 @@ class Call:
     model: str = ""
     stream: bool = False
     t0: float = field(default_factory=time.perf_counter)
+    t0_monotonic: float = field(default_factory=time.monotonic)  # the clock `deadline` is on
     # Filled in by the stages:
     tenant: str | None = None
-    cls: str = "complex"
+    cls: str = "none"  # simple | complex once classified; "none" for routes that do not classify
     score: float | None = None
     reasons: list[str] = field(default_factory=list)
     verdict: Verdict | None = None
@@ -76,6 +77,14 @@ class Call:
 
     def remaining_s(self) -> float:
         return self.deadline - time.monotonic()
+
+    def timeout_ms(self) -> int:
+        """The deadline the request was given, in ms (for messages)."""
+        return max(1, round((self.deadline - self.t0_monotonic) * 1000))
+
+    def deadline_passed(self) -> bool:
+        """True once the request's own deadline is (about) reached: a timeout then is the caller's."""
+        return self.remaining_s() <= 0.002
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.t0

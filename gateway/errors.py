@@ -25,6 +25,7 @@ __all__ = [
     "Unavailable",
     "UpstreamRejected",
     "AllBackendsFailed",
+    "InternalError",
 ]
 
 
@@ -158,12 +159,21 @@ class UpstreamRejected(GatewayError):
         )
 
 
+class InternalError(GatewayError):
+    """A bug in the gateway: answered in the contract, with the request id to find the traceback."""
+
+    status = 500
+    type = "gateway_error"
+    code = "internal_error"
+
+
 class AllBackendsFailed(GatewayError):
     """Every candidate failed before the first byte; the message lists each failure."""
 
     def __init__(self, failures: list[tuple[str, GatewayError]], *, deadline_hit: bool = False) -> None:
         detail = "; ".join(f"{name}: {err.message}" for name, err in failures) or "no candidate"
-        super().__init__(f"all backends failed ({detail})")
+        head = "the request's deadline passed" if deadline_hit else "all backends failed"
+        super().__init__(f"{head} ({detail})")
         self.failures = failures
         statuses = {err.status for _, err in failures}
         if deadline_hit or statuses == {504}:

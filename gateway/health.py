@@ -13,6 +13,10 @@ The relay reports outcomes (and the prober reports probe results); this object d
 - ``healthy``.
 
 "Never eject the last healthy backend" needs a view of all candidates: see `routing.usable()`.
+
+What counts against a backend's health, and what teaches its latency tracker, is decided in one
+place: `OUTCOMES` below (the relay looks each attempt's outcome up there, and the tests check
+every row).
 """
 
 from __future__ import annotations
@@ -23,7 +27,59 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["Health"]
+__all__ = ["Health", "Outcome", "OUTCOMES", "outcome"]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one attempt's ending is accounted. `health`: counts as a failure of the backend (a run
+    of them ejects it). `sample`: the attempt is a latency/error sample for the tracker (a timeout
+    sample raises the TTFT estimate). `failover`: the next candidate may take over."""
+
+    health: bool
+    sample: bool
+    failover: bool = True
+
+
+# kind -> accounting. Only what the backend itself did wrong counts against it; what the caller
+# did (a short deadline, a disconnect, a bad request, an endpoint the backend does not serve)
+# says nothing about the backend and is neither a failure nor a latency sample.
+OUTCOMES: dict[str, Outcome] = {
+    "ok": Outcome(health=False, sample=True, failover=False),
+    "connect": Outcome(health=True, sample=True),  # refused, reset, TLS failure
+    "reset_before_headers": Outcome(health=True, sample=True),  # the request left; no answer came
+    "timeout": Outcome(health=True, sample=True),  # the backend's own deadline (headers or whole answer)
+    "first_token_timeout": Outcome(health=True, sample=True),  # the backend's own first-token deadline
+    "http_5xx": Outcome(health=True, sample=True),
+    "http_503": Outcome(health=True, sample=True),  # also cools down for its Retry-After
+    "http_429": Outcome(health=False, sample=False),  # busy, not broken: a cool-down, not an ejection
+    "http_401": Outcome(health=True, sample=True),  # our key is wrong for it: unusable for us
+    "http_403": Outcome(health=True, sample=True),
+    "http_408": Outcome(health=True, sample=True),
+    "http_404": Outcome(health=False, sample=False),  # the path or model is not served there
+    "http_405": Outcome(health=False, sample=False),
+    "malformed": Outcome(health=True, sample=True),  # 200 with a body that is no answer
+    "too_large": Outcome(health=True, sample=True),  # past a cap on what we read from a backend
+    "error_event": Outcome(health=True, sample=True),  # an error event before the first token
+    "cut": Outcome(health=True, sample=True),  # the stream ended before its first token
+    "disconnect": Outcome(health=True, sample=True),  # the connection died before the first token
+    "cut_mid_stream": Outcome(health=True, sample=True, failover=False),
+    "error_event_mid_stream": Outcome(health=True, sample=True, failover=False),
+    "rejected": Outcome(health=False, sample=False, failover=False),  # a 4xx about the request itself
+    "caller_deadline": Outcome(health=False, sample=False, failover=False),  # the caller's own timeout
+    "client_disconnect": Outcome(health=False, sample=False, failover=False),
+    "lost": Outcome(health=False, sample=False, failover=False),  # a hedged rival answered first
+}
+
+
+def outcome(kind: str) -> Outcome:
+    """The accounting of an outcome kind (`http_5xx` stands for every 5xx but 503)."""
+    o = OUTCOMES.get(kind)
+    if o is None and kind.startswith("http_5"):
+        o = OUTCOMES["http_5xx"]
+    if o is None:
+        raise KeyError(f"unknown attempt outcome {kind!r}: add it to health.OUTCOMES")
+    return o
 
 
 @dataclass
@@ -33,7 +89,7 @@ class Health:
     failures_to_eject: int = 3
     eject_s: float = 10.0
     clock: Callable[[], float] = time.monotonic
-    max_eject_s: float = 60.0
+    max_eject_s: float = 30.0
     jitter: float = 0.2  # an ejection lasts between (1 - jitter) and 1 times its back-off
     rng: random.Random = field(default_factory=random.Random)
     consecutive_failures: int = 0
@@ -58,18 +114,17 @@ class Health:
             self._eject(now)  # a failed half-open trial re-ejects at once, for longer
 
     def report_probe(self, ok: bool) -> None:
-        """An active probe's result. A good probe ends a first ejection early (half-open: the next
-        real request decides); a failed one counts as a failure unless the backend is already out."""
+        """An active probe's result. A good probe may end a first ejection early (half-open: the
+        next real request decides) and does nothing else: a model list that answers is no evidence
+        that completions work, so it never resets the count of real failures. A failed probe counts
+        as a failure unless the backend is already out."""
         if not ok:
             self.report_failure()
-        elif self.clock() < self.ejected_until:
+        elif self.clock() < self.ejected_until and self.ejections <= 1:
             # Only a first ejection ends early: a backend whose cheap probe works while its real
             # requests keep failing would otherwise get a trial request every probe interval,
             # whatever its back-off says.
-            if self.ejections <= 1:
-                self.ejected_until = 0.0
-        elif self.ejections == 0:
-            self.consecutive_failures = 0
+            self.ejected_until = 0.0
 
     def _eject(self, now: float) -> None:
         self.ejections += 1

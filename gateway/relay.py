@@ -15,6 +15,8 @@ from .attempt import AttemptFailed, ClientGone, Lost, Progress, RelayContext, at
 from .backends import Backend
 from .call import Call
 from .errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected
+from .health import outcome
+from .metrics import BackendMetrics
 from .policy import RoutingPolicy, ServerPolicy
 from .runtime import Pool, Route
 from .sink import Sink
@@ -47,7 +49,7 @@ def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> l
 
 async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None:
     """Answer `call` from the best candidate that works; raise AllBackendsFailed otherwise."""
-    pool = route.pool(call.cls)
+    pool = route.pool(call.cls, call.endpoint.name)
     progress = Progress()
     failures: list[tuple[str, GatewayError]] = []
     order = _plan(call, pool, failures)
@@ -61,7 +63,7 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
                 break
             if backend.name in call.attempts:
                 continue  # it already ran as a hedge
-            if not backend.slots.try_acquire():
+            if not backend.slots.free():
                 full.append(backend)
                 continue
             attempts += 1
@@ -71,20 +73,16 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
                 answered = await _hedged(call, backend, order[i + 1 :], route, ctx, sink, progress, failures)
             else:
                 answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None if last else route.routing)
-            if answered:
-                return
+            if answered or progress.owner is not None:
+                return  # once an attempt owns the client, nothing else starts for this request
         if attempts == 0 and full:
             # Every candidate is at its max_concurrency: queue for the best one, within the deadline.
             backend = full[0]
-            started = time.perf_counter()
-            got = await backend.slots.acquire(min(call.remaining_s(), backend.timeouts.first_token_ms / 1000))
-            waited = time.perf_counter() - started
-            call.queue_ms += waited * 1000
-            ctx.metrics.queue_wait.observe(waited)
-            sink.set_header("x-gateway-queue-ms", f"{call.queue_ms:.1f}")
-            if got and await _try(call, backend, ctx, sink, progress, failures, live_deadline=None):
+            wait_s = min(call.remaining_s(), backend.timeouts.first_token_ms / 1000)
+            answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None, wait_s=wait_s)
+            if answered or progress.owner is not None:
                 return
-            if not got:
+            if answered is None:
                 failures.extend((b.name, Unavailable("at max_concurrency", retry_after_s=1)) for b in full)
         raise AllBackendsFailed(failures, deadline_hit=call.remaining_s() <= 0)
     finally:
@@ -103,7 +101,10 @@ async def _hedged(
     failures: list[tuple[str, GatewayError]],
 ) -> bool:
     """Run the primary; if its first token is later than its live P95, run the same request on
-    the next best backend too. Whichever reaches the client first wins; the other is cancelled."""
+    the next best backend too. Whichever reaches the client first wins; the other is cancelled.
+
+    Each attempt acquires and releases its own slot inside its task, so cancelling a task at any
+    point (before its first step included) leaks nothing."""
     hp, budget = route.hedge, route.budget
     assert hp is not None and budget is not None
     budget.note_request()
@@ -113,11 +114,10 @@ async def _hedged(
     try:
         done, _ = await asyncio.wait(tasks, timeout=min(delay, max(0.0, call.remaining_s())))
         if not done and progress.owner is None:
-            second = next((b for b in others if b.slots.try_acquire()), None)
+            second = next((b for b in others if b.slots.free()), None)
             if second is None:
                 ctx.metrics.hedges.labels("no_candidate").inc()
             elif not budget.try_spend():
-                second.slots.release()
                 ctx.metrics.hedges.labels("budget_exhausted").inc()
             else:
                 ctx.metrics.hedges.labels("started").inc()
@@ -131,8 +131,10 @@ async def _hedged(
     if len(tasks) == 2 and progress.owner is not None:
         ctx.metrics.hedges.labels("won" if progress.owner != primary.name else "lost").inc()
     for r in results:
-        if isinstance(r, (ClientGone, UpstreamRejected)) and progress.owner is None:
+        if isinstance(r, ClientGone) or (isinstance(r, UpstreamRejected) and progress.owner is None):
             raise r
+        if isinstance(r, BaseException) and not isinstance(r, (UpstreamRejected, asyncio.CancelledError)):
+            raise r  # a bug in an attempt: the pipeline's edge answers it
     return any(r is True for r in results)
 
 
@@ -145,60 +147,79 @@ async def _try(
     failures: list[tuple[str, GatewayError]],
     *,
     live_deadline: RoutingPolicy | None,
-) -> bool:
-    """One attempt on a backend whose slot we hold (`live_deadline`: the rule for a first-token
-    deadline from live data, None for the backend's fixed one). True when the call is answered (or lost to
-    a mid-stream failure, which is answered with an error event)."""
+    wait_s: float = 0.0,
+) -> bool | None:
+    """One attempt on a backend, holding one of its slots from start to end (`wait_s`: how long
+    to queue for one). `live_deadline`: the rule for a first-token deadline from live data, None
+    for the backend's fixed one. True when the call is answered (or lost to a mid-stream failure,
+    answered with an error event); False when it failed before the first byte (or lost a hedge);
+    None when no slot came free."""
+    slots = backend.slots
+    if not slots.try_acquire():
+        if wait_s <= 0:
+            return None
+        queued = time.perf_counter()
+        got = await slots.acquire(wait_s)
+        waited = time.perf_counter() - queued
+        call.queue_ms += waited * 1000
+        ctx.metrics.queue_wait.observe(waited)
+        sink.set_header("x-gateway-queue-ms", f"{call.queue_ms:.1f}")
+        if not got:
+            return None
     m = ctx.metrics.for_backend(backend.name)
-    tracker = backend.tracker
-    health = backend.health
-    tracker.inflight += 1
     m.inflight.inc()
-    started = time.perf_counter()
-    if call.attempts:
-        m.failovers.inc()
-    call.attempts.append(backend.name)
-    call.backend = backend.name
-    sink.set_header("x-gateway-backend", backend.name)
-    pt = call.prompt_tokens
-    ejections = health.ejections
     try:
-        ok = await attempt(call, backend, ctx, sink, progress, started, live_deadline)
-    except AttemptFailed as failed:
-        failures.append((backend.name, failed.err))
-        m.error(failed.kind)
-        timeout = failed.kind in ("timeout", "first_token_timeout")
-        tracker.observe_done(time.perf_counter() - started, ok=False, prompt_tokens=pt, streamed=call.stream, timeout=timeout)
-        if failed.counts_against_health:
-            health.report_failure()
-            if health.ejections > ejections:
-                m.ejections.inc()
-        return False
-    except Lost:
-        return False  # a hedged rival answered first: nothing about this backend is known
-    except UpstreamRejected:
-        # The backend is fine; it rejected the request. Not a latency sample (an instant 4xx).
-        tracker.observe_done(time.perf_counter() - started, ok=True)
-        raise
+        started = time.perf_counter()
+        if call.attempts:
+            m.failovers.inc()
+        call.attempts.append(backend.name)
+        call.backend = backend.name
+        sink.set_header("x-gateway-backend", backend.name)
+        try:
+            kind = await attempt(call, backend, ctx, sink, progress, started, live_deadline)
+        except AttemptFailed as failed:
+            failures.append((backend.name, failed.err))
+            _account(call, backend, m, failed.kind, time.perf_counter() - started)
+            return False
+        except Lost:
+            return False  # a hedged rival answered first: nothing about this backend is known
+        except UpstreamRejected:
+            _account(call, backend, m, "rejected", time.perf_counter() - started)
+            raise
+        _account(call, backend, m, kind, time.perf_counter() - started)
+        return True
     finally:
-        tracker.inflight -= 1
+        slots.release()
         m.inflight.dec()
-        backend.slots.release()
-    completion = (call.usage or {}).get("completion_tokens")
-    tracker.observe_done(
-        time.perf_counter() - started,
-        ok=ok,
-        prompt_tokens=pt,
-        completion_tokens=completion if isinstance(completion, int) else None,
-        streamed=call.stream,
-    )
-    if ok:
-        health.report_success()
-    else:
-        health.report_failure()
-        if health.ejections > ejections:
+
+
+# Outcomes that are not the backend's errors: not in gateway_upstream_errors_total.
+_NOT_UPSTREAM_ERRORS = frozenset({"rejected", "caller_deadline", "client_disconnect", "lost"})
+
+
+def _account(call: Call, backend: Backend, m: BackendMetrics, kind: str, seconds: float) -> None:
+    """Report one attempt's outcome to the backend's tracker and health, as health.OUTCOMES says."""
+    o = outcome(kind)
+    if o.sample:
+        completion = (call.usage or {}).get("completion_tokens") if kind == "ok" else None
+        backend.tracker.observe_done(
+            seconds,
+            ok=kind == "ok",
+            prompt_tokens=call.prompt_tokens,
+            completion_tokens=completion if isinstance(completion, int) else None,
+            streamed=call.stream,
+            timeout=kind in ("timeout", "first_token_timeout"),
+        )
+    if kind == "ok":
+        backend.health.report_success()
+        return
+    if kind not in _NOT_UPSTREAM_ERRORS:
+        m.error(kind)
+    if o.health:
+        ejections = backend.health.ejections
+        backend.health.report_failure()
+        if backend.health.ejections > ejections:
             m.ejections.inc()
-    return True
 
 
 class _Heartbeat:

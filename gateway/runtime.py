@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from .auth import Tenants
 from .backends import Backend, BackendState, Slots
-from .call import Call
+from .call import ENDPOINTS, Call
 from .classify import Classifier, Rules, Verdict
-from .errors import ModelNotFound
+from .errors import BadRequest, ModelNotFound
 from .health import Health
 from .latency import Tracker
 from .auth import Tenant
@@ -85,9 +85,24 @@ class Route:
     # The settings of the policy this route came from: a request keeps them to its end.
     server: ServerPolicy = field(default_factory=ServerPolicy)
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    # endpoint -> (simple, complex) pools of only the backends that serve it (None: none does)
+    by_endpoint: dict[str, tuple[Pool | None, Pool | None]] = field(default_factory=dict)
 
-    def pool(self, cls: str) -> Pool:
-        return self.simple if cls == "simple" else self.complex
+    def pool(self, cls: str, endpoint: str = "chat") -> Pool:
+        """The candidates for a request class on an endpoint; BadRequest when no backend of this
+        route serves the endpoint (decided from the policy, before any upstream call)."""
+        pair = self.by_endpoint.get(endpoint)
+        if pair is None:
+            return self.simple if cls == "simple" else self.complex
+        p = pair[0] if cls == "simple" else pair[1]
+        if p is None:
+            raise BadRequest(
+                f"the model {self.model!r} is not served on /v1/{ENDPOINTS[endpoint].upstream_path.lstrip('/')}: "
+                f"no backend of its route lists {endpoint!r} in its `endpoints`",
+                param="model",
+                code="unsupported_endpoint",
+            )
+        return p
 
     def candidates(self, cls: str) -> tuple[Backend, ...]:
         return self.pool(cls).backends
@@ -138,17 +153,17 @@ class Runtime:
         if self.cache is None or call.endpoint.name == "embeddings":
             return _NO_CACHE
         cp = self.policy.cache
-        enabled, deterministic, ttl = cp.enabled, cp.deterministic_only, cp.ttl_s
+        enabled, include_sampled, ttl = cp.enabled, cp.include_sampled, cp.ttl_s
         for o in (route.cache, tenant.cache):
             if o is not None:
                 enabled = enabled if o.enabled is None else o.enabled
-                deterministic = deterministic if o.deterministic_only is None else o.deterministic_only
+                include_sampled = include_sampled if o.include_sampled is None else o.include_sampled
                 ttl = ttl if o.ttl_s is None else o.ttl_s
         if not enabled:
             return _NO_CACHE
         if call.no_cache:
             return CachePlan(None, "cache-control: no-cache")
-        why = cacheable_request(call.body, require_deterministic=deterministic)
+        why = cacheable_request(call.body, require_deterministic=not include_sampled)
         if why is not None:
             return CachePlan(None, why)
         key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body)
@@ -161,26 +176,35 @@ class Runtime:
         selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s)
         return Pool(picked, cands, selector)
 
+    def _by_endpoint(self, pool: Pool, strategy: str) -> dict[str, Pool | None]:
+        """Per endpoint: the pool itself when every backend serves it, else the ones that do."""
+        out: dict[str, Pool | None] = {}
+        for ep in ENDPOINTS:
+            names = tuple(b.name for b in pool.backends if ep in b.policy.endpoints)
+            out[ep] = pool if len(names) == len(pool.backends) else (self._pool(names, strategy) if names else None)
+        return out
+
     def _route(self, model: str, r: ModelRoute) -> Route:
         strategy = r.strategy or self.routing.strategy
         budget = HedgeBudget(r.hedge.max_extra_pct) if r.hedge else None
         if r.backends is not None:
-            pool = self._pool(r.backends, strategy)
-            return Route(
-                model, pool, pool, split=False, hedge=r.hedge, budget=budget, cache=r.cache,
-                server=self.server, routing=self.routing,
-            )
+            simple = complex_ = self._pool(r.backends, strategy)
+        else:
+            simple, complex_ = self._pool(r.simple or (), strategy), self._pool(r.complex or (), strategy)
+        s_eps = self._by_endpoint(simple, strategy)
+        c_eps = s_eps if complex_ is simple else self._by_endpoint(complex_, strategy)
         return Route(
             model,
-            self._pool(r.simple or (), strategy),
-            self._pool(r.complex or (), strategy),
-            split=True,
+            simple,
+            complex_,
+            split=r.backends is None,
             threshold=r.threshold,
             hedge=r.hedge,
             budget=budget,
             cache=r.cache,
             server=self.server,
             routing=self.routing,
+            by_endpoint={ep: (s_eps[ep], c_eps[ep]) for ep in ENDPOINTS},
         )
 
     def classify(self, call: Call, route: Route) -> Verdict:
@@ -212,7 +236,11 @@ def build_runtime(
     backends: dict[str, Backend] = {}
     hp = policy.health
     for name, bp in policy.backends.items():
-        state = states.get(name) or BackendState(Tracker(), Health(), Slots(bp.max_concurrency))
+        if name in states:
+            state = states[name]
+        else:
+            tracker = Tracker()
+            state = BackendState(tracker, Health(), Slots(bp.max_concurrency, tracker))
         backends[name] = Backend(name, bp, state)
     # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
     classifier = Classifier.load(policy.classifier.weights_file)

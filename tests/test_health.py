@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.health import Health
+from gateway.health import Health, outcome
 
 
 class Clock:
@@ -116,11 +116,49 @@ def test_failed_probes_count_as_failures_unless_already_ejected():
     assert h.state() == "probing"
 
 
-def test_a_good_probe_clears_failures_of_a_healthy_backend():
+def test_a_good_probe_never_resets_the_count_of_real_failures():
+    # A provider's model list answers 200 while its chat endpoint fails: the breaker still opens.
     h = _health(Clock())
-    _fail(h, 2)
-    h.report_probe(True)
-    assert h.consecutive_failures == 0
+    for _ in range(3):
+        h.report_failure()
+        h.report_probe(True)
+    assert h.ejections == 1  # the third failure ejected it (the probe then lets one trial through)
+
+
+@pytest.mark.parametrize(
+    "kind,counts,sample",
+    [
+        ("ok", False, True),
+        ("connect", True, True),
+        ("reset_before_headers", True, True),
+        ("timeout", True, True),
+        ("first_token_timeout", True, True),
+        ("http_500", True, True),
+        ("http_502", True, True),
+        ("http_503", True, True),
+        ("http_429", False, False),
+        ("http_401", True, True),
+        ("http_404", False, False),
+        ("http_405", False, False),
+        ("malformed", True, True),
+        ("too_large", True, True),
+        ("error_event", True, True),
+        ("cut", True, True),
+        ("cut_mid_stream", True, True),
+        ("rejected", False, False),
+        ("caller_deadline", False, False),
+        ("client_disconnect", False, False),
+        ("lost", False, False),
+    ],
+)
+def test_the_outcome_table_says_what_counts_against_health_and_what_is_a_latency_sample(kind, counts, sample):
+    o = outcome(kind)
+    assert (o.health, o.sample) == (counts, sample)
+
+
+def test_an_unknown_outcome_kind_is_a_loud_error():
+    with pytest.raises(KeyError):
+        outcome("something_new")
 
 
 def test_retry_after_cools_a_backend_without_ejecting_it():

@@ -69,7 +69,9 @@ async def test_legacy_completions_stream_and_non_stream(upstream, gateway):
 
 async def test_embeddings_pass_through(upstream, gateway):
     up = await upstream("a")
-    gw = await gateway(simple_policy(up, model="embed-test"))
+    policy = simple_policy(up, model="embed-test")
+    policy["backends"]["a"]["endpoints"] = ["embeddings"]
+    gw = await gateway(policy)
     r = await gw.client().embeddings.create(model="embed-test", input=["a", "b"])
     assert len(r.data) == 2 and r.data[1].embedding == [0.1, 0.2, 0.3]
 
@@ -159,7 +161,7 @@ async def test_health_ready_metrics_and_admin_endpoints(upstream, gateway):
             "gateway_backend_healthy",
         ):
             assert name in text, name
-        assert 'gateway_requests_total{backend="a",cache="bypass",class="complex",code="200",model="gpt-test"} 1.0' in text
+        assert 'gateway_requests_total{backend="a",cache="bypass",class="none",code="200",model="gpt-test"} 1.0' in text
         async with http.get(gw.url + "/admin/backends") as r:
             body = await r.json()
         a = body["backends"]["a"]

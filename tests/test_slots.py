@@ -1,0 +1,88 @@
+"""Slots are owned by the attempt that takes them: cancelling a request at any await point, plain
+or hedged, leaves every in-flight count at zero, and nothing starts after an attempt owns the client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.keys import LIVE
+from tests.conftest import simple_policy
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+async def _wait_for(cond, timeout: float = 3.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+def _hedged_policy(a, b) -> dict:
+    policy = simple_policy(a, b)
+    for name in ("a", "b"):
+        policy["backends"][name]["max_concurrency"] = 2
+    policy["models"]["gpt-test"]["hedge"] = {"max_extra_pct": 100, "min_delay_ms": 0, "default_delay_ms": 20}
+    return policy
+
+
+@pytest.mark.parametrize("hedged", [False, True], ids=["plain", "hedged"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_cancelling_at_every_point_leaks_no_slot(upstream, gateway, hedged, stream):
+    a = await upstream("a", ttft_ms=60, itl_ms=5, tokens=6)
+    b = await upstream("b", ttft_ms=30, itl_ms=5, tokens=6)
+    gw = await gateway(_hedged_policy(a, b) if hedged else simple_policy(a, b))
+    backends = gw.app[LIVE].runtime.backends
+    body = orjson.dumps({"model": "gpt-test", "messages": MSG, "stream": stream})
+    async with aiohttp.ClientSession() as http:
+
+        async def one() -> None:
+            async with http.post(gw.url + "/v1/chat/completions", data=body) as r:
+                await r.read()
+
+        # Cancel 1 ms apart over the whole life of a request: before the connection, while queued,
+        # while the primary waits, right after the hedge starts, mid-stream, after the end.
+        for delay_ms in range(0, 130, 3):
+            task = asyncio.create_task(one())
+            await asyncio.sleep(delay_ms / 1000)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    await _wait_for(lambda: all(b.slots.used == 0 for b in backends.values()))
+    assert all(b.tracker.inflight == 0 for b in backends.values())
+    # A burst of max_concurrency requests per backend is served without queueing.
+    policy_limit = sum(b.slots.limit for b in backends.values())
+    client = gw.client()
+    resps = await asyncio.gather(
+        *[client.chat.completions.with_raw_response.create(model="gpt-test", messages=MSG) for _ in range(policy_limit)]
+    )
+    assert all(float(r.headers["x-gateway-queue-ms"]) < 1.0 for r in resps)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    assert 'gateway_backend_inflight{backend="a"} 0.0' in text and 'gateway_backend_inflight{backend="b"} 0.0' in text
+
+
+async def test_nothing_starts_after_the_hedge_winner_owns_the_client(upstream, gateway):
+    # a is slow to its first token, b (the hedge) wins and streams slowly; the client leaves mid-stream.
+    a = await upstream("a", ttft_ms=400, itl_ms=5, tokens=4)
+    b = await upstream("b", ttft_ms=0, itl_ms=100, tokens=50)
+    c = await upstream("c", ttft_ms=0, itl_ms=5, tokens=4)
+    policy = simple_policy(a, b, c)
+    policy["models"]["gpt-test"]["hedge"] = {"max_extra_pct": 100, "min_delay_ms": 0, "default_delay_ms": 30}
+    gw = await gateway(policy)
+    body = orjson.dumps({"model": "gpt-test", "messages": MSG, "stream": True})
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(gw.url + "/v1/chat/completions", data=body)
+        assert r.headers["x-gateway-backend"] == "b"
+        await r.content.readuntil(b"w1 ")
+        r.close()
+    await asyncio.sleep(0.6)
+    assert c.stats.requests == 0  # no third upstream request after bytes reached the client
+    backends = gw.app[LIVE].runtime.backends
+    await _wait_for(lambda: all(x.slots.used == 0 for x in backends.values()))
