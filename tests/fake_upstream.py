@@ -9,11 +9,22 @@ in FIFO order before their TTFT starts, so queueing shows up as TTFT (0: unlimit
 (a share, 0..1) answers that share of requests 500 at once, before the first byte, chosen by a
 counter (deterministic: 0.2 fails every 5th request), without taking a capacity slot.
 
-Modes: ok, error_500, error_429, error_503, error_400, error_401, hang (never answers), stall
-(headers, role chunk, then silence), disconnect (drops the connection after `fail_after` tokens),
-cut (ends the stream after `fail_after` tokens, no finish reason), no_done (finish reason, then
-EOF without [DONE]), malformed (a broken chunk among good ones), error_event (an error event after
-`fail_after` tokens), garbage (200 with a non-JSON body).
+Modes: ok, error_NNN (any status: error_500, error_429, error_503, error_400, error_404, ...;
+`error_body` replaces the JSON error body, e.g. an OpenAI `context_length_exceeded` error, and a
+body that is not JSON goes out as text/plain), hang (reads the request, never answers), reset (reads
+the request, then resets the connection (RST) before any response byte), close (the same with an
+orderly close), stall (headers, role chunk, then silence), stall_mid (streams `fail_after` tokens,
+then silence), disconnect (drops the connection after `fail_after` tokens), cut (ends the stream
+after `fail_after` tokens, no finish reason), no_done (finish reason, then EOF without [DONE]),
+malformed (a broken chunk among good ones), error_event (an error event after `fail_after`
+tokens), garbage (200 with a non-JSON body).
+
+When the mode applies: `fault_count` (> 0) limits it to the next that many chat/completions
+requests after start or the last `set()` (later ones answer `ok`); `flap_ms` (> 0) alternates
+phases of that length, starting healthy: `ok` in even phases, the mode in odd ones (GET /models
+follows the phase too). `endpoints` (None: all) lists the OpenAI paths served (chat, completions,
+embeddings, models); the others answer a plain 404, as a server without that route does.
+`Stats.by_path` counts every request to an OpenAI path (embeddings and /models included).
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +57,10 @@ class Behaviour:
     prompt_ms_per_kchar: float = 0.0  # extra TTFT per 1,000 prompt characters
     capacity: int = 0  # > 0: at most this many requests generate at once, the rest queue (FIFO) before their TTFT
     fail_pct: float = 0.0  # share (0..1) of requests answered 500 at once, before the first byte (counter-chosen)
+    error_body: str | None = None  # error_NNN modes: the body to answer with (None: an OpenAI-shaped error)
+    fault_count: int = 0  # > 0: the mode applies to the next this many requests only, then `ok`
+    flap_ms: float = 0.0  # > 0: alternate `ok` / the mode every flap_ms, starting with `ok`
+    endpoints: tuple[str, ...] | None = None  # OpenAI paths served (chat, completions, embeddings, models); None: all
 
 
 @dataclass
@@ -56,6 +73,9 @@ class Stats:
     completed: int = 0
     cancelled: int = 0  # the client (the gateway) went away mid-answer
     models: list[str] = field(default_factory=list)
+    by_path: dict[str, int] = field(default_factory=dict)  # every request to an OpenAI path, by path
+    embeddings: int = 0
+    faults: int = 0  # requests answered with the (non-ok) mode
     last_headers: dict[str, str] = field(default_factory=dict)
     last_body: dict[str, Any] = field(default_factory=dict)
 
@@ -76,7 +96,9 @@ class FakeUpstream:
         self._runner: web.AppRunner | None = None
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()  # FIFO capacity queue
         self._fail_acc = 0.0  # fail_pct counter: a request fails each time this passes 1
-        self.app = web.Application()
+        self._faults_since_set = 0  # fault_count: requests the mode applied to since the last set()
+        self._set_at = time.monotonic()  # flap_ms: phases count from here
+        self.app = web.Application(middlewares=[self._count_and_gate])
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self._chat),
@@ -107,8 +129,51 @@ class FakeUpstream:
             self._runner = None
 
     def set(self, **changes: Any) -> None:
+        if isinstance(changes.get("endpoints"), list):
+            changes["endpoints"] = tuple(changes["endpoints"])
         self.behaviour = dataclasses.replace(self.behaviour, **changes)
+        self._faults_since_set = 0
+        self._set_at = time.monotonic()
         self._wake()  # a larger (or no) capacity lets queued requests start now
+
+    def _phase_mode(self) -> str:
+        """The mode in force now (fault_count and flap_ms applied), without using up a fault."""
+        b = self.behaviour
+        if b.mode == "ok":
+            return "ok"
+        if b.fault_count > 0 and self._faults_since_set >= b.fault_count:
+            return "ok"
+        if b.flap_ms > 0 and int((time.monotonic() - self._set_at) * 1000 / b.flap_ms) % 2 == 0:
+            return "ok"
+        return b.mode
+
+    def _take_mode(self) -> str:
+        """The mode for a request arriving now; a fault counts towards fault_count."""
+        mode = self._phase_mode()
+        if mode != "ok":
+            self._faults_since_set += 1
+            self.stats.faults += 1
+        return mode
+
+    _PATHS = {
+        "/v1/chat/completions": "chat",
+        "/v1/completions": "completions",
+        "/v1/embeddings": "embeddings",
+        "/v1/models": "models",
+    }
+
+    @web.middleware
+    async def _count_and_gate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        endpoint = self._PATHS.get(request.path)
+        if endpoint is None and request.path.startswith("/v1/"):
+            endpoint = "other"
+        if endpoint is not None:
+            self.stats.by_path[request.path] = self.stats.by_path.get(request.path, 0) + 1
+            served = self.behaviour.endpoints
+            if served is not None and endpoint not in served:
+                await request.read()
+                return web.Response(status=404, text="404: Not Found")  # what a server without the route says
+        return await handler(request)
 
     # -- handlers ---------------------------------------------------------------------------
 
@@ -116,7 +181,7 @@ class FakeUpstream:
         return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
-        mode = self.behaviour.mode
+        mode = self._phase_mode()
         if mode.startswith("error_") and mode[6:].isdigit() and int(mode[6:]) >= 500:
             return web.json_response({"error": {"message": "down"}}, status=int(mode[6:]))  # down everywhere
         return web.json_response({"object": "list", "data": [{"id": self.behaviour.model or "fake", "object": "model"}]})
@@ -129,6 +194,7 @@ class FakeUpstream:
         return web.json_response(dataclasses.asdict(self.stats))
 
     async def _embeddings(self, request: web.Request) -> web.Response:
+        self.stats.embeddings += 1
         body = orjson.loads(await request.read())
         inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
         data = [{"object": "embedding", "index": i, "embedding": [0.1, 0.2, 0.3]} for i in range(len(inputs))]
@@ -161,9 +227,10 @@ class FakeUpstream:
                     st.failed += 1
                     err = {"error": {"message": f"fake upstream {self.name} failed (fail_pct)", "type": "server_error", "param": None, "code": None}}
                     return web.Response(status=500, body=orjson.dumps(err), content_type="application/json")
+            mode = self._take_mode()
             await self._acquire()
             try:
-                resp = await self._respond(request, body, chat, self.behaviour, len(raw))
+                resp = await self._respond(request, body, chat, dataclasses.replace(self.behaviour, mode=mode), len(raw))
             finally:
                 self._release()
             st.completed += 1
@@ -216,9 +283,25 @@ class FakeUpstream:
             headers = {"Retry-After": str(b.retry_after_s)} if b.retry_after_s is not None else {}
             err = {"error": {"message": f"fake upstream {self.name} says {status}", "type": "invalid_request_error" if status == 400 else "server_error", "param": None, "code": None}}
             await asyncio.sleep(b.ttft_ms / 1000)
+            if b.error_body is not None:
+                try:
+                    orjson.loads(b.error_body)
+                    ctype = "application/json"
+                except orjson.JSONDecodeError:
+                    ctype = "text/plain"
+                return web.Response(status=status, body=b.error_body.encode(), content_type=ctype, headers=headers)
             return web.Response(status=status, body=orjson.dumps(err), content_type="application/json", headers=headers)
         if mode == "hang":
             await asyncio.sleep(3600)
+        if mode in ("reset", "close"):
+            transport = request.transport
+            if transport is not None:
+                sock = transport.get_extra_info("socket")
+                if mode == "reset" and sock is not None:
+                    # linger 0: close() sends RST instead of FIN, as a crashed or overloaded proxy does
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                transport.abort() if mode == "reset" else transport.close()
+            await asyncio.sleep(3600)  # the handler is cancelled: the connection is gone
         ttft = b.ttft_ms + b.prompt_ms_per_kchar * size / 1000
         n = int(body.get("max_tokens") or b.tokens)
         n = min(n, b.tokens)
@@ -259,6 +342,8 @@ class FakeUpstream:
             if i and b.itl_ms:
                 await asyncio.sleep(b.itl_ms / 1000)
             if i == b.fail_after:
+                if mode == "stall_mid":
+                    await asyncio.sleep(3600)
                 if mode == "disconnect":
                     assert request.transport is not None
                     request.transport.close()
@@ -293,6 +378,8 @@ def main() -> None:
         kind = {"float": float, "int": int, "str": str}.get(str(f.type).split(" ")[0], str)
         if f.name == "retry_after_s":
             kind = float
+        if f.name == "endpoints":
+            kind = lambda v: tuple(x for x in v.split(",") if x)  # noqa: E731  --endpoints chat,completions
         parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
     args = parser.parse_args()
     behaviour = Behaviour(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Behaviour)})
