@@ -87,9 +87,10 @@ class Metrics:
         )
         # Bound once: labels() is slow on the hot path, and these label sets are fixed.
         self.lookup = {r: self.cache_lookups.labels(r) for r in ("hit", "miss", "bypass")}
-        self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}
+        self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
+        self._durations: dict[str, Any] = {}
 
     def request_done(self, model: str, backend: str, cls: str, cache: str, code: int) -> None:
         """Count one answered request (label children are cached: labels() is slow on the hot path)."""
@@ -98,6 +99,14 @@ class Metrics:
         if child is None:
             child = self._requests[key] = self.requests.labels(model, backend, cls, cache, str(code))
         child.inc()
+
+    def duration_of(self, backend: str) -> Any:
+        """The request-duration child of a backend, or of the pseudo backends `cache` and `none`
+        (which get no per-backend failover, ejection or error series)."""
+        child = self._durations.get(backend)
+        if child is None:
+            child = self._durations[backend] = self.duration.labels(backend)
+        return child
 
     def for_backend(self, name: str) -> "BackendMetrics":
         """The per-backend children, looked up once per backend."""
@@ -123,10 +132,10 @@ class BackendMetrics:
     def __init__(self, m: Metrics, name: str) -> None:
         self._m = m
         self.name = name
-        self.duration = m.duration.labels(name)
+        self.duration = m.duration_of(name)
         self.ttft = m.ttft.labels(name)
         self.inter_token = m.inter_token.labels(name)
-        self.inflight = m.inflight.labels(name)
+        self.inflight = m.inflight.labels(name)  # mirrors the backend's slot count, per process
         self.failovers = m.failovers.labels(name)
         self.malformed = m.malformed_chunks.labels(name)
         self.ejections = m.ejections.labels(name)

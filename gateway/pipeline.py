@@ -13,7 +13,8 @@ from typing import Any
 from .auth import Tenant
 from .cache_entry import Entry, replay_json, replay_sse
 from .call import Call
-from .errors import GatewayError
+from .errors import GatewayError, InternalError
+from .flight import TeeSink, follow
 from .relay import ClientGone, RelayContext, relay
 from .runtime import Route, Runtime
 from .sink import Sink
@@ -48,10 +49,12 @@ def _prepare(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     call.prompt_tokens = len(call.raw) // 4  # cheap; the classifier's estimate replaces it when it runs
     if call.endpoint.name != "embeddings":
         call.verdict = verdict = rt.classify(call, route)
-        call.cls, call.score, call.reasons = verdict.cls, verdict.score, verdict.reasons
+        if verdict.features:  # classified (an unclassified route keeps cls "none")
+            call.cls, call.score, call.reasons = verdict.cls, verdict.score, verdict.reasons
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
             call.prompt_tokens = estimate
+    route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
     return route, tenant
 
 
@@ -59,7 +62,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
     """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
     try:
         route, tenant = _prepare(call, rt)
-        if call.verdict is not None and call.verdict.features:
+        if call.cls != "none":
             sink.set_header("x-gateway-class", call.cls)
             ctx.metrics.per_class[call.cls].inc()
         plan = rt.cache_plan(call, route, tenant)
@@ -71,14 +74,20 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
             return
         entry = await rt.cache.lookup(plan.key)
         if entry is None:
-            async with ctx.flight.hold(plan.key, wait_s=call.remaining_s()) as flight:
+            opts = call.body.get("stream_options") if call.stream else None
+            usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            async with ctx.flight.hold(plan.key, wait_s=call.remaining_s(), stream=call.stream, include_usage=usage) as flight:
                 entry = None if flight.leader else flight.entry
-                if entry is None:  # the leader, or a follower whose leader stored nothing
+                if not flight.leader and flight.stream is not None and await follow(flight.stream, call, sink):
+                    ctx.metrics.lookup["hit"].inc()  # a streamed follower, answered from its leader's live stream
+                    return
+                if entry is None:  # the leader, or a follower whose leader stored (or streamed) nothing
                     call.cache = "miss"
                     ctx.metrics.lookup["miss"].inc()
                     sink.set_header("x-gateway-cache", "miss")
                     call.capture = rt.cache.max_entry_bytes
-                    await relay(call, route, ctx, sink)
+                    tee = TeeSink(sink, flight.stream) if flight.leader and flight.stream is not None else sink
+                    await relay(call, route, ctx, tee)
                     if call.entry is not None and plan.store:
                         await rt.cache.save(plan.key, call.entry, ttl_s=plan.ttl_s)
                         flight.publish(call.entry)
@@ -96,8 +105,16 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
     except asyncio.CancelledError:
         call.finish = "client_disconnect"  # aiohttp cancels the handler when the client goes away
         raise
+    except Exception:  # a bug: still an answer in the contract, and the traceback in the log
+        log.exception("request %s: internal error", call.request_id)
+        err = InternalError(f"internal error in the gateway (request id {call.request_id})")
+        call.status, call.error, call.finish = err.status, err.message, "error"
+        try:
+            await sink.fail(err)
+        except Exception:
+            call.finish = "client_disconnect"
     finally:
-        _observe(call, ctx)
+        _observe(call, rt, ctx)
 
 
 async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
@@ -118,16 +135,18 @@ async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
     call.finish = "ok"
 
 
-def _observe(call: Call, ctx: RelayContext) -> None:
+def _observe(call: Call, rt: Runtime, ctx: RelayContext) -> None:
     m = ctx.metrics
     backend = call.backend or "none"
-    m.request_done(call.model or "unknown", backend, call.cls, call.cache, call.status)
-    m.for_backend(backend).duration.observe(call.elapsed_s())
+    # Labels only from the policy: a client-chosen model string would grow the series without bound.
+    model = call.model if call.model in rt.routes else "other"
+    m.request_done(model, backend, call.cls, call.cache, call.status)
+    m.duration_of(backend).observe(call.elapsed_s())
     if call.finish == "client_disconnect":
         m.client_disconnects.inc()
     usage = call.usage
-    if usage and call.backend:
-        tenant = call.tenant or "none"
+    if usage and call.backend and call.backend != "cache":
+        tenant = rt.tenants.metric_label(call.tenant or "none")
         for kind, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
             n = usage.get(key)
             if isinstance(n, int) and n > 0:
@@ -142,7 +161,7 @@ async def explain(call: Call, rt: Runtime) -> dict[str, Any]:
     plan = rt.cache_plan(call, route, tenant)
     if plan.key is not None and rt.cache is not None:
         call.cache = "miss" if await rt.cache.lookup(plan.key) is None else "hit"
-    pool = route.pool(call.cls)
+    pool = route.pool(call.cls, call.endpoint.name)
     ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
     candidates = []
     for r in ranked:
@@ -172,11 +191,11 @@ async def explain(call: Call, rt: Runtime) -> dict[str, Any]:
         "model": call.model,
         "tenant": call.tenant,
         "priority": call.priority,
-        "class": call.cls,
+        "class": call.cls if v is None else v.cls,
         "score": None if v is None else round(v.score, 4),
         "threshold": None if v is None else round(v.threshold, 4),
         "rule": None if v is None else v.rule,
-        "reasons": call.reasons,
+        "reasons": call.reasons if v is None else v.reasons,
         "features": {} if v is None else v.features,
         "prompt_tokens": call.prompt_tokens,
         "cache": call.cache,
