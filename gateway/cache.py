@@ -16,7 +16,8 @@ from typing import Any
 
 import orjson
 
-from .cache_entry import Entry
+from .cache_entry import Entry, _complete
+from .flight import Broadcast, Budget
 from .store import Store, StoreError
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Cache",
     "Flight",
     "SingleFlight",
+    "MAX_FLIGHTS",
 ]
 
 CACHE_FORMAT = "v1"
@@ -49,6 +51,7 @@ TRANSPORT_FIELDS = frozenset({
 # 0 and 0.0 mean the same sampling: key them alike.
 _FLOAT_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
 _WARN_EVERY_S = 60.0
+MAX_FLIGHTS = 10_000  # concurrent single flights per process; beyond it, requests go on alone
 
 
 def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any]) -> str:
@@ -122,7 +125,11 @@ class Cache:
         self._failing = False
 
     async def lookup(self, key: str) -> Entry | None:
-        """The entry under `key`, or None on a miss or when the store fails."""
+        """The entry under `key`, or None on a miss or when the store fails.
+
+        An entry that is not a complete answer (bad JSON, truncated, a wrong shape: written by
+        another version, or damaged) is a miss: it is deleted and reported as `on_error("corrupt")`.
+        """
         try:
             raw = await self.store.get(key)
         except StoreError as exc:
@@ -130,7 +137,16 @@ class Cache:
             return None
         if self._failing:
             self._recovered()
-        return None if raw is None else Entry(raw)
+        if raw is None:
+            return None
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            obj = None
+        if not _complete(obj):
+            await self._corrupt(key, raw)
+            return None
+        return Entry(raw)
 
     async def save(self, key: str, entry: Entry, *, ttl_s: float | None = None) -> bool:
         """Store `entry` for `ttl_s` (default: the cache's); False when too big or the store failed."""
@@ -144,6 +160,15 @@ class Cache:
         if self._failing:
             self._recovered()
         return True
+
+    async def _corrupt(self, key: str, raw: bytes) -> None:
+        if self._on_error is not None:
+            self._on_error("corrupt")
+        self._log.warning("cache entry %s is corrupt (%d bytes), deleted", key, len(raw))
+        try:
+            await self.store.delete(key)
+        except StoreError as exc:
+            self._failed("delete", exc)
 
     def _failed(self, op: str, exc: StoreError) -> None:
         self._failing = True
@@ -164,13 +189,19 @@ class Cache:
 
 class Flight:
     """One caller's place in a SingleFlight: the leader calls upstream and publishes what it
-    stored; a follower reads `entry` (None: the leader failed, stored nothing, or took too long)."""
+    stored; a follower reads `entry` (None: the leader failed, stored nothing, or took too long).
 
-    __slots__ = ("leader", "entry", "_done")
+    `stream`: the leader's live stream (a flight led by a streamed request). The leader answers
+    through `TeeSink(sink, flight.stream)`; a streamed follower gets it at once, without waiting,
+    and reads it with `flight.follow(f.stream, call, sink)`.
+    """
 
-    def __init__(self, leader: bool, entry: Entry | None = None) -> None:
+    __slots__ = ("leader", "entry", "stream", "_done")
+
+    def __init__(self, leader: bool, entry: Entry | None = None, stream: Broadcast | None = None) -> None:
         self.leader = leader
         self.entry = entry
+        self.stream = stream
         self._done = asyncio.Event()
 
     def publish(self, entry: Entry) -> None:
@@ -188,28 +219,54 @@ class SingleFlight:
 
     Followers wait until the leader's block exits (at most `wait_s`), then proceed on their own if
     nothing was published. Cancelling a leader or a follower leaves nothing behind.
+
+    Streams: `hold(key, stream=True)` by a leader gives its flight a Broadcast (`f.stream`), which
+    the block must close (hold does, on exit). A follower that passes `stream=True` to a streamed
+    flight is let in at once with `f.stream` set, to follow the live stream (see flight.py);
+    any other follower waits as above. `include_usage`: whether the leader's stream carries a
+    usage chunk (followers that did not ask for one get it dropped).
+
+    At most `max_flights` keys are held at once (a client can send many distinct prompts): a miss
+    beyond that leads a flight of its own that nobody can join (`overflows` counts them). The
+    streams' histories (for followers that join mid-stream) share one byte budget (flight.py).
     """
 
-    __slots__ = ("_flights",)
+    __slots__ = ("_flights", "max_flights", "overflows", "budget")
 
-    def __init__(self) -> None:
+    def __init__(self, max_flights: int = MAX_FLIGHTS, budget: Budget | None = None) -> None:
         self._flights: dict[str, Flight] = {}
+        self.max_flights = max_flights
+        self.overflows = 0
+        self.budget = budget if budget is not None else Budget()
 
     def __len__(self) -> int:
         return len(self._flights)
 
     @contextlib.asynccontextmanager
-    async def hold(self, key: str, *, wait_s: float) -> AsyncIterator[Flight]:
+    async def hold(
+        self, key: str, *, wait_s: float, stream: bool = False, include_usage: bool = False
+    ) -> AsyncIterator[Flight]:
         """Lead the flight for `key`, or follow the one in progress (see the class docstring)."""
         current = self._flights.get(key)
         if current is None:
-            flight = self._flights[key] = Flight(leader=True)
+            if len(self._flights) >= self.max_flights:
+                self.overflows += 1
+                yield Flight(leader=True)  # alone: not registered, so nobody follows it
+                return
+            bc = Broadcast(include_usage=include_usage, budget=self.budget) if stream else None
+            flight = self._flights[key] = Flight(leader=True, stream=bc)
             try:
                 yield flight
             finally:
                 if self._flights.get(key) is flight:
                     del self._flights[key]
+                if bc is not None:
+                    bc.close()
+                    bc.release()
                 flight._done.set()
+            return
+        if stream and current.stream is not None and current.stream.joinable:
+            yield Flight(leader=False, stream=current.stream)
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, wait_s)):

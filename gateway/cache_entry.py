@@ -39,7 +39,9 @@ class Entry:
 
 
 def _complete(obj: Any) -> bool:
-    """One choice, finished with stop/length, no logprobs, in a chat or completions shape."""
+    """One choice, finished with stop/length, no logprobs, in a chat or completions shape (tool
+    calls, if any, a list of objects): what replay_json and replay_sse can serve. Also the check
+    that a stored entry read back is not corrupt (Cache.lookup)."""
     if not isinstance(obj, dict):
         return False
     choices = obj.get("choices")
@@ -48,7 +50,11 @@ def _complete(obj: Any) -> bool:
     choice = choices[0]
     if choice.get("finish_reason") not in _FINISHED or choice.get("logprobs") is not None:
         return False
-    return isinstance(choice.get("message"), dict) or isinstance(choice.get("text"), str)
+    message = choice.get("message")
+    if isinstance(message, dict):
+        tools = message.get("tool_calls")
+        return not tools or (isinstance(tools, list) and all(isinstance(t, dict) for t in tools))
+    return isinstance(choice.get("text"), str)
 
 
 def entry_from_response(raw: bytes, max_bytes: int) -> Entry | None:

@@ -451,8 +451,8 @@ async def test_tenants_never_see_each_others_answers(store: Store) -> None:
 async def test_entries_expire_after_their_ttl(store: Store) -> None:
     cache = Cache(store, ttl_s=0.05, max_entry_bytes=1 << 20)
     k = key(BASE)
-    await cache.save(k, Entry(b"{}"))
-    await cache.save(k + ":long", Entry(b"{}"), ttl_s=60)
+    await cache.save(k, Entry(orjson.dumps(CHAT)))
+    await cache.save(k + ":long", Entry(orjson.dumps(CHAT)), ttl_s=60)
     assert await cache.lookup(k) is not None
     await asyncio.sleep(0.12)
     assert await cache.lookup(k) is None
@@ -463,6 +463,49 @@ async def test_entries_over_the_size_limit_are_not_saved() -> None:
     cache = Cache(MemoryStore(), ttl_s=60, max_entry_bytes=10)
     assert not await cache.save("k", Entry(b"x" * 11))
     assert await cache.lookup("k") is None
+
+
+CORRUPT = {
+    "bad json": b"not json at all",
+    "truncated": orjson.dumps(CHAT)[:-7],
+    "empty": b"",
+    "a list": b"[1, 2, 3]",
+    "no choices": orjson.dumps({"id": "x", "object": "chat.completion"}),
+    "unfinished": orjson.dumps({**CHAT, "choices": [{**CHAT["choices"][0], "finish_reason": None}]}),
+    "tool calls not a list": orjson.dumps(
+        {**CHAT, "choices": [{"index": 0, "message": {"role": "assistant", "tool_calls": "x"}, "finish_reason": "stop"}]}
+    ),
+    "binary": bytes(range(256)),
+}
+
+
+@pytest.mark.parametrize("raw", list(CORRUPT.values()), ids=list(CORRUPT))
+async def test_a_corrupt_entry_is_a_miss_deleted_and_reported(store: Store, raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    errors: list[str] = []
+    cache = Cache(store, ttl_s=60, max_entry_bytes=1 << 20, on_error=errors.append)
+    k = key(BASE)
+    await store.set(k, raw, 60)
+    assert await cache.lookup(k) is None
+    assert await store.get(k) is None  # deleted: the next request stores a good answer
+    assert errors == ["corrupt"]
+    assert "corrupt" in caplog.text
+    assert await cache.lookup(k) is None and errors == ["corrupt"]  # a plain miss now
+    assert await cache.save(k, Entry(orjson.dumps(CHAT))) and await cache.lookup(k) == Entry(orjson.dumps(CHAT))
+
+
+async def test_a_corrupt_entry_on_a_store_that_cannot_delete_is_still_a_miss() -> None:
+    errors: list[str] = []
+    store = BrokenStore()
+    store.down = False
+    await store.inner.set("k", b"{", 60)
+
+    async def no_delete(key: str) -> None:
+        raise StoreError("redis delete: timed out")
+
+    store.delete = no_delete  # type: ignore[method-assign]
+    cache = Cache(store, ttl_s=60, max_entry_bytes=1 << 20, on_error=errors.append)
+    assert await cache.lookup("k") is None
+    assert errors == ["corrupt", "delete"]
 
 
 class BrokenStore:
@@ -495,7 +538,7 @@ async def test_a_failing_store_fails_open_and_warns_at_most_once_a_minute(caplog
     caplog.set_level(logging.INFO, logger="gateway.cache")
     for _ in range(5):
         assert await cache.lookup("k") is None
-        assert not await cache.save("k", Entry(b"{}"))
+        assert not await cache.save("k", Entry(orjson.dumps(CHAT)))
         now[0] += 10
     assert errors == ["get", "set"] * 5
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -505,7 +548,7 @@ async def test_a_failing_store_fails_open_and_warns_at_most_once_a_minute(caplog
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 2 and "9 more failures" in warnings[1].getMessage()
     store.down = False
-    assert await cache.save("k", Entry(b"{}")) and await cache.lookup("k") == Entry(b"{}")
+    assert await cache.save("k", Entry(orjson.dumps(CHAT))) and await cache.lookup("k") == Entry(orjson.dumps(CHAT))
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == ["cache store answers again"]
 
 
@@ -606,3 +649,28 @@ async def test_cancelled_leaders_and_followers_leave_nothing_behind() -> None:
     assert len(flight) == 0
     async with flight.hold("k", wait_s=5) as f:  # the key is free for the next miss
         assert f.leader
+
+
+async def test_the_flight_map_is_bounded() -> None:
+    flight = SingleFlight(max_flights=3)
+    release = asyncio.Event()
+    leaders: list[bool] = []
+
+    async def request(k: str) -> None:
+        async with flight.hold(k, wait_s=5, stream=True) as f:
+            leaders.append(f.leader)
+            await release.wait()
+
+    tasks = [asyncio.create_task(request(f"k{i}")) for i in range(3)]
+    await asyncio.sleep(0.01)
+    assert len(flight) == 3
+    extra = [asyncio.create_task(request("k-extra")) for _ in range(2)]  # past the cap: no single flight
+    extra.append(asyncio.create_task(request("k0")))  # a key already held is still followed
+    await asyncio.sleep(0.01)
+    assert len(flight) == 3 and flight.overflows == 2
+    assert leaders == [True] * 3 + [True, True, False]
+    release.set()
+    await asyncio.gather(*tasks, *extra)
+    assert len(flight) == 0
+    async with flight.hold("k-extra", wait_s=5) as f:  # room again
+        assert f.leader and len(flight) == 1

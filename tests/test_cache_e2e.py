@@ -15,6 +15,8 @@ import pytest
 import redis
 
 from gateway.auth import hash_key
+from gateway.cache import cache_key
+from gateway.keys import LIVE
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
@@ -142,7 +144,7 @@ async def test_per_model_and_per_tenant_settings_widen_or_narrow_the_cache(upstr
     up = await upstream("a", tokens=2)
     policy = _policy(up, {}, tenants={"t": {"key_sha256": [hash_key("sk-t")], "cache": {"enabled": False}},
                                       "u": {"key_sha256": [hash_key("sk-u")]}})
-    policy["models"]["gpt-test"]["cache"] = {"deterministic_only": False}  # widen: cache sampled answers too
+    policy["models"]["gpt-test"]["cache"] = {"include_sampled": True}  # widen: cache sampled answers too
     gw = await gateway(policy)
     for key, expected in (("sk-u", "miss"), ("sk-u", "hit"), ("sk-t", "bypass")):
         raw = await gw.client(key).chat.completions.with_raw_response.create(model="gpt-test", messages=MSG, temperature=0.9)
@@ -159,6 +161,38 @@ async def test_concurrent_identical_misses_make_one_upstream_call(upstream, gate
     assert up.stats.requests == 1
     assert sorted(r.headers["x-gateway-cache"] for r in results) == ["hit"] * 9 + ["miss"]
     assert {r.parse().choices[0].message.content for r in results} == {"w0 w1 w2 "}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize(
+    "raw",
+    [b"{not json", b'{"id":"chatcmpl-1","choices":[{"index":0,"message":{"role":"assis', b"[1,2]", b'{"id":"x"}'],
+    ids=["bad-json", "truncated", "a-list", "no-choices"],
+)
+async def test_a_corrupt_entry_is_a_miss_that_is_deleted_and_counted(upstream, gateway, store_policy, stream, raw):
+    up = await upstream("a", tokens=3)
+    gw = await gateway(_policy(up, store_policy))
+    c = gw.client()
+    body = {"model": "gpt-test", "messages": MSG, "temperature": 0}
+    k = cache_key("default", "chat", "gpt-test", body)  # the open-mode tenant's namespace
+    store = gw.app[LIVE].runtime.cache.store
+    await store.set(k, raw, 60)  # what a damaged store, or another writer, left there
+
+    async def ask() -> tuple[str, str]:
+        if not stream:
+            r = await c.chat.completions.with_raw_response.create(**body)
+            return r.headers["x-gateway-cache"], r.parse().choices[0].message.content
+        r = await c.chat.completions.with_raw_response.create(**body, stream=True)
+        text = ""
+        async for ch in r.parse():
+            text += "".join(choice.delta.content or "" for choice in ch.choices)
+        return r.headers["x-gateway-cache"], text
+
+    assert await ask() == ("miss", "w0 w1 w2 ")  # not a 500, not the garbage
+    assert up.stats.requests == 1
+    assert await _metric(gw, 'gateway_cache_errors_total{op="corrupt"}') == 1
+    assert await ask() == ("hit", "w0 w1 w2 ")  # replaced by the good answer
+    assert up.stats.requests == 1
 
 
 async def test_explain_reports_hits(upstream, gateway):

@@ -1,0 +1,432 @@
+"""Streamed single flight: followers share the leader's live stream (a tee), over real sockets.
+
+The Broadcast / TeeSink / follow() units first, then the gateway with a fake upstream and the
+official openai SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from gateway.cache import SingleFlight
+from gateway.call import ENDPOINTS, Call
+from gateway.errors import UpstreamError
+from gateway.flight import Broadcast, Budget, TeeSink, follow
+from gateway.keys import RELAY
+from gateway.wire import SSE_DONE, SSE_HEARTBEAT
+from tests.conftest import simple_policy
+
+MSG = [{"role": "user", "content": "Tell me a story about a tee."}]
+
+
+# --- units -------------------------------------------------------------------------------------
+
+
+class ListSink:
+    """A Sink that records what it was given."""
+
+    def __init__(self, *, reset_after: int | None = None) -> None:
+        self.committed = False
+        self.headers: dict[str, str] = {}
+        self.data: list[bytes] = []
+        self.ended = False
+        self.sent: tuple[int, bytes] | None = None
+        self.failed: Any = None
+        self._reset_after = reset_after
+
+    def set_header(self, name: str, value: str) -> None:
+        if not self.committed:
+            self.headers[name] = value
+
+    async def commit(self) -> None:
+        self.committed = True
+
+    async def write(self, data: bytes) -> None:
+        if self._reset_after is not None and len(self.data) >= self._reset_after:
+            raise ConnectionResetError("client gone")
+        self.committed = True
+        self.data.append(data)
+
+    async def end(self) -> None:
+        self.ended = True
+
+    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self.sent = (status, body)
+
+    async def fail(self, err: Any) -> None:
+        self.failed = err
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.data)
+
+
+def _call(stream_options: dict[str, Any] | None = None, timeout_s: float = 5.0) -> Call:
+    call = Call("rid", ENDPOINTS["chat"], b"{}", None, time.monotonic() + timeout_s)
+    call.stream = True
+    if stream_options is not None:
+        call.body = {"stream_options": stream_options}
+    return call
+
+
+def _chunk(text: str) -> bytes:
+    return b"data: " + orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": {"content": text}}]}) + b"\n\n"
+
+
+USAGE = b"data: " + orjson.dumps({"id": "c", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}) + b"\n\n"
+
+
+async def test_a_follower_gets_what_was_sent_then_the_rest_live() -> None:
+    bc = Broadcast()
+    leader = ListSink()
+    tee = TeeSink(leader, bc)
+    tee.set_header("x-gateway-backend", "a")
+    await tee.write(SSE_HEARTBEAT)  # heartbeats before content stay the leader's
+    await tee.write(_chunk("one "))
+    sink = ListSink()
+    task = asyncio.create_task(follow(bc, _call(), sink))
+    await asyncio.sleep(0.01)
+    assert sink.body == _chunk("one ")  # the history at once
+    assert sink.headers == {"x-gateway-cache": "hit", "x-gateway-backend": "a"}
+    await tee.write(_chunk("two"))
+    await asyncio.sleep(0.01)
+    assert sink.body == _chunk("one ") + _chunk("two")  # then live
+    await tee.write(SSE_DONE)
+    await tee.end()
+    assert await task is True
+    assert sink.ended and sink.body == _chunk("one ") + _chunk("two") + SSE_DONE
+    assert leader.body == SSE_HEARTBEAT + sink.body
+    assert len(bc) == 0
+
+
+async def test_a_failure_before_content_sends_followers_upstream_and_after_content_ends_them_with_the_error() -> None:
+    for started in (False, True):
+        bc = Broadcast()
+        tee = TeeSink(ListSink(), bc)
+        sink = ListSink()
+        task = asyncio.create_task(follow(bc, _call(), sink))
+        await tee.write(SSE_HEARTBEAT)
+        if started:
+            await tee.write(_chunk("one"))
+        await asyncio.sleep(0.01)
+        await tee.fail(UpstreamError("cut mid-stream"))
+        answered = await task
+        if started:
+            assert answered is True and b"cut mid-stream" in sink.body and SSE_DONE not in sink.body
+        else:
+            assert answered is False and sink.data == [] and not sink.committed  # free to go upstream
+
+
+async def test_a_leader_that_goes_away_releases_its_followers() -> None:
+    flight = SingleFlight()
+    leader_in = asyncio.Event()
+
+    async def leader(content: bool) -> None:
+        async with flight.hold("k", wait_s=5, stream=True) as f:
+            assert f.leader and f.stream is not None
+            if content:
+                await TeeSink(ListSink(), f.stream).write(_chunk("one"))
+            leader_in.set()
+            await asyncio.sleep(10)
+
+    for content in (False, True):
+        leader_in.clear()
+        lead = asyncio.create_task(leader(content))
+        await leader_in.wait()
+        sink = ListSink()
+
+        async def follower() -> bool:
+            async with flight.hold("k", wait_s=5, stream=True) as f:
+                assert not f.leader and f.stream is not None  # let in at once, not after the leader
+                return await follow(f.stream, _call(), sink)
+
+        fol = asyncio.create_task(follower())
+        await asyncio.sleep(0.01)
+        lead.cancel()  # its client went away
+        started = time.monotonic()
+        answered = await fol
+        assert time.monotonic() - started < 0.1  # promptly
+        assert answered is content
+        if content:
+            assert b"went away" in sink.body and SSE_DONE not in sink.body
+        await asyncio.gather(lead, return_exceptions=True)
+        assert len(flight) == 0
+
+
+async def test_a_follower_whose_client_goes_away_does_not_disturb_the_leader() -> None:
+    bc = Broadcast()
+    leader = ListSink()
+    tee = TeeSink(leader, bc)
+    gone, stays = ListSink(reset_after=1), ListSink()
+    call = _call()
+    tasks = [asyncio.create_task(follow(bc, call, gone)), asyncio.create_task(follow(bc, _call(), stays))]
+    for i in range(3):
+        await tee.write(_chunk(str(i)))
+        await asyncio.sleep(0.005)
+    await tee.write(SSE_DONE)
+    await tee.end()
+    assert await asyncio.gather(*tasks) == [True, True]
+    assert call.finish == "client_disconnect"
+    assert leader.body == stays.body == b"".join(_chunk(str(i)) for i in range(3)) + SSE_DONE
+
+
+async def test_the_usage_chunk_reaches_only_followers_that_asked_for_it() -> None:
+    bc = Broadcast(include_usage=True)
+    tee = TeeSink(ListSink(), bc)
+    plain, wants = ListSink(), ListSink()
+    tasks = [
+        asyncio.create_task(follow(bc, _call(), plain)),
+        asyncio.create_task(follow(bc, _call({"include_usage": True}), wants)),
+    ]
+    await tee.write(_chunk("a") + _chunk("b"))
+    await tee.write(USAGE + SSE_DONE)
+    await tee.end()
+    await asyncio.gather(*tasks)
+    assert plain.body == _chunk("a") + _chunk("b") + SSE_DONE
+    assert wants.body == _chunk("a") + _chunk("b") + USAGE + SSE_DONE
+
+
+async def test_the_history_is_bounded_and_a_follower_that_falls_behind_is_cut_off() -> None:
+    bc = Broadcast(max_bytes=100)
+    tee = TeeSink(ListSink(), bc)
+    slow = ListSink()
+    call = _call()
+    task = asyncio.create_task(follow(bc, call, slow))
+    await tee.write(b"data: " + b"x" * 40 + b"\n\n")
+    await asyncio.sleep(0.01)  # the follower takes it
+    await tee.write(b"data: " + b"y" * 120 + b"\n\n")  # more than it may fall behind by, before it runs
+    assert await task is True and call.finish == "cut"
+    assert isinstance(slow.failed, UpstreamError)
+    assert not bc.joinable  # the history passed max_bytes: later requests go upstream themselves
+    assert await follow(bc, _call(), ListSink()) is False
+
+
+async def test_all_histories_together_stay_within_one_budget() -> None:
+    budget = Budget(limit=100)
+    a, b = Broadcast(budget=budget), Broadcast(budget=budget)
+    a.publish(b"x" * 60)
+    b.publish(b"y" * 60)  # over the shared budget: b keeps no history
+    assert a.joinable and not b.joinable and budget.used == 60
+    a.release()  # the flight ended
+    assert budget.used == 0 and not a.joinable
+
+
+async def test_non_streamed_followers_still_wait_for_the_stored_answer() -> None:
+    flight = SingleFlight()
+    leader_in = asyncio.Event()
+
+    async def leader() -> None:
+        async with flight.hold("k", wait_s=5, stream=True):
+            leader_in.set()
+            await asyncio.sleep(0.05)
+
+    lead = asyncio.create_task(leader())
+    await leader_in.wait()
+    started = time.monotonic()
+    async with flight.hold("k", wait_s=5) as f:  # stream=False
+        assert not f.leader and f.stream is None
+    assert time.monotonic() - started > 0.03
+    await lead
+
+
+# --- over real sockets ---------------------------------------------------------------------------
+
+
+async def _stream(gw: Any, *, timeout_ms: int | None = None, include_usage: bool = False, t0: float | None = None,
+                  quit_at_first: bool = False) -> dict[str, Any]:
+    """One streamed request through the SDK: headers, text, first-token time, how it ended."""
+    headers = {"x-request-timeout-ms": str(timeout_ms)} if timeout_ms else {}
+    kw: dict[str, Any] = {"stream_options": {"include_usage": True}} if include_usage else {}
+    t0 = time.perf_counter() if t0 is None else t0
+    out: dict[str, Any] = {"text": "", "first": None, "error": None, "finish": None, "usage": None, "chunks": 0}
+    c = gw.clients[0] if gw.clients else gw.client()  # one client: its creation is not what is measured
+    try:
+        raw = await c.chat.completions.with_raw_response.create(
+            model="gpt-test", messages=MSG, temperature=0, stream=True, extra_headers=headers, **kw
+        )
+        out["cache"], out["backend"] = raw.headers["x-gateway-cache"], raw.headers.get("x-gateway-backend")
+        stream = raw.parse()
+        async for ch in stream:
+            out["chunks"] += 1
+            out["usage"] = ch.usage or out["usage"]
+            for choice in ch.choices:
+                if choice.delta.content and out["first"] is None:
+                    out["first"] = time.perf_counter() - t0
+                out["text"] += choice.delta.content or ""
+                out["finish"] = choice.finish_reason or out["finish"]
+            if quit_at_first and out["first"] is not None:
+                await stream.close()  # the client goes away mid-stream
+                break
+    except openai.APIError as exc:
+        out["error"] = exc
+    out["end"] = time.perf_counter() - t0
+    return out
+
+
+async def _until(cond: Any, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.002)
+
+
+def _following(gw: Any) -> int:
+    """Streamed followers attached to the live flights of this gateway."""
+    flights = gw.app[RELAY].flight._flights.values()
+    return sum(len(f.stream) for f in flights if f.stream is not None)
+
+
+def _text(n: int) -> str:
+    return "".join(f"w{i} " for i in range(n))
+
+
+async def test_concurrent_streamed_requests_share_the_leaders_first_token(upstream, gateway):
+    up = await upstream("a", tokens=40, ttft_ms=50, itl_ms=20)
+    gw = await gateway(simple_policy(up))
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(_stream(gw, t0=t0) for _ in range(5)))
+    assert up.stats.requests == 1
+    firsts = [r["first"] for r in results]
+    assert max(firsts) - min(firsts) < 0.15, firsts  # before: the followers waited for the whole answer (~0.85 s)
+    assert all(r["text"] == _text(40) and r["finish"] == "stop" and r["error"] is None for r in results)
+    assert sorted(r["cache"] for r in results) == ["hit"] * 4 + ["miss"]
+    assert {r["backend"] for r in results} == {"a"}
+    assert len(gw.app[RELAY].flight) == 0 and gw.app[RELAY].flight.budget.used == 0  # nothing held afterwards
+    again = await _stream(gw)  # the leader stored the answer as usual
+    assert again["cache"] == "hit" and again["text"] == _text(40) and up.stats.requests == 1
+
+
+async def test_a_follower_that_joins_mid_stream_gets_it_from_the_start_at_once(upstream, gateway):
+    up = await upstream("a", tokens=50, ttft_ms=20, itl_ms=20)
+    gw = await gateway(simple_policy(up))
+    t0 = time.perf_counter()
+    lead = asyncio.create_task(_stream(gw, t0=t0))
+    await asyncio.sleep(0.25)  # the leader is ~10 tokens in
+    late = await _stream(gw, t0=t0)
+    leader = await lead
+    assert late["first"] < leader["end"] - 0.4  # the history at once, not at the leader's end (~1 s)
+    assert late["text"] == leader["text"] == _text(50) and late["cache"] == "hit"
+    assert abs(late["end"] - leader["end"]) < 0.15  # then live, ending with the leader
+    assert up.stats.requests == 1
+
+
+async def test_followers_of_a_leader_that_fails_before_its_first_token_go_upstream_themselves(upstream, gateway):
+    up = await upstream("a", tokens=5, ttft_ms=600)
+    gw = await gateway(simple_policy(up))
+    lead = asyncio.create_task(_stream(gw, timeout_ms=400))  # the leader's own deadline: a 504 for it alone
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    tasks = [asyncio.create_task(_stream(gw, timeout_ms=5000)) for _ in range(3)]
+    await _until(lambda: _following(gw) == 3)
+    followers = await asyncio.gather(*tasks)
+    leader = await lead
+    assert isinstance(leader["error"], openai.APIStatusError) and leader["error"].status_code == 504
+    for f in followers:
+        assert f["error"] is None and f["text"] == _text(5) and f["finish"] == "stop"
+        assert f["end"] < 2.0  # right after the leader's failure, not at their own deadline (5 s)
+    assert up.stats.requests == 4
+
+
+async def test_followers_of_a_leader_whose_client_leaves_before_its_first_token_go_upstream_promptly(upstream, gateway):
+    up = await upstream("a", tokens=5, ttft_ms=300)
+    gw = await gateway(simple_policy(up))
+    body = {"model": "gpt-test", "messages": MSG, "temperature": 0, "stream": True}
+
+    async def leader() -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                await r.content.read()
+
+    lead = asyncio.create_task(leader())
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    t0 = time.perf_counter()
+    followers = [asyncio.create_task(_stream(gw, t0=t0)) for _ in range(3)]
+    await _until(lambda: _following(gw) == 3)
+    lead.cancel()  # the leader's client goes away; its handler (and upstream call) is cancelled
+    await asyncio.gather(lead, return_exceptions=True)
+    for f in await asyncio.gather(*followers):
+        assert f["error"] is None and f["text"] == _text(5) and f["cache"] == "miss"
+        assert f["end"] < 2.0  # their own upstream call started when the leader left, not at their deadline
+
+
+async def test_a_mid_stream_failure_reaches_every_follower_as_an_error_never_as_a_success(upstream, gateway):
+    up = await upstream("a", tokens=10, ttft_ms=200, itl_ms=10, mode="cut", fail_after=3)
+    gw = await gateway(simple_policy(up))
+    lead = asyncio.create_task(_stream(gw))
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    tasks = [asyncio.create_task(_stream(gw)) for _ in range(3)]
+    await _until(lambda: _following(gw) == 3)
+    results = await asyncio.gather(lead, *tasks)
+    assert up.stats.requests == 1
+    for r in results:
+        assert isinstance(r["error"], openai.APIError) and r["finish"] is None
+        assert r["text"] == _text(3)
+
+
+async def test_a_follower_that_disconnects_leaves_the_leader_and_the_others_whole(upstream, gateway):
+    up = await upstream("a", tokens=20, ttft_ms=200, itl_ms=15)
+    gw = await gateway(simple_policy(up))
+    t0 = time.perf_counter()
+    lead = asyncio.create_task(_stream(gw, t0=t0))
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    quitter = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
+    other = asyncio.create_task(_stream(gw, t0=t0))
+    await _until(lambda: _following(gw) == 2)
+    gone = await quitter
+    leader, follower = await lead, await other
+    assert gone["cache"] == "hit" and gone["end"] < leader["end"] - 0.1
+    assert leader["text"] == follower["text"] == _text(20) and leader["error"] is None and follower["error"] is None
+    assert up.stats.requests == 1 and up.stats.cancelled == 0
+
+
+async def test_followers_get_usage_only_when_they_asked_for_it(upstream, gateway):
+    up = await upstream("a", tokens=8, ttft_ms=200, itl_ms=5)
+    gw = await gateway(simple_policy(up))
+    lead = asyncio.create_task(_stream(gw, include_usage=True))
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    tasks = [asyncio.create_task(_stream(gw)), asyncio.create_task(_stream(gw, include_usage=True))]
+    await _until(lambda: _following(gw) == 2)
+    plain, wants = await asyncio.gather(*tasks)
+    leader = await lead
+    assert up.stats.requests == 1 and plain["cache"] == wants["cache"] == "hit"
+    assert leader["usage"] is not None and wants["usage"] is not None and plain["usage"] is None
+    assert plain["chunks"] == leader["chunks"] - 1  # no chunk with empty choices for a client that did not ask
+
+
+async def test_a_non_streamed_follower_of_a_streamed_leader_gets_the_stored_answer(upstream, gateway):
+    up = await upstream("a", tokens=6, ttft_ms=50, itl_ms=10)
+    gw = await gateway(simple_policy(up))
+    lead = asyncio.create_task(_stream(gw))
+    await asyncio.sleep(0.02)
+    raw = await gw.client().chat.completions.with_raw_response.create(model="gpt-test", messages=MSG, temperature=0)
+    assert raw.headers["x-gateway-cache"] == "hit" and raw.parse().choices[0].message.content == _text(6)
+    assert (await lead)["text"] == _text(6) and up.stats.requests == 1
+
+
+@pytest.mark.parametrize("n", [3])
+async def test_many_distinct_prompts_never_grow_the_flight_map_past_its_cap(upstream, gateway, n):
+    up = await upstream("a", tokens=2, ttft_ms=100)
+    gw = await gateway(simple_policy(up))
+    flight = gw.app[RELAY].flight
+    flight.max_flights = n
+    c = gw.client()
+    peak = 0
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, len(flight))
+            await asyncio.sleep(0.005)
+
+    w = asyncio.create_task(watch())
+    answers = await asyncio.gather(
+        *(c.chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": f"q{i}"}], temperature=0) for i in range(8))
+    )
+    w.cancel()
+    assert all(a.choices[0].message.content == _text(2) for a in answers)  # beyond the cap: answered, without single flight
+    assert peak == n and flight.overflows == 8 - n and len(flight) == 0
