@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from .cache_entry import Entry, _complete
+from .cache_entry import Entry, is_complete
 from .flight import Broadcast, Budget
 from .store import Store, StoreError
 
@@ -143,7 +143,7 @@ class Cache:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
             obj = None
-        if not _complete(obj):
+        if not is_complete(obj):
             await self._corrupt(key, raw)
             return None
         return Entry(raw)

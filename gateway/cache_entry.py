@@ -16,7 +16,7 @@ import orjson
 
 from .wire import SSE_DONE
 
-__all__ = ["Entry", "entry_from_response", "StreamAssembler", "replay_json", "replay_sse"]
+__all__ = ["Entry", "entry_from_response", "is_complete", "StreamAssembler", "replay_json", "replay_sse"]
 
 _FINISHED = frozenset({"stop", "length"})
 
@@ -38,7 +38,7 @@ class Entry:
         return usage if isinstance(usage, dict) else None
 
 
-def _complete(obj: Any) -> bool:
+def is_complete(obj: Any) -> bool:
     """One choice, finished with stop/length, no logprobs, in a chat or completions shape (tool
     calls, if any, a list of objects): what replay_json and replay_sse can serve. Also the check
     that a stored entry read back is not corrupt (Cache.lookup)."""
@@ -66,7 +66,7 @@ def entry_from_response(raw: bytes, max_bytes: int) -> Entry | None:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
         return None
-    return Entry(raw) if _complete(obj) else None
+    return Entry(raw) if is_complete(obj) else None
 
 
 class StreamAssembler:
