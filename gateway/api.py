@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import time
@@ -13,7 +14,7 @@ from aiohttp import web
 from . import pipeline
 from .cache import cache_control
 from .call import ENDPOINTS, Call
-from .errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, Unauthorized
+from .errors import BadRequest, GatewayError, InternalError, NotFound, PayloadTooLarge, Unauthorized
 from .keys import LIVE, METRICS, RELAY, RELOADER
 from .routing import usable
 from .sink import HttpSink
@@ -22,6 +23,8 @@ __all__ = ["LOOPBACK", "routes"]
 
 # Whether the app is bound to a loopback address only (set by create_app from its `host`).
 LOOPBACK: web.AppKey[bool] = web.AppKey("loopback", bool)
+
+log = logging.getLogger("gateway.api")
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _JSON = "application/json"
@@ -158,6 +161,10 @@ async def route_explain(request: web.Request) -> web.Response:
         return _json(await pipeline.explain(call, rt), headers={"x-request-id": call.request_id})
     except GatewayError as err:
         return _error(err, {"x-request-id": _request_id(request)})
+    except Exception:  # a bug: still an answer in the contract
+        rid = _request_id(request)
+        log.exception("request %s: internal error in /v1/route/explain", rid)
+        return _error(InternalError(f"internal error in the gateway (request id {rid})"), {"x-request-id": rid})
 
 
 async def healthz(request: web.Request) -> web.Response:
