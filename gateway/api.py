@@ -234,6 +234,33 @@ async def admin_backends(request: web.Request) -> web.Response:
     return _json({"policy_generation": rt.generation, "backends": out})
 
 
+async def admin_tenants(request: web.Request) -> web.Response:
+    """Each tenant's limits and current use (window, in flight, today's tokens and spend)."""
+    try:
+        _require_admin(request)
+    except GatewayError as err:
+        return _error(err)
+    rt = request.app[LIVE].runtime
+    out = {}
+    for name, tp in rt.policy.tenants.items():
+        q = tp.quota
+        entry: dict[str, object] = {"limits": None if q is None else q.model_dump(exclude_none=True)}
+        if rt.quota is not None and name in rt.quota.plans:
+            use = await rt.quota.usage(name)
+            entry["use"] = {
+                (scope or "tenant"): {
+                    "requests_60s": u.window_requests,
+                    "tokens_60s": u.window_tokens,
+                    "inflight": u.inflight,
+                    "tokens_today": u.day_tokens,
+                    "spend_today_usd": round(u.day_spend_micro / 1e6, 6),
+                }
+                for scope, u in use.items()
+            }
+        out[name] = entry
+    return _json({"policy_generation": rt.generation, "tenants": out})
+
+
 async def admin_reload(request: web.Request) -> web.Response:
     try:
         _require_admin(request)
@@ -262,6 +289,7 @@ def routes() -> list[web.RouteDef]:
         web.get("/readyz", readyz),
         web.get("/metrics", metrics),
         web.get("/admin/backends", admin_backends),
+        web.get("/admin/tenants", admin_tenants),
         web.post("/admin/reload", admin_reload),
         web.route("*", "/{tail:.*}", not_found),
     ]

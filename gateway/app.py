@@ -47,7 +47,11 @@ def create_app(policy: Policy | str | Path, host: str | None = None) -> web.Appl
         problem = open_mode_problem(p, host)
         if problem is not None:  # e.g. a reload that drops every tenant must not open the doors
             raise ValueError(problem)
-        return build_runtime(p, states, generation, stores, on_cache_error=lambda op: metrics.cache_errors.labels(op).inc())
+        return build_runtime(
+            p, states, generation, stores,
+            on_cache_error=lambda op: metrics.cache_errors.labels(op).inc(),
+            on_quota_degraded=metrics.quota_degraded.inc,
+        )
 
     live = Live(build(loaded, 1))
     children = _Children()

@@ -293,7 +293,10 @@ async def _stream(
                     usage = obj.get("usage")
                     if isinstance(usage, dict):
                         call.usage = usage
+                        if call.strip_usage and not obj.get("choices"):
+                            continue  # the usage chunk the gateway asked for, not the client
                     if content:
+                        call.streamed_tokens += 1
                         now = time.perf_counter()
                         if last_content:
                             itl_hist.observe(now - last_content)

@@ -61,6 +61,8 @@ class Call:
     queue_ms: float = 0.0
     ttft_s: float | None = None
     usage: dict[str, Any] | None = None
+    streamed_tokens: int = 0  # content events passed to the client (what a client that leaves is charged)
+    strip_usage: bool = False  # the gateway asked for the stream's usage chunk: the client did not
     status: int = 200
     error: str | None = None
     finish: str | None = None  # "ok" | "error" | "client_disconnect" | "cut"

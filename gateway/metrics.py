@@ -85,6 +85,14 @@ class Metrics:
         self.cache_errors = Counter(
             "gateway_cache_errors", "Cache store failures (the request went upstream)", ["op"], registry=r
         )
+        self.quota_rejections = Counter(
+            "gateway_quota_rejections", "Requests refused by a tenant limit", ["tenant", "limit"], registry=r
+        )
+        self.spend = Counter("gateway_spend_usd", "Spend from the backends' prices, USD", ["tenant"], registry=r)
+        self.quota_degraded = Counter(
+            "gateway_quota_degraded", "Quota operations answered by this replica's own counters (shared store failing)",
+            registry=r,
+        )
         # Bound once: labels() is slow on the hot path, and these label sets are fixed.
         self.lookup = {r: self.cache_lookups.labels(r) for r in ("hit", "miss", "bypass")}
         self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"

@@ -1,7 +1,7 @@
 """The request pipeline, top to bottom, in one place.
 
-authenticate -> parse -> authorize -> classify -> cache lookup (single flight) -> route + relay
-(failover, hedging, streaming) -> cache store -> observe
+authenticate -> parse -> authorize -> classify -> quota (reserve) -> cache lookup (single flight)
+-> route + relay (failover, hedging, streaming) -> cache store -> quota (settle) -> observe
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from .cache_entry import Entry, replay_json, replay_sse
 from .call import Call
 from .errors import GatewayError, InternalError
 from .flight import TeeSink, follow
+from .quota import Hold, QuotaExceeded
 from .relay import ClientGone, RelayContext, relay
 from .runtime import Route, Runtime
 from .sink import Sink
@@ -60,8 +61,11 @@ def _prepare(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
 
 async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
     """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
+    hold: Hold | None = None
     try:
         route, tenant = _prepare(call, rt)
+        if rt.quota is not None:
+            hold = await rt.quota.reserve(call, tenant, sink)
         if call.cls != "none":
             sink.set_header("x-gateway-class", call.cls)
             ctx.metrics.per_class[call.cls].inc()
@@ -75,7 +79,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         entry = await rt.cache.lookup(plan.key)
         if entry is None:
             opts = call.body.get("stream_options") if call.stream else None
-            usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            usage = isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.strip_usage
             async with ctx.flight.hold(plan.key, wait_s=call.remaining_s(), stream=call.stream, include_usage=usage) as flight:
                 entry = None if flight.leader else flight.entry
                 if not flight.leader and flight.stream is not None and await follow(flight.stream, call, sink):
@@ -97,6 +101,8 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
     except ClientGone:
         call.finish = "client_disconnect"
     except GatewayError as err:
+        if isinstance(err, QuotaExceeded):
+            ctx.metrics.quota_rejections.labels(rt.tenants.metric_label(call.tenant or "none"), err.limit).inc()
         call.status, call.error, call.finish = err.status, err.message, "error"
         try:
             await sink.fail(err)
@@ -114,7 +120,23 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         except Exception:
             call.finish = "client_disconnect"
     finally:
+        if hold is not None:
+            assert rt.quota is not None
+            spend = _spend_usd(call, rt)
+            if spend:
+                ctx.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
+            await rt.quota.settle(hold, call, spend)
         _observe(call, rt, ctx)
+
+
+def _spend_usd(call: Call, rt: Runtime) -> float:
+    """What the answer cost at its backend's `price` (0 without a price, a usage or a backend)."""
+    backend = rt.backends.get(call.backend or "")
+    usage = call.usage
+    if backend is None or backend.policy.price is None or not usage or call.cache == "hit":
+        return 0.0
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return backend.policy.price.usd(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0)
 
 
 async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
@@ -125,7 +147,7 @@ async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
     try:
         if call.stream:
             opts = call.body.get("stream_options")
-            include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            include_usage = isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.strip_usage
             await sink.write(b"".join(replay_sse(entry, include_usage=include_usage)))
             await sink.end()
         else:

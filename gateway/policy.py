@@ -58,6 +58,16 @@ class LaunchPolicy(_Section):
     extra_args: tuple[str, ...] = ()
 
 
+class PricePolicy(_Section):
+    """What a backend charges, in USD per million tokens."""
+
+    input_per_mtok: float = Field(0.0, ge=0)
+    output_per_mtok: float = Field(0.0, ge=0)
+
+    def usd(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (prompt_tokens * self.input_per_mtok + completion_tokens * self.output_per_mtok) / 1e6
+
+
 class BackendPolicy(_Section):
     url: str
     api_key_env: str | None = None  # secrets come from the environment, never the file
@@ -68,6 +78,7 @@ class BackendPolicy(_Section):
     launch: LaunchPolicy | None = None
     weight: float = Field(1.0, gt=0)  # share of traffic under the `weighted` strategy
     cost: float = Field(0.0, ge=0)  # relative price; traded against latency by routing.cost_weight_s
+    price: PricePolicy | None = None  # USD per million tokens: spend quotas and gateway_spend_usd_total
     # The OpenAI endpoints this backend serves; embeddings are opt-in (most chat servers lack them).
     endpoints: tuple[Endpoint, ...] = Field(("chat", "completions"), min_length=1)
 
@@ -152,12 +163,36 @@ class ClassifierPolicy(_Section):
     classify_all: bool = False  # also classify models that do not route by class (for metrics/headers)
 
 
+class LimitsPolicy(_Section):
+    """Per-tenant limits; any subset (unset: no limit). Exact across replicas that share a Redis."""
+
+    rpm: int | None = Field(None, gt=0)  # requests in any 60-second window
+    tpm: int | None = Field(None, gt=0)  # tokens (prompt + completion) in any 60-second window
+    concurrency: int | None = Field(None, gt=0)  # requests in flight at once
+    tokens_per_day: int | None = Field(None, gt=0)  # tokens per UTC day
+    spend_per_day_usd: float | None = Field(None, gt=0)  # spend per UTC day, from the backends' `price`
+
+    def any(self) -> bool:
+        return any(v is not None for v in self.model_dump().values())
+
+
+class QuotaPolicy(LimitsPolicy):
+    """A tenant's limits, plus per-model limits checked on top of them for requests to that model."""
+
+    models: dict[str, LimitsPolicy] = {}
+    default_max_tokens: int = Field(1024, gt=0)  # reserved for a request without max_tokens
+
+    def any(self) -> bool:
+        return super().any() or any(m.any() for m in self.models.values())
+
+
 class TenantPolicy(_Section):
     key_sha256: tuple[str, ...] = Field(min_length=1)
     priority: Priority = "default"
     models: tuple[str, ...] | None = None  # None: every public model
     cache_namespace: str | None = None  # tenants naming the same namespace share cached answers
     cache: CacheOverride | None = None
+    quota: QuotaPolicy | None = None
 
     @field_validator("key_sha256")
     @classmethod
@@ -213,10 +248,12 @@ class HealthPolicy(_Section):
 
 
 class StorePolicy(_Section):
-    """Where the cache lives: Redis shared by every replica, or (url omitted) this process's memory."""
+    """Where the cache and the quota counters live: Redis shared by every replica, or (url omitted)
+    this process's memory."""
 
     url: str | None = None  # redis://host:port/db, rediss://..., unix:///path.sock
     timeout_ms: float = Field(10.0, gt=0)  # a slow store is a miss, not a wait
+    quota_timeout_ms: float = Field(250.0, gt=0)  # past this, quotas fall back to per-replica counters
     max_connections: int = Field(64, gt=0)
     memory_max_bytes: int = Field(256 * 1024 * 1024, gt=0)  # the in-memory store's size
 
@@ -371,6 +408,18 @@ def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
         for i, m in enumerate(_as_names(_as_dict(tenant).get("models"))):
             if isinstance(m, str) and m not in known:
                 problems.append((("tenants", tname, "models", i), f"unknown model {m!r}"))
+        quota = _as_dict(_as_dict(tenant).get("quota"))
+        for m in _as_dict(quota.get("models")):
+            if str(m) not in known:
+                problems.append((("tenants", tname, "quota", "models", m), f"unknown model {m!r}"))
+        if quota.get("spend_per_day_usd") is not None or any(
+            _as_dict(q).get("spend_per_day_usd") is not None for q in _as_dict(quota.get("models")).values()
+        ):
+            unpriced = [str(b) for b, bp in backends.items() if _as_dict(bp).get("price") is None]
+            if unpriced:
+                problems.append(
+                    (("tenants", tname, "quota", "spend_per_day_usd"), f"needs a `price` on every backend (none on: {', '.join(unpriced)})")
+                )
     seen: dict[str, str] = {}
     for tname, tenant in tenants.items():
         for i, digest in enumerate(_as_names(_as_dict(tenant).get("key_sha256"))):

@@ -20,6 +20,7 @@ from .latency import Tracker
 from .auth import Tenant
 from .cache import Cache, cache_key, cacheable_request
 from .policy import CacheOverride, HedgePolicy, ModelRoute, Policy, RoutingPolicy, ServerPolicy, StorePolicy
+from .quota import Quota
 from .store import MemoryStore, Store
 from .store_redis import RedisStore
 from .routing import Candidate, Selector
@@ -123,7 +124,13 @@ _NO_CACHE = CachePlan(None, "caching is off for this model")
 
 class Runtime:
     def __init__(
-        self, policy: Policy, backends: dict[str, Backend], classifier: Classifier, generation: int, cache: Cache | None = None
+        self,
+        policy: Policy,
+        backends: dict[str, Backend],
+        classifier: Classifier,
+        generation: int,
+        cache: Cache | None = None,
+        quota: Quota | None = None,
     ) -> None:
         self.policy = policy
         self.generation = generation
@@ -145,6 +152,7 @@ class Runtime:
         self.classify_all = cp.classify_all
         self.rules = Rules(**cp.rules.model_dump())
         self.cache = cache
+        self.quota = quota  # None: no tenant has limits
 
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.
@@ -227,6 +235,7 @@ def build_runtime(
     generation: int,
     stores: dict[StorePolicy, Store] | None = None,
     on_cache_error: Callable[[str], None] | None = None,
+    on_quota_degraded: Callable[[], None] | None = None,
 ) -> Runtime:
     """Build a Runtime; backend measurements carry over from `states`, and cache stores from
     `stores` (both updated in place; a store is reused while its settings stay the same).
@@ -252,20 +261,28 @@ def build_runtime(
         h.max_eject_s = hp.max_eject_ms / 1000
         backend.slots.limit = backend.policy.max_concurrency
         states[name] = backend.state
+    registry = stores if stores is not None else {}
+
+    def store_of(sp: StorePolicy) -> Store:
+        store = registry.get(sp)
+        if store is None:
+            store = registry[sp] = open_store(sp)
+        return store
+
     cache = None
     if policy.cache.enabled or any(r.cache and r.cache.enabled for r in policy.models.values()) or any(
         t.cache and t.cache.enabled for t in policy.tenants.values()
     ):
-        registry = stores if stores is not None else {}
-        store = registry.get(policy.store)
-        if store is None:
-            store = registry[policy.store] = open_store(policy.store)
-        cache = Cache(store, ttl_s=policy.cache.ttl_s, max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error)
-    return Runtime(policy, backends, classifier, generation, cache)
+        cache = Cache(store_of(policy.store), ttl_s=policy.cache.ttl_s, max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error)
+    quota = None
+    if any(t.quota is not None and t.quota.any() for t in policy.tenants.values()):
+        # The fallback is this process's in-memory store: its counters live across reloads.
+        quota = Quota(policy, store_of(policy.store), store_of(StorePolicy()), on_degraded=on_quota_degraded)
+    return Runtime(policy, backends, classifier, generation, cache, quota)
 
 
 def open_store(sp: StorePolicy) -> Store:
     """The store a policy names (no connection is made until it is used)."""
     if sp.url is None:
         return MemoryStore(max_bytes=sp.memory_max_bytes)
-    return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections)
+    return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections, quota_timeout_ms=sp.quota_timeout_ms)

@@ -1,6 +1,7 @@
-"""The key-value Store that the cache (and later the quotas) sit on, and its in-memory implementation.
+"""The Store that the cache and the quotas sit on, and its in-memory implementation.
 
-A Store holds opaque bytes under string keys, each with a TTL. Implementations raise StoreError
+A Store holds opaque bytes under string keys, each with a TTL, and the quota counters (one atomic
+check-and-take per request: quota_counters.py, quota_lua.py). Implementations raise StoreError
 when they cannot answer (unavailable, timed out); callers treat that as a miss and fail open.
 The Redis implementation lives in store_redis.py, so the embedded default never imports redis.
 """
@@ -11,6 +12,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
+
+from .quota_counters import Ask, Decision, MemoryQuota, Settle, Usage
 
 __all__ = ["StoreError", "Store", "MemoryStore"]
 
@@ -37,6 +40,18 @@ class Store(Protocol):
         """Release connections; the store is not used afterwards."""
         ...
 
+    async def quota_take(self, tenant: str, ask: Ask) -> Decision:
+        """Check every limit of `ask` for `tenant` and, when all pass, take them: atomically."""
+        ...
+
+    async def quota_settle(self, tenant: str, settle: Settle) -> None:
+        """Correct a reservation with what was used, and release its lease."""
+        ...
+
+    async def quota_usage(self, tenant: str, scope: str) -> Usage:
+        """A tenant scope's current use (window, in flight, today)."""
+        ...
+
 
 class MemoryStore:
     """A per-process LRU with a TTL per key, bounded by total bytes and by item count.
@@ -46,7 +61,7 @@ class MemoryStore:
     for tests. A value larger than `max_bytes` is not stored at all.
     """
 
-    __slots__ = ("_items", "_bytes", "max_bytes", "max_items", "_clock")
+    __slots__ = ("_items", "_bytes", "max_bytes", "max_items", "_clock", "quota")
 
     def __init__(
         self,
@@ -62,6 +77,7 @@ class MemoryStore:
         self.max_bytes = max_bytes
         self.max_items = max_items
         self._clock = clock
+        self.quota = MemoryQuota()  # quota counters: this process's own (see quota_counters.py)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -99,6 +115,15 @@ class MemoryStore:
     async def close(self) -> None:
         self._items.clear()
         self._bytes = 0
+
+    async def quota_take(self, tenant: str, ask: Ask) -> Decision:
+        return self.quota.take(tenant, ask)
+
+    async def quota_settle(self, tenant: str, settle: Settle) -> None:
+        self.quota.settle(tenant, settle)
+
+    async def quota_usage(self, tenant: str, scope: str) -> Usage:
+        return self.quota.usage(tenant, scope)
 
     def _drop(self, key: str) -> None:
         value, _ = self._items.pop(key)

@@ -1,0 +1,163 @@
+"""The quota check-and-take in Lua: one Redis round trip per request, atomic, on the server's clock.
+
+The same algorithm as quota_counters.MemoryQuota (read its docstring); the contract tests run
+both. Every key of a tenant carries the hash tag `{gwq:<tenant>}`, so they share one Redis
+Cluster slot. Per scope, five keys: r (requests per second bucket), t (tokens per bucket), c
+(leases: a sorted set scored by expiry, ms), d (tokens per UTC day) and m (micro-USD per day).
+"""
+
+from __future__ import annotations
+
+__all__ = ["TAKE", "SETTLE", "USAGE", "scope_keys"]
+
+KEYS_PER_SCOPE = 5
+
+
+def scope_keys(prefix: str, tenant: str, scope: str) -> list[str]:
+    """The five keys of one scope, in the order the scripts read them."""
+    base = f"{prefix}{{gwq:{tenant}}}:{scope}:"
+    return [base + k for k in ("r", "t", "c", "d", "m")]
+
+
+_COMMON = r"""
+local function now_s()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+-- sum of a window hash (second -> n) over the last 61 buckets; older fields are removed
+local function window(key, b)
+  local raw = redis.call('HGETALL', key)
+  local pairs_, sum, old = {}, 0, {}
+  for i = 1, #raw, 2 do
+    local sec, n = tonumber(raw[i]), tonumber(raw[i + 1])
+    if sec < b - 60 then
+      old[#old + 1] = raw[i]
+    else
+      sum = sum + n
+      pairs_[#pairs_ + 1] = {sec, n}
+    end
+  end
+  if #old > 0 then redis.call('HDEL', key, unpack(old)) end
+  return sum, pairs_
+end
+-- seconds until `need` more fits under `limit` as old buckets leave the window
+local function free_after(pairs_, used, need, limit, now)
+  table.sort(pairs_, function(a, b) return a[1] < b[1] end)
+  for _, p in ipairs(pairs_) do
+    used = used - p[2]
+    if used + need <= limit then
+      local w = p[1] + 61 - now
+      if w < 0 then w = 0 end
+      return w
+    end
+  end
+  return 61
+end
+"""
+
+# KEYS: 5 per scope. ARGV: tokens, lease, lease_ttl_ms, then per scope: name, rpm, tpm,
+# concurrency, tokens_per_day, spend_per_day_micro (0: no limit).
+TAKE = _COMMON + r"""
+local now = now_s()
+local b = math.floor(now)
+local day = math.floor(now / 86400)
+local ask, lease, ttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local n = (#ARGV - 3) / 6
+local ok, limit, scope_name, retry = 1, '', '', 0
+local lreq, rreq, reset_req, ltok, rtok, reset_tok = -1, -1, 0, -1, -1, 0
+local toks = {}
+for i = 0, n - 1 do
+  local a = 4 + i * 6
+  local name = ARGV[a]
+  local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local tpd, spend = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  local k = i * 5
+  local reqs, rpairs = window(KEYS[k + 1], b)
+  local used, tpairs = window(KEYS[k + 2], b)
+  redis.call('ZREMRANGEBYSCORE', KEYS[k + 3], '-inf', math.floor(now * 1000))
+  local tokens = ask
+  if tpm > 0 and tokens > tpm then tokens = tpm end
+  toks[i] = tokens
+  if name == '' then
+    if rpm > 0 then
+      lreq, rreq = rpm, math.max(0, rpm - reqs)
+      if reqs > 0 then reset_req = free_after(rpairs, reqs, 1, rpm, now) end
+    end
+    if tpm > 0 then
+      ltok, rtok = tpm, math.max(0, tpm - used)
+      if used > 0 then reset_tok = free_after(tpairs, used, tokens, tpm, now) end
+    end
+  end
+  if ok == 1 then
+    local why, wait = nil, 0
+    if rpm > 0 and reqs + 1 > rpm then
+      why, wait = 'rpm', free_after(rpairs, reqs, 1, rpm, now)
+    elseif tpm > 0 and used + tokens > tpm then
+      why, wait = 'tpm', free_after(tpairs, used, tokens, tpm, now)
+    elseif conc > 0 and redis.call('ZCARD', KEYS[k + 3]) >= conc then
+      why, wait = 'concurrency', 1
+    elseif tpd > 0 and tonumber(redis.call('HGET', KEYS[k + 4], day) or '0') + tokens > tpd then
+      why, wait = 'tokens_per_day', (day + 1) * 86400 - now
+    elseif spend > 0 and tonumber(redis.call('HGET', KEYS[k + 5], day) or '0') >= spend then
+      why, wait = 'spend_per_day_usd', (day + 1) * 86400 - now
+    end
+    if why then ok, limit, scope_name, retry = 0, why, name, wait end
+  end
+end
+if ok == 1 then
+  for i = 0, n - 1 do
+    local a = 4 + i * 6
+    local k = i * 5
+    local tokens = toks[i]
+    redis.call('HINCRBY', KEYS[k + 1], b, 1)
+    redis.call('PEXPIRE', KEYS[k + 1], 62000)
+    redis.call('HINCRBY', KEYS[k + 2], b, tokens)
+    redis.call('PEXPIRE', KEYS[k + 2], 62000)
+    redis.call('HINCRBY', KEYS[k + 4], day, tokens)
+    redis.call('PEXPIRE', KEYS[k + 4], 2 * 86400 * 1000)
+    if tonumber(ARGV[a + 3]) > 0 then
+      redis.call('ZADD', KEYS[k + 3], math.floor(now * 1000) + ttl, lease)
+      redis.call('PEXPIRE', KEYS[k + 3], ttl + 1000)
+    end
+    if ARGV[a] == '' then
+      if rreq > 0 then rreq = rreq - 1 end
+      if rtok >= 0 then rtok = math.max(0, rtok - tokens) end
+    end
+  end
+end
+return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(reset_req), ltok, rtok, tostring(reset_tok)}
+"""
+
+# KEYS: 5 per scope. ARGV: bucket, day, token_delta, spend_micro, lease.
+SETTLE = r"""
+local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+for k = 0, #KEYS - 1, 5 do
+  if delta ~= 0 then
+    if redis.call('HEXISTS', KEYS[k + 2], b) == 1 then
+      local v = redis.call('HINCRBY', KEYS[k + 2], b, delta)
+      if v < 0 then redis.call('HSET', KEYS[k + 2], b, 0) end
+    end
+    local d = redis.call('HINCRBY', KEYS[k + 4], day, delta)
+    if d < 0 then redis.call('HSET', KEYS[k + 4], day, 0) end
+    redis.call('PEXPIRE', KEYS[k + 4], 2 * 86400 * 1000)
+  end
+  if spend ~= 0 then
+    redis.call('HINCRBY', KEYS[k + 5], day, spend)
+    redis.call('PEXPIRE', KEYS[k + 5], 2 * 86400 * 1000)
+  end
+  redis.call('ZREM', KEYS[k + 3], lease)
+end
+return 1
+"""
+
+# KEYS: the 5 keys of one scope. Returns window requests, window tokens, in flight, day tokens, day spend.
+USAGE = _COMMON + r"""
+local now = now_s()
+local b = math.floor(now)
+local day = math.floor(now / 86400)
+local reqs = window(KEYS[1], b)
+local toks = window(KEYS[2], b)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', math.floor(now * 1000))
+return {reqs, toks, redis.call('ZCARD', KEYS[3]), tonumber(redis.call('HGET', KEYS[4], day) or '0'),
+        tonumber(redis.call('HGET', KEYS[5], day) or '0')}
+"""

@@ -1,0 +1,160 @@
+"""Quota counter contract: the in-memory algorithm and the Redis Lua script decide alike.
+
+Redis: the shared server at 127.0.0.1:6379, DB 13, a unique key prefix per test (deleted after).
+Timing-sensitive windows use the memory store's injectable clock; Redis runs on its own clock, so
+its tests only check what holds within one second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from gateway.quota_counters import Ask, MemoryQuota, Scope, Settle
+from gateway.store import MemoryStore
+from gateway.store_redis import RedisStore
+from tests.test_store import REDIS_URL, _delete_prefix
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.25
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@contextlib.asynccontextmanager
+async def _store(kind: str) -> AsyncIterator[MemoryStore | RedisStore]:
+    if kind == "memory":
+        yield MemoryStore()
+        return
+    prefix = f"test:quota:{uuid.uuid4().hex}:"
+    store = RedisStore(REDIS_URL, timeout_ms=500, prefix=prefix)
+    try:
+        yield store
+    finally:
+        await store.close()
+        await _delete_prefix(prefix)
+
+
+KINDS = ["memory", "redis"]
+
+
+def _ask(*scopes: Scope, tokens: int = 0, lease: str | None = None) -> Ask:
+    return Ask(scopes, tokens, lease or uuid.uuid4().hex, 60_000)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_rpm_admits_exactly_the_limit_then_refuses_with_a_retry_after(kind):
+    async with _store(kind) as s:
+        scope = Scope("", rpm=5)
+        got = [await s.quota_take("t", _ask(scope)) for _ in range(7)]
+        assert [d.ok for d in got] == [True] * 5 + [False] * 2
+        assert got[0].limit_requests == 5 and got[0].remaining_requests == 4 and got[4].remaining_requests == 0
+        refused = got[5]
+        assert refused.limit == "rpm" and 59 <= refused.retry_after_s <= 61.5
+        assert refused.remaining_requests == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_tokens_are_reserved_then_settled_to_what_was_used(kind):
+    async with _store(kind) as s:
+        scope = Scope("", tpm=100)
+        a = await s.quota_take("t", _ask(scope, tokens=80))
+        assert a.ok and a.remaining_tokens == 20
+        refused = await s.quota_take("t", _ask(scope, tokens=30))
+        assert not refused.ok and refused.limit == "tpm"
+        await s.quota_settle("t", Settle(("",), a.bucket, a.day, 10 - 80, 0, "x"))  # it used 10
+        b = await s.quota_take("t", _ask(scope, tokens=30))
+        assert b.ok and b.remaining_tokens == 100 - 10 - 30
+        u = await s.quota_usage("t", "")
+        assert (u.window_requests, u.window_tokens, u.day_tokens) == (2, 40, 40)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_reservation_larger_than_the_limit_is_capped_so_it_can_ever_run(kind):
+    async with _store(kind) as s:
+        d = await s.quota_take("t", _ask(Scope("", tpm=100), tokens=10_000))
+        assert d.ok and d.remaining_tokens == 0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_concurrency_leases_are_released_by_settle(kind):
+    async with _store(kind) as s:
+        scope = Scope("", concurrency=2)
+        a = await s.quota_take("t", _ask(scope, lease="l1"))
+        b = await s.quota_take("t", _ask(scope, lease="l2"))
+        c = await s.quota_take("t", _ask(scope, lease="l3"))
+        assert a.ok and b.ok and not c.ok and c.limit == "concurrency"
+        assert (await s.quota_usage("t", "")).inflight == 2
+        await s.quota_settle("t", Settle(("",), a.bucket, a.day, 0, 0, "l1"))
+        assert (await s.quota_take("t", _ask(scope, lease="l3"))).ok
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_a_model_scope_is_checked_on_top_of_the_tenant_and_nothing_is_taken_on_refusal(kind):
+    async with _store(kind) as s:
+        tenant, model = Scope("", rpm=10), Scope("gpt-x", rpm=1)
+        assert (await s.quota_take("t", _ask(tenant, model))).ok
+        refused = await s.quota_take("t", _ask(tenant, model))
+        assert not refused.ok and refused.limit == "rpm" and refused.scope == "gpt-x"
+        assert (await s.quota_usage("t", "")).window_requests == 1  # the refused one took nothing
+        assert (await s.quota_take("t", _ask(tenant))).ok  # other models still go
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_daily_tokens_and_spend(kind):
+    async with _store(kind) as s:
+        scope = Scope("", tokens_per_day=100, spend_per_day_micro=5_000)
+        a = await s.quota_take("t", _ask(scope, tokens=60))
+        assert a.ok
+        assert not (await s.quota_take("t", _ask(scope, tokens=60))).ok
+        await s.quota_settle("t", Settle(("",), a.bucket, a.day, 0, 5_000, "x"))
+        refused = await s.quota_take("t", _ask(scope, tokens=1))
+        assert refused.limit == "spend_per_day_usd" and refused.retry_after_s <= 86_400
+        assert (await s.quota_usage("t", "")).day_spend_micro == 5_000
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_tenants_are_independent(kind):
+    async with _store(kind) as s:
+        scope = Scope("", rpm=1)
+        assert (await s.quota_take("a", _ask(scope))).ok
+        assert (await s.quota_take("b", _ask(scope))).ok
+        assert not (await s.quota_take("a", _ask(scope))).ok
+
+
+async def test_concurrent_takes_on_redis_never_overshoot():
+    async with _store("redis") as s:
+        scope = Scope("", rpm=50, concurrency=1000)
+        got = await asyncio.gather(*[s.quota_take("t", _ask(scope)) for _ in range(200)])
+        assert sum(d.ok for d in got) == 50
+
+
+def test_the_window_slides_second_by_second_and_bounds_any_60_seconds():
+    clock = Clock()
+    q = MemoryQuota(clock=clock)
+    scope = Scope("", rpm=10)
+    admitted: list[float] = []
+    for _ in range(600):  # 3 minutes, a try every 0.3 s
+        if q.take("t", _ask(scope)).ok:
+            admitted.append(clock.now)
+        clock.now += 0.3
+    for t in admitted:
+        assert sum(1 for x in admitted if t <= x < t + 60) <= 10
+    assert len(admitted) >= 28  # ~10 per minute over 3 minutes (a second of each window is lost to rounding)
+
+
+def test_expired_leases_come_back_by_themselves():
+    clock = Clock()
+    q = MemoryQuota(clock=clock)
+    scope = Scope("", concurrency=1)
+    assert q.take("t", Ask((scope,), 0, "l1", 1_000)).ok
+    assert not q.take("t", Ask((scope,), 0, "l2", 1_000)).ok
+    clock.now += 1.01  # the replica holding l1 died: its lease expires
+    assert q.take("t", Ask((scope,), 0, "l2", 1_000)).ok

@@ -1,0 +1,228 @@
+"""Tenant quotas over real sockets with the openai SDK: 429s in OpenAI's shape with Retry-After and
+x-ratelimit headers, nothing sent upstream when refused, tokens settled with real usage (streams
+included, the usage chunk stripped for a client that did not ask), leases released on every path,
+cache hits counted as requests but not tokens, reloads, and a dead Redis degrading, never a 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+import time
+import uuid
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from gateway.keys import LIVE
+from tests.conftest import simple_policy
+from tests.test_store import _delete_prefix
+
+MSG = [{"role": "user", "content": "hi"}]
+KEY = "sk-acme-" + secrets.token_hex(16)
+ADMIN = "sk-admin-" + secrets.token_hex(16)
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _policy(up, quota: dict, **extra) -> dict:
+    policy = simple_policy(up, cache={"enabled": False}, **extra)
+    policy["tenants"] = {"acme": {"key_sha256": [_digest(KEY)], "quota": quota}}
+    policy["admin"] = {"key_sha256": [_digest(ADMIN)]}
+    return policy
+
+
+async def _admin_tenants(gw) -> dict:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/admin/tenants", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            return (await r.json())["tenants"]
+
+
+async def _metrics(gw) -> str:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            return await r.text()
+
+
+async def test_rpm_refuses_with_openai_shape_headers_and_nothing_upstream(upstream, gateway):
+    up = await upstream("a")
+    gw = await gateway(_policy(up, {"rpm": 3}))
+    client = gw.client(key=KEY)
+    for i in range(3):
+        r = await client.chat.completions.with_raw_response.create(model="gpt-test", messages=MSG)
+        assert r.headers["x-ratelimit-limit-requests"] == "3"
+        assert r.headers["x-ratelimit-remaining-requests"] == str(2 - i)
+    started = time.perf_counter()
+    with pytest.raises(openai.RateLimitError) as exc:
+        await client.chat.completions.create(model="gpt-test", messages=MSG)
+    assert time.perf_counter() - started < 0.5
+    err = exc.value
+    assert err.status_code == 429 and err.code == "rate_limit_exceeded" and "rpm" in err.message
+    assert 1 <= int(err.response.headers["retry-after"]) <= 61
+    assert err.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert up.stats.requests == 3
+    assert 'gateway_quota_rejections_total{limit="rpm",tenant="acme"} 1.0' in await _metrics(gw)
+
+
+async def test_tokens_are_settled_with_the_reported_usage_and_streams_are_charged(upstream, gateway):
+    up = await upstream("a", tokens=4)
+    gw = await gateway(_policy(up, {"tpm": 100_000, "tokens_per_day": 1_000_000}))
+    client = gw.client(key=KEY)
+    r = await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=500)
+    used = r.usage.total_tokens
+    # A stream whose client did not ask for usage: the gateway asks the backend, and strips the chunk.
+    chunks = [c async for c in await client.chat.completions.create(model="gpt-test", messages=MSG, stream=True)]
+    assert all(c.choices for c in chunks)  # no usage-only chunk reached this client
+    assert up.stats.last_body["stream_options"] == {"include_usage": True}
+    use = (await _admin_tenants(gw))["acme"]["use"]["tenant"]
+    assert use["requests_60s"] == 2 and use["inflight"] == 0
+    # settled with each answer's usage, not the reservations (500, and 1,024 by default)
+    assert use["tokens_60s"] == use["tokens_today"] and used < use["tokens_60s"] < used + 100
+
+
+async def test_a_client_that_asked_for_usage_still_gets_it(upstream, gateway):
+    up = await upstream("a", tokens=3)
+    gw = await gateway(_policy(up, {"tpm": 100_000}))
+    client = gw.client(key=KEY)
+    chunks = [c async for c in await client.chat.completions.create(
+        model="gpt-test", messages=MSG, stream=True, stream_options={"include_usage": True})]
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+
+
+async def test_concurrency_leases_are_released_on_answers_errors_and_disconnects(upstream, gateway):
+    up = await upstream("a", ttft_ms=300, tokens=20, itl_ms=20)
+    gw = await gateway(_policy(up, {"concurrency": 2}))
+    client = gw.client(key=KEY)
+    results = await asyncio.gather(
+        *[client.chat.completions.with_raw_response.create(model="gpt-test", messages=MSG) for _ in range(5)],
+        return_exceptions=True,
+    )
+    assert sum(1 for r in results if not isinstance(r, Exception)) == 2
+    assert all(isinstance(r, openai.RateLimitError) for r in results if isinstance(r, Exception))
+    # a client that leaves mid-stream gives its lease back, and is charged what it got
+    body = orjson.dumps({"model": "gpt-test", "messages": MSG, "stream": True})
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(gw.url + "/v1/chat/completions", data=body, headers={"Authorization": f"Bearer {KEY}"})
+        await r.content.readuntil(b"w2 ")
+        r.close()
+    deadline = time.monotonic() + 3
+    while (await _admin_tenants(gw))["acme"]["use"]["tenant"]["inflight"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert (await _admin_tenants(gw))["acme"]["use"]["tenant"]["inflight"] == 0
+    ok = await asyncio.gather(*[client.chat.completions.create(model="gpt-test", messages=MSG) for _ in range(2)])
+    assert len(ok) == 2
+
+
+async def test_a_disconnected_stream_is_charged_what_was_streamed(upstream, gateway):
+    up = await upstream("a", tokens=200, itl_ms=20)
+    gw = await gateway(_policy(up, {"tpm": 100_000}))
+    body = orjson.dumps({"model": "gpt-test", "messages": MSG, "stream": True, "max_tokens": 5000})
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(gw.url + "/v1/chat/completions", data=body, headers={"Authorization": f"Bearer {KEY}"})
+        await r.content.readuntil(b"w4 ")
+        r.close()
+    await asyncio.sleep(0.3)
+    tokens = (await _admin_tenants(gw))["acme"]["use"]["tenant"]["tokens_60s"]
+    assert 5 <= tokens < 200  # the prompt estimate and the ~5-10 tokens it got, not the 5,000 reserved
+
+
+async def test_cache_hits_count_as_requests_not_tokens(upstream, gateway):
+    up = await upstream("a")
+    policy = _policy(up, {"rpm": 100, "tpm": 100_000})
+    policy["cache"] = {"ttl_s": 60}
+    gw = await gateway(policy)
+    client = gw.client(key=KEY)
+    first = await client.chat.completions.create(model="gpt-test", messages=MSG, temperature=0)
+    hit = await client.chat.completions.with_raw_response.create(model="gpt-test", messages=MSG, temperature=0)
+    assert hit.headers["x-gateway-cache"] == "hit"
+    use = (await _admin_tenants(gw))["acme"]["use"]["tenant"]
+    assert use["requests_60s"] == 2 and use["tokens_60s"] == first.usage.total_tokens
+
+
+async def test_per_model_limits_apply_on_top_of_the_tenants(upstream, gateway):
+    up = await upstream("a")
+    policy = _policy(up, {"rpm": 100, "models": {"gpt-test": {"rpm": 1}}})
+    policy["backends"]["a"]["models"] = ["gpt-test", "other"]
+    gw = await gateway(policy)
+    client = gw.client(key=KEY)
+    await client.chat.completions.create(model="gpt-test", messages=MSG)
+    with pytest.raises(openai.RateLimitError, match="gpt-test"):
+        await client.chat.completions.create(model="gpt-test", messages=MSG)
+    await client.chat.completions.create(model="other", messages=MSG)
+
+
+async def test_spend_per_day_uses_backend_prices(upstream, gateway):
+    up = await upstream("a", tokens=10)
+    policy = _policy(up, {"spend_per_day_usd": 0.000001})
+    policy["backends"]["a"]["price"] = {"input_per_mtok": 1000, "output_per_mtok": 1000}
+    gw = await gateway(policy)
+    client = gw.client(key=KEY)
+    await client.chat.completions.create(model="gpt-test", messages=MSG)
+    with pytest.raises(openai.RateLimitError, match="spend_per_day_usd"):
+        await client.chat.completions.create(model="gpt-test", messages=MSG)
+    assert 'gateway_spend_usd_total{tenant="acme"}' in await _metrics(gw)
+
+
+async def test_a_reload_that_changes_a_limit_takes_effect_on_the_next_request(upstream, gateway):
+    up = await upstream("a")
+    policy = _policy(up, {"rpm": 1})
+    gw = await gateway(policy)
+    client = gw.client(key=KEY)
+    await client.chat.completions.create(model="gpt-test", messages=MSG)
+    with pytest.raises(openai.RateLimitError):
+        await client.chat.completions.create(model="gpt-test", messages=MSG)
+    policy["tenants"]["acme"]["quota"] = {"rpm": 5}
+    gw.write_policy(policy)
+    gen = gw.app[LIVE].runtime.generation
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+            assert r.status == 200
+    assert gw.app[LIVE].runtime.generation > gen
+    await client.chat.completions.create(model="gpt-test", messages=MSG)
+
+
+async def test_redis_down_degrades_to_local_limits_never_a_5xx(upstream, gateway):
+    up = await upstream("a")
+    # A Redis that refuses connections: every quota call fails at once.
+    policy = _policy(up, {"rpm": 2}, store={"url": "redis://127.0.0.1:1/0", "timeout_ms": 50})
+    gw = await gateway(policy)
+    client = gw.client(key=KEY)
+    statuses = []
+    for _ in range(4):
+        try:
+            await client.chat.completions.create(model="gpt-test", messages=MSG)
+            statuses.append(200)
+        except openai.APIStatusError as exc:
+            statuses.append(exc.status_code)
+    assert statuses == [200, 200, 429, 429]  # the local limiter still holds the limit
+    assert "gateway_quota_degraded_total" in (text := await _metrics(gw)) and "gateway_quota_degraded_total 0.0" not in text
+
+
+async def test_quotas_are_shared_across_gateways_on_one_redis(upstream, gateway):
+    up = await upstream("a")
+    prefix_db = "redis://127.0.0.1:6379/14"
+    policy = _policy(up, {"rpm": 5}, store={"url": prefix_db, "timeout_ms": 500})
+    policy["tenants"]["acme"]["key_sha256"] = [_digest(KEY)]
+    tenant = "acme-" + uuid.uuid4().hex[:8]  # a fresh tenant name: fresh counters on the shared Redis
+    policy["tenants"] = {tenant: policy["tenants"]["acme"]}
+    gws = [await gateway(policy, name=f"p{i}.yaml") for i in range(3)]
+    try:
+        results = await asyncio.gather(
+            *[gws[i % 3].client(key=KEY).chat.completions.with_raw_response.create(model="gpt-test", messages=MSG)
+              for i in range(15)],
+            return_exceptions=True,
+        )
+        assert sum(1 for r in results if not isinstance(r, Exception)) == 5
+        assert up.stats.requests == 5
+    finally:
+        import redis.asyncio as aredis
+
+        raw = aredis.Redis.from_url(prefix_db)
+        keys = [k async for k in raw.scan_iter(match=f"{{gwq:{tenant}}}*")]
+        if keys:
+            await raw.delete(*keys)
+        await raw.aclose()
