@@ -105,6 +105,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.workers <= 1:
         run_worker(policy, args.host, args.port, False, args.access_log)
         return 0
+    if loaded.store.url is None and any(t.quota is not None and t.quota.any() for t in loaded.tenants.values()):
+        print(
+            f"gateway: {policy}: quotas live in each worker's memory (no `store.url`): every limit applies "
+            f"per worker, so {args.workers} workers admit up to {args.workers}x; set store.url to a Redis to share them",
+            file=sys.stderr,
+        )
     return supervise_workers(policy, args.host, args.port, args.workers, args.access_log)
 
 
