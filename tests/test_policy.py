@@ -184,3 +184,14 @@ def test_shipped_policies_are_safe_to_copy():
         assert not [w for w in key_warnings(policy) if "guessable" in w], f
         if f in deployed:
             assert policy.tenants, f"{f} is served on 0.0.0.0: it needs tenants"
+
+
+def test_tenant_quotas_are_validated_with_their_cross_references():
+    tenant = "tenants: {t: {key_sha256: ['%s'], quota: %s}}\n"
+    p = parse_policy(GOOD + tenant % ("c" * 64, "{rpm: 5, tpm: 100, models: {gpt-4o-mini: {rpm: 1}}}"))
+    q = p.tenants["t"].quota
+    assert q is not None and q.rpm == 5 and q.models["gpt-4o-mini"].rpm == 1 and q.default_max_tokens == 1024
+    assert any("quota.rpm" in x for x in _problems(GOOD + tenant % ("c" * 64, "{rpm: 0}")))
+    assert any("quota.concurency: unknown field; did you mean `concurrency`" in x for x in _problems(GOOD + tenant % ("c" * 64, "{concurency: 5}")))
+    assert any("quota.models.nope: unknown model" in x for x in _problems(GOOD + tenant % ("c" * 64, "{models: {nope: {rpm: 1}}}")))
+    assert any("needs a `price` on every backend" in x for x in _problems(GOOD + tenant % ("c" * 64, "{spend_per_day_usd: 5}")))
