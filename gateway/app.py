@@ -61,15 +61,18 @@ def create_app(policy: Policy | str | Path, host: str | None = None) -> web.Appl
     app[RELOADER] = Reloader(path, live, build, metrics, on_swap=children.reconcile)
     app.add_routes(routes())
     app.cleanup_ctx.append(_upstream_pool)
-    app.cleanup_ctx.append(lambda _app: _close_stores(stores))
+    app.cleanup_ctx.append(lambda _app: _close_stores(stores, live))
     app.cleanup_ctx.append(children.context)
     app.cleanup_ctx.append(_reload_watch)
     app.cleanup_ctx.append(_probes)
     return app
 
 
-async def _close_stores(stores: dict[StorePolicy, Store]) -> AsyncIterator[None]:
+async def _close_stores(stores: dict[StorePolicy, Store], live: Live) -> AsyncIterator[None]:
     yield
+    quota = live.runtime.quota
+    if quota is not None:
+        await quota.drain()  # the last requests' settles, before their store closes
     for store in stores.values():
         await store.close()
 

@@ -125,7 +125,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
             spend = _spend_usd(call, rt)
             if spend:
                 ctx.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
-            await rt.quota.settle(hold, call, spend)
+            rt.quota.settle(hold, call, spend)
         _observe(call, rt, ctx)
 
 

@@ -111,6 +111,7 @@ class Quota:
         self._on_degraded = on_degraded
         self._clock = clock
         self._last_warn: float | None = None
+        self._settling: set[asyncio.Task[None]] = set()  # settles in flight, owned here
         self.plans: dict[str, _Plan] = {}
         for name, tp in policy.tenants.items():
             q = tp.quota
@@ -148,19 +149,30 @@ class Quota:
             _ask_for_usage(call)
         return Hold(tenant.name, tuple(s.name for s in scopes), store, decision, min(reserved, _cap(scopes)), lease)
 
-    async def settle(self, hold: Hold | None, call: Call, spend_usd: float) -> None:
-        """Replace the reservation with what was used, release the lease (every path, once)."""
+    def settle(self, hold: Hold | None, call: Call, spend_usd: float) -> None:
+        """Replace the reservation with what was used and release the lease (every path, once).
+
+        In a task of its own: the answer is not held up by the round trip, and a cancelled
+        handler (the client went away) still gives its lease back. `drain()` awaits them."""
         if hold is None or hold.settled:
             return
         hold.settled = True
-        used = _tokens_used(call)
         d = hold.decision
-        settle = Settle(hold.scopes, d.bucket, d.day, used - hold.reserved, round(spend_usd * 1e6), hold.lease)
+        settle = Settle(hold.scopes, d.bucket, d.day, _tokens_used(call) - hold.reserved, round(spend_usd * 1e6), hold.lease)
+        task = asyncio.get_running_loop().create_task(self._settle(hold, settle))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, hold: Hold, settle: Settle) -> None:
         try:
-            # Shielded: a cancelled handler (client gone) must still give its lease back.
-            await asyncio.shield(hold.store.quota_settle(hold.tenant, settle))
+            await hold.store.quota_settle(hold.tenant, settle)
         except StoreError as exc:
             self._degraded(exc)  # the lease expires by itself; the estimate stays counted
+
+    async def drain(self) -> None:
+        """Wait for the settles in flight (each bounded by the store's timeout)."""
+        while self._settling:
+            await asyncio.gather(*list(self._settling), return_exceptions=True)
 
     async def usage(self, tenant: str) -> dict[str, Usage]:
         """Current use of each scope of a tenant with limits (tenant scope under "")."""

@@ -19,7 +19,7 @@ from .health import Health
 from .latency import Tracker
 from .auth import Tenant
 from .cache import Cache, cache_key, cacheable_request
-from .policy import CacheOverride, HedgePolicy, ModelRoute, Policy, RoutingPolicy, ServerPolicy, StorePolicy
+from .policy import BackendPolicy, CacheOverride, HedgePolicy, ModelRoute, Policy, RoutingPolicy, ServerPolicy, StorePolicy
 from .quota import Quota
 from .store import MemoryStore, Store
 from .store_redis import RedisStore
@@ -180,7 +180,7 @@ class Runtime:
     def _pool(self, names: tuple[str, ...], strategy: str) -> Pool:
         rp = self.routing
         picked = tuple(self.backends[b] for b in names)
-        cands = tuple(Candidate(b.name, b.tracker, b.health, b.policy.weight, b.policy.cost) for b in picked)
+        cands = tuple(Candidate(b.name, b.tracker, b.health, b.policy.weight, _cost(b.policy)) for b in picked)
         selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s)
         return Pool(picked, cands, selector)
 
@@ -227,6 +227,14 @@ class Runtime:
         if route is None:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
         return route
+
+
+def _cost(bp: BackendPolicy) -> float:
+    """What routing.cost_weight_s trades against latency: `cost`, else the backend's price
+    (input + output USD per million tokens)."""
+    if bp.cost or bp.price is None:
+        return bp.cost
+    return bp.price.input_per_mtok + bp.price.output_per_mtok
 
 
 def build_runtime(

@@ -226,3 +226,28 @@ async def test_quotas_are_shared_across_gateways_on_one_redis(upstream, gateway)
         if keys:
             await raw.delete(*keys)
         await raw.aclose()
+
+
+async def test_cancelling_at_every_point_gives_every_lease_back(upstream, gateway):
+    up = await upstream("a", ttft_ms=40, itl_ms=5, tokens=6)
+    gw = await gateway(_policy(up, {"concurrency": 3, "tpm": 1_000_000}))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as http:
+        for stream in (False, True):
+            body = orjson.dumps({"model": "gpt-test", "messages": MSG, "stream": stream})
+
+            async def one() -> None:
+                async with http.post(gw.url + "/v1/chat/completions", data=body, headers=auth) as r:
+                    await r.read()
+
+            for delay_ms in range(0, 90, 3):  # before the quota stage, while upstream, mid-stream, after
+                task = asyncio.create_task(one())
+                await asyncio.sleep(delay_ms / 1000)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+    deadline = time.monotonic() + 3
+    while (await _admin_tenants(gw))["acme"]["use"]["tenant"]["inflight"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert (await _admin_tenants(gw))["acme"]["use"]["tenant"]["inflight"] == 0
+    client = gw.client(key=KEY)
+    await asyncio.gather(*[client.chat.completions.create(model="gpt-test", messages=MSG) for _ in range(3)])

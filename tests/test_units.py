@@ -119,3 +119,17 @@ def test_tracker_window_and_quantiles():
     clock.t += 61
     assert tr.snapshot()["ttft_p50_ms"] is None
     assert quantile([], 0.5) is None and quantile([1.0], 0.99) == 1.0
+
+
+def test_a_backend_price_is_its_routing_cost_unless_a_cost_is_given():
+    from gateway.runtime import build_runtime
+
+    policy = parse_policy(
+        "backends:\n"
+        "  a: {url: 'http://127.0.0.1:1/v1', models: [m], price: {input_per_mtok: 0.5, output_per_mtok: 1.5}}\n"
+        "  b: {url: 'http://127.0.0.1:2/v1', models: [m], cost: 3, price: {input_per_mtok: 9}}\n"
+        "  c: {url: 'http://127.0.0.1:3/v1', models: [m]}\n"
+    )
+    rt = build_runtime(policy, {}, generation=1)
+    costs = {c.name: c.cost for c in rt.route("m").pool("none").candidates}
+    assert costs == {"a": 2.0, "b": 3.0, "c": 0.0}
