@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) bench/selection.py
 	$(PY) bench/routing.py
 	$(PY) bench/cache.py
+	$(PY) bench/quota.py
 	$(PY) bench/classifier.py
 	$(PY) bench/local_model.py
 
