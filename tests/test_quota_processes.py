@@ -81,7 +81,7 @@ async def _gateways(policy: Path, n: int) -> AsyncIterator[list[int]]:
 async def test_limits_hold_across_three_processes_and_a_dead_redis_is_no_5xx(upstream, tmp_path):
     up = await upstream("a", tokens=5, ttft_ms=20)
     async with _redis() as (rport, redis_proc):
-        policy = simple_policy(up, cache={"enabled": False}, store={"url": f"redis://127.0.0.1:{rport}/0"})
+        policy = simple_policy(up, cache={"enabled": False}, store={"url": f"redis://127.0.0.1:{rport}/0", "quota_timeout_ms": 2000})
         policy["tenants"] = {"acme": {"key_sha256": [_digest(KEY)], "quota": {"rpm": 60, "concurrency": 5}}}
         policy["admin"] = {"key_sha256": [_digest(ADMIN)]}
         path = tmp_path / "p.yaml"
