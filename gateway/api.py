@@ -15,7 +15,7 @@ from . import pipeline
 from .cache import cache_control
 from .call import ENDPOINTS, Call
 from .errors import BadRequest, GatewayError, InternalError, NotFound, PayloadTooLarge, Unauthorized
-from .keys import LIVE, METRICS, RELAY, RELOADER
+from .keys import ADMISSION, LIVE, METRICS, RELAY, RELOADER
 from .routing import usable
 from .sink import HttpSink
 
@@ -110,6 +110,7 @@ def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeo
         priority=priority,
         no_cache=no_cache,
         no_store=no_store,
+        deadline_asked=bool(h.get("x-request-timeout-ms")),
     )
 
 
@@ -158,7 +159,7 @@ async def route_explain(request: web.Request) -> web.Response:
     try:
         raw = await _read_body(request, rt.server.max_body_bytes)
         call = _new_call(request, "chat", raw, rt.server.request_timeout_ms)
-        return _json(await pipeline.explain(call, rt), headers={"x-request-id": call.request_id})
+        return _json(await pipeline.explain(call, rt, request.app[ADMISSION]), headers={"x-request-id": call.request_id})
     except GatewayError as err:
         return _error(err, {"x-request-id": _request_id(request)})
     except Exception:  # a bug: still an answer in the contract
@@ -197,6 +198,14 @@ async def metrics(request: web.Request) -> web.Response:
     if not rt.tenants.may_scrape(_api_key(request)):
         return _error(Unauthorized("/metrics needs a key from `metrics.key_sha256` or an admin key"))
     m = request.app[METRICS]
+    admission = request.app[ADMISSION]
+    depth = dict(admission.gate.queue.sizes)
+    for b in rt.backends.values():
+        for band, n in b.slots.queue.sizes.items():
+            depth[band] += n
+    for band, n in depth.items():
+        m.queue_depth.labels(band).set(n)
+    m.admission_inflight.set(admission.gate.used)
     for b in rt.backends.values():
         m.healthy.labels(b.name).set(1 if b.health.healthy else 0)
         p95 = b.tracker.ttft_p95_s(min_samples=1)
@@ -229,9 +238,13 @@ async def admin_backends(request: web.Request) -> web.Response:
             "consecutive_failures": b.health.consecutive_failures,
             "cooling_s": round(b.health.cooling_for(), 3),
             "max_concurrency": b.slots.limit,
+            "queued": dict(b.slots.queue.sizes),
             **snap,
         }
-    return _json({"policy_generation": rt.generation, "backends": out})
+    gate = request.app[ADMISSION].gate
+    admission = {"inflight": gate.used, "max_inflight": gate.limit, "queued": dict(gate.queue.sizes),
+                 "service_s": round(request.app[ADMISSION].service_s(), 4)}
+    return _json({"policy_generation": rt.generation, "admission": admission, "backends": out})
 
 
 async def admin_tenants(request: web.Request) -> web.Response:

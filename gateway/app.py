@@ -13,7 +13,8 @@ from aiohttp import web
 from .api import LOOPBACK, routes
 from .auth import is_loopback, open_mode_problem
 from .backends import BackendState
-from .keys import LIVE, METRICS, RELAY, RELOADER
+from .admission import Admission
+from .keys import ADMISSION, LIVE, METRICS, RELAY, RELOADER
 from .metrics import Metrics
 from .policy import LaunchPolicy, Policy, StorePolicy, load_policy
 from .relay import RelayContext
@@ -43,19 +44,26 @@ def create_app(policy: Policy | str | Path, host: str | None = None) -> web.Appl
     states: dict[str, BackendState] = {}
     stores: dict[StorePolicy, Store] = {}
 
+    # One admission gate for the app's life: a reload changes its limits, never drops its queue.
+    admission = Admission(loaded.admission.max_inflight, loaded.admission.max_queue)
+
     def build(p: Policy, generation: int) -> Runtime:
         problem = open_mode_problem(p, host)
         if problem is not None:  # e.g. a reload that drops every tenant must not open the doors
             raise ValueError(problem)
-        return build_runtime(
+        rt = build_runtime(
             p, states, generation, stores,
             on_cache_error=lambda op: metrics.cache_errors.labels(op).inc(),
             on_quota_degraded=metrics.quota_degraded.inc,
         )
+        a = p.admission
+        admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled)
+        return rt
 
     live = Live(build(loaded, 1))
     children = _Children()
     app[METRICS] = metrics
+    app[ADMISSION] = admission
     app[LOOPBACK] = is_loopback(host)
     app[LIVE] = live
     app[RELOADER] = Reloader(path, live, build, metrics, on_swap=children.reconcile)
@@ -88,7 +96,7 @@ async def _probes(app: web.Application) -> AsyncIterator[None]:
 async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     """One keep-alive connection pool for every upstream call."""
     pool = UpstreamPool()
-    app[RELAY] = RelayContext(pool, app[METRICS])
+    app[RELAY] = RelayContext(pool, app[METRICS], admission=app[ADMISSION])
     yield
     await pool.close()
 

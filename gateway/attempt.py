@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from .admission import Admission
 from .backends import Backend
 from .cache import SingleFlight
 from .cache_entry import StreamAssembler, entry_from_response
@@ -74,6 +75,8 @@ class RelayContext:
     pool: UpstreamPool
     metrics: Metrics
     flight: SingleFlight = field(default_factory=SingleFlight)
+    # The process-wide admission gate: it outlives reloads (they change its limits, not its queue).
+    admission: Admission = field(default_factory=lambda: Admission(1024, 4096))
 
 
 def claim(progress: Progress, backend: Backend, call: Call, sink: Sink) -> None:

@@ -127,6 +127,7 @@ class Tenants:
         self._metrics = set(policy.metrics.key_sha256)
         self.open = not self._by_digest
         self.tenant_label = policy.metrics.tenant_label
+        self._weights = {name: tp.weight for name, tp in policy.tenants.items()}
 
     def authenticate(self, api_key: str | None) -> Tenant:
         """The tenant for a bearer key; Unauthorized for a missing or unknown key."""
@@ -156,6 +157,10 @@ class Tenants:
         if not self._metrics:
             return True
         return _matches(api_key, self._metrics) or _matches(api_key, self._admin)
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's share of dispatches among tenants waiting in the same band."""
+        return self._weights.get(tenant, 1.0)
 
     def metric_label(self, tenant: str) -> str:
         """The tenant's label value in metrics: its name, or `tenant` when `metrics.tenant_label`

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from yarl import URL
 
+from .admission import Gate
 from .call import ENDPOINTS
 from .health import Health
 from .latency import Tracker
@@ -20,64 +21,16 @@ from .policy import BackendPolicy
 __all__ = ["Backend", "BackendState", "Slots"]
 
 
-class Slots:
-    """At most `limit` requests in flight; waiters are served first come, first served.
+class Slots(Gate):
+    """At most `limit` requests in flight on a backend; waiters queue by band and tenant
+    (admission.FairQueue).
 
     The count lives in the backend's tracker (`tracker.inflight`): one number that the limit, the
     selector and /admin all read. Whoever acquires a slot releases it in the same `try/finally`
     (see relay._try), so a task cancelled at any await point gives its slot back."""
 
-    __slots__ = ("limit", "_tracker", "_waiters")
-
     def __init__(self, limit: int, tracker: Tracker | None = None) -> None:
-        self.limit = limit
-        self._tracker = tracker if tracker is not None else Tracker()
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def used(self) -> int:
-        """Requests in flight on this backend."""
-        return self._tracker.inflight
-
-    def free(self) -> bool:
-        """True when try_acquire() would succeed now."""
-        return self._tracker.inflight < self.limit and not self._waiters
-
-    def try_acquire(self) -> bool:
-        if self._tracker.inflight < self.limit and not self._waiters:
-            self._tracker.inflight += 1
-            return True
-        return False
-
-    async def acquire(self, timeout_s: float) -> bool:
-        """Wait up to timeout_s for a slot; False when none came free in time."""
-        if self.try_acquire():
-            return True
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            async with asyncio.timeout(max(0.0, timeout_s)):
-                await fut
-            return True  # release() handed its slot over to us
-        except TimeoutError:
-            return False
-        except BaseException:
-            if fut.done() and not fut.cancelled():
-                self.release()  # granted, then cancelled before we ran: pass the slot on
-            raise
-        finally:
-            if not fut.done():
-                fut.cancel()
-            if fut in self._waiters:
-                self._waiters.remove(fut)
-
-    def release(self) -> None:
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot passes to the waiter; `used` is unchanged
-                return
-        self._tracker.inflight -= 1
+        super().__init__(limit, tracker if tracker is not None else Tracker())
 
 
 @dataclass

@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from .admission import Ticket
 from .cache_entry import Entry
 from .classify import Verdict
 
@@ -40,6 +41,7 @@ class Call:
     priority: str | None = None  # asked for by the request; None: the tenant's default
     no_cache: bool = False  # cache-control: no-cache
     no_store: bool = False  # cache-control: no-store
+    deadline_asked: bool = False  # x-request-timeout-ms was sent (else a band's default may apply)
     # Filled in by the parse stage:
     body: dict[str, Any] = field(default_factory=dict)
     model: str = ""
@@ -63,6 +65,7 @@ class Call:
     usage: dict[str, Any] | None = None
     streamed_tokens: int = 0  # content events passed to the client (what a client that leaves is charged)
     strip_usage: bool = False  # the gateway asked for the stream's usage chunk: the client did not
+    ticket: Ticket | None = None  # its place in admission and backend queues (band, tenant, tokens)
     status: int = 200
     error: str | None = None
     finish: str | None = None  # "ok" | "error" | "client_disconnect" | "cut"

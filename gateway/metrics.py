@@ -36,7 +36,19 @@ class Metrics:
             buckets=_ITL_BUCKETS, registry=r,
         )
         self.queue_wait = Histogram(
-            "gateway_queue_wait_seconds", "Time spent waiting for a backend slot", buckets=_QUEUE_BUCKETS, registry=r
+            "gateway_queue_wait_seconds", "Time spent queued (admission, a backend slot), per priority band", ["priority"],
+            buckets=_QUEUE_BUCKETS, registry=r,
+        )
+        self.shed = Counter(
+            "gateway_shed", "Requests refused or dropped by admission: queue_full, deadline (predicted), expired (in a queue)",
+            ["reason", "priority"], registry=r,
+        )
+        self.queue_depth = Gauge(
+            "gateway_queue_depth", "Requests waiting (admission and backend queues), per priority band", ["priority"],
+            registry=r, multiprocess_mode="livesum",
+        )
+        self.admission_inflight = Gauge(
+            "gateway_admission_inflight", "Requests admitted and relaying", registry=r, multiprocess_mode="livesum",
         )
         self.upstream_errors = Counter(
             "gateway_upstream_errors", "Backend failures by kind", ["backend", "kind"], registry=r

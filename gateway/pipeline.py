@@ -11,6 +11,8 @@ import logging
 from typing import Any
 
 from .auth import Tenant
+from .admission import Admission, Gate, Ticket
+from .backends import Backend
 from .cache_entry import Entry, replay_json, replay_sse
 from .call import Call
 from .errors import GatewayError, InternalError
@@ -66,6 +68,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         route, tenant = _prepare(call, rt)
         if rt.quota is not None:
             hold = await rt.quota.reserve(call, tenant, sink)
+        _band(call, rt, tenant)
         if call.cls != "none":
             sink.set_header("x-gateway-class", call.cls)
             ctx.metrics.per_class[call.cls].inc()
@@ -129,6 +132,31 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         _observe(call, rt, ctx)
 
 
+def _band(call: Call, rt: Runtime, tenant: Tenant) -> None:
+    """The call's place in the queues: its band, its band's default deadline, its token cost."""
+    band = call.priority or "default"
+    if not call.deadline_asked:
+        band_ms = getattr(rt.policy.admission.deadline_ms, band)
+        if band_ms is not None:
+            call.deadline = min(call.deadline, call.t0_monotonic + band_ms / 1000)
+    max_tokens = call.body.get("max_completion_tokens") or call.body.get("max_tokens")
+    cost = call.prompt_tokens + (max_tokens if isinstance(max_tokens, int) else 256)
+    call.ticket = Ticket(band, tenant.name, max(1, cost), rt.tenants.weight(tenant.name))
+
+
+def _queue_view(ticket: Ticket, admission: Admission, backend: Backend | None) -> dict[str, Any]:
+    """Where a request of this band and tenant would wait now, and about how long (explain)."""
+    def position(gate: Gate) -> int:
+        return 0 if gate.free() else gate.queue.position(ticket.band, ticket.tenant, ticket.weight)
+
+    return {
+        "admission_position": position(admission.gate),
+        "admission_predicted_wait_ms": round(admission.predicted_wait_s(ticket) * 1000, 2),
+        "backend": None if backend is None else backend.name,
+        "backend_position": None if backend is None else position(backend.slots),
+    }
+
+
 def _spend_usd(call: Call, rt: Runtime) -> float:
     """What the answer cost at its backend's `price` (0 without a price, a usage or a backend)."""
     backend = rt.backends.get(call.backend or "")
@@ -177,9 +205,12 @@ def _observe(call: Call, rt: Runtime, ctx: RelayContext) -> None:
         log.warning("request %s failed with %s: %s", call.request_id, call.status, call.error)
 
 
-async def explain(call: Call, rt: Runtime) -> dict[str, Any]:
+async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, Any]:
     """What the gateway would do with this request, calling no backend."""
     route, tenant = _prepare(call, rt)
+    _band(call, rt, tenant)
+    ticket = call.ticket
+    assert ticket is not None
     plan = rt.cache_plan(call, route, tenant)
     if plan.key is not None and rt.cache is not None:
         call.cache = "miss" if await rt.cache.lookup(plan.key) is None else "hit"
@@ -222,6 +253,8 @@ async def explain(call: Call, rt: Runtime) -> dict[str, Any]:
         "prompt_tokens": call.prompt_tokens,
         "cache": call.cache,
         "cache_reason": plan.reason,
+        "band": ticket.band,
+        "queue": _queue_view(ticket, admission, pool.backends[ranked[0].index] if ranked else None),
         "strategy": pool.selector.strategy,
         "hedge": route.hedge is not None,
         "candidates": candidates,

@@ -193,6 +193,7 @@ class TenantPolicy(_Section):
     cache_namespace: str | None = None  # tenants naming the same namespace share cached answers
     cache: CacheOverride | None = None
     quota: QuotaPolicy | None = None
+    weight: float = Field(1.0, gt=0)  # share of dispatches among tenants waiting in the same band
 
     @field_validator("key_sha256")
     @classmethod
@@ -274,6 +275,25 @@ class CachePolicy(_Section):
     include_sampled: bool = False
 
 
+class BandDeadlines(_Section):
+    """Default deadline per priority band when a request sends no x-request-timeout-ms (null:
+    server.request_timeout_ms)."""
+
+    priority: int | None = Field(None, gt=0)
+    default: int | None = Field(None, gt=0)
+    flex: int | None = Field(None, gt=0)
+
+
+class AdmissionPolicy(_Section):
+    """The admission stage: requests relayed at once across the process, and waiting beyond that."""
+
+    enabled: bool = True  # false: no global bound, and a full backend's queue is first come, first served
+    max_inflight: int = Field(1024, gt=0)
+    max_queue: int = Field(4096, ge=0)
+    starvation_share: float = Field(0.1, ge=0, lt=1)  # dispatches kept for a waiting lower band
+    deadline_ms: BandDeadlines = BandDeadlines()
+
+
 class ReloadPolicy(_Section):
     watch: bool = True
     interval_ms: int = Field(1_000, gt=0)
@@ -287,6 +307,7 @@ class Policy(_Section):
     cache: CachePolicy = CachePolicy()
     health: HealthPolicy = HealthPolicy()
     reload: ReloadPolicy = ReloadPolicy()
+    admission: AdmissionPolicy = AdmissionPolicy()
     backends: dict[str, BackendPolicy] = Field(min_length=1)
     models: dict[str, ModelRoute] = {}
     tenants: dict[str, TenantPolicy] = {}

@@ -11,11 +11,13 @@ import contextlib
 import time
 from collections.abc import Sequence
 
+from .admission import MAX_WAIT_SHARE, Shed, Ticket
 from .attempt import AttemptFailed, ClientGone, Lost, Progress, RelayContext, attempt
 from .backends import Backend
 from .call import Call
-from .errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected
+from .errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
 from .health import outcome
+from .latency import quantile
 from .metrics import BackendMetrics
 from .policy import RoutingPolicy, ServerPolicy
 from .runtime import Pool, Route
@@ -48,46 +50,126 @@ def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> l
 
 
 async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None:
-    """Answer `call` from the best candidate that works; raise AllBackendsFailed otherwise."""
+    """Answer `call` from the best candidate that works, once admitted; raise a GatewayError
+    (AllBackendsFailed, or a shed) otherwise."""
     pool = route.pool(call.cls, call.endpoint.name)
-    progress = Progress()
+    server = route.server
+    # Started first: a stream waiting in a queue gets heartbeats too.
+    heartbeat = _Heartbeat(sink, server, Progress()) if call.stream else None
+    admission = ctx.admission
+    # Admission off: one band, one tenant (a first come, first served queue), no shedding.
+    ticket = call.ticket if call.ticket is not None and admission.enabled else Ticket()
+    try:
+        progress = heartbeat.progress if heartbeat is not None else Progress()
+        if not admission.enabled:
+            await _relay(call, route, pool, ticket, ctx, sink, progress, shed=False)
+            return
+        await _admit(call, ticket, pool, ctx, sink)
+        held = time.monotonic()
+        try:
+            await _relay(call, route, pool, ticket, ctx, sink, progress)
+        finally:
+            admission.leave(time.monotonic() - held)
+    finally:
+        if heartbeat is not None:
+            await heartbeat.stop()
+
+
+async def _admit(call: Call, ticket: Ticket, pool: Pool, ctx: RelayContext, sink: Sink) -> None:
+    """The admission stage: a place among the process's `max_inflight`, or a quick refusal when
+    the predicted wait (here, and then at the best backend) cannot meet the deadline."""
+    downstream = None
+    usable = [b for b in pool.backends if b.health.healthy] or list(pool.backends)
+    first_token_s = min((b.tracker.predict_ttft(call.prompt_tokens) or 0.0) for b in usable) if usable else 0.0
+    if usable and not any(b.slots.free() for b in usable):
+        # Every candidate is full: the wait continues at the one that frees up soonest. (Not the
+        # selector's pick: ranking has side effects, such as exploration, that belong to _relay.)
+        waits = []
+        for b in usable:
+            per = _service_s(b) / max(1, b.slots.limit)
+            waits.append((b.slots.queue.position(ticket.band, ticket.tenant, ticket.weight), per))
+
+        def downstream(ahead: int) -> float:
+            return min((behind + ahead + 1) * per for behind, per in waits)
+
+    try:
+        waited = await ctx.admission.enter(ticket, call.remaining_s(), downstream, first_token_s)
+    except Shed as shed:
+        ctx.metrics.shed.labels(shed.reason, ticket.band).inc()
+        raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
+    except TimeoutError:
+        ctx.metrics.shed.labels("expired", ticket.band).inc()
+        raise UpstreamTimeout(
+            f"the request's deadline of {call.timeout_ms()} ms passed while it waited for admission: not sent"
+        ) from None
+    if waited:
+        call.queue_ms += waited * 1000
+        ctx.metrics.queue_wait.labels(ticket.band).observe(waited)
+        sink.set_header("x-gateway-queue-ms", f"{call.queue_ms:.1f}")
+
+
+async def _relay(
+    call: Call, route: Route, pool: Pool, ticket: Ticket, ctx: RelayContext, sink: Sink, progress: Progress,
+    *, shed: bool = True,
+) -> None:
     failures: list[tuple[str, GatewayError]] = []
     order = _plan(call, pool, failures)
     full: list[Backend] = []
     server = route.server
-    heartbeat = _Heartbeat(sink, server, progress) if call.stream else None
-    try:
-        attempts = 0
-        for i, backend in enumerate(order):
-            if attempts >= server.max_attempts or call.remaining_s() <= 0:
-                break
-            if backend.name in call.attempts:
-                continue  # it already ran as a hedge
-            if not backend.slots.free():
-                full.append(backend)
-                continue
-            attempts += 1
-            # The live-P95 deadline only while another backend could take over.
-            last = attempts >= server.max_attempts or i == len(order) - 1
-            if route.hedge is not None and attempts == 1 and not last:
-                answered = await _hedged(call, backend, order[i + 1 :], route, ctx, sink, progress, failures)
+    attempts = 0
+    for i, backend in enumerate(order):
+        if attempts >= server.max_attempts or call.remaining_s() <= 0:
+            break
+        if backend.name in call.attempts:
+            continue  # it already ran as a hedge
+        if not backend.slots.free():
+            full.append(backend)
+            continue
+        attempts += 1
+        # The live-P95 deadline only while another backend could take over.
+        last = attempts >= server.max_attempts or i == len(order) - 1
+        if route.hedge is not None and attempts == 1 and not last:
+            answered = await _hedged(call, backend, order[i + 1 :], route, ctx, sink, progress, failures)
+        else:
+            answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None if last else route.routing)
+        if answered or progress.owner is not None:
+            return  # once an attempt owns the client, nothing else starts for this request
+    if attempts == 0 and full:
+        # Every candidate is at its max_concurrency: queue for the best one, if it can answer in time.
+        backend = full[0]
+        remaining = call.remaining_s()
+        ttft = backend.tracker.predict_ttft(call.prompt_tokens) or 0.0
+        wait = backend.slots.predicted_wait_s(ticket.band, ticket.tenant, _service_s(backend), ticket.weight)
+        if shed and wait > MAX_WAIT_SHARE * (remaining - ttft):
+            # Refused now, not after the deadline: the wait would use it up.
+            ctx.metrics.shed.labels("deadline", ticket.band).inc()
+            msg = (f"overloaded: predicted wait {wait * 1000:.0f} ms + first token {ttft * 1000:.0f} ms "
+                   f"exceeds the {remaining * 1000:.0f} ms left of the deadline")
+            raise Unavailable(f"{msg} (backend {backend.name!r} is full)", code="overloaded", retry_after_s=max(1.0, wait))
+        budget = remaining - ttft if shed else remaining  # shedding: never hold a slot it cannot use
+        by_deadline = budget <= backend.timeouts.first_token_ms / 1000
+        wait_s = min(budget, backend.timeouts.first_token_ms / 1000)
+        answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None, wait_s=wait_s, ticket=ticket)
+        if answered or progress.owner is not None:
+            return
+        if answered is None:
+            if by_deadline:  # left the queue when it could no longer be answered in time: never sent
+                ctx.metrics.shed.labels("expired", ticket.band).inc()
+                err: GatewayError = UpstreamTimeout(f"the deadline of {call.timeout_ms()} ms came while queued for a slot: not sent")
+                failures.extend((b.name, err) for b in full)
             else:
-                answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None if last else route.routing)
-            if answered or progress.owner is not None:
-                return  # once an attempt owns the client, nothing else starts for this request
-        if attempts == 0 and full:
-            # Every candidate is at its max_concurrency: queue for the best one, within the deadline.
-            backend = full[0]
-            wait_s = min(call.remaining_s(), backend.timeouts.first_token_ms / 1000)
-            answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None, wait_s=wait_s)
-            if answered or progress.owner is not None:
-                return
-            if answered is None:
                 failures.extend((b.name, Unavailable("at max_concurrency", retry_after_s=1)) for b in full)
-        raise AllBackendsFailed(failures, deadline_hit=call.remaining_s() <= 0)
-    finally:
-        if heartbeat is not None:
-            await heartbeat.stop()
+    raise AllBackendsFailed(failures, deadline_hit=call.remaining_s() <= 0)
+
+
+def _service_s(backend: Backend) -> float:
+    """How long one request holds a slot of this backend: its live median duration, else its
+    predicted TTFT, else 1 s."""
+    t = backend.tracker
+    median = quantile(t.duration.sorted(t.clock()), 0.5)
+    if median is not None:
+        return median
+    return t.predict_ttft() or 1.0
 
 
 async def _hedged(
@@ -148,6 +230,7 @@ async def _try(
     *,
     live_deadline: RoutingPolicy | None,
     wait_s: float = 0.0,
+    ticket: Ticket | None = None,
 ) -> bool | None:
     """One attempt on a backend, holding one of its slots from start to end (`wait_s`: how long
     to queue for one). `live_deadline`: the rule for a first-token deadline from live data, None
@@ -159,10 +242,10 @@ async def _try(
         if wait_s <= 0:
             return None
         queued = time.perf_counter()
-        got = await slots.acquire(wait_s)
+        got = await slots.acquire(wait_s, ticket)
         waited = time.perf_counter() - queued
         call.queue_ms += waited * 1000
-        ctx.metrics.queue_wait.observe(waited)
+        ctx.metrics.queue_wait.labels(ticket.band if ticket is not None else "default").observe(waited)
         sink.set_header("x-gateway-queue-ms", f"{call.queue_ms:.1f}")
         if not got:
             return None
@@ -228,19 +311,19 @@ class _Heartbeat:
     They start only after heartbeat_after_ms (a fast failure still gets a real HTTP status), and
     only then does a task exist: most streams never need one, and a timer is cheaper than a task."""
 
-    __slots__ = ("_sink", "_server", "_progress", "_timer", "_task")
+    __slots__ = ("_sink", "_server", "progress", "_timer", "_task")
 
     def __init__(self, sink: Sink, server: ServerPolicy, progress: Progress) -> None:
-        self._sink, self._server, self._progress = sink, server, progress
+        self._sink, self._server, self.progress = sink, server, progress
         self._task: asyncio.Task[None] | None = None
         self._timer = asyncio.get_running_loop().call_later(server.heartbeat_after_ms / 1000, self._start)
 
     def _start(self) -> None:
-        if not self._progress.first_sent:
+        if not self.progress.first_sent:
             self._task = asyncio.get_running_loop().create_task(self._beat())
 
     async def _beat(self) -> None:
-        while not self._progress.first_sent:
+        while not self.progress.first_sent:
             await self._sink.write(SSE_HEARTBEAT)
             await asyncio.sleep(self._server.heartbeat_interval_ms / 1000)
 

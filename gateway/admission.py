@@ -1,0 +1,299 @@
+"""Admission control: bounded concurrency with a priority queue that is fair across tenants.
+
+A Gate admits at most `limit` holders; the rest wait in a FairQueue:
+- bands `priority` > `default` > `flex`: a higher band is always dispatched first, except that
+  while a lower band waits, one dispatch in every 1/`starvation_share` goes to the lower band
+  whose head has waited longest (the starvation guard);
+- inside a band, deficit round robin across tenants, weighted by tokens (each waiter costs its
+  token estimate; each visit adds `quantum x tenant weight`), so a tenant sending 10x its share
+  cannot push a quiet tenant's wait up.
+
+Shedding is the callers' decision, from `predicted_wait_s()`: a request whose predicted wait plus
+its predicted TTFT exceeds its deadline is refused at once (503 + Retry-After), never left to time
+out in the queue; one whose deadline comes while it waits leaves the queue (504), unsent. The
+global gate is the pipeline's admission stage (`Admission`); each backend's slots are a Gate too
+(backends.Slots).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+__all__ = ["BANDS", "Ticket", "FairQueue", "Gate", "Admission", "Shed"]
+
+BANDS = ("priority", "default", "flex")
+_QUANTUM = 256  # tokens of credit per round-robin visit (x the tenant's weight)
+# A request may be predicted to wait at most this share of what is left of its deadline (after
+# its first token): later arrivals of higher bands and quieter tenants overtake it, so the real
+# wait of a lower band runs longer than predicted, and a standing queue only adds latency.
+MAX_WAIT_SHARE = 0.6
+
+
+class Shed(Exception):
+    """Refused by admission: `reason` is queue_full or deadline (metrics), `retry_after_s` a hint."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(slots=True)
+class Ticket:
+    """A place in a FairQueue: who waits, in which band, for how many tokens."""
+
+    band: str = "default"
+    tenant: str = ""
+    cost: int = 1
+    weight: float = 1.0
+    fut: asyncio.Future[None] | None = None
+    enqueued: float = field(default_factory=time.monotonic)
+    gone: bool = False  # left the queue (cancelled or timed out): skipped when popped
+
+
+class FairQueue:
+    """Waiters by band, deficit round robin across tenants inside a band. O(1) push and pop
+    (cancelled waiters are skipped lazily); `position()` is O(tenants waiting in a band)."""
+
+    def __init__(self, starvation_share: float = 0.1) -> None:
+        self.starvation_share = starvation_share
+        self._q: dict[str, dict[str, deque[Ticket]]] = {b: {} for b in BANDS}
+        self._rr: dict[str, deque[str]] = {b: deque() for b in BANDS}
+        self._deficit: dict[str, dict[str, float]] = {b: {} for b in BANDS}
+        self.sizes: dict[str, int] = dict.fromkeys(BANDS, 0)  # live waiters per band
+        self._since_lower = 0
+
+    def __len__(self) -> int:
+        return sum(self.sizes.values())
+
+    def push(self, t: Ticket) -> None:
+        band = self._q[t.band]
+        q = band.get(t.tenant)
+        if q is None:
+            q = band[t.tenant] = deque()
+            self._rr[t.band].append(t.tenant)
+            self._deficit[t.band][t.tenant] = 0.0
+        q.append(t)
+        self.sizes[t.band] += 1
+
+    def leave(self, t: Ticket) -> None:
+        """`t` stops waiting (cancelled, timed out): it no longer counts, and is skipped later."""
+        if not t.gone:
+            t.gone = True
+            self.sizes[t.band] -= 1
+
+    def pop(self) -> Ticket | None:
+        """The next waiter to dispatch (None when nobody waits)."""
+        waiting = [b for b in BANDS if self.sizes[b] > 0]
+        if not waiting:
+            return None
+        band = waiting[0]
+        if len(waiting) > 1 and self.starvation_share > 0:
+            self._since_lower += 1
+            if self._since_lower >= max(1, round(1 / self.starvation_share)):
+                self._since_lower = 0
+                band = max(waiting[1:], key=self._head_wait)
+        else:
+            self._since_lower = 0
+        return self._pop_band(band)
+
+    def position(self, band: str, tenant: str, weight: float = 1.0) -> int:
+        """About how many waiters would be dispatched before a new one of (band, tenant)."""
+        ahead = sum(self.sizes[b] for b in BANDS[: BANDS.index(band)])
+        queues = self._q[band]
+        mine = sum(1 for t in queues.get(tenant, ()) if not t.gone)
+        for name, q in queues.items():
+            if name != tenant:  # round robin: each other tenant gets about as many turns as we wait
+                ahead += min(sum(1 for t in q if not t.gone), int((mine + 1) / max(weight, 1e-9)) + 1)
+        return ahead + mine
+
+    def _head_wait(self, band: str) -> float:
+        heads = [q[0].enqueued for q in self._q[band].values() if q]
+        return time.monotonic() - min(heads) if heads else 0.0
+
+    def _pop_band(self, band: str) -> Ticket | None:
+        queues, rr, deficit = self._q[band], self._rr[band], self._deficit[band]
+        while rr:
+            tenant = rr[0]
+            q = queues[tenant]
+            while q and q[0].gone:
+                q.popleft()
+            if not q:
+                del queues[tenant], deficit[tenant]
+                rr.popleft()
+                continue
+            head = q[0]
+            if deficit[tenant] < head.cost:
+                deficit[tenant] += _QUANTUM * head.weight
+                if deficit[tenant] < head.cost:
+                    rr.rotate(-1)  # not enough credit yet: the next tenant's turn
+                    continue
+            q.popleft()
+            deficit[tenant] -= head.cost
+            self.sizes[band] -= 1
+            while q and q[0].gone:
+                q.popleft()
+            if not q:
+                del queues[tenant], deficit[tenant]
+                rr.popleft()
+            elif deficit[tenant] < q[0].cost:
+                rr.rotate(-1)  # its turn ends
+            return head
+        return None
+
+
+class _Counter(Protocol):
+    inflight: int
+
+
+class _Count:
+    __slots__ = ("inflight",)
+
+    def __init__(self) -> None:
+        self.inflight = 0
+
+
+class Gate:
+    """At most `limit` holders (counted in `counter.inflight`); the others wait in a FairQueue.
+    Whoever acquires releases in the same try/finally; a slot released while others wait passes
+    straight to the next one the queue picks."""
+
+    def __init__(self, limit: int, counter: _Counter | None = None, *, starvation_share: float = 0.1) -> None:
+        self.limit = limit
+        self.counter: _Counter = counter if counter is not None else _Count()
+        self.queue = FairQueue(starvation_share)
+
+    @property
+    def used(self) -> int:
+        return self.counter.inflight
+
+    def free(self) -> bool:
+        """True when try_acquire() would succeed now."""
+        return self.counter.inflight < self.limit and not len(self.queue)
+
+    def try_acquire(self) -> bool:
+        if self.counter.inflight < self.limit and not len(self.queue):
+            self.counter.inflight += 1
+            return True
+        return False
+
+    async def acquire(self, timeout_s: float, ticket: Ticket | None = None) -> bool:
+        """Wait up to timeout_s for a slot, in `ticket`'s place; False when none came in time."""
+        if self.try_acquire():
+            return True
+        t = ticket if ticket is not None else Ticket()
+        t.fut = asyncio.get_running_loop().create_future()
+        t.enqueued = time.monotonic()
+        t.gone = False
+        self.queue.push(t)
+        try:
+            async with asyncio.timeout(max(0.0, timeout_s)):
+                await t.fut
+            return True  # release() handed its slot over to us
+        except TimeoutError:
+            return False
+        except BaseException:
+            if t.fut.done() and not t.fut.cancelled():
+                self.release()  # granted, then cancelled before we ran: pass the slot on
+            raise
+        finally:
+            if not t.fut.done():
+                t.fut.cancel()
+            self.queue.leave(t)
+
+    def release(self) -> None:
+        while True:
+            t = self.queue.pop()
+            if t is None:
+                break
+            if t.fut is not None and not t.fut.done():
+                t.gone = True  # popped: it no longer counts as waiting
+                t.fut.set_result(None)  # the slot passes to the waiter; the count is unchanged
+                return
+        self.counter.inflight -= 1
+
+    def predicted_wait_s(self, band: str, tenant: str, service_s: float, weight: float = 1.0) -> float:
+        """About how long a new (band, tenant) waiter would wait: the waiters dispatched before it
+        and the one it needs, at `limit` parallel services of `service_s` each."""
+        if self.free():
+            return 0.0
+        return (self.queue.position(band, tenant, weight) + 1) * service_s / max(1, self.limit)
+
+
+class Admission:
+    """The pipeline's admission stage: at most `max_inflight` requests relayed at once across the
+    process, at most `max_queue` waiting; deadline-aware shedding from the measured service time."""
+
+    def __init__(
+        self,
+        max_inflight: int,
+        max_queue: int,
+        *,
+        starvation_share: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gate = Gate(max_inflight, starvation_share=starvation_share)
+        self.max_queue = max_queue
+        self.enabled = True  # False (admission.enabled: false): relay without the gate or shedding
+        self._clock = clock
+        self._service_s: float | None = None  # EWMA of how long an admitted request holds its place
+
+    def configure(self, max_inflight: int, max_queue: int, starvation_share: float, enabled: bool = True) -> None:
+        """New limits from a reloaded policy; the queue and its waiters stay."""
+        self.enabled = enabled
+        self.gate.limit = max_inflight
+        self.max_queue = max_queue
+        self.gate.queue.starvation_share = starvation_share
+
+    def service_s(self) -> float:
+        return self._service_s if self._service_s is not None else 1.0
+
+    def predicted_wait_s(self, ticket: Ticket) -> float:
+        return self.gate.predicted_wait_s(ticket.band, ticket.tenant, self.service_s(), ticket.weight)
+
+    async def enter(
+        self,
+        ticket: Ticket,
+        remaining_s: float,
+        downstream: Callable[[int], float] | None = None,
+        first_token_s: float = 0.0,
+    ) -> float:
+        """Take a place (waiting in the queue if need be); returns the seconds waited. Raises Shed
+        at once when the queue is full or the predicted wait cannot meet the deadline, or
+        TimeoutError when the deadline comes while it waits.
+
+        `downstream(ahead)`: the predicted wait at the backend once admitted, with `ahead` more
+        requests (those admitted first) before it; `first_token_s`: the backend's predicted TTFT.
+        Refused when the longer of the two waits exceeds MAX_WAIT_SHARE of the time left after
+        the first token."""
+        queue = self.gate.queue
+        ahead = 0 if self.gate.free() else queue.position(ticket.band, ticket.tenant, ticket.weight)
+        wait = 0.0 if self.gate.free() else (ahead + 1) * self.service_s() / max(1, self.gate.limit)
+        if downstream is not None:
+            wait = max(wait, downstream(ahead))
+        if wait > 0 and wait > MAX_WAIT_SHARE * (remaining_s - first_token_s):
+            raise Shed(
+                "deadline",
+                f"overloaded: the predicted wait of {wait * 1000:.0f} ms and first token of {first_token_s * 1000:.0f} ms "
+                f"exceed the {remaining_s * 1000:.0f} ms left of the request's deadline",
+                min(wait, 60.0),
+            )
+        if self.gate.try_acquire():
+            return 0.0
+        if len(queue) >= self.max_queue:
+            raise Shed("queue_full", f"the admission queue is full ({self.max_queue} waiting)", self.service_s())
+        started = self._clock()
+        if not await self.gate.acquire(remaining_s - first_token_s, ticket):
+            raise TimeoutError
+        return self._clock() - started
+
+    def leave(self, held_s: float) -> None:
+        """Give the place back after holding it `held_s` (teaches the service time)."""
+        s = self._service_s
+        self._service_s = held_s if s is None else s + 0.1 * (held_s - s)
+        self.gate.release()

@@ -1,0 +1,136 @@
+"""FairQueue, Gate and Admission as plain objects: bands, the starvation guard, deficit round robin
+across tenants, predicted waits, deadline-aware shedding, and nothing left behind by cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+
+from gateway.admission import Admission, FairQueue, Gate, Shed, Ticket
+
+
+def _drain(q: FairQueue) -> list[Ticket]:
+    out = []
+    while (t := q.pop()) is not None:
+        out.append(t)
+    return out
+
+
+def test_a_higher_band_is_always_dispatched_first_without_a_guard():
+    q = FairQueue(starvation_share=0)
+    for band in ("flex", "default", "priority", "flex", "priority"):
+        q.push(Ticket(band, "t"))
+    assert [t.band for t in _drain(q)] == ["priority", "priority", "default", "flex", "flex"]
+
+
+def test_the_starvation_guard_keeps_a_share_for_a_waiting_lower_band():
+    q = FairQueue(starvation_share=0.25)
+    for _ in range(40):
+        q.push(Ticket("priority", "p"))
+    for _ in range(10):
+        q.push(Ticket("flex", "f"))
+    first20 = [t.band for t in _drain(q)][:20]
+    assert first20.count("flex") == 5  # one dispatch in four while flex waits
+
+
+def test_inside_a_band_tenants_take_turns_whatever_their_backlog():
+    q = FairQueue()
+    for _ in range(50):
+        q.push(Ticket("default", "noisy", cost=300))
+    for _ in range(3):
+        q.push(Ticket("default", "quiet", cost=300))
+    order = [t.tenant for t in _drain(q)][:8]
+    assert order.count("quiet") == 3  # all three of quiet's within the first eight dispatches
+
+
+def test_turns_are_weighted_by_tokens_and_tenant_weight():
+    q = FairQueue()
+    for _ in range(60):
+        q.push(Ticket("default", "big", cost=2000))  # long requests
+        q.push(Ticket("default", "small", cost=250))
+    first = collections.Counter(t.tenant for t in _drain(q)[:40])
+    assert first["small"] > 4 * first["big"]  # the same tokens, not the same requests
+    q = FairQueue()
+    for _ in range(60):
+        q.push(Ticket("default", "gold", cost=500, weight=3.0))
+        q.push(Ticket("default", "std", cost=500, weight=1.0))
+    first = collections.Counter(t.tenant for t in _drain(q)[:40])
+    assert first["gold"] >= 2 * first["std"]
+
+
+def test_cancelled_waiters_are_skipped_and_not_counted():
+    q = FairQueue()
+    a, b, c = Ticket("default", "x"), Ticket("default", "x"), Ticket("flex", "y")
+    for t in (a, b, c):
+        q.push(t)
+    q.leave(a)
+    q.leave(c)
+    assert len(q) == 1 and q.sizes["flex"] == 0
+    assert _drain(q) == [b] and len(q) == 0
+
+
+def test_position_counts_higher_bands_and_round_robin_turns():
+    q = FairQueue()
+    for _ in range(10):
+        q.push(Ticket("default", "noisy"))
+    q.push(Ticket("priority", "vip"))
+    # the priority one, then noisy's turn (up to two of its requests: a turn spends a quantum of tokens)
+    assert q.position("default", "quiet") == 1 + 2
+    assert q.position("default", "noisy") == 1 + 10
+    assert q.position("priority", "vip2") == 1
+
+
+async def test_a_gate_hands_slots_over_in_fair_order_and_leaks_nothing_on_cancel():
+    g = Gate(1)
+    assert g.try_acquire() and not g.free()
+    order: list[str] = []
+
+    async def wait(t: Ticket) -> None:
+        if await g.acquire(2.0, t):
+            order.append(t.tenant)
+            g.release()
+
+    tasks = [asyncio.create_task(wait(Ticket("default", "noisy"))) for _ in range(3)]
+    tasks.append(asyncio.create_task(wait(Ticket("priority", "vip"))))
+    doomed = asyncio.create_task(g.acquire(2.0, Ticket("priority", "gone")))
+    await asyncio.sleep(0.01)
+    doomed.cancel()
+    await asyncio.gather(doomed, return_exceptions=True)
+    g.release()
+    await asyncio.gather(*tasks)
+    assert order[0] == "vip" and g.used == 0 and len(g.queue) == 0
+
+
+async def test_admission_refuses_at_once_when_the_predicted_wait_misses_the_deadline():
+    adm = Admission(max_inflight=1, max_queue=10)
+    assert await adm.enter(Ticket(), 5.0) == 0.0
+    adm.leave(1.0)  # teaches a 1 s service time
+    assert await adm.enter(Ticket(), 5.0) == 0.0  # the gate is free again: admitted
+    with pytest.raises(Shed) as exc:
+        await adm.enter(Ticket(), 0.5)  # the one place is taken: ~1 s wait > 0.6 x 0.5 s
+    assert exc.value.reason == "deadline" and exc.value.retry_after_s > 0
+    waiter = asyncio.create_task(adm.enter(Ticket(), 10.0))  # ~1 s wait fits a 10 s deadline: queued
+    await asyncio.sleep(0.01)
+    assert len(adm.gate.queue) == 1
+    adm.leave(1.0)
+    assert await waiter >= 0
+    adm.leave(1.0)
+    assert adm.gate.used == 0
+
+
+async def test_admission_sheds_when_the_queue_is_full_and_drops_a_request_whose_deadline_comes():
+    adm = Admission(max_inflight=1, max_queue=1)
+    adm._service_s = 0.01  # a fast backend: the waits fit any deadline
+    await adm.enter(Ticket(), 5.0)
+    queued = asyncio.create_task(adm.enter(Ticket(), 0.2))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Shed) as exc:
+        await adm.enter(Ticket(), 5.0)
+    assert exc.value.reason == "queue_full"
+    with pytest.raises(TimeoutError):  # nobody left: its deadline came in the queue
+        await queued
+    assert len(adm.gate.queue) == 0
+    adm.leave(0.01)
+    assert adm.gate.used == 0
