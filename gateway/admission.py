@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["BANDS", "Ticket", "FairQueue", "Gate", "Admission", "Shed"]
+__all__ = ["BANDS", "Ticket", "FairQueue", "Gate", "Admission", "Shed", "reserve_slots"]
 
 BANDS = ("priority", "default", "flex")
 _QUANTUM = 256  # tokens of credit per round-robin visit (x the tenant's weight)
@@ -87,20 +87,36 @@ class FairQueue:
             t.gone = True
             self.sizes[t.band] -= 1
 
-    def pop(self) -> Ticket | None:
-        """The next waiter to dispatch (None when nobody waits)."""
+    def next_band(self) -> str | None:
+        """The band pop() would serve now (None when nobody waits)."""
         waiting = [b for b in BANDS if self.sizes[b] > 0]
         if not waiting:
             return None
-        band = waiting[0]
-        if len(waiting) > 1 and self.starvation_share > 0:
-            self._since_lower += 1
-            if self._since_lower >= max(1, round(1 / self.starvation_share)):
-                self._since_lower = 0
-                band = max(waiting[1:], key=self._head_wait)
+        if len(waiting) > 1 and self.starvation_share > 0 and self._since_lower + 1 >= self._guard_every():
+            return max(waiting[1:], key=self._head_wait)
+        return waiting[0]
+
+    def pop(self) -> Ticket | None:
+        """The next waiter to dispatch (None when nobody waits)."""
+        band = self.next_band()
+        if band is None:
+            return None
+        lower_waits = any(self.sizes[b] for b in BANDS[BANDS.index(self._top()) + 1 :])
+        if lower_waits and self.starvation_share > 0:
+            self._since_lower = 0 if band != self._top() else self._since_lower + 1
         else:
             self._since_lower = 0
         return self._pop_band(band)
+
+    def waiting_at_or_above(self, band: str) -> bool:
+        """Whether anyone of `band` or a higher band waits."""
+        return any(self.sizes[b] for b in BANDS[: BANDS.index(band) + 1])
+
+    def _top(self) -> str:
+        return next(b for b in BANDS if self.sizes[b] > 0)
+
+    def _guard_every(self) -> int:
+        return max(1, round(1 / self.starvation_share))
 
     def position(self, band: str, tenant: str, weight: float = 1.0) -> int:
         """About how many waiters would be dispatched before a new one of (band, tenant)."""
@@ -161,32 +177,51 @@ class _Count:
 class Gate:
     """At most `limit` holders (counted in `counter.inflight`); the others wait in a FairQueue.
     Whoever acquires releases in the same try/finally; a slot released while others wait passes
-    straight to the next one the queue picks."""
+    straight to the next one the queue picks.
 
-    def __init__(self, limit: int, counter: _Counter | None = None, *, starvation_share: float = 0.1) -> None:
+    `reserve` slots are held back for the `priority` band while it has been active in the last
+    RESERVE_ACTIVE_S: lower bands fill at most `limit - reserve`, so a priority request finds a
+    free slot instead of waiting for one to end (with no recent priority traffic, nothing is
+    held back)."""
+
+    RESERVE_ACTIVE_S = 10.0
+
+    def __init__(
+        self, limit: int, counter: _Counter | None = None, *, starvation_share: float = 0.1, reserve: int = 0
+    ) -> None:
         self.limit = limit
+        self.reserve = reserve
         self.counter: _Counter = counter if counter is not None else _Count()
         self.queue = FairQueue(starvation_share)
+        self._priority_at = -1e18  # when a priority request last took a slot
 
     @property
     def used(self) -> int:
         return self.counter.inflight
 
-    def free(self) -> bool:
-        """True when try_acquire() would succeed now."""
-        return self.counter.inflight < self.limit and not len(self.queue)
+    def cap(self, band: str) -> int:
+        """How many slots `band` may fill now."""
+        if band == BANDS[0] or self.reserve <= 0 or time.monotonic() - self._priority_at > self.RESERVE_ACTIVE_S:
+            return self.limit
+        return max(1, self.limit - self.reserve)
 
-    def try_acquire(self) -> bool:
-        if self.counter.inflight < self.limit and not len(self.queue):
+    def free(self, band: str = "default") -> bool:
+        """True when try_acquire(band) would succeed now."""
+        return self.counter.inflight < self.cap(band) and not self.queue.waiting_at_or_above(band)
+
+    def try_acquire(self, band: str = "default") -> bool:
+        if self.free(band):
             self.counter.inflight += 1
+            if band == BANDS[0]:
+                self._priority_at = time.monotonic()
             return True
         return False
 
     async def acquire(self, timeout_s: float, ticket: Ticket | None = None) -> bool:
         """Wait up to timeout_s for a slot, in `ticket`'s place; False when none came in time."""
-        if self.try_acquire():
-            return True
         t = ticket if ticket is not None else Ticket()
+        if self.try_acquire(t.band):
+            return True
         t.fut = asyncio.get_running_loop().create_future()
         t.enqueued = time.monotonic()
         t.gone = False
@@ -208,21 +243,35 @@ class Gate:
 
     def release(self) -> None:
         while True:
+            band = self.queue.next_band()
+            if band is None or self.counter.inflight > self.cap(band):
+                break  # nobody waits, or the slot stays free for the priority band
             t = self.queue.pop()
             if t is None:
                 break
             if t.fut is not None and not t.fut.done():
                 t.gone = True  # popped: it no longer counts as waiting
+                if t.band == BANDS[0]:
+                    self._priority_at = time.monotonic()
                 t.fut.set_result(None)  # the slot passes to the waiter; the count is unchanged
                 return
         self.counter.inflight -= 1
 
     def predicted_wait_s(self, band: str, tenant: str, service_s: float, weight: float = 1.0) -> float:
         """About how long a new (band, tenant) waiter would wait: the waiters dispatched before it
-        and the one it needs, at `limit` parallel services of `service_s` each."""
-        if self.free():
+        and the one it needs, at the band's share of parallel services of `service_s` each."""
+        if self.free(band):
             return 0.0
-        return (self.queue.position(band, tenant, weight) + 1) * service_s / max(1, self.limit)
+        return (self.queue.position(band, tenant, weight) + 1) * service_s / max(1, self.cap(band))
+
+    def position(self, band: str, tenant: str, weight: float = 1.0) -> int:
+        """0 when a (band, tenant) request would get a slot now, else its place in the queue."""
+        return 0 if self.free(band) else self.queue.position(band, tenant, weight)
+
+
+def reserve_slots(limit: int, pct: float) -> int:
+    """Slots of a bound of `limit` held back for the priority band (rounded; none for tiny bounds)."""
+    return min(limit - 1, round(limit * pct / 100)) if limit > 1 else 0
 
 
 class Admission:
@@ -243,10 +292,13 @@ class Admission:
         self._clock = clock
         self._service_s: float | None = None  # EWMA of how long an admitted request holds its place
 
-    def configure(self, max_inflight: int, max_queue: int, starvation_share: float, enabled: bool = True) -> None:
+    def configure(
+        self, max_inflight: int, max_queue: int, starvation_share: float, enabled: bool = True, reserve_pct: float = 0.0
+    ) -> None:
         """New limits from a reloaded policy; the queue and its waiters stay."""
         self.enabled = enabled
         self.gate.limit = max_inflight
+        self.gate.reserve = reserve_slots(max_inflight, reserve_pct)
         self.max_queue = max_queue
         self.gate.queue.starvation_share = starvation_share
 
@@ -272,8 +324,9 @@ class Admission:
         Refused when the longer of the two waits exceeds MAX_WAIT_SHARE of the time left after
         the first token."""
         queue = self.gate.queue
-        ahead = 0 if self.gate.free() else queue.position(ticket.band, ticket.tenant, ticket.weight)
-        wait = 0.0 if self.gate.free() else (ahead + 1) * self.service_s() / max(1, self.gate.limit)
+        free = self.gate.free(ticket.band)
+        ahead = 0 if free else queue.position(ticket.band, ticket.tenant, ticket.weight)
+        wait = 0.0 if free else (ahead + 1) * self.service_s() / max(1, self.gate.cap(ticket.band))
         if downstream is not None:
             wait = max(wait, downstream(ahead))
         if wait > 0 and wait > MAX_WAIT_SHARE * (remaining_s - first_token_s):
@@ -283,7 +336,7 @@ class Admission:
                 f"exceed the {remaining_s * 1000:.0f} ms left of the request's deadline",
                 min(wait, 60.0),
             )
-        if self.gate.try_acquire():
+        if self.gate.try_acquire(ticket.band):
             return 0.0
         if len(queue) >= self.max_queue:
             raise Shed("queue_full", f"the admission queue is full ({self.max_queue} waiting)", self.service_s())

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from .auth import Tenant
-from .admission import Admission, Gate, Ticket
+from .admission import Admission, Ticket
 from .backends import Backend
 from .cache_entry import Entry, replay_json, replay_sse
 from .call import Call
@@ -146,14 +146,11 @@ def _band(call: Call, rt: Runtime, tenant: Tenant) -> None:
 
 def _queue_view(ticket: Ticket, admission: Admission, backend: Backend | None) -> dict[str, Any]:
     """Where a request of this band and tenant would wait now, and about how long (explain)."""
-    def position(gate: Gate) -> int:
-        return 0 if gate.free() else gate.queue.position(ticket.band, ticket.tenant, ticket.weight)
-
     return {
-        "admission_position": position(admission.gate),
+        "admission_position": admission.gate.position(ticket.band, ticket.tenant, ticket.weight),
         "admission_predicted_wait_ms": round(admission.predicted_wait_s(ticket) * 1000, 2),
         "backend": None if backend is None else backend.name,
-        "backend_position": None if backend is None else position(backend.slots),
+        "backend_position": None if backend is None else backend.slots.position(ticket.band, ticket.tenant, ticket.weight),
     }
 
 

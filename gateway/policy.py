@@ -291,6 +291,9 @@ class AdmissionPolicy(_Section):
     max_inflight: int = Field(1024, gt=0)
     max_queue: int = Field(4096, ge=0)
     starvation_share: float = Field(0.1, ge=0, lt=1)  # dispatches kept for a waiting lower band
+    # Share of each bound (admission and every backend's max_concurrency) that lower bands leave
+    # free while `priority` traffic has been seen in the last 10 s.
+    priority_reserve_pct: float = Field(10.0, ge=0, lt=100)
     deadline_ms: BandDeadlines = BandDeadlines()
 
 

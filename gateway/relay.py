@@ -81,7 +81,7 @@ async def _admit(call: Call, ticket: Ticket, pool: Pool, ctx: RelayContext, sink
     downstream = None
     usable = [b for b in pool.backends if b.health.healthy] or list(pool.backends)
     first_token_s = min((b.tracker.predict_ttft(call.prompt_tokens) or 0.0) for b in usable) if usable else 0.0
-    if usable and not any(b.slots.free() for b in usable):
+    if usable and not any(b.slots.free(ticket.band) for b in usable):
         # Every candidate is full: the wait continues at the one that frees up soonest. (Not the
         # selector's pick: ranking has side effects, such as exploration, that belong to _relay.)
         waits = []
@@ -122,7 +122,7 @@ async def _relay(
             break
         if backend.name in call.attempts:
             continue  # it already ran as a hedge
-        if not backend.slots.free():
+        if not backend.slots.free(ticket.band):
             full.append(backend)
             continue
         attempts += 1
@@ -162,6 +162,10 @@ async def _relay(
     raise AllBackendsFailed(failures, deadline_hit=call.remaining_s() <= 0)
 
 
+def _band(call: Call) -> str:
+    return call.ticket.band if call.ticket is not None else "default"
+
+
 def _service_s(backend: Backend) -> float:
     """How long one request holds a slot of this backend: its live median duration, else its
     predicted TTFT, else 1 s."""
@@ -196,7 +200,7 @@ async def _hedged(
     try:
         done, _ = await asyncio.wait(tasks, timeout=min(delay, max(0.0, call.remaining_s())))
         if not done and progress.owner is None:
-            second = next((b for b in others if b.slots.free()), None)
+            second = next((b for b in others if b.slots.free(_band(call))), None)
             if second is None:
                 ctx.metrics.hedges.labels("no_candidate").inc()
             elif not budget.try_spend():
@@ -238,7 +242,7 @@ async def _try(
     answered with an error event); False when it failed before the first byte (or lost a hedge);
     None when no slot came free."""
     slots = backend.slots
-    if not slots.try_acquire():
+    if not slots.try_acquire(_band(call)):
         if wait_s <= 0:
             return None
         queued = time.perf_counter()

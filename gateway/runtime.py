@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .admission import reserve_slots
 from .auth import Tenants
 from .backends import Backend, BackendState, Slots
 from .call import ENDPOINTS, Call
@@ -268,6 +269,8 @@ def build_runtime(
         h.eject_s = hp.eject_ms / 1000
         h.max_eject_s = hp.max_eject_ms / 1000
         backend.slots.limit = backend.policy.max_concurrency
+        backend.slots.reserve = reserve_slots(backend.slots.limit, policy.admission.priority_reserve_pct)
+        backend.slots.queue.starvation_share = policy.admission.starvation_share
         states[name] = backend.state
     registry = stores if stores is not None else {}
 
