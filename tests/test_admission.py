@@ -134,3 +134,25 @@ async def test_admission_sheds_when_the_queue_is_full_and_drops_a_request_whose_
     assert len(adm.gate.queue) == 0
     adm.leave(0.01)
     assert adm.gate.used == 0
+
+
+async def test_lower_bands_leave_the_reserve_free_while_priority_traffic_is_recent():
+    g = Gate(4, reserve=1)
+    for _ in range(4):  # no priority traffic yet: nothing is held back
+        assert g.try_acquire("default")
+    for _ in range(4):
+        g.release()
+    assert g.try_acquire("priority")  # priority seen: from now on default fills at most 3
+    g.release()
+    assert [g.try_acquire("default") for _ in range(4)] == [True, True, True, False]
+    assert g.free("priority") and g.try_acquire("priority")  # the reserved slot is there at once
+    waiter = asyncio.create_task(g.acquire(1.0, Ticket("default", "t")))
+    await asyncio.sleep(0.01)
+    g.release()  # the priority one ends: its slot stays free for priority, not handed to default
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and g.used == 3
+    g.release()  # a default one ends: its slot passes to the waiting default request
+    assert await waiter and g.used == 3
+    for _ in range(3):
+        g.release()
+    assert g.used == 0 and len(g.queue) == 0
