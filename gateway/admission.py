@@ -150,6 +150,7 @@ class FairQueue:
                     rr.rotate(-1)  # not enough credit yet: the next tenant's turn
                     continue
             q.popleft()
+            head.gone = True  # dispatched: it no longer counts as waiting (its leave() is a no-op)
             deficit[tenant] -= head.cost
             self.sizes[band] -= 1
             while q and q[0].gone:
@@ -231,7 +232,8 @@ class Gate:
                 await t.fut
             return True  # release() handed its slot over to us
         except TimeoutError:
-            return False
+            # Granted in the same loop iteration as the timeout: the slot is ours.
+            return t.fut.done() and not t.fut.cancelled()
         except BaseException:
             if t.fut.done() and not t.fut.cancelled():
                 self.release()  # granted, then cancelled before we ran: pass the slot on
@@ -250,12 +252,23 @@ class Gate:
             if t is None:
                 break
             if t.fut is not None and not t.fut.done():
-                t.gone = True  # popped: it no longer counts as waiting
                 if t.band == BANDS[0]:
                     self._priority_at = time.monotonic()
                 t.fut.set_result(None)  # the slot passes to the waiter; the count is unchanged
                 return
         self.counter.inflight -= 1
+
+    def dispatch(self) -> None:
+        """Hand free slots to waiters (after the limit was raised, e.g. by a reload)."""
+        while (band := self.queue.next_band()) is not None and self.counter.inflight < self.cap(band):
+            t = self.queue.pop()
+            if t is None:
+                return
+            if t.fut is not None and not t.fut.done():
+                self.counter.inflight += 1
+                if t.band == BANDS[0]:
+                    self._priority_at = time.monotonic()
+                t.fut.set_result(None)
 
     def predicted_wait_s(self, band: str, tenant: str, service_s: float, weight: float = 1.0) -> float:
         """About how long a new (band, tenant) waiter would wait: the waiters dispatched before it
@@ -299,6 +312,7 @@ class Admission:
         self.enabled = enabled
         self.gate.limit = max_inflight
         self.gate.reserve = reserve_slots(max_inflight, reserve_pct)
+        self.gate.dispatch()  # a raised limit lets waiters in now, not one per release
         self.max_queue = max_queue
         self.gate.queue.starvation_share = starvation_share
 

@@ -140,7 +140,8 @@ def _band(call: Call, rt: Runtime, tenant: Tenant) -> None:
         if band_ms is not None:
             call.deadline = min(call.deadline, call.t0_monotonic + band_ms / 1000)
     max_tokens = call.body.get("max_completion_tokens") or call.body.get("max_tokens")
-    cost = call.prompt_tokens + (max_tokens if isinstance(max_tokens, int) else 256)
+    # A base per request, so tiny requests do not take many turns each (DRR shares tokens).
+    cost = 256 + call.prompt_tokens + (max_tokens if isinstance(max_tokens, int) else 256)
     call.ticket = Ticket(band, tenant.name, max(1, cost), rt.tenants.weight(tenant.name))
 
 

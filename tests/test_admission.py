@@ -156,3 +156,38 @@ async def test_lower_bands_leave_the_reserve_free_while_priority_traffic_is_rece
     for _ in range(3):
         g.release()
     assert g.used == 0 and len(g.queue) == 0
+
+
+async def test_a_waiter_cancelled_as_a_slot_is_released_leaves_no_count_behind():
+    gate = Gate(1)
+    assert gate.try_acquire()
+    waiter = asyncio.create_task(gate.acquire(30))
+    await asyncio.sleep(0)
+    waiter.cancel()  # the client goes away...
+    gate.release()  # ...in the same loop iteration as the holder finishes
+    await asyncio.gather(waiter, return_exceptions=True)
+    assert gate.queue.sizes == {"priority": 0, "default": 0, "flex": 0} and gate.used == 0
+    assert await gate.acquire(0.5)  # the free slot is taken at once
+
+
+async def test_a_slot_handed_over_as_the_wait_times_out_is_not_leaked():
+    loop = asyncio.get_running_loop()
+    for _ in range(20):  # the handover lands before, at or after the timeout
+        gate = Gate(1)
+        assert gate.try_acquire()
+        waiter = asyncio.create_task(gate.acquire(0.02))
+        await asyncio.sleep(0.0195)
+        loop.call_soon(gate.release)
+        if await waiter:
+            gate.release()
+        assert gate.used == 0 and len(gate.queue) == 0
+
+
+async def test_raising_the_limit_lets_waiters_in_at_once():
+    gate = Gate(1)
+    assert gate.try_acquire()
+    waiters = [asyncio.create_task(gate.acquire(5)) for _ in range(3)]
+    await asyncio.sleep(0)
+    gate.limit = 4
+    gate.dispatch()
+    assert all(await asyncio.gather(*waiters)) and gate.used == 4
