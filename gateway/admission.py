@@ -195,28 +195,43 @@ class Gate:
         self.counter: _Counter = counter if counter is not None else _Count()
         self.queue = FairQueue(starvation_share)
         self._priority_at = -1e18  # when a priority request last took a slot
+        self.priority_held = 0  # slots held by the priority band (the reserve is theirs)
 
     @property
     def used(self) -> int:
         return self.counter.inflight
 
+    def _room(self, band: str, inflight: int) -> bool:
+        """Whether `band` may take one more slot with `inflight` held: any free slot for the
+        priority band; lower bands together hold at most `limit - reserve` while the reserve is
+        active (the slots priority holds are not theirs to count)."""
+        if inflight >= self.limit:
+            return False
+        if band == BANDS[0] or self.reserve <= 0 or time.monotonic() - self._priority_at > self.RESERVE_ACTIVE_S:
+            return True
+        return inflight - self.priority_held < max(1, self.limit - self.reserve)
+
     def cap(self, band: str) -> int:
-        """How many slots `band` may fill now."""
+        """How many slots `band` can count on (for predicted waits)."""
         if band == BANDS[0] or self.reserve <= 0 or time.monotonic() - self._priority_at > self.RESERVE_ACTIVE_S:
             return self.limit
         return max(1, self.limit - self.reserve)
 
     def free(self, band: str = "default") -> bool:
         """True when try_acquire(band) would succeed now."""
-        return self.counter.inflight < self.cap(band) and not self.queue.waiting_at_or_above(band)
+        return self._room(band, self.counter.inflight) and not self.queue.waiting_at_or_above(band)
 
     def try_acquire(self, band: str = "default") -> bool:
         if self.free(band):
             self.counter.inflight += 1
-            if band == BANDS[0]:
-                self._priority_at = time.monotonic()
+            self._took(band)
             return True
         return False
+
+    def _took(self, band: str) -> None:
+        if band == BANDS[0]:
+            self.priority_held += 1
+            self._priority_at = time.monotonic()
 
     async def acquire(self, timeout_s: float, ticket: Ticket | None = None) -> bool:
         """Wait up to timeout_s for a slot, in `ticket`'s place; False when none came in time."""
@@ -236,39 +251,31 @@ class Gate:
             return t.fut.done() and not t.fut.cancelled()
         except BaseException:
             if t.fut.done() and not t.fut.cancelled():
-                self.release()  # granted, then cancelled before we ran: pass the slot on
+                self.release(t.band)  # granted, then cancelled before we ran: pass the slot on
             raise
         finally:
             if not t.fut.done():
                 t.fut.cancel()
             self.queue.leave(t)
 
-    def release(self) -> None:
-        while True:
-            band = self.queue.next_band()
-            if band is None or self.counter.inflight > self.cap(band):
-                break  # nobody waits, or the slot stays free for the priority band
-            t = self.queue.pop()
-            if t is None:
-                break
-            if t.fut is not None and not t.fut.done():
-                if t.band == BANDS[0]:
-                    self._priority_at = time.monotonic()
-                t.fut.set_result(None)  # the slot passes to the waiter; the count is unchanged
-                return
+    def release(self, band: str = "default") -> None:
+        """Give back a slot held by a request of `band`: to the next waiter, or free."""
+        if band == BANDS[0]:
+            self.priority_held -= 1
         self.counter.inflight -= 1
+        self.dispatch()
 
     def dispatch(self) -> None:
-        """Hand free slots to waiters (after the limit was raised, e.g. by a reload)."""
-        while (band := self.queue.next_band()) is not None and self.counter.inflight < self.cap(band):
+        """Hand free slots to waiters, as long as their band has room (also after the limit was
+        raised, e.g. by a reload)."""
+        while (band := self.queue.next_band()) is not None and self._room(band, self.counter.inflight):
             t = self.queue.pop()
             if t is None:
                 return
             if t.fut is not None and not t.fut.done():
                 self.counter.inflight += 1
-                if t.band == BANDS[0]:
-                    self._priority_at = time.monotonic()
-                t.fut.set_result(None)
+                self._took(t.band)
+                t.fut.set_result(None)  # the slot passes to the waiter
 
     def predicted_wait_s(self, band: str, tenant: str, service_s: float, weight: float = 1.0) -> float:
         """About how long a new (band, tenant) waiter would wait: the waiters dispatched before it
@@ -359,8 +366,8 @@ class Admission:
             raise TimeoutError
         return self._clock() - started
 
-    def leave(self, held_s: float) -> None:
+    def leave(self, held_s: float, band: str = "default") -> None:
         """Give the place back after holding it `held_s` (teaches the service time)."""
         s = self._service_s
         self._service_s = held_s if s is None else s + 0.1 * (held_s - s)
-        self.gate.release()
+        self.gate.release(band)

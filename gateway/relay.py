@@ -58,7 +58,9 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
     heartbeat = _Heartbeat(sink, server, Progress()) if call.stream else None
     admission = ctx.admission
     # Admission off: one band, one tenant (a first come, first served queue), no shedding.
-    ticket = call.ticket if call.ticket is not None and admission.enabled else Ticket()
+    if not admission.enabled:
+        call.ticket = None  # one band, one tenant: slots are taken and given back as "default"
+    ticket = call.ticket if call.ticket is not None else Ticket()
     try:
         progress = heartbeat.progress if heartbeat is not None else Progress()
         if not admission.enabled:
@@ -69,7 +71,7 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
         try:
             await _relay(call, route, pool, ticket, ctx, sink, progress)
         finally:
-            admission.leave(time.monotonic() - held)
+            admission.leave(time.monotonic() - held, ticket.band)
     finally:
         if heartbeat is not None:
             await heartbeat.stop()
@@ -276,7 +278,7 @@ async def _try(
         _account(call, backend, m, kind, time.perf_counter() - started)
         return True
     finally:
-        slots.release()
+        slots.release(_band(call))
         m.inflight.dec()
 
 

@@ -143,19 +143,27 @@ async def test_lower_bands_leave_the_reserve_free_while_priority_traffic_is_rece
     for _ in range(4):
         g.release()
     assert g.try_acquire("priority")  # priority seen: from now on default fills at most 3
-    g.release()
+    g.release("priority")
     assert [g.try_acquire("default") for _ in range(4)] == [True, True, True, False]
     assert g.free("priority") and g.try_acquire("priority")  # the reserved slot is there at once
     waiter = asyncio.create_task(g.acquire(1.0, Ticket("default", "t")))
     await asyncio.sleep(0.01)
-    g.release()  # the priority one ends: its slot stays free for priority, not handed to default
+    g.release("priority")  # the priority one ends: its slot stays free for priority, not handed to default
     await asyncio.sleep(0.01)
     assert not waiter.done() and g.used == 3
     g.release()  # a default one ends: its slot passes to the waiting default request
     assert await waiter and g.used == 3
     for _ in range(3):
         g.release()
-    assert g.used == 0 and len(g.queue) == 0
+    assert g.used == 0 and len(g.queue) == 0 and g.priority_held == 0
+
+
+async def test_the_reserve_never_counts_priority_holders_against_lower_bands():
+    g = Gate(8, reserve=1)
+    assert g.try_acquire("priority")  # one priority request in flight
+    assert sum(g.try_acquire("default") for _ in range(8)) == 7  # lower bands still get their 7
+    g.release("priority")
+    assert g.priority_held == 0 and g.used == 7 and not g.free("default") and g.free("priority")
 
 
 async def test_a_waiter_cancelled_as_a_slot_is_released_leaves_no_count_behind():
