@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) bench/routing.py
 	$(PY) bench/cache.py
 	$(PY) bench/quota.py
+	$(PY) bench/overload.py
 	$(PY) bench/classifier.py
 	$(PY) bench/local_model.py
 
