@@ -58,7 +58,8 @@ class Ticket:
 
 class FairQueue:
     """Waiters by band, deficit round robin across tenants inside a band. O(1) push and pop
-    (cancelled waiters are skipped lazily); `position()` is O(tenants waiting in a band)."""
+    (cancelled waiters are skipped lazily); `position()` is O(waiters in the band), and only runs
+    when a request would have to wait."""
 
     def __init__(self, starvation_share: float = 0.1) -> None:
         self.starvation_share = starvation_share
