@@ -109,6 +109,18 @@ class FairQueue:
             self._since_lower = 0
         return self._pop_band(band)
 
+    def pop_newest_lowest(self) -> Ticket | None:
+        """Take out the newest waiter of the lowest band that waits (a standing queue sheds it)."""
+        band = next((b for b in reversed(BANDS) if self.sizes[b] > 0), None)
+        if band is None:
+            return None
+        live = [t for q in self._q[band].values() for t in q if not t.gone]
+        if not live:
+            return None
+        victim = max(live, key=lambda t: t.enqueued)
+        self.leave(victim)
+        return victim
+
     def waiting_at_or_above(self, band: str) -> bool:
         """Whether anyone of `band` or a higher band waits."""
         return any(self.sizes[b] for b in BANDS[: BANDS.index(band) + 1])
@@ -165,6 +177,11 @@ class FairQueue:
         return None
 
 
+def _granted(fut: asyncio.Future[None]) -> bool:
+    """Whether a waiter's future holds a slot handed over (not cancelled, not shed)."""
+    return fut.done() and not fut.cancelled() and fut.exception() is None
+
+
 class _Counter(Protocol):
     inflight: int
 
@@ -197,6 +214,11 @@ class Gate:
         self.queue = FairQueue(starvation_share)
         self._priority_at = -1e18  # when a priority request last took a slot
         self.priority_held = 0  # slots held by the priority band (the reserve is theirs)
+        # Standing-queue control (CoDel-style): while every waiter dispatched for `standing_interval_s`
+        # had waited longer than `standing_target_s`, shed the newest of the lowest band each interval.
+        self.standing_target_s: float | None = None
+        self.standing_interval_s = 5.0
+        self._above_since: float | None = None
 
     @property
     def used(self) -> int:
@@ -249,9 +271,9 @@ class Gate:
             return True  # release() handed its slot over to us
         except TimeoutError:
             # Granted in the same loop iteration as the timeout: the slot is ours.
-            return t.fut.done() and not t.fut.cancelled()
+            return _granted(t.fut)
         except BaseException:
-            if t.fut.done() and not t.fut.cancelled():
+            if _granted(t.fut):
                 self.release(t.band)  # granted, then cancelled before we ran: pass the slot on
             raise
         finally:
@@ -277,6 +299,27 @@ class Gate:
                 self.counter.inflight += 1
                 self._took(t.band)
                 t.fut.set_result(None)  # the slot passes to the waiter
+                self._standing(time.monotonic() - t.enqueued)
+
+    def _standing(self, waited_s: float) -> None:
+        """CoDel-style: a queue whose every dispatch waited over the target for a whole interval
+        is standing, not absorbing a burst: shed the newest waiter of the lowest band, once per
+        interval while it stands (503 `overloaded`, reason standing_queue)."""
+        target = self.standing_target_s
+        if target is None:
+            return
+        now = time.monotonic()
+        if waited_s <= target:
+            self._above_since = None
+        elif self._above_since is None:
+            self._above_since = now
+        elif now - self._above_since >= self.standing_interval_s:
+            self._above_since = now
+            victim = self.queue.pop_newest_lowest()
+            if victim is not None and victim.fut is not None and not victim.fut.done():
+                victim.fut.set_exception(
+                    Shed("standing_queue", f"overloaded: the queue has stood above {target * 1000:.0f} ms", target)
+                )
 
     def predicted_wait_s(self, band: str, tenant: str, service_s: float, weight: float = 1.0) -> float:
         """About how long a new (band, tenant) waiter would wait: the waiters dispatched before it
@@ -314,10 +357,17 @@ class Admission:
         self._service_s: float | None = None  # EWMA of how long an admitted request holds its place
 
     def configure(
-        self, max_inflight: int, max_queue: int, starvation_share: float, enabled: bool = True, reserve_pct: float = 0.0
+        self,
+        max_inflight: int,
+        max_queue: int,
+        starvation_share: float,
+        enabled: bool = True,
+        reserve_pct: float = 0.0,
+        standing: tuple[float | None, float] = (None, 5.0),
     ) -> None:
         """New limits from a reloaded policy; the queue and its waiters stay."""
         self.enabled = enabled
+        self.gate.standing_target_s, self.gate.standing_interval_s = standing
         self.gate.limit = max_inflight
         self.gate.reserve = reserve_slots(max_inflight, reserve_pct)
         self.gate.dispatch()  # a raised limit lets waiters in now, not one per release

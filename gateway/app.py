@@ -57,7 +57,7 @@ def create_app(policy: Policy | str | Path, host: str | None = None) -> web.Appl
             on_quota_degraded=metrics.quota_degraded.inc,
         )
         a = p.admission
-        admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct)
+        admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())
         return rt
 
     live = Live(build(loaded, 1))

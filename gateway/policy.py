@@ -294,6 +294,15 @@ class AdmissionPolicy(_Section):
     # Share of each bound (admission and every backend's max_concurrency) that lower bands leave
     # free while `priority` traffic has been seen in the last 10 s.
     priority_reserve_pct: float = Field(10.0, ge=0, lt=100)
+    # A queue whose every dispatch has waited longer than this for standing_interval_ms is standing:
+    # its newest waiter of the lowest band is shed each interval (CoDel-style). null: off.
+    standing_target_ms: int | None = Field(5_000, gt=0)
+    standing_interval_ms: int = Field(5_000, gt=0)
+
+    def standing(self) -> tuple[float | None, float]:
+        """(target, interval) in seconds for the gates."""
+        t = self.standing_target_ms
+        return (None if t is None else t / 1000, self.standing_interval_ms / 1000)
     deadline_ms: BandDeadlines = BandDeadlines()
 
 

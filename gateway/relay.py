@@ -248,7 +248,11 @@ async def _try(
         if wait_s <= 0:
             return None
         queued = time.perf_counter()
-        got = await slots.acquire(wait_s, ticket)
+        try:
+            got = await slots.acquire(wait_s, ticket)
+        except Shed as shed:  # a standing queue shed it
+            ctx.metrics.shed.labels(shed.reason, _band(call)).inc()
+            raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
         waited = time.perf_counter() - queued
         call.queue_ms += waited * 1000
         ctx.metrics.queue_wait.labels(ticket.band if ticket is not None else "default").observe(waited)

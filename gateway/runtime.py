@@ -271,6 +271,7 @@ def build_runtime(
         backend.slots.limit = backend.policy.max_concurrency
         backend.slots.reserve = reserve_slots(backend.slots.limit, policy.admission.priority_reserve_pct)
         backend.slots.queue.starvation_share = policy.admission.starvation_share
+        backend.slots.standing_target_s, backend.slots.standing_interval_s = policy.admission.standing()
         backend.slots.dispatch()  # a raised max_concurrency lets its waiters in now
         states[name] = backend.state
     registry = stores if stores is not None else {}

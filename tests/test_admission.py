@@ -199,3 +199,41 @@ async def test_raising_the_limit_lets_waiters_in_at_once():
     gate.limit = 4
     gate.dispatch()
     assert all(await asyncio.gather(*waiters)) and gate.used == 4
+
+
+async def test_a_standing_queue_sheds_the_newest_of_the_lowest_band():
+    g = Gate(1)
+    g.standing_target_s, g.standing_interval_s = 0.03, 0.05
+    assert g.try_acquire()
+    waiters = [asyncio.create_task(g.acquire(5, Ticket("default", f"d{i}"))) for i in range(6)]
+    await asyncio.sleep(0)
+    flex = asyncio.create_task(g.acquire(5, Ticket("flex", "f")))
+    await asyncio.sleep(0)
+    outcomes: list[str] = []
+    for _ in range(5):  # each dispatch has waited longer than the 30 ms target
+        await asyncio.sleep(0.04)
+        g.release()
+        await asyncio.sleep(0)
+    with pytest.raises(Shed) as exc:
+        await flex
+    assert exc.value.reason == "standing_queue"  # the lowest band's newest went first
+    for w in waiters:
+        w.cancel()
+    results = await asyncio.gather(*waiters, return_exceptions=True)
+    assert sum(r is True for r in results) >= 4  # the default waiters kept being dispatched
+    for _ in range(1 + sum(r is True for r in results) - 5):
+        g.release()  # the holders that are left
+    assert len(g.queue) == 0 and g.used == 0
+
+
+async def test_a_queue_that_drains_below_the_target_sheds_nothing():
+    g = Gate(1)
+    g.standing_target_s, g.standing_interval_s = 0.05, 0.05
+    assert g.try_acquire()
+    for i in range(6):
+        w = asyncio.create_task(g.acquire(5, Ticket("flex", f"f{i}")))
+        await asyncio.sleep(0.01)
+        g.release()  # each waiter is dispatched within ~10 ms
+        assert await w
+    g.release()
+    assert g.used == 0
