@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
 from decimal import Decimal, InvalidOperation
 
 import orjson
@@ -215,17 +217,24 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"})
 
 
-def _require_admin(request: web.Request) -> None:
-    rt = request.app[LIVE].runtime
-    if not rt.tenants.is_admin(_api_key(request), loopback=request.app[LOOPBACK]):
-        raise Unauthorized("admin endpoints need an admin key (policy `admin.key_sha256`)")
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
+def _admin(handler: Handler) -> Handler:
+    """An admin endpoint: 401 without an admin key (except in loopback open mode)."""
+
+    @functools.wraps(handler)
+    async def guarded(request: web.Request) -> web.Response:
+        rt = request.app[LIVE].runtime
+        if not rt.tenants.is_admin(_api_key(request), loopback=request.app[LOOPBACK]):
+            return _error(Unauthorized("admin endpoints need an admin key (policy `admin.key_sha256`)"))
+        return await handler(request)
+
+    return guarded
+
+
+@_admin
 async def admin_backends(request: web.Request) -> web.Response:
-    try:
-        _require_admin(request)
-    except GatewayError as err:
-        return _error(err)
     rt = request.app[LIVE].runtime
     out = {}
     for name, b in rt.backends.items():
@@ -247,12 +256,9 @@ async def admin_backends(request: web.Request) -> web.Response:
     return _json({"policy_generation": rt.generation, "admission": admission, "backends": out})
 
 
+@_admin
 async def admin_tenants(request: web.Request) -> web.Response:
     """Each tenant's limits and current use (window, in flight, today's tokens and spend)."""
-    try:
-        _require_admin(request)
-    except GatewayError as err:
-        return _error(err)
     rt = request.app[LIVE].runtime
     out = {}
     for name, tp in rt.policy.tenants.items():
@@ -274,11 +280,8 @@ async def admin_tenants(request: web.Request) -> web.Response:
     return _json({"policy_generation": rt.generation, "tenants": out})
 
 
+@_admin
 async def admin_reload(request: web.Request) -> web.Response:
-    try:
-        _require_admin(request)
-    except GatewayError as err:
-        return _error(err)
     ok, detail = await request.app[RELOADER].reload("admin")
     gen = request.app[LIVE].runtime.generation
     if ok:

@@ -5,9 +5,7 @@ The local model server is just another one of these: one backend kind, one way t
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections import deque
 from dataclasses import dataclass, field
 
 from yarl import URL

@@ -209,7 +209,6 @@ async def test_a_standing_queue_sheds_the_newest_of_the_lowest_band():
     await asyncio.sleep(0)
     flex = asyncio.create_task(g.acquire(5, Ticket("flex", "f")))
     await asyncio.sleep(0)
-    outcomes: list[str] = []
     for _ in range(5):  # each dispatch has waited longer than the 30 ms target
         await asyncio.sleep(0.04)
         g.release()

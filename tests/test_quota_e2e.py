@@ -18,7 +18,6 @@ import pytest
 
 from gateway.keys import LIVE
 from tests.conftest import simple_policy
-from tests.test_store import _delete_prefix
 
 MSG = [{"role": "user", "content": "hi"}]
 KEY = "sk-acme-" + secrets.token_hex(16)
