@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +31,15 @@ def start(args: list[str], env: dict[str, str] | None = None, cpus: str | None =
     )
 
 
-def wait_http(url: str, timeout_s: float = 60.0) -> None:
+def wait_http(
+    url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None, on_exit: Callable[[], str] | None = None
+) -> None:
+    """Wait until `url` answers 200; with `proc`, fail at once if it exits (`on_exit()` says why)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            time.sleep(0.2)  # let a reader thread catch the last lines
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n" + (on_exit() if on_exit else ""))
         try:
             with urllib.request.urlopen(url, timeout=1) as r:
                 if r.status == 200:

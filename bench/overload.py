@@ -41,7 +41,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +50,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import pct  # noqa: E402
-from bench._procs import free_port, start, stop  # noqa: E402
+from bench._procs import free_port, start, stop, wait_http  # noqa: E402
 
 SLOTS = 8
 TTFT_MS = 200
@@ -98,21 +97,6 @@ def _start(args: list[str], env: dict[str, str] | None = None) -> tuple[subproce
     tail: collections.deque[str] = collections.deque(maxlen=20)
     threading.Thread(target=_drain, args=(proc, tail), daemon=True).start()
     return proc, tail
-
-
-def _wait_up(url: str, proc: subprocess.Popen[bytes], tail: collections.deque[str], timeout_s: float = 30.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            time.sleep(0.2)  # let the reader thread catch the last lines
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}:\n" + "\n".join(tail))
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"{url} did not come up in {timeout_s}s")
 
 
 def _policy(path: Path, up_port: int, mode: str, digests: dict[str, str]) -> None:
@@ -210,8 +194,8 @@ def run(
             env={"GATEWAY_LOG_LEVEL": "ERROR"},
         )
         procs.append(gateway)
-        _wait_up(f"http://127.0.0.1:{up_port}/healthz", upstream, up_tail)
-        _wait_up(f"http://127.0.0.1:{gw_port}/healthz", gateway, gw_tail)
+        wait_http(f"http://127.0.0.1:{up_port}/healthz", 30.0, upstream, lambda: "\n".join(up_tail))
+        wait_http(f"http://127.0.0.1:{gw_port}/healthz", 30.0, gateway, lambda: "\n".join(gw_tail))
         return uvloop.run(run_mode(f"http://127.0.0.1:{gw_port}/v1/chat/completions", keys, args))
     finally:
         for p in reversed(procs):
