@@ -178,7 +178,7 @@ async def readyz(request: web.Request) -> web.Response:
     """200 when every model route can send each request class to some backend, as the router sees
     it (a launched model still loading cannot; an ejected last resort still can)."""
     rt = request.app[LIVE].runtime
-    healthy = [b.name for b in rt.backends.values() if b.health.healthy]
+    healthy = [b.name for b in rt.backends.values() if b.takes_traffic()]
     unserved = [
         model
         for model, route in rt.routes.items()
@@ -209,7 +209,7 @@ async def metrics(request: web.Request) -> web.Response:
         m.queue_depth.labels(band).set(n)
     m.admission_inflight.set(admission.gate.used)
     for b in rt.backends.values():
-        m.healthy.labels(b.name).set(1 if b.health.healthy else 0)
+        m.healthy.labels(b.name).set(1 if b.takes_traffic() else 0)
         p95 = b.tracker.ttft_p95_s(min_samples=1)
         if p95 is not None:
             m.ttft_p95.labels(b.name).set(p95)
@@ -239,13 +239,20 @@ async def admin_backends(request: web.Request) -> web.Response:
     out = {}
     for name, b in rt.backends.items():
         snap = b.tracker.snapshot()
+        h = b.headline_health()
         out[name] = {
             "url": b.base_url,
-            "health": b.health.state(),
-            "ejections_in_a_row": b.health.ejections,
-            "available_in_s": round(min(b.health.available_in(), 1e9), 3),
-            "consecutive_failures": b.health.consecutive_failures,
-            "cooling_s": round(b.health.cooling_for(), 3),
+            "health": h.state(),
+            "ejections_in_a_row": max(h.ejections, b.health.ejections),
+            "available_in_s": round(min(h.available_in(), 1e9), 3),
+            "consecutive_failures": max(h.consecutive_failures, b.health.consecutive_failures),
+            "cooling_s": round(h.cooling_for(), 3),
+            # Per upstream model: a provider's 429 or errors on one model leave the others alone.
+            "models": {
+                m: {"health": h.state(), "consecutive_failures": h.consecutive_failures,
+                    "cooling_s": round(h.cooling_for(), 3), "available_in_s": round(min(h.available_in(), 1e9), 3)}
+                for m, h in b.state.models.items()
+            },
             "max_concurrency": b.slots.limit,
             "queued": dict(b.slots.queue.sizes),
             **snap,

@@ -1,7 +1,8 @@
 """One attempt: a request to one backend, until its answer reached the client or it failed.
 
 A failure before the first content byte raises AttemptFailed (the relay may fail over); after it,
-the client gets an error event and the stream ends without [DONE]. Stream events pass through as
+the stream raises Cut (the relay may continue the answer elsewhere, see continuation.py, or ends
+it with an error event and no [DONE]). Stream events pass through as
 the bytes the backend sent; events before the first content token are held back and released
 with it, so a stream that stalls or fails early costs the client nothing but time.
 """
@@ -9,6 +10,8 @@ with it, so a stream that stalls or fails early costs the client nothing but tim
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -19,6 +22,7 @@ from .backends import Backend
 from .cache import SingleFlight
 from .cache_entry import StreamAssembler, entry_from_response
 from .call import Call
+from .continuation import Mismatch, Resume
 from .errors import GatewayError, RateLimited, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 from .metrics import Metrics
 from .policy import RoutingPolicy
@@ -33,7 +37,9 @@ from .upstream_http import (
 )
 from .wire import SSE_DONE, SSEDecoder, SSEEventTooLarge, event_data
 
-__all__ = ["AttemptFailed", "ClientGone", "Lost", "Progress", "RelayContext", "attempt", "claim", "client_write"]
+__all__ = ["AttemptFailed", "ClientGone", "Cut", "Lost", "Progress", "RelayContext", "attempt", "claim", "client_write"]
+
+log = logging.getLogger("gateway.relay")
 
 _AFTER_FINISH_S = 2.0  # how long to wait for a usage chunk or [DONE] after the finish reason
 _DEFAULT_COOLDOWN_S = 1.0  # a 429/503 without Retry-After still pauses that backend briefly
@@ -45,6 +51,15 @@ MAX_HELD_BYTES = 1024 * 1024  # stream events held back before the first content
 
 class ClientGone(Exception):
     """The client disconnected; the upstream request is abandoned."""
+
+
+class Cut(Exception):
+    """A stream broke after content reached the client (nothing was written about it yet)."""
+
+    def __init__(self, err: GatewayError, kind: str) -> None:
+        super().__init__(err.message)
+        self.err = err
+        self.kind = kind  # cut_mid_stream, too_large, error_event_mid_stream or caller_deadline
 
 
 class AttemptFailed(Exception):
@@ -61,6 +76,7 @@ class Progress:
     first_sent: bool = False  # a content event reached the client: no more failover
     owner: str | None = None  # the backend whose answer the client gets (first content, or whole body)
     rivals: list[asyncio.Task[bool]] | None = None  # hedged attempts: the owner cancels the others
+    cut: Cut | None = None  # the owner's stream broke mid-answer: the relay continues or ends it
 
 
 class Lost(Exception):
@@ -102,10 +118,17 @@ async def attempt(
     progress: Progress,
     started: float,
     live_deadline: RoutingPolicy | None,
+    *,
+    cold_s: float | None = None,
+    resume: Resume | None = None,
 ) -> str:
-    """Send the request; returns the outcome kind (health.OUTCOMES) once the client has its answer:
-    "ok", or a mid-stream failure the client got as an error event. Raises AttemptFailed to fail
-    over, UpstreamRejected to pass a 4xx back, ClientGone when the client left."""
+    """Send the request; returns the outcome kind (health.OUTCOMES) once the client has its whole
+    answer ("ok"). Raises AttemptFailed to fail over, UpstreamRejected to pass a 4xx back, Cut when
+    a stream broke after content reached the client, ClientGone when the client left.
+
+    `live_deadline`: the rule for first-token and stall deadlines from live data while another
+    backend could take over (None: the backend's fixed timeouts); `cold_s`: the first-token
+    deadline while this backend has too few samples; `resume`: continue a broken stream."""
     loop = asyncio.get_running_loop()
     t = backend.timeouts
     now = loop.time()
@@ -114,11 +137,16 @@ async def attempt(
     if live_deadline is not None:  # a stuck backend is abandoned after ~2x its live P95, not a fixed timeout
         rp = live_deadline
         first_s = backend.tracker.first_token_deadline_s(
-            first_s, rp.deadline_floor_ms / 1000, prompt_tokens=call.prompt_tokens, mult=rp.deadline_p95_multiplier
+            first_s, rp.deadline_floor_ms / 1000, prompt_tokens=call.prompt_tokens, mult=rp.deadline_p95_multiplier,
+            cold_s=cold_s,
         )
     first_deadline = min(now + first_s, call_deadline)
     url = backend.urls[call.endpoint.name]
-    body = call.body_for(backend.upstream_model(call.model))
+    upstream_model = backend.upstream_model(call.model)
+    if resume is None:
+        body = call.body_for(upstream_model)
+    else:
+        body = resume.body(call.body, upstream_model, call.endpoint.name)
     headers = {**backend.headers, "X-Request-Id": call.request_id}
     resp: UpstreamResponse | None = None
     raw = b""
@@ -154,9 +182,15 @@ async def attempt(
     kind = "failed"
     try:
         if resp.status != 200:
-            await _refuse(resp, backend, first_deadline)
+            await _refuse(resp, backend, call, first_deadline)
         if call.stream:
-            kind = await _stream(call, backend, resp, ctx, sink, progress, started, first_deadline, call_deadline)
+            idle_s = t.idle_ms / 1000
+            if live_deadline is not None and call.transcript is not None:  # a stall can be rescued: notice it sooner
+                rp = live_deadline
+                idle_s = backend.tracker.idle_deadline_s(
+                    idle_s, rp.idle_floor_ms / 1000, rp.cold_idle_ms / 1000, mult=rp.idle_p99_multiplier
+                )
+            kind = await _stream(call, backend, resp, ctx, sink, progress, started, first_deadline, call_deadline, idle_s, resume)
         else:
             await _deliver(call, backend, raw, sink, progress)
             kind = "ok"
@@ -177,7 +211,28 @@ def _caller_deadline(call: Call, backend: Backend) -> AttemptFailed:
     return AttemptFailed(err, "caller_deadline")
 
 
-async def _refuse(resp: UpstreamResponse, backend: Backend, deadline: float) -> None:
+# How providers word a prompt that does not fit (the OpenAI code, else the message).
+_CONTEXT_LENGTH = re.compile(
+    r"context[ _-]?length|context window|maximum context|prompt is too long|too many (input )?tokens", re.IGNORECASE
+)
+
+
+def _context_length(status: int, raw: bytes) -> bool:
+    """Whether a 4xx says the prompt (plus max_tokens) exceeds the model's context window."""
+    if status not in (400, 413, 422):
+        return False
+    try:
+        err = orjson.loads(raw).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return bool(_CONTEXT_LENGTH.search(raw[:2000].decode("utf-8", "replace")))
+    if not isinstance(err, dict):
+        return False
+    if err.get("code") == "context_length_exceeded":
+        return True
+    return bool(_CONTEXT_LENGTH.search(str(err.get("message") or "")))
+
+
+async def _refuse(resp: UpstreamResponse, backend: Backend, call: Call, deadline: float) -> None:
     """Turn a non-200 answer into a failover (raise AttemptFailed) or a pass-back (UpstreamRejected)."""
     status = resp.status
     raw = b""
@@ -193,16 +248,20 @@ async def _refuse(resp: UpstreamResponse, backend: Backend, deadline: float) -> 
     snippet = raw[:_ERROR_SNIPPET].decode("utf-8", "replace")
     if status in (429, 503):
         retry_after = _retry_after(resp.headers.get("Retry-After"))
-        backend.health.cool_down(retry_after if retry_after is not None else _DEFAULT_COOLDOWN_S)
+        pause = retry_after if retry_after is not None else _DEFAULT_COOLDOWN_S
+        # Per upstream model: a provider's 429 on one model leaves its other models alone.
+        backend.health_for(call.model).cool_down(pause)
+        log.info("request %s: backend %r model %r answered HTTP %s: cooling down for %gs",
+                 call.request_id, backend.name, backend.upstream_model(call.model), status, pause)
         cls = RateLimited if status == 429 else Unavailable
-        err = cls(f"HTTP {status} (retry after {retry_after or _DEFAULT_COOLDOWN_S:g}s)", retry_after_s=retry_after)
+        err = cls(f"HTTP {status} (retry after {pause:g}s)", retry_after_s=retry_after)
         # A backend that asks for a pause is busy: it cools down (429 is not a failure, see health.OUTCOMES).
         raise AttemptFailed(err, f"http_{status}")
     if status >= 500 or status in (401, 403, 404, 405, 408):
         # Our key, our model name, the path, or the backend itself is wrong: another backend may
         # do better. Whether it counts against this one's health: health.OUTCOMES.
         raise AttemptFailed(UpstreamError(f"HTTP {status}: {snippet}"), f"http_{status}")
-    raise UpstreamRejected(status, raw, backend.name)
+    raise UpstreamRejected(status, raw, backend.name, context_length=_context_length(status, raw))
 
 
 async def _deliver(call: Call, backend: Backend, raw: bytes, sink: Sink, progress: Progress) -> None:
@@ -233,18 +292,21 @@ async def _stream(
     started: float,
     first_deadline: float,
     call_deadline: float,
+    idle_s: float,
+    resume: Resume | None,
 ) -> str:
-    """Pass a stream through event by event, as bytes. Returns the outcome kind: "ok" when it
-    ended properly, else how it failed after the first token (the client got an error event)."""
+    """Pass a stream through event by event, as bytes (a continuation's events are re-encoded, see
+    continuation.py). Returns "ok" when it ended properly; raises Cut when it broke after content
+    reached the client, AttemptFailed before."""
     loop = asyncio.get_running_loop()
     m = ctx.metrics.for_backend(backend.name)
-    idle_s = backend.timeouts.idle_ms / 1000
     itl_hist = m.inter_token
     decoder = SSEDecoder()
     assembler = StreamAssembler(call.capture) if call.capture else None  # the answer, for the cache
+    transcript = call.transcript
     held: list[bytes] = []  # events before the first content token, released with it
     held_bytes = 0
-    first = finished = saw_done = error_event = False
+    first = finished = saw_done = False
     last_content = 0.0
     timer = asyncio.timeout_at(first_deadline)
     cut: str | None = None
@@ -273,43 +335,47 @@ async def _stream(
                         m.malformed.inc()
                         continue
                     if "error" in obj:
+                        e = obj["error"]
+                        msg = e.get("message") if isinstance(e, dict) else e
                         if not first:
-                            msg = obj["error"].get("message") if isinstance(obj["error"], dict) else obj["error"]
                             raise AttemptFailed(UpstreamError(f"error event before the first token: {msg}"), "error_event")
-                        out.append(ev)
-                        error_event = True
+                        cut, kind = f"backend {backend.name!r} sent an error event mid-stream: {msg}", "error_event_mid_stream"
                         break
+                    upstream_content = _has_content(obj)
+                    if upstream_content and not last_content:
+                        now = time.perf_counter()
+                        backend.tracker.observe_ttft(now - started, prompt_tokens=call.prompt_tokens)
+                        if resume is None:
+                            call.ttft_s = now - call.t0
+                            m.ttft.observe(call.ttft_s)
+                    if resume is not None:
+                        ev, obj = _rewritten(resume, obj, ev)
+                        if obj is None:
+                            if upstream_content:
+                                last_content = time.perf_counter()
+                            continue
+                    content = upstream_content and (resume is None or _has_content(obj))
+                    if any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or ()):
+                        finished = True
                     if assembler is not None:
                         assembler.feed(obj)
-                    content = False
-                    for choice in obj.get("choices") or ():
-                        if not isinstance(choice, dict):
-                            continue
-                        delta = choice.get("delta")
-                        if isinstance(delta, dict):
-                            if delta.get("content") or delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"):
-                                content = True
-                        elif choice.get("text"):
-                            content = True
-                        if choice.get("finish_reason"):
-                            finished = True
                     usage = obj.get("usage")
                     if isinstance(usage, dict):
                         call.usage = usage
                         if call.strip_usage and not obj.get("choices"):
                             continue  # the usage chunk the gateway asked for, not the client
-                    if content:
-                        call.streamed_tokens += 1
+                    if upstream_content:
                         now = time.perf_counter()
                         if last_content:
                             itl_hist.observe(now - last_content)
                             backend.tracker.observe_itl(now - last_content)
-                        else:
-                            claim(progress, backend, call, sink)
-                            call.ttft_s = now - call.t0
-                            backend.tracker.observe_ttft(now - started, prompt_tokens=call.prompt_tokens)
-                            m.ttft.observe(call.ttft_s)
                         last_content = now
+                    if content:
+                        call.streamed_tokens += 1
+                        if not first:
+                            claim(progress, backend, call, sink)
+                    if transcript is not None:
+                        transcript.note(obj, backend.name)
                     if first:
                         out.append(ev)
                     else:
@@ -327,10 +393,14 @@ async def _stream(
                             out, held = held, []
                 if out:
                     await client_write(sink.write(b"".join(out)))
-                if saw_done or error_event:
+                if saw_done or cut is not None:
                     break
                 if first:
                     timer.reschedule(min(loop.time() + (_AFTER_FINISH_S if finished else idle_s), call_deadline))
+    except Mismatch as exc:
+        if not first:
+            raise AttemptFailed(UpstreamError(f"backend {backend.name!r}: {exc}"), "mismatch") from None
+        raise  # cannot happen: text is only sent once the prefix matched
     except TimeoutError:
         if call.deadline_passed():
             if not first:
@@ -342,7 +412,7 @@ async def _stream(
                 "first_token_timeout",
             ) from None
         else:
-            cut, kind = None if finished else f"the stream stalled for more than {backend.timeouts.idle_ms} ms", "cut_mid_stream"
+            cut, kind = None if finished else f"backend {backend.name!r} stalled for more than {_ms(idle_s)} ms mid-stream", "cut_mid_stream"
     except SSEEventTooLarge as exc:
         if not first:
             raise AttemptFailed(UpstreamError(f"backend {backend.name!r}: {exc}"), "too_large") from None
@@ -350,22 +420,17 @@ async def _stream(
     except UpstreamHTTPError as exc:
         if not first:
             raise AttemptFailed(UpstreamError(f"connection lost before the first token: {exc}"), "disconnect") from None
-        cut, kind = None if finished else "the backend's connection was lost mid-stream", "cut_mid_stream"
+        cut, kind = None if finished else f"backend {backend.name!r} lost its connection mid-stream", "cut_mid_stream"
     else:
-        if error_event:
-            call.finish = "error"
-            await client_write(sink.end())
-            return "error_event_mid_stream"
-        if not saw_done and not finished:
+        if cut is None and not saw_done and not finished:
             if not first:
                 raise AttemptFailed(UpstreamError("the stream ended before the first token"), "cut")
-            cut, kind = "the backend's stream ended before its finish reason", "cut_mid_stream"
+            cut, kind = f"backend {backend.name!r} ended its stream before its finish reason", "cut_mid_stream"
     if cut is not None:
-        # A cut stream is never presented as a success: an error event, and no [DONE].
-        call.finish = "cut"
+        # Nothing is written about it here: the relay continues the answer elsewhere, or ends the
+        # stream with an error event (never [DONE]: a cut stream must not look like a success).
         err: GatewayError = UpstreamTimeout(cut) if kind == "caller_deadline" else UpstreamError(cut)
-        await client_write(sink.fail(err))
-        return kind
+        raise Cut(err, kind)
     if not saw_done:
         m.error("missing_done")  # completed by the gateway
     if assembler is not None:
@@ -374,6 +439,27 @@ async def _stream(
     await client_write(sink.write(SSE_DONE))
     await client_write(sink.end())
     return "ok"
+
+
+def _has_content(obj: dict) -> bool:
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if delta.get("content") or delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"):
+                return True
+        elif choice.get("text"):
+            return True
+    return False
+
+
+def _rewritten(resume: Resume, obj: dict, ev: bytes) -> tuple[bytes, dict | None]:
+    """A continuation's event as the client gets it (None: dropped)."""
+    out = resume.rewrite(obj)
+    if out is None:
+        return ev, None
+    return b"data: " + orjson.dumps(out) + b"\n\n", out
 
 
 async def client_write(aw: object) -> None:

@@ -36,9 +36,20 @@ class BackendState:
     """What the gateway measured about a backend; kept across policy reloads by name."""
 
     tracker: Tracker = field(default_factory=Tracker)
-    health: Health = field(default_factory=Health)
+    health: Health = field(default_factory=Health)  # the backend as a whole: readiness, probes, connections
     # In-flight slots live here, not on Backend, so a reload mid-request keeps counting right.
     slots: Slots | None = None
+    models: dict[str, Health] = field(default_factory=dict)  # upstream model -> its own health
+
+    def model_health(self, upstream: str) -> Health:
+        """The health of one upstream model on this backend (created on first use)."""
+        h = self.models.get(upstream)
+        if h is None:
+            p = self.health
+            h = self.models[upstream] = Health(
+                p.failures_to_eject, p.eject_s, p.clock, p.max_eject_s, p.jitter, p.rng, parent=p
+            )
+        return h
 
     def __post_init__(self) -> None:
         if self.slots is None:
@@ -76,6 +87,30 @@ class Backend:
     def upstream_model(self, public: str) -> str:
         """The name this backend knows a public model by (its default model for `auto`-style routes)."""
         return self.model_map.get(public, self.default_model)
+
+    def health_for(self, public: str) -> Health:
+        """The health that decides whether a request for `public` may go here: its upstream
+        model's, which also reflects the backend's own."""
+        return self.state.model_health(self.upstream_model(public))
+
+    def headline_health(self) -> Health:
+        """The health to report for the backend as a whole: its one model's (which includes the
+        backend's own), or with several models the backend's own (each model's is listed apart)."""
+        models = self.state.models
+        if len(models) == 1:
+            return next(iter(models.values()))
+        return self.health
+
+    def takes_traffic(self) -> bool:
+        """Ready, not ejected, and at least one of its models not ejected."""
+        models = self.state.models
+        return self.health.healthy and (not models or any(h.healthy for h in models.values()))
+
+    @property
+    def prefill(self) -> bool:
+        """Whether it continues a trailing assistant message (see BackendPolicy.prefill)."""
+        p = self.policy.prefill
+        return p if p is not None else self.policy.launch is not None
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, {self.base_url!r})"

@@ -11,6 +11,7 @@ import orjson
 from .admission import Ticket
 from .cache_entry import Entry
 from .classify import Verdict
+from .continuation import Transcript
 
 __all__ = ["Call", "Endpoint", "ENDPOINTS"]
 
@@ -66,6 +67,7 @@ class Call:
     streamed_tokens: int = 0  # content events passed to the client (what a client that leaves is charged)
     strip_usage: bool = False  # the gateway asked for the stream's usage chunk: the client did not
     ticket: Ticket | None = None  # its place in admission and backend queues (band, tenant, tokens)
+    transcript: Transcript | None = None  # what a stream delivered, when it could be continued elsewhere
     status: int = 200
     error: str | None = None
     finish: str | None = None  # "ok" | "error" | "client_disconnect" | "cut"

@@ -133,11 +133,12 @@ class UpstreamRejected(GatewayError):
     """A backend answered a 4xx about the request itself (context length, content filter):
     passed back as the backend said it, never retried on another backend."""
 
-    def __init__(self, status: int, body: bytes, backend: str) -> None:
+    def __init__(self, status: int, body: bytes, backend: str, *, context_length: bool = False) -> None:
         super().__init__(f"backend {backend!r} rejected the request with HTTP {status}")
         self.status = status
         self.backend = backend
         self.raw_body = body
+        self.context_length = context_length  # the prompt does not fit: a larger-context backend may answer
 
     def to_body(self) -> bytes:
         try:

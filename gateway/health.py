@@ -14,6 +14,11 @@ The relay reports outcomes (and the prober reports probe results); this object d
 
 "Never eject the last healthy backend" needs a view of all candidates: see `routing.usable()`.
 
+Health is kept per (backend, upstream model): a provider's 429 or 500 on one model says nothing
+about its other models. Each model's Health has the backend's own as its `parent`, which holds
+what is about the backend as a whole (readiness, probes, refused connections); a model is usable
+only while both are.
+
 What counts against a backend's health, and what teaches its latency tracker, is decided in one
 place: `OUTCOMES` below (the relay looks each attempt's outcome up there, and the tests check
 every row).
@@ -69,6 +74,9 @@ OUTCOMES: dict[str, Outcome] = {
     "caller_deadline": Outcome(health=False, sample=False, failover=False),  # the caller's own timeout
     "client_disconnect": Outcome(health=False, sample=False, failover=False),
     "lost": Outcome(health=False, sample=False, failover=False),  # a hedged rival answered first
+    # A restarted continuation whose answer began differently: a sampled answer, not a fault.
+    "mismatch": Outcome(health=False, sample=False),
+    "context_length": Outcome(health=False, sample=False),  # the prompt does not fit its window
 }
 
 
@@ -97,6 +105,7 @@ class Health:
     ejected_until: float = 0.0
     cooldown_until: float = 0.0  # from an upstream Retry-After
     ready: bool = True  # False while a launched backend starts
+    parent: "Health | None" = None  # the backend's own health, for a model's
 
     def report_success(self) -> None:
         """A request (not a probe) was answered: the backend is fully healthy again."""
@@ -131,40 +140,60 @@ class Health:
         backoff = min(self.max_eject_s, self.eject_s * 2.0 ** min(self.ejections - 1, 30))
         self.ejected_until = now + backoff * (1.0 - self.jitter * self.rng.random())
 
+    def clear(self, now: float) -> bool:
+        """Fully healthy at `now` (the selector's fast path): ready, never ejected, not cooling."""
+        p = self.parent
+        return (
+            self.ready and not self.ejections and now >= self.cooldown_until and now >= self.ejected_until
+            and (p is None or p.clear(now))
+        )
+
+    def is_ready(self) -> bool:
+        """False while the backend starts (a model's health follows its backend's)."""
+        return self.ready and (self.parent is None or self.parent.is_ready())
+
     def cool_down(self, seconds: float) -> None:
         """The backend asked for a pause (429/503 Retry-After): send it nothing for that long."""
         self.cooldown_until = max(self.cooldown_until, self.clock() + seconds)
 
     def cooling_for(self) -> float:
         """Seconds left of an upstream-requested pause (0 when none)."""
-        return max(0.0, self.cooldown_until - self.clock())
+        own = max(0.0, self.cooldown_until - self.clock())
+        return own if self.parent is None else max(own, self.parent.cooling_for())
 
     def available_in(self) -> float:
         """Seconds until it may take traffic again (0 when it may now; inf while starting)."""
         if not self.ready:
             return math.inf
         now = self.clock()
-        return max(0.0, self.ejected_until - now, self.cooldown_until - now)
+        own = max(0.0, self.ejected_until - now, self.cooldown_until - now)
+        return own if self.parent is None else max(own, self.parent.available_in())
 
     @property
     def healthy(self) -> bool:
         """Ready and not ejected (a cooling backend is healthy, only paused)."""
-        return self.ready and self.clock() >= self.ejected_until
+        own = self.ready and self.clock() >= self.ejected_until
+        return own and (self.parent is None or self.parent.healthy)
 
     @property
     def probing(self) -> bool:
         """Half-open: back from an ejection, no request has succeeded since."""
-        return self.ejections > 0 and self.clock() >= self.ejected_until
+        own = self.ejections > 0 and self.clock() >= self.ejected_until
+        return own or (self.parent is not None and self.parent.probing)
 
     def state(self) -> str:
         """One of starting, ejected, cooling, probing, healthy."""
+        if self.parent is not None:
+            up = self.parent.state()
+            if up in ("starting", "ejected"):
+                return up
         if not self.ready:
             return "starting"
         now = self.clock()
         if now < self.ejected_until:
             return "ejected"
-        if now < self.cooldown_until:
+        if now < self.cooldown_until or (self.parent is not None and up == "cooling"):
             return "cooling"
-        if self.ejections > 0:
+        if self.ejections > 0 or (self.parent is not None and up == "probing"):
             return "probing"
         return "healthy"

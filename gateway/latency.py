@@ -231,20 +231,31 @@ class Tracker:
         prompt_tokens: int | None = None,
         mult: float = 2.0,
         min_samples: int = 20,
+        cold_s: float | None = None,
     ) -> float:
         """How long to wait for this backend's first token: mult x its live TTFT P95, at least
-        floor_s, at most default_s (the configured timeout, also used until min_samples exist).
+        floor_s, at most default_s (the configured timeout). Until min_samples exist: cold_s (at
+        most default_s), else default_s.
 
         Only answered requests count towards the P95 (timeouts are censored), so a stuck backend
         does not stretch its own deadline. A prompt longer than usual adds its fitted prefill time.
         """
         ttft = self.ttft.sorted(self.clock(), _SORT_EVERY_S)
         if len(ttft) < min_samples:
-            return default_s
+            return default_s if cold_s is None else min(default_s, cold_s)
         p95 = quantile(ttft, 0.95) or 0.0
         if prompt_tokens is not None:
             p95 += self._slope * max(0.0, prompt_tokens - self._mean_x())
         return min(default_s, max(floor_s, mult * p95))
+
+    def idle_deadline_s(self, default_s: float, floor_s: float, cold_s: float, *, mult: float = 20.0, min_samples: int = 20) -> float:
+        """How long a stream of this backend may pause mid-answer before it counts as stalled:
+        mult x its live inter-token P99, at least floor_s, at most default_s; cold_s (at most
+        default_s) until min_samples exist."""
+        itl = self.itl.sorted(self.clock(), _SORT_EVERY_S)
+        if len(itl) < min_samples:
+            return min(default_s, cold_s)
+        return min(default_s, max(floor_s, mult * (quantile(itl, 0.99) or 0.0)))
 
     def ttft_p95_s(self, prompt_tokens: int | None = None, min_samples: int = 10) -> float | None:
         """The live TTFT P95 for a prompt of this size (None until min_samples exist): when a

@@ -56,6 +56,12 @@ class Metrics:
         self.failovers = Counter(
             "gateway_failovers", "Requests moved to another backend before the first byte", ["backend"], registry=r
         )
+        self.relay_events = Counter(
+            "gateway_relay_events",
+            "What the relay did about a failing backend: failover, retry, cooldown, ejection, continuation, "
+            "context_fallback; reason: the outcome that caused it (or the continuation's mode and result)",
+            ["event", "reason"], registry=r,
+        )
         self.malformed_chunks = Counter(
             "gateway_stream_malformed_chunks", "Stream events dropped as malformed", ["backend"], registry=r
         )

@@ -222,7 +222,7 @@ async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, An
             {
                 "backend": b.name,
                 "upstream_model": b.upstream_model(call.model),
-                "health": b.health.state(),
+                "health": b.health_for(call.model).state(),
                 "inflight": b.slots.used,
                 "max_concurrency": b.slots.limit,
                 "ttft_p50_ms": snap["ttft_p50_ms"],

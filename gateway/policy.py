@@ -23,6 +23,7 @@ __all__ = [
     "BackendPolicy",
     "ModelRoute",
     "TenantPolicy",
+    "RetryPolicy",
     "MetricsPolicy",
     "load_policy",
     "parse_policy",
@@ -43,7 +44,9 @@ class TimeoutsPolicy(_Section):
 
     connect_ms: int = Field(2_000, gt=0)
     first_token_ms: int = Field(30_000, gt=0)  # headers, and the first content token of a stream
-    idle_ms: int = Field(60_000, gt=0)  # between two chunks of a stream
+    # Between two chunks of a stream. While another backend could continue the answer, a stall is
+    # detected sooner, from live inter-token data (routing.idle_p99_multiplier); this is the cap.
+    idle_ms: int = Field(60_000, gt=0)
     total_ms: int = Field(600_000, gt=0)  # a whole non-streamed answer
 
 
@@ -81,6 +84,10 @@ class BackendPolicy(_Section):
     price: PricePolicy | None = None  # USD per million tokens: spend quotas and gateway_spend_usd_total
     # The OpenAI endpoints this backend serves; embeddings are opt-in (most chat servers lack them).
     endpoints: tuple[Endpoint, ...] = Field(("chat", "completions"), min_length=1)
+    # Whether it continues a trailing assistant message (an assistant prefill) instead of starting a
+    # new turn: how a stream cut elsewhere is continued here. None: the default for its kind (true
+    # for a launched local backend, false otherwise: OpenAI's own API starts a new message).
+    prefill: bool | None = None
 
     @field_validator("url")
     @classmethod
@@ -120,6 +127,37 @@ class HedgePolicy(_Section):
     default_delay_ms: int = Field(2_000, gt=0)  # before the backend has a live P95
 
 
+RetryOn = int | Literal["reset", "connect", "timeout"]
+
+
+class RetryPolicy(_Section):
+    """Same-backend retries before failing over (routes whose order is a preference). Each try
+    counts within server.max_attempts and the request's deadline."""
+
+    attempts: int = Field(2, ge=1, le=10)  # tries on one backend, the first included
+    # HTTP statuses, and `reset` (connection lost before the first token), `connect` (refused),
+    # `timeout` (no first token in time).
+    on: tuple[RetryOn, ...] = (429, 500, 502, 503, "reset")
+    max_wait_ms: int = Field(2_000, ge=0)  # a longer Retry-After (or back-off) fails over instead
+    backoff_ms: int = Field(250, gt=0)  # the pause without a Retry-After; doubles per retry, jittered
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, data: Any) -> Any:
+        # YAML 1.1 reads a bare `on:` key as the boolean true.
+        if isinstance(data, dict) and True in data and "on" not in data:
+            data = {("on" if k is True else k): v for k, v in data.items()}
+        return data
+
+    @field_validator("on")
+    @classmethod
+    def _statuses(cls, v: tuple[RetryOn, ...]) -> tuple[RetryOn, ...]:
+        for s in v:
+            if isinstance(s, int) and not (400 <= s <= 599 and s not in (400, 404, 413, 422)):
+                raise ValueError(f"{s} is not a retryable HTTP status (4xx about the request is never retried)")
+        return v
+
+
 class ModelRoute(_Section):
     """Candidates for one public model: an ordered list, or one list per request class."""
 
@@ -130,6 +168,10 @@ class ModelRoute(_Section):
     hedge: HedgePolicy | None = None  # opt-in
     cache: CacheOverride | None = None
     strategy: Literal["latency", "round_robin", "least_inflight", "weighted", "ordered"] | None = None  # None: routing.strategy
+    retry: RetryPolicy | None = None  # None: no same-backend retries, fail over at once
+    # Backends with a larger context window, tried (in order) when a candidate answers
+    # 400 context_length_exceeded; their `models:` map may name a larger upstream model.
+    context_fallbacks: tuple[str, ...] = ()
 
     @model_validator(mode="after")
     def _one_style(self) -> "ModelRoute":
@@ -238,6 +280,16 @@ class RoutingPolicy(_Section):
     # capped by its timeouts.first_token_ms (which also applies until enough samples exist).
     deadline_p95_multiplier: float = Field(2.0, ge=1)
     deadline_floor_ms: int = Field(2_000, gt=0)
+    # A backend without enough samples, while another could take over: the alternatives' live
+    # deadline (multiplier x their P95), else this.
+    cold_first_token_ms: int = Field(10_000, gt=0)
+    # A stall mid-stream, while another backend could continue the answer: multiplier x the
+    # backend's live inter-token P99, at least idle_floor_ms (cold_idle_ms before 20 samples),
+    # at most its timeouts.idle_ms.
+    idle_p99_multiplier: float = Field(20.0, ge=1)
+    idle_floor_ms: int = Field(3_000, gt=0)
+    cold_idle_ms: int = Field(10_000, gt=0)
+    continuation: bool = True  # false: a stream cut mid-answer ends with an error event (no rescue)
 
 
 class HealthPolicy(_Section):
@@ -427,14 +479,14 @@ def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
     models = _as_dict(data.get("models"))
     tenants = _as_dict(data.get("tenants"))
     for mname, route in models.items():
-        for field in ("backends", "simple", "complex"):
+        for field in ("backends", "simple", "complex", "context_fallbacks"):
             for i, bname in enumerate(_as_names(_as_dict(route).get(field))):
                 loc = ("models", mname, field, i)
                 if not isinstance(bname, str):
                     continue
                 if bname not in backends:
                     problems.append((loc, f"unknown backend {bname!r}"))
-                elif field == "backends" and str(mname) not in _served(backends[bname]):
+                elif field in ("backends", "context_fallbacks") and str(mname) not in _served(backends[bname]):
                     problems.append((loc, f"backend {bname!r} does not serve model {mname!r} (add it to its `models`)"))
     known = {str(m) for m in models}.union(*(_served(b) for b in backends.values()))
     for tname, tenant in tenants.items():
@@ -534,7 +586,12 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
         policy = Policy.model_validate(data)
     except ValidationError as exc:
         for err in exc.errors():
-            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("tuple", "dict"))))
+            raw_loc = err["loc"]
+            loc = tuple(
+                p for i, p in enumerate(raw_loc)
+                if not (isinstance(p, str) and ("[" in p or p in ("tuple", "dict")
+                                                or (p in ("int", "str") and i and isinstance(raw_loc[i - 1], int))))
+            )
             text_path, parts = _path(loc)
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":

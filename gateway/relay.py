@@ -1,20 +1,26 @@
-"""The upstream call: which backend, failover before the first byte, hedging, reports.
+"""The upstream call: which backend, failover before the first byte, retries, hedging,
+context-window fallbacks, continuation of a broken stream, reports.
 
 The relay *reports* outcomes (to each backend's tracker and health); health decides ejection and
-the selector ranks. Nothing is retried once a content byte reached the client (see attempt.py).
+the selector ranks. Once content reached the client nothing is sent again: a stream that breaks
+is continued from where it broke (continuation.py) or ends with an error event.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from .admission import MAX_WAIT_SHARE, Shed, Ticket
-from .attempt import AttemptFailed, ClientGone, Lost, Progress, RelayContext, attempt
+from .attempt import AttemptFailed, ClientGone, Cut, Lost, Progress, RelayContext, attempt, client_write
 from .backends import Backend
 from .call import Call
+from .continuation import Resume, Transcript
 from .errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
 from .health import outcome
 from .latency import quantile
@@ -26,6 +32,8 @@ from .wire import SSE_HEARTBEAT
 
 __all__ = ["relay", "ClientGone", "RelayContext"]
 
+log = logging.getLogger("gateway.relay")
+
 
 def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> list[Backend]:
     """The backends to try, best first, from the pool's selector; skipped ones explain themselves."""
@@ -33,19 +41,20 @@ def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> l
     order = [pool.backends[r.index] for r in ranked if r.skipped is None]
     if not order and ranked and ranked[0].note and ranked[0].note.startswith("last resort"):
         last = pool.backends[ranked[0].index]
-        if last.health.cooling_for() <= 0:  # never call a backend that asked for a pause
+        if pool.candidates[ranked[0].index].health.cooling_for() <= 0:  # never call a backend that asked for a pause
             order.append(last)
     for r in ranked:
         b = pool.backends[r.index]
+        h = pool.candidates[r.index].health  # this model's health on that backend
         if r.skipped is None or b in order:
             continue
         if r.skipped == "starting":
             failures.append((b.name, Unavailable("the backend is starting", retry_after_s=5)))
         elif r.skipped == "cooling":
-            wait = b.health.cooling_for()
+            wait = h.cooling_for()
             failures.append((b.name, RateLimited(f"asked us to back off for {wait:.1f}s more", retry_after_s=wait)))
         else:
-            failures.append((b.name, Unavailable(f"skipped: {r.skipped}", retry_after_s=max(1.0, b.health.available_in()))))
+            failures.append((b.name, Unavailable(f"skipped: {r.skipped}", retry_after_s=max(1.0, h.available_in()))))
     return order
 
 
@@ -81,7 +90,7 @@ async def _admit(call: Call, ticket: Ticket, pool: Pool, ctx: RelayContext, sink
     """The admission stage: a place among the process's `max_inflight`, or a quick refusal when
     the predicted wait (here, and then at the best backend) cannot meet the deadline."""
     downstream = None
-    usable = [b for b in pool.backends if b.health.healthy] or list(pool.backends)
+    usable = [b for b, c in zip(pool.backends, pool.candidates) if c.health.healthy] or list(pool.backends)
     first_token_s = min((b.tracker.predict_ttft(call.prompt_tokens) or 0.0) for b in usable) if usable else 0.0
     if usable and not any(b.slots.free(ticket.band) for b in usable):
         # Every candidate is full: the wait continues at the one that frees up soonest. (Not the
@@ -114,29 +123,72 @@ async def _relay(
     call: Call, route: Route, pool: Pool, ticket: Ticket, ctx: RelayContext, sink: Sink, progress: Progress,
     *, shed: bool = True,
 ) -> None:
-    failures: list[tuple[str, GatewayError]] = []
+    """Answer from the candidates (failover, same-backend retries, context-window fallbacks), then
+    continue the answer elsewhere if its stream broke mid-way."""
+    tries = _Tries()
+    if call.stream and route.routing.continuation and len(pool.backends) > 1 and _one_answer(call):
+        call.transcript = Transcript()
+    try:
+        await _answer(call, route, pool, ticket, ctx, sink, progress, tries, shed)
+    except UpstreamRejected as rejected:
+        if not (rejected.context_length and route.context_fallbacks) or progress.owner is not None:
+            raise
+        await _context_fallback(call, route, rejected, ctx, sink, progress, tries)
+    if progress.cut is not None:
+        await _rescue(call, route, pool, ctx, sink, progress, tries)
+
+
+def _one_answer(call: Call) -> bool:
+    """A stream whose text a continuation could reproduce: one choice, no tool calls asked for."""
+    body = call.body
+    return call.endpoint.name in ("chat", "completions") and body.get("n") in (None, 1) and not body.get("tools")
+
+
+@dataclass(slots=True)
+class _Tries:
+    """One request's attempts so far."""
+
+    failures: list[tuple[str, GatewayError]] = field(default_factory=list)
+    count: int = 0  # attempts started, retries included (bounded by server.max_attempts)
+    last_kind: str | None = None  # how the last failed attempt failed (a health.OUTCOMES key)
+    on: dict[str, int] = field(default_factory=dict)  # backend -> attempts on it
+
+
+async def _answer(
+    call: Call, route: Route, pool: Pool, ticket: Ticket, ctx: RelayContext, sink: Sink, progress: Progress,
+    tries: _Tries, shed: bool,
+) -> None:
+    failures = tries.failures
     order = _plan(call, pool, failures)
     full: list[Backend] = []
     server = route.server
-    attempts = 0
+    cold_s = _cold_first_token_s(call, pool, route.routing)
     for i, backend in enumerate(order):
-        if attempts >= server.max_attempts or call.remaining_s() <= 0:
+        if tries.count >= server.max_attempts or call.remaining_s() <= 0:
             break
         if backend.name in call.attempts:
             continue  # it already ran as a hedge
         if not backend.slots.free(ticket.band):
             full.append(backend)
             continue
-        attempts += 1
-        # The live-P95 deadline only while another backend could take over.
-        last = attempts >= server.max_attempts or i == len(order) - 1
-        if route.hedge is not None and attempts == 1 and not last:
-            answered = await _hedged(call, backend, order[i + 1 :], route, ctx, sink, progress, failures)
-        else:
-            answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None if last else route.routing)
-        if answered or progress.owner is not None:
-            return  # once an attempt owns the client, nothing else starts for this request
-    if attempts == 0 and full:
+        while True:
+            tries.count += 1
+            # The live-P95 deadline only while another backend could take over.
+            last = tries.count >= server.max_attempts or i == len(order) - 1
+            if route.hedge is not None and tries.count == 1 and not last:
+                answered = await _hedged(call, backend, order[i + 1 :], route, ctx, sink, progress, tries, cold_s)
+            else:
+                answered = await _try(call, backend, ctx, sink, progress, tries,
+                                      live_deadline=None if last else route.routing, cold_s=cold_s)
+            if answered or progress.owner is not None:
+                return  # once an attempt owns the client, nothing else starts for this request
+            wait = _retry_wait(call, route, backend, tries)
+            if wait is None or not backend.slots.free(ticket.band):
+                break
+            ctx.metrics.relay_events.labels("retry", tries.last_kind or "unknown").inc()
+            log.info("request %s: retrying backend %r in %.0f ms after %s", call.request_id, backend.name, wait * 1000, tries.last_kind)
+            await asyncio.sleep(wait)
+    if tries.count == 0 and full:
         # Every candidate is at its max_concurrency: queue for the best one, if it can answer in time.
         backend = full[0]
         remaining = call.remaining_s()
@@ -151,7 +203,8 @@ async def _relay(
         budget = remaining - ttft if shed else remaining  # shedding: never hold a slot it cannot use
         by_deadline = budget <= backend.timeouts.first_token_ms / 1000
         wait_s = min(budget, backend.timeouts.first_token_ms / 1000)
-        answered = await _try(call, backend, ctx, sink, progress, failures, live_deadline=None, wait_s=wait_s, ticket=ticket)
+        tries.count += 1
+        answered = await _try(call, backend, ctx, sink, progress, tries, live_deadline=None, wait_s=wait_s, ticket=ticket)
         if answered or progress.owner is not None:
             return
         if answered is None:
@@ -162,6 +215,141 @@ async def _relay(
             else:
                 failures.extend((b.name, Unavailable("at max_concurrency", retry_after_s=1)) for b in full)
     raise AllBackendsFailed(failures, deadline_hit=call.remaining_s() <= 0)
+
+
+def _cold_first_token_s(call: Call, pool: Pool, rp: RoutingPolicy) -> float | None:
+    """The first-token deadline for a candidate with too few samples (while another could take
+    over): the live deadline of the best-known alternative, else routing.cold_first_token_ms."""
+    if len(pool.backends) < 2:
+        return None
+    best = None
+    for b in pool.backends:
+        p95 = b.tracker.ttft_p95_s(call.prompt_tokens, min_samples=20)
+        if p95 is not None:
+            d = max(rp.deadline_floor_ms / 1000, rp.deadline_p95_multiplier * p95)
+            best = d if best is None else min(best, d)
+    return best if best is not None else rp.cold_first_token_ms / 1000
+
+
+# retry.on names -> the outcome kinds they stand for
+_RETRY_NAMES = {
+    "reset": ("reset_before_headers", "disconnect", "cut"),
+    "connect": ("connect",),
+    "timeout": ("timeout", "first_token_timeout"),
+}
+_MIN_RETRY_WAIT_S = 0.05  # never a tight loop, whatever Retry-After says
+
+
+def _retry_wait(call: Call, route: Route, backend: Backend, tries: _Tries) -> float | None:
+    """Seconds to wait before trying `backend` again (route.retry), or None to fail over."""
+    rp, kind = route.retry, tries.last_kind
+    if rp is None or kind is None or tries.on.get(backend.name, 0) >= rp.attempts:
+        return None
+    if tries.count >= route.server.max_attempts:
+        return None
+    status = int(kind[5:]) if kind.startswith("http_") and kind[5:].isdigit() else None
+    if not any(o == status if isinstance(o, int) else kind in _RETRY_NAMES[o] for o in rp.on):
+        return None
+    n = tries.on.get(backend.name, 1)
+    wait = rp.backoff_ms / 1000 * 2 ** (n - 1) * random.uniform(0.75, 1.25)
+    if kind in ("http_429", "http_503"):
+        wait = backend.health_for(call.model).cooling_for() or wait  # its Retry-After
+    wait = max(_MIN_RETRY_WAIT_S, wait)
+    if wait > rp.max_wait_ms / 1000 or wait >= call.remaining_s():
+        return None
+    return wait
+
+
+async def _context_fallback(
+    call: Call, route: Route, rejected: UpstreamRejected, ctx: RelayContext, sink: Sink, progress: Progress, tries: _Tries,
+) -> None:
+    """The prompt did not fit: try the route's larger-context backends, never the same upstream
+    model twice; pass the rejection back when none answers."""
+    by_name = {b.name: b for b in (*route.simple.backends, *route.complex.backends, *route.context_fallbacks)}
+    too_small = {by_name[rejected.backend].upstream_model(call.model)} if rejected.backend in by_name else set()
+    for fb in route.context_fallbacks:
+        model = fb.upstream_model(call.model)
+        if model in too_small or fb.name in call.attempts or call.remaining_s() <= 0:
+            continue
+        ctx.metrics.relay_events.labels("context_fallback", "context_length").inc()
+        log.info("request %s: backend %r said context length exceeded; trying %r (model %r)",
+                 call.request_id, rejected.backend, fb.name, model)
+        sink.set_header("x-gateway-fallback", "context_length")
+        tries.count += 1
+        tries.last_kind = "context_length"
+        try:
+            answered = await _try(call, fb, ctx, sink, progress, tries, live_deadline=None,
+                                  wait_s=min(call.remaining_s(), fb.timeouts.first_token_ms / 1000), ticket=call.ticket)
+        except UpstreamRejected as again:
+            if not again.context_length:
+                raise
+            too_small.add(model)
+            continue
+        if answered or progress.owner is not None:
+            return
+    raise rejected
+
+
+# Mid-stream failures another backend may rescue (a caller's deadline is not one of them).
+_RESCUABLE = frozenset({"cut_mid_stream", "error_event_mid_stream", "too_large"})
+
+
+async def _rescue(
+    call: Call, route: Route, pool: Pool, ctx: RelayContext, sink: Sink, progress: Progress, tries: _Tries,
+) -> None:
+    """A stream broke after content reached the client: continue it on the next candidates
+    (prefill where the backend takes one, else restart and skip the delivered text), or end it
+    with an error event naming the original failure."""
+    original = cut = progress.cut
+    assert cut is not None
+    transcript = call.transcript
+    broken = {call.backend}
+    notes: list[str] = []
+    if transcript is not None and transcript.continuable and cut.kind in _RESCUABLE:
+        call.capture, call.entry = 0, None  # an answer spliced from two backends is not cached
+        rescues = 0
+        ranked = [r for r in pool.selector.rank(pool.candidates, call.prompt_tokens) if r.skipped is None]
+        candidates = [pool.backends[r.index] for r in ranked if pool.backends[r.index].name not in broken]
+        for n, backend in enumerate(candidates):
+            if rescues >= route.server.max_attempts or call.remaining_s() <= 0 or cut.kind not in _RESCUABLE:
+                break
+            modes = ("prefill", "restart") if backend.prefill else ("restart",)
+            for mode in modes:
+                rescues += 1
+                progress.cut, progress.owner, progress.rivals = None, None, None
+                resume = Resume(transcript, mode, backend.name, original.err.message)
+                log.warning("request %s: %s; continuing the answer on %r (%s, %d characters delivered)",
+                            call.request_id, cut.err.message, backend.name, mode, len(transcript.text))
+                last = n == len(candidates) - 1
+                try:
+                    answered = await _try(call, backend, ctx, sink, progress, tries,
+                                          live_deadline=None if last else route.routing, resume=resume)
+                except UpstreamRejected as rejected:
+                    # A 4xx to a continuation: most likely the prefill itself; restart instead.
+                    notes.append(f"{backend.name} ({mode}): HTTP {rejected.status}")
+                    ctx.metrics.relay_events.labels("continuation", f"{mode}_rejected").inc()
+                    continue
+                if progress.cut is not None:  # the continuation broke too: go on from there
+                    cut = progress.cut
+                    broken.add(backend.name)
+                    notes.append(f"{backend.name} ({mode}): {cut.err.message}")
+                    ctx.metrics.relay_events.labels("continuation", f"{mode}_cut").inc()
+                    break
+                if answered:
+                    ctx.metrics.relay_events.labels("continuation", mode).inc()
+                    log.info("request %s: answer continued on %r (%s); backends %s",
+                             call.request_id, backend.name, mode, ", ".join(transcript.backends))
+                    return
+                why = tries.failures[-1][1].message if tries.failures else "no slot"
+                notes.append(f"{backend.name} ({mode}): {why}")
+                ctx.metrics.relay_events.labels("continuation", f"{mode}_failed").inc()
+                break
+    call.finish = "cut"
+    err = original.err
+    if notes:
+        err = type(err)(f"{err.message}; the answer could not be continued ({'; '.join(notes)})")
+    log.warning("request %s: stream ended with an error after content was sent: %s", call.request_id, err.message)
+    await client_write(sink.fail(err))
 
 
 def _band(call: Call) -> str:
@@ -186,7 +374,8 @@ async def _hedged(
     ctx: RelayContext,
     sink: Sink,
     progress: Progress,
-    failures: list[tuple[str, GatewayError]],
+    tries: _Tries,
+    cold_s: float | None,
 ) -> bool:
     """Run the primary; if its first token is later than its live P95, run the same request on
     the next best backend too. Whichever reaches the client first wins; the other is cancelled.
@@ -198,7 +387,7 @@ async def _hedged(
     budget.note_request()
     p95 = primary.tracker.ttft_p95_s(call.prompt_tokens)
     delay = hp.default_delay_ms / 1000 if p95 is None else max(hp.min_delay_ms / 1000, p95)
-    tasks = [asyncio.create_task(_try(call, primary, ctx, sink, progress, failures, live_deadline=route.routing))]
+    tasks = [asyncio.create_task(_try(call, primary, ctx, sink, progress, tries, live_deadline=route.routing, cold_s=cold_s))]
     try:
         done, _ = await asyncio.wait(tasks, timeout=min(delay, max(0.0, call.remaining_s())))
         if not done and progress.owner is None:
@@ -210,7 +399,7 @@ async def _hedged(
             else:
                 ctx.metrics.hedges.labels("started").inc()
                 progress.rivals = tasks
-                tasks.append(asyncio.create_task(_try(call, second, ctx, sink, progress, failures, live_deadline=route.routing)))
+                tasks.append(asyncio.create_task(_try(call, second, ctx, sink, progress, tries, live_deadline=route.routing, cold_s=cold_s)))
         results = await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         for task in tasks:
@@ -232,17 +421,19 @@ async def _try(
     ctx: RelayContext,
     sink: Sink,
     progress: Progress,
-    failures: list[tuple[str, GatewayError]],
+    tries: _Tries,
     *,
     live_deadline: RoutingPolicy | None,
     wait_s: float = 0.0,
     ticket: Ticket | None = None,
+    cold_s: float | None = None,
+    resume: Resume | None = None,
 ) -> bool | None:
     """One attempt on a backend, holding one of its slots from start to end (`wait_s`: how long
-    to queue for one). `live_deadline`: the rule for a first-token deadline from live data, None
-    for the backend's fixed one. True when the call is answered (or lost to a mid-stream failure,
-    answered with an error event); False when it failed before the first byte (or lost a hedge);
-    None when no slot came free."""
+    to queue for one). `live_deadline`: the rule for first-token and stall deadlines from live
+    data, None for the backend's fixed ones. True when this attempt owned the client: answered,
+    or its stream broke mid-way (then `progress.cut` says how); False when it failed before the
+    first byte (or lost a hedge); None when no slot came free."""
     slots = backend.slots
     if not slots.try_acquire(_band(call)):
         if wait_s <= 0:
@@ -263,23 +454,34 @@ async def _try(
     m.inflight.inc()
     try:
         started = time.perf_counter()
-        if call.attempts:
+        if call.attempts and resume is None and call.attempts[-1] != backend.name and tries.last_kind != "context_length":
             m.failovers.inc()
+            ctx.metrics.relay_events.labels("failover", tries.last_kind or "unknown").inc()
+            log.info("request %s: failing over from %r (%s) to %r", call.request_id, call.attempts[-1], tries.last_kind, backend.name)
         call.attempts.append(backend.name)
+        tries.on[backend.name] = tries.on.get(backend.name, 0) + 1
         call.backend = backend.name
         sink.set_header("x-gateway-backend", backend.name)
         try:
-            kind = await attempt(call, backend, ctx, sink, progress, started, live_deadline)
+            kind = await attempt(call, backend, ctx, sink, progress, started, live_deadline, cold_s=cold_s, resume=resume)
         except AttemptFailed as failed:
-            failures.append((backend.name, failed.err))
-            _account(call, backend, m, failed.kind, time.perf_counter() - started)
+            tries.failures.append((backend.name, failed.err))
+            tries.last_kind = failed.kind
+            _account(call, backend, ctx, m, failed.kind, time.perf_counter() - started)
+            log.info("request %s: backend %r failed before the first token (%s): %s",
+                     call.request_id, backend.name, failed.kind, failed.err.message)
             return False
+        except Cut as cut:
+            progress.cut = cut
+            _account(call, backend, ctx, m, cut.kind, time.perf_counter() - started)
+            return True
         except Lost:
             return False  # a hedged rival answered first: nothing about this backend is known
-        except UpstreamRejected:
-            _account(call, backend, m, "rejected", time.perf_counter() - started)
+        except UpstreamRejected as rejected:
+            kind = "context_length" if rejected.context_length else "rejected"
+            _account(call, backend, ctx, m, kind, time.perf_counter() - started)
             raise
-        _account(call, backend, m, kind, time.perf_counter() - started)
+        _account(call, backend, ctx, m, kind, time.perf_counter() - started)
         return True
     finally:
         slots.release(_band(call))
@@ -287,11 +489,14 @@ async def _try(
 
 
 # Outcomes that are not the backend's errors: not in gateway_upstream_errors_total.
-_NOT_UPSTREAM_ERRORS = frozenset({"rejected", "caller_deadline", "client_disconnect", "lost"})
+_NOT_UPSTREAM_ERRORS = frozenset({"rejected", "context_length", "caller_deadline", "client_disconnect", "lost", "mismatch"})
+# Outcomes about the backend as a whole, not one of its models.
+_WHOLE_BACKEND = frozenset({"connect"})
 
 
-def _account(call: Call, backend: Backend, m: BackendMetrics, kind: str, seconds: float) -> None:
-    """Report one attempt's outcome to the backend's tracker and health, as health.OUTCOMES says."""
+def _account(call: Call, backend: Backend, ctx: RelayContext, m: BackendMetrics, kind: str, seconds: float) -> None:
+    """Report one attempt's outcome to the backend's tracker and its model's health (or the
+    backend's own, for a refused connection), as health.OUTCOMES says."""
     o = outcome(kind)
     if o.sample:
         completion = (call.usage or {}).get("completion_tokens") if kind == "ok" else None
@@ -303,16 +508,26 @@ def _account(call: Call, backend: Backend, m: BackendMetrics, kind: str, seconds
             streamed=call.stream,
             timeout=kind in ("timeout", "first_token_timeout"),
         )
+    health = backend.health_for(call.model)
     if kind == "ok":
-        backend.health.report_success()
+        health.report_success()
+        backend.health.report_success()  # the backend as a whole answers, too
         return
     if kind not in _NOT_UPSTREAM_ERRORS:
         m.error(kind)
+    if kind in ("http_429", "http_503"):
+        ctx.metrics.relay_events.labels("cooldown", kind).inc()
     if o.health:
-        ejections = backend.health.ejections
-        backend.health.report_failure()
-        if backend.health.ejections > ejections:
+        if kind in _WHOLE_BACKEND:
+            health = backend.health
+        ejections = health.ejections
+        health.report_failure()
+        if health.ejections > ejections:
             m.ejections.inc()
+            ctx.metrics.relay_events.labels("ejection", kind).inc()
+            target = "" if health is backend.health else f" model {backend.upstream_model(call.model)!r}"
+            log.warning("request %s: backend %r%s ejected for %.1f s after %d failures in a row (last: %s)",
+                        call.request_id, backend.name, target, health.available_in(), health.consecutive_failures, kind)
 
 
 class _Heartbeat:

@@ -90,7 +90,7 @@ def usable(candidates: Sequence[Candidate]) -> list[Candidate]:
     ok = [c for c in candidates if skip_reason(c) is None]
     if ok:
         return ok
-    rest = [c for c in candidates if c.health.ready]
+    rest = [c for c in candidates if c.health.is_ready()]
     return [min(rest, key=_least_bad_key)] if rest else []
 
 
@@ -138,9 +138,8 @@ class Selector:
         for i, c in enumerate(candidates):
             pred = c.tracker.predict_ttft(prompt_tokens)
             h = c.health
-            now = h.clock()
             # Fast path for the common case (fully healthy); skip_reason() decides the rest.
-            if h.ready and not h.ejections and now >= h.cooldown_until and now >= h.ejected_until:
+            if h.clear(h.clock()):
                 eligible.append((i, c, pred))
                 continue
             reason = skip_reason(c)
@@ -160,7 +159,7 @@ class Selector:
             out = self._weighted(eligible)
         skipped.sort(key=lambda s: _least_bad_key(s[1]))
         for n, (i, c, pred, reason) in enumerate(skipped):
-            last = not out and n == 0 and c.health.ready
+            last = not out and n == 0 and c.health.is_ready()
             out.append(Ranked(c.name, i, pred, math.inf, reason, "last resort: no candidate is available" if last else None))
         return out
 

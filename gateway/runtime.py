@@ -20,7 +20,17 @@ from .health import Health
 from .latency import Tracker
 from .auth import Tenant
 from .cache import Cache, cache_key, cacheable_request
-from .policy import BackendPolicy, CacheOverride, HedgePolicy, ModelRoute, Policy, RoutingPolicy, ServerPolicy, StorePolicy
+from .policy import (
+    BackendPolicy,
+    CacheOverride,
+    HedgePolicy,
+    ModelRoute,
+    Policy,
+    RetryPolicy,
+    RoutingPolicy,
+    ServerPolicy,
+    StorePolicy,
+)
 from .quota import Quota
 from .store import MemoryStore, Store
 from .store_redis import RedisStore
@@ -89,6 +99,8 @@ class Route:
     routing: RoutingPolicy = field(default_factory=RoutingPolicy)
     # endpoint -> (simple, complex) pools of only the backends that serve it (None: none does)
     by_endpoint: dict[str, tuple[Pool | None, Pool | None]] = field(default_factory=dict)
+    retry: RetryPolicy | None = None
+    context_fallbacks: tuple[Backend, ...] = ()  # for a 400 context_length_exceeded
 
     def pool(self, cls: str, endpoint: str = "chat") -> Pool:
         """The candidates for a request class on an endpoint; BadRequest when no backend of this
@@ -178,30 +190,30 @@ class Runtime:
         key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body)
         return CachePlan(key, None, ttl, not call.no_store)
 
-    def _pool(self, names: tuple[str, ...], strategy: str) -> Pool:
+    def _pool(self, model: str, names: tuple[str, ...], strategy: str) -> Pool:
         rp = self.routing
         picked = tuple(self.backends[b] for b in names)
-        cands = tuple(Candidate(b.name, b.tracker, b.health, b.policy.weight, _cost(b.policy)) for b in picked)
+        cands = tuple(Candidate(b.name, b.tracker, b.health_for(model), b.policy.weight, _cost(b.policy)) for b in picked)
         selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s)
         return Pool(picked, cands, selector)
 
-    def _by_endpoint(self, pool: Pool, strategy: str) -> dict[str, Pool | None]:
+    def _by_endpoint(self, model: str, pool: Pool, strategy: str) -> dict[str, Pool | None]:
         """Per endpoint: the pool itself when every backend serves it, else the ones that do."""
         out: dict[str, Pool | None] = {}
         for ep in ENDPOINTS:
             names = tuple(b.name for b in pool.backends if ep in b.policy.endpoints)
-            out[ep] = pool if len(names) == len(pool.backends) else (self._pool(names, strategy) if names else None)
+            out[ep] = pool if len(names) == len(pool.backends) else (self._pool(model, names, strategy) if names else None)
         return out
 
     def _route(self, model: str, r: ModelRoute) -> Route:
         strategy = r.strategy or self.routing.strategy
         budget = HedgeBudget(r.hedge.max_extra_pct) if r.hedge else None
         if r.backends is not None:
-            simple = complex_ = self._pool(r.backends, strategy)
+            simple = complex_ = self._pool(model, r.backends, strategy)
         else:
-            simple, complex_ = self._pool(r.simple or (), strategy), self._pool(r.complex or (), strategy)
-        s_eps = self._by_endpoint(simple, strategy)
-        c_eps = s_eps if complex_ is simple else self._by_endpoint(complex_, strategy)
+            simple, complex_ = self._pool(model, r.simple or (), strategy), self._pool(model, r.complex or (), strategy)
+        s_eps = self._by_endpoint(model, simple, strategy)
+        c_eps = s_eps if complex_ is simple else self._by_endpoint(model, complex_, strategy)
         return Route(
             model,
             simple,
@@ -214,6 +226,8 @@ class Runtime:
             server=self.server,
             routing=self.routing,
             by_endpoint={ep: (s_eps[ep], c_eps[ep]) for ep in ENDPOINTS},
+            retry=r.retry,
+            context_fallbacks=tuple(self.backends[b] for b in r.context_fallbacks),
         )
 
     def classify(self, call: Call, route: Route) -> Verdict:
@@ -264,10 +278,10 @@ def build_runtime(
     classifier = Classifier.load(policy.classifier.weights_file)
     # Only now that everything built: apply the new limits to the live state.
     for name, backend in backends.items():
-        h = backend.state.health
-        h.failures_to_eject = hp.failures_to_eject
-        h.eject_s = hp.eject_ms / 1000
-        h.max_eject_s = hp.max_eject_ms / 1000
+        for h in (backend.state.health, *backend.state.models.values()):
+            h.failures_to_eject = hp.failures_to_eject
+            h.eject_s = hp.eject_ms / 1000
+            h.max_eject_s = hp.max_eject_ms / 1000
         backend.slots.limit = backend.policy.max_concurrency
         backend.slots.reserve = reserve_slots(backend.slots.limit, policy.admission.priority_reserve_pct)
         backend.slots.queue.starvation_share = policy.admission.starvation_share

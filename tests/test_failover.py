@@ -140,10 +140,10 @@ async def test_the_request_deadline_header_bounds_the_whole_request(upstream, ga
     assert time.perf_counter() - t0 < 1.5
 
 
-async def test_a_backend_dying_mid_stream_gives_an_error_event_and_no_done(upstream, gateway):
+async def test_a_backend_dying_mid_stream_gives_an_error_event_and_no_done_without_continuation(upstream, gateway):
     flaky = await upstream("flaky", mode="disconnect", fail_after=3, tokens=10)
     spare = await upstream("spare")
-    gw = await gateway(simple_policy(flaky, spare))
+    gw = await gateway(simple_policy(flaky, spare, routing={"continuation": False}))
     parts = []
     with pytest.raises(openai.APIError) as exc:
         s = await gw.client().chat.completions.create(model="gpt-test", messages=MSG, stream=True)
@@ -155,9 +155,26 @@ async def test_a_backend_dying_mid_stream_gives_an_error_event_and_no_done(upstr
     assert 'kind="cut_mid_stream"' in await _metric(gw, "gateway_upstream_errors_total")
 
 
+async def test_a_backend_dying_mid_stream_is_continued_on_the_next_backend(upstream, gateway):
+    flaky = await upstream("flaky", mode="disconnect", fail_after=3, tokens=10)
+    spare = await upstream("spare", tokens=10)
+    gw = await gateway(simple_policy(flaky, spare))
+    chunks = []
+    s = await gw.client().chat.completions.create(model="gpt-test", messages=MSG, stream=True)
+    async for c in s:
+        chunks.append(c)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(f"w{i} " for i in range(10))  # one seamless answer, nothing twice
+    assert len({c.id for c in chunks}) == 1 and len({c.model for c in chunks}) == 1
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish and finish[-1].model_extra["x_gateway"]["backends"] == ["flaky", "spare"]
+    assert spare.stats.requests == 1
+    assert 'event="continuation",reason="restart"' in await _metric(gw, "gateway_relay_events_total")
+
+
 @pytest.mark.parametrize("mode", ["cut", "error_event"])
 async def test_a_stream_cut_before_its_finish_reason_is_never_a_success(upstream, gateway, mode):
-    up = await upstream("a", mode=mode, fail_after=2, tokens=5)
+    up = await upstream("a", mode=mode, fail_after=2, tokens=5)  # one backend: nothing to continue on
     gw = await gateway(simple_policy(up))
     body = orjson.dumps({"model": "gpt-test", "messages": MSG, "stream": True})
     async with aiohttp.ClientSession() as http:

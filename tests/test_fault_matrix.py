@@ -120,6 +120,7 @@ class Seen:
     usage: Any
     error: openai.APIError | None  # an in-band error event after the 200
     elapsed_s: float
+    continued: dict[str, Any] | None = None  # the finish chunk's x_gateway: a stream continued elsewhere
 
 
 async def ask(gw: Any, *, stream: bool, key: str = ACME_KEY, headers: dict[str, str] | None = None) -> Seen:
@@ -137,6 +138,7 @@ async def ask(gw: Any, *, stream: bool, key: str = ACME_KEY, headers: dict[str, 
     models: set[str] = set()
     usage = None
     error = None
+    continued = None
     try:
         async for chunk in raw.parse():
             models.add(chunk.model)
@@ -144,11 +146,12 @@ async def ask(gw: Any, *, stream: bool, key: str = ACME_KEY, headers: dict[str, 
                 usage = chunk.usage
             if chunk.choices:
                 parts.append(chunk.choices[0].delta.content or "")
+            continued = (chunk.model_extra or {}).get("x_gateway") or continued
     except openai.APIStatusError:
         raise
     except openai.APIError as exc:
         error = exc
-    return Seen(raw.headers.get("x-gateway-backend"), "".join(parts), models, usage, error, time.perf_counter() - t0)
+    return Seen(raw.headers.get("x-gateway-backend"), "".join(parts), models, usage, error, time.perf_counter() - t0, continued)
 
 
 # -- outcomes -----------------------------------------------------------------------------------
@@ -208,7 +211,27 @@ class Cut:
             assert self.has in str(seen.error.message), seen.error.message
 
 
-Outcome = Ok | Fails | Cut
+@dataclass(frozen=True)
+class Continued:
+    """A 200 stream that broke after content and was continued on the spare: one answer, one
+    model name, no error; the spare (no prefill) restarted, and its answer's beginning matched
+    what was delivered (the fake upstreams are deterministic)."""
+
+    text: str
+    after: str = ""
+
+    async def check(self, gw: Any, stream: bool) -> None:
+        assert stream
+        seen = await ask(gw, stream=True)
+        assert seen.error is None, f"a continued answer was expected, the stream failed: {seen.error}"
+        assert seen.text == self.text
+        assert seen.backend == "p" and seen.models == {"p-upstream"}  # the first stream's headers and model name
+        assert seen.continued is not None and seen.continued["backends"] == ["p", "s"], seen.continued
+        assert seen.continued["continued"] == "restart"
+        assert self.after in seen.continued["after"], seen.continued
+
+
+Outcome = Ok | Fails | Cut | Continued
 
 
 @dataclass(frozen=True)
@@ -356,10 +379,10 @@ FAULTS = [
     ),
     *[
         Fault(
-            f"stream {what} mid-way: content, then an error event, never a success; no retry",
+            f"stream {what} mid-way: continued on the spare, one answer, never a duplicate",
             {"mode": mode, "fail_after": 2, "fault_count": 1},
             modes=("stream",),
-            client=Cut("w0 w1 "),
+            client=Continued("w0 w1 "),  # the spare's whole answer is the two words p had sent
             recorded=Recorded(health="healthy", failures=1, errors=1),
             then=Ok("p"),
             p_calls=2,
@@ -367,15 +390,30 @@ FAULTS = [
         for what, mode in (("cut (EOF before the finish reason)", "cut"), ("connection dropped", "disconnect"), ("error event", "error_event"))
     ],
     Fault(
-        "stream stalls mid-way beyond idle_ms: an error event naming the stall",
+        "stream stalls mid-way beyond idle_ms: continued on the spare after the stall",
         {"mode": "stall_mid", "fail_after": 2, "fault_count": 1},
         timeouts={"idle_ms": 300},
         modes=("stream",),
-        client=Cut("w0 w1 ", has="stall"),
+        client=Continued("w0 w1 ", after="stalled"),
         recorded=Recorded(health="healthy", failures=1, errors=1),
         then=Ok("p"),
         p_calls=2,
     ),
+    *[
+        Fault(
+            f"stream {what} mid-way on the only backend: content, then an error event, never a success",
+            {"mode": mode, "fail_after": 2, "fault_count": 1},
+            modes=("stream",),
+            spare=False,
+            client=Cut("w0 w1 ", has=has),
+            recorded=Recorded(health="healthy", failures=1, errors=1),
+            then=Ok("p"),
+            p_calls=2,
+        )
+        for what, mode, has in (("cut (EOF before the finish reason)", "cut", "ended its stream"),
+                                ("connection dropped", "disconnect", "lost its connection"),
+                                ("error event", "error_event", "error event"))
+    ],
     Fault(
         "malformed chunk mid-stream: dropped, the answer completes, not a failure",
         {"mode": "malformed", "fail_after": 1},

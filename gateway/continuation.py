@@ -1,0 +1,169 @@
+"""Continuing a stream that broke mid-answer on another backend, so the client sees one answer.
+
+`Transcript` records what a stream gave the client (choice 0's text, and the id, model and
+created the client saw). When the stream is cut or stalls, the relay asks the next candidate for
+the rest, in one of two ways (`Resume`):
+
+- ``prefill``: the original request plus the delivered text as a trailing assistant message, for
+  backends that continue such a message (`prefill: true`); everything it streams is new text;
+- ``restart``: the original request as it was, for the others; the new answer must begin with
+  exactly the delivered text (a greedy or seeded answer does), which is skipped. A different
+  beginning raises `Mismatch`: the client then gets an error event naming the original failure,
+  never a spliced or duplicated answer.
+
+Either way each event is re-encoded with the first stream's id, model and created; role-only
+events are dropped (the client already had one); the finish event carries `x_gateway`, saying
+which backends answered and how; usage counts the delivered tokens too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+__all__ = ["Transcript", "Resume", "Mismatch"]
+
+
+class Mismatch(Exception):
+    """A restarted answer does not begin with the text the client already has."""
+
+
+class Transcript:
+    """What one streamed answer delivered so far. `continuable` turns False for anything a
+    continuation cannot reproduce (tool calls, several choices)."""
+
+    __slots__ = ("parts", "id", "model", "created", "continuable", "tokens", "backends")
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.id: Any = None
+        self.model: Any = None
+        self.created: Any = None
+        self.continuable = True
+        self.tokens = 0  # content events delivered (the completion tokens they stand for)
+        self.backends: list[str] = []  # that streamed part of the answer, in order
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def note(self, obj: dict[str, Any], backend: str) -> None:
+        """Record one event the client got (an original one, or a rewritten continuation one)."""
+        if self.id is None:
+            self.id, self.model, self.created = obj.get("id"), obj.get("model"), obj.get("created")
+        if not self.backends or self.backends[-1] != backend:
+            self.backends.append(backend)
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("index", 0) != 0:
+                self.continuable = False
+                continue
+            text = _text_of(choice)
+            if text is None:
+                self.continuable = False  # tool calls, a function call, a refusal
+            elif text:
+                self.parts.append(text)
+                self.tokens += 1
+
+
+def _text_of(choice: dict[str, Any]) -> str | None:
+    """The text a choice adds ("" for none); None when it adds something other than text."""
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        if delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"):
+            return None
+        content = delta.get("content")
+        return content if isinstance(content, str) else ""
+    text = choice.get("text")  # /v1/completions
+    return text if isinstance(text, str) else ""
+
+
+class Resume:
+    """One continuation attempt: the body to send, and how its events become the client's."""
+
+    __slots__ = ("transcript", "mode", "backend", "reason", "_pending", "_delivered_tokens")
+
+    def __init__(self, transcript: Transcript, mode: str, backend: str, reason: str) -> None:
+        assert mode in ("prefill", "restart")
+        self.transcript = transcript
+        self.mode = mode
+        self.backend = backend  # the backend this attempt goes to
+        self.reason = reason  # why the original stream broke (for x_gateway and logs)
+        self._pending = transcript.text if mode == "restart" else ""  # delivered text not yet matched
+        self._delivered_tokens = transcript.tokens
+
+    def body(self, body: dict[str, Any], upstream_model: str, endpoint: str) -> bytes:
+        """The request to send: the original, for `upstream_model`, plus the prefill if any."""
+        out = {**body, "model": upstream_model}
+        if self.mode == "prefill":
+            text = self.transcript.text
+            if endpoint == "chat":
+                out["messages"] = [*body.get("messages", []), {"role": "assistant", "content": text}]
+            else:
+                out["prompt"] = str(body.get("prompt", "")) + text
+        return orjson.dumps(out)
+
+    def rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The event the client gets in place of `obj`, or None to drop it. Raises Mismatch."""
+        t = self.transcript
+        finished = False
+        has_text = False
+        for choice in obj.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            text = _text_of(choice)
+            if text:
+                text = self._skip(text)
+                _set_text(choice, text)
+                has_text = has_text or bool(text)
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                delta.pop("role", None)  # the client had its role event from the first backend
+            if choice.get("finish_reason"):
+                finished = True
+                if self._pending:
+                    raise Mismatch(f"the restarted answer ended {len(self._pending)} characters before the delivered text did")
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and self.mode == "prefill":
+            usage = obj["usage"] = _plus_completion(usage, self._delivered_tokens)
+        if not (has_text or finished or isinstance(usage, dict)):
+            return None  # role-only or empty events, and everything within the skipped prefix
+        obj["id"], obj["model"], obj["created"] = t.id, t.model, t.created
+        if finished:
+            backends = t.backends if t.backends and t.backends[-1] == self.backend else [*t.backends, self.backend]
+            obj["x_gateway"] = {"backends": backends, "continued": self.mode, "after": self.reason}
+        return obj
+
+    def _skip(self, text: str) -> str:
+        """Drop what the client already has from a restarted answer's text."""
+        pending = self._pending
+        if not pending:
+            return text
+        n = min(len(pending), len(text))
+        if text[:n] != pending[:n]:
+            raise Mismatch("the restarted answer does not begin with the text already delivered")
+        self._pending = pending[n:]
+        return text[n:]
+
+
+def _set_text(choice: dict[str, Any], text: str) -> None:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        delta["content"] = text
+    else:
+        choice["text"] = text
+
+
+def _plus_completion(usage: dict[str, Any], delivered: int) -> dict[str, Any]:
+    """Usage of the whole answer: the continuation's completion plus the tokens delivered before
+    it (prompt_tokens stay as the continuing backend counted them, the prefill included)."""
+    out = dict(usage)
+    c = out.get("completion_tokens")
+    if isinstance(c, int):
+        out["completion_tokens"] = c + delivered
+        p = out.get("prompt_tokens")
+        if isinstance(p, int):
+            out["total_tokens"] = p + c + delivered
+    return out
