@@ -103,12 +103,14 @@ def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeo
     if priority is not None and priority not in ("priority", "default", "flex"):
         raise BadRequest("header x-priority must be one of priority, default, flex", param="x-priority")
     no_cache, no_store = cache_control(h.get("cache-control"))
+    now = time.monotonic()  # one reading: the deadline's message says exactly the timeout asked for
     return Call(
         request_id=rid,
         endpoint=ENDPOINTS[endpoint_name],
         raw=raw,
         api_key=_api_key(request),
-        deadline=time.monotonic() + timeout_ms / 1000,
+        deadline=now + timeout_ms / 1000,
+        t0_monotonic=now,
         priority=priority,
         no_cache=no_cache,
         no_store=no_store,

@@ -263,13 +263,13 @@ def _retry_wait(call: Call, route: Route, backend: Backend, tries: _Tries) -> fl
 async def _context_fallback(
     call: Call, route: Route, rejected: UpstreamRejected, ctx: RelayContext, sink: Sink, progress: Progress, tries: _Tries,
 ) -> None:
-    """The prompt did not fit: try the route's larger-context backends, never the same upstream
-    model twice; pass the rejection back when none answers."""
+    """The prompt did not fit: try the route's larger-context backends, never the same (backend,
+    upstream model) twice; pass the rejection back when none answers."""
     by_name = {b.name: b for b in (*route.simple.backends, *route.complex.backends, *route.context_fallbacks)}
-    too_small = {by_name[rejected.backend].upstream_model(call.model)} if rejected.backend in by_name else set()
+    too_small = {(rejected.backend, by_name[rejected.backend].upstream_model(call.model))} if rejected.backend in by_name else set()
     for fb in route.context_fallbacks:
         model = fb.upstream_model(call.model)
-        if model in too_small or fb.name in call.attempts or call.remaining_s() <= 0:
+        if (fb.name, model) in too_small or call.remaining_s() <= 0:
             continue
         ctx.metrics.relay_events.labels("context_fallback", "context_length").inc()
         log.info("request %s: backend %r said context length exceeded; trying %r (model %r)",
@@ -283,7 +283,7 @@ async def _context_fallback(
         except UpstreamRejected as again:
             if not again.context_length:
                 raise
-            too_small.add(model)
+            too_small.add((fb.name, model))
             continue
         if answered or progress.owner is not None:
             return

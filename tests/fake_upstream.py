@@ -19,6 +19,10 @@ after `fail_after` tokens, no finish reason), no_done (finish reason, then EOF w
 malformed (a broken chunk among good ones), error_event (an error event after `fail_after`
 tokens), garbage (200 with a non-JSON body).
 
+Continuation: a chat request whose last message is an assistant turn (a prefill) continues that
+answer after the words it already has (the answer is always w0 w1 ... w{tokens-1}); with
+`prefill` false it is refused with a 400, as providers that do not take a prefill do.
+
 When the mode applies: `fault_count` (> 0) limits it to the next that many chat/completions
 requests after start or the last `set()` (later ones answer `ok`); `flap_ms` (> 0) alternates
 phases of that length, starting healthy: `ok` in even phases, the mode in odd ones (GET /models
@@ -61,6 +65,7 @@ class Behaviour:
     fault_count: int = 0  # > 0: the mode applies to the next this many requests only, then `ok`
     flap_ms: float = 0.0  # > 0: alternate `ok` / the mode every flap_ms, starting with `ok`
     endpoints: tuple[str, ...] | None = None  # OpenAI paths served (chat, completions, embeddings, models); None: all
+    prefill: bool = True  # continues a trailing assistant message; False: such a request gets a 400
 
 
 @dataclass
@@ -78,6 +83,7 @@ class Stats:
     faults: int = 0  # requests answered with the (non-ok) mode
     last_headers: dict[str, str] = field(default_factory=dict)
     last_body: dict[str, Any] = field(default_factory=dict)
+    calls: list[list[Any]] = field(default_factory=list)  # [monotonic time, model, prefill?] per chat/completions request
 
 
 def _word(i: int) -> str:
@@ -219,6 +225,9 @@ class FakeUpstream:
         st.models.append(body.get("model", ""))
         st.last_headers = dict(request.headers)
         st.last_body = body
+        msgs = body.get("messages") if chat else None
+        prefill = bool(msgs) and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant"
+        st.calls.append([time.monotonic(), body.get("model", ""), prefill])
         try:
             if b.fail_pct > 0:
                 self._fail_acc += b.fail_pct
@@ -291,6 +300,14 @@ class FakeUpstream:
                     ctype = "text/plain"
                 return web.Response(status=status, body=b.error_body.encode(), content_type=ctype, headers=headers)
             return web.Response(status=status, body=orjson.dumps(err), content_type="application/json", headers=headers)
+        msgs = body.get("messages") if chat else None
+        start = 0  # words of the answer the request already has (an assistant prefill)
+        if msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
+            if not b.prefill:
+                err = {"error": {"message": "this model does not support assistant prefill", "type": "invalid_request_error",
+                                 "param": "messages", "code": "prefill_unsupported"}}
+                return web.Response(status=400, body=orjson.dumps(err), content_type="application/json")
+            start = len(str(msgs[-1].get("content") or "").split())
         if mode == "hang":
             await asyncio.sleep(3600)
         if mode in ("reset", "close"):
@@ -312,8 +329,8 @@ class FakeUpstream:
                 await asyncio.sleep((ttft + b.itl_ms * n) / 1000)
             if mode == "garbage":
                 return web.Response(body=b"<html>oops</html>", content_type="text/html")
-            text = "".join(_word(i) for i in range(n))
-            usage = {"prompt_tokens": size // 4, "completion_tokens": n, "total_tokens": size // 4 + n}
+            text = "".join(_word(i) for i in range(start, n))
+            usage = {"prompt_tokens": size // 4, "completion_tokens": n - start, "total_tokens": size // 4 + n - start}
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop", "logprobs": None}
                 obj = {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": [choice], "usage": usage}
@@ -338,8 +355,8 @@ class FakeUpstream:
             await asyncio.sleep(3600)
         if ttft:
             await asyncio.sleep(ttft / 1000)
-        for i in range(n):
-            if i and b.itl_ms:
+        for i in range(start, n):
+            if i > start and b.itl_ms:
                 await asyncio.sleep(b.itl_ms / 1000)
             if i == b.fail_after:
                 if mode == "stall_mid":
@@ -361,7 +378,7 @@ class FakeUpstream:
         await resp.write(chunk({}, "", "stop"))
         opts = body.get("stream_options") or {}
         if opts.get("include_usage"):
-            usage = {"prompt_tokens": size // 4, "completion_tokens": n, "total_tokens": size // 4 + n}
+            usage = {"prompt_tokens": size // 4, "completion_tokens": n - start, "total_tokens": size // 4 + n - start}
             await resp.write(b"data: " + orjson.dumps({"id": rid, "object": obj_name, "created": created, "model": model, "choices": [], "usage": usage}) + b"\n\n")
         if mode != "no_done":
             await resp.write(b"data: [DONE]\n\n")

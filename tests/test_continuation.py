@@ -1,0 +1,155 @@
+"""Unit tests of the rescue parts without sockets: continuation.py, per-model health, the retry
+rule, context-length detection and the policy keys (`prefill`, `retry`, `context_fallbacks`)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from gateway.attempt import _context_length
+from gateway.continuation import Mismatch, Resume, Transcript
+from gateway.health import Health
+from gateway.policy import PolicyError, parse_policy
+
+
+def _chunk(text: str | None = None, *, role: bool = False, finish: str | None = None, usage: dict | None = None,
+           cid: str = "c1", model: str = "m1") -> dict:
+    delta: dict = {}
+    if role:
+        delta["role"] = "assistant"
+    if text is not None:
+        delta["content"] = text
+    choices = [] if usage is not None and text is None and not finish else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    out = {"id": cid, "object": "chat.completion.chunk", "created": 7, "model": model, "choices": choices}
+    if usage is not None:
+        out["usage"] = usage
+    return out
+
+
+def _delivered(*parts: str) -> Transcript:
+    t = Transcript()
+    t.note(_chunk("", role=True), "p")
+    for part in parts:
+        t.note(_chunk(part), "p")
+    return t
+
+
+def test_a_transcript_keeps_the_text_and_the_first_streams_identity():
+    t = _delivered("Hel", "lo ", "wor")
+    assert t.text == "Hello wor" and t.tokens == 3 and t.continuable
+    assert (t.id, t.model, t.created, t.backends) == ("c1", "m1", 7, ["p"])
+
+
+@pytest.mark.parametrize("choice", [
+    {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}},
+    {"index": 1, "delta": {"content": "second choice"}},
+])
+def test_a_transcript_with_anything_but_one_texts_is_not_continuable(choice):
+    t = _delivered("a")
+    t.note({"id": "c1", "choices": [choice]}, "p")
+    assert not t.continuable
+
+
+def test_prefill_sends_the_delivered_text_as_an_assistant_turn_and_rewrites_the_continuation():
+    t = _delivered("w0 ", "w1 ")
+    r = Resume(t, "prefill", "s", "backend 'p' lost its connection mid-stream")
+    body = orjson.loads(r.body({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, "big", "chat"))
+    assert body["model"] == "big" and body["messages"][-1] == {"role": "assistant", "content": "w0 w1 "}
+    assert r.rewrite(_chunk("", role=True, cid="other", model="big")) is None  # the client had its role event
+    out = r.rewrite(_chunk("w2 ", cid="other", model="big"))
+    assert out is not None and (out["id"], out["model"], out["created"]) == ("c1", "m1", 7)
+    assert out["choices"][0]["delta"] == {"content": "w2 "}
+    fin = r.rewrite(_chunk(finish="stop", cid="other"))
+    assert fin is not None and fin["x_gateway"] == {"backends": ["p", "s"], "continued": "prefill",
+                                                   "after": "backend 'p' lost its connection mid-stream"}
+    usage = r.rewrite(_chunk(usage={"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}))
+    assert usage is not None and usage["usage"] == {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}
+
+
+def test_completions_prefill_appends_the_text_to_the_prompt():
+    t = Transcript()
+    t.note({"id": "x", "choices": [{"index": 0, "text": "Once upon"}]}, "p")
+    body = orjson.loads(Resume(t, "prefill", "s", "cut").body({"model": "m", "prompt": "Tell: "}, "m", "completions"))
+    assert body["prompt"] == "Tell: Once upon"
+
+
+def test_restart_skips_exactly_the_delivered_text_across_chunk_boundaries():
+    t = _delivered("Hello ", "wor")
+    r = Resume(t, "restart", "s", "cut")
+    body = orjson.loads(r.body({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "m", "chat"))
+    assert body["messages"][-1]["role"] == "user"  # the original request, unchanged
+    assert r.rewrite(_chunk("Hel")) is None
+    assert r.rewrite(_chunk("lo w")) is None
+    out = r.rewrite(_chunk("orld!"))
+    assert out is not None and out["choices"][0]["delta"]["content"] == "ld!"
+    more = r.rewrite(_chunk(" More"))
+    assert more is not None and more["choices"][0]["delta"]["content"] == " More"
+
+
+@pytest.mark.parametrize("chunks", [["Help"], ["Hello"]])
+def test_restart_refuses_an_answer_that_begins_differently_or_ends_short(chunks):
+    r = Resume(_delivered("Hello ", "wor"), "restart", "s", "cut")
+    with pytest.raises(Mismatch):
+        for c in chunks:
+            r.rewrite(_chunk(c))
+        r.rewrite(_chunk(finish="stop"))
+
+
+def test_a_models_health_includes_its_backends_but_not_its_siblings():
+    now = [100.0]
+    backend = Health(clock=lambda: now[0])
+    a, b = Health(clock=backend.clock, parent=backend), Health(clock=backend.clock, parent=backend)
+    a.cool_down(30)
+    assert a.state() == "cooling" and b.state() == "healthy" and a.cooling_for() == 30
+    backend.ready = False
+    assert b.state() == "starting" and not b.is_ready() and not b.clear(now[0])
+    backend.ready = True
+    for _ in range(3):
+        backend.report_failure()  # refused connections: the backend as a whole
+    assert backend.state() == "ejected" and b.state() == "ejected" and not b.healthy and b.available_in() > 0
+    now[0] += 60
+    assert b.state() == "probing" and b.probing
+
+
+@pytest.mark.parametrize(("status", "body", "expected"), [
+    (400, {"error": {"message": "x", "code": "context_length_exceeded"}}, True),
+    (400, {"error": {"message": "This model's maximum context length is 4096 tokens", "code": None}}, True),
+    (400, {"error": {"message": "prompt is too long: 210000 tokens > 200000 maximum", "type": "invalid_request_error"}}, True),
+    (413, {"error": {"message": "Input too long: too many tokens"}}, True),
+    (400, {"error": {"message": "content filtered", "code": "content_filter"}}, False),
+    (500, {"error": {"message": "maximum context length", "code": "context_length_exceeded"}}, False),
+])
+def test_context_length_errors_are_recognised_by_code_or_wording(status, body, expected):
+    assert _context_length(status, orjson.dumps(body)) is expected
+
+
+def _policy(route: str, backends: str = "") -> str:
+    return f"""
+version: 1
+backends:
+  p: {{url: "http://127.0.0.1:1/v1", models: [m]}}
+  big: {{url: "http://127.0.0.1:2/v1", prefill: true, models: {{m: m-128k}}}}
+{backends}
+models:
+  m: {route}
+"""
+
+
+def test_the_policy_keys_of_the_issue_validate_with_yaml_on_as_a_key():
+    p = parse_policy(_policy("{backends: [p], context_fallbacks: [big], retry: {attempts: 2, on: [429, 500, reset], max_wait_ms: 3000, backoff_ms: 100}}"))
+    r = p.models["m"]
+    assert r.context_fallbacks == ("big",) and r.retry is not None
+    assert (r.retry.attempts, r.retry.on, r.retry.max_wait_ms, r.retry.backoff_ms) == (2, (429, 500, "reset"), 3000, 100)
+    assert p.backends["big"].prefill is True and p.backends["p"].prefill is None
+
+
+@pytest.mark.parametrize(("route", "problem"), [
+    ("{backends: [p], context_fallbacks: [nope]}", "unknown backend 'nope'"),
+    ("{backends: [p], retry: {on: [400]}}", "not a retryable HTTP status"),
+    ("{backends: [p], retry: {on: [sometimes]}}", "'reset', 'connect' or 'timeout'"),
+    ("{backends: [p], retry: {attempts: 0}}", "greater than or equal to 1"),
+])
+def test_bad_rescue_keys_name_their_path(route, problem):
+    with pytest.raises(PolicyError) as info:
+        parse_policy(_policy(route))
+    assert "models.m." in str(info.value) and problem in str(info.value)
