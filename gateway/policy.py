@@ -225,6 +225,11 @@ class ServerPolicy(_Section):
     max_attempts: int = Field(3, ge=1, le=10)  # backends tried before the first byte
     heartbeat_after_ms: int = Field(5_000, gt=0)  # SSE comment heartbeats while a stream waits
     heartbeat_interval_ms: int = Field(5_000, gt=0)
+    # Graceful shutdown (SIGTERM): /readyz answers 503 for `drain_delay_ms` while the port still
+    # takes connections (a load balancer's readiness check notices), then the port closes and the
+    # requests in flight (streams included) get up to `shutdown_timeout_ms` to finish.
+    drain_delay_ms: int = Field(1_000, ge=0)
+    shutdown_timeout_ms: int = Field(30_000, ge=0)
     # A policy without tenants serves anyone. That is allowed on a loopback address only, unless
     # this says so: the operator states that an open gateway on the network is intended.
     open_access: bool = False
@@ -309,6 +314,24 @@ class AdmissionPolicy(_Section):
 class ReloadPolicy(_Section):
     watch: bool = True
     interval_ms: int = Field(1_000, gt=0)
+    # With a Redis `store`: a reload through /admin/reload is announced on this pub/sub channel,
+    # and every replica on the same Redis reloads its own policy file (null: no announcement).
+    channel: str | None = "gateway:reload"
+
+
+class LogPolicy(_Section):
+    """The structured access log: one JSON line per API request on stdout."""
+
+    access: bool = False  # `gateway serve --access-log` turns it on too
+    prompts: bool = False  # also log the request's messages / prompt (off: prompts are private)
+
+
+class TracingPolicy(_Section):
+    """OpenTelemetry trace export (needs the `otel` extra): one span per API request."""
+
+    otlp_endpoint: str  # e.g. http://otel-collector:4318/v1/traces (OTLP over HTTP, protobuf)
+    service_name: str = "llm-gateway"
+    sample_ratio: float = Field(1.0, ge=0, le=1)
 
 
 class Policy(_Section):
@@ -326,6 +349,8 @@ class Policy(_Section):
     admin: AdminPolicy | None = None
     metrics: MetricsPolicy = MetricsPolicy()
     classifier: ClassifierPolicy = ClassifierPolicy()
+    log: LogPolicy = LogPolicy()
+    tracing: TracingPolicy | None = None
 
     @field_validator("backends", "models", "tenants")
     @classmethod
