@@ -34,6 +34,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         for name, b in policy.backends.items()
         if b.api_key_env and not os.environ.get(b.api_key_env)
     ]
+    holders = [(f"tenants.{n}", t.key_sha256_env) for n, t in policy.tenants.items()]
+    holders.append(("admin", policy.admin.key_sha256_env if policy.admin else None))
+    missing += [
+        f"{path}.key_sha256_env: environment variable {env} is not set here (the gateway refuses to start without it)"
+        for path, env in holders
+        if env and not os.environ.get(env)
+    ]
     from .auth import key_warnings
 
     for line in [*missing, *key_warnings(policy)]:

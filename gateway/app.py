@@ -71,6 +71,7 @@ def create_app(
         )
         a = p.admission
         admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())
+        metrics.zero_series(sorted({rt.tenants.metric_label(t) for t in p.tenants}))
         if worker is not None and worker.count > 1:
             for b in rt.backends.values():  # max_concurrency holds across the workers: each its share
                 b.slots.limit = share(b.policy.max_concurrency, worker)

@@ -22,6 +22,8 @@ STAGES = ("gateway", "queue", "upstream_headers", "first_token", "decode")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
+_SHED_REASONS = ("queue_full", "deadline", "expired", "standing_queue")
+_QUOTA_LIMITS = ("rpm", "tpm", "concurrency", "tokens_per_day", "spend_per_day_usd")
 _QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -127,6 +129,18 @@ class Metrics:
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
+
+    def zero_series(self, tenants: list[str]) -> None:
+        """Create the refusal series at 0 (sheds; quota rejections per tenant label): a rate over
+        a series that does not exist yet is "no data" on a dashboard, not 0."""
+        from .admission import BANDS
+
+        for reason in _SHED_REASONS:
+            for band in BANDS:
+                self.shed.labels(reason, band)
+        for tenant in tenants:
+            for limit in _QUOTA_LIMITS:
+                self.quota_rejections.labels(tenant, limit)
 
     def request_done(self, model: str, backend: str, cls: str, cache: str, code: int) -> None:
         """Count one answered request (label children are cached: labels() is slow on the hot path)."""

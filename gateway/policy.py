@@ -187,7 +187,10 @@ class QuotaPolicy(LimitsPolicy):
 
 
 class TenantPolicy(_Section):
-    key_sha256: tuple[str, ...] = Field(min_length=1)
+    key_sha256: tuple[str, ...] = ()
+    # The name of an environment variable holding more digests (comma- or space-separated), e.g.
+    # from a Kubernetes Secret: the policy file then carries no key material at all.
+    key_sha256_env: str | None = None
     priority: Priority = "default"
     models: tuple[str, ...] | None = None  # None: every public model
     cache_namespace: str | None = None  # tenants naming the same namespace share cached answers
@@ -203,11 +206,19 @@ class TenantPolicy(_Section):
                 raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
         return v
 
+    @model_validator(mode="after")
+    def _some_key(self) -> "TenantPolicy":
+        if not self.key_sha256 and not self.key_sha256_env:
+            raise ValueError("needs `key_sha256` (a list of digests) or `key_sha256_env` (a variable holding them)")
+        return self
+
 
 class AdminPolicy(_Section):
-    key_sha256: tuple[str, ...] = Field(min_length=1)
+    key_sha256: tuple[str, ...] = ()
+    key_sha256_env: str | None = None  # as in a tenant
 
     _check = field_validator("key_sha256")(TenantPolicy._hex_digests.__func__)  # type: ignore[attr-defined]
+    _some = model_validator(mode="after")(TenantPolicy._some_key)
 
 
 class MetricsPolicy(_Section):
