@@ -198,6 +198,7 @@ async def _observer(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _close_stores(stores: dict[StorePolicy, Store], live: Live) -> AsyncIterator[None]:
+    await asyncio.gather(*(s.warm() for s in stores.values() if hasattr(s, "warm")))
     yield
     quota = live.runtime.quota
     if quota is not None:

@@ -115,6 +115,16 @@ class RedisStore:
             raise _error("quota usage", exc) from None
         return Usage(*(int(x) for x in r))
 
+    async def warm(self, timeout_s: float = 2.0) -> None:
+        """Open a connection in each pool now (at start), so the first requests do not pay the
+        connect inside their few-millisecond budget (and turn into misses). Errors are left to
+        the calls that follow (they fail open)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(self._redis.ping(), self._qredis.ping())
+        except (RedisError, OSError, TimeoutError):
+            pass
+
     async def close(self) -> None:
         await self._redis.aclose()
         await self._pool.aclose()
