@@ -285,6 +285,9 @@ class StorePolicy(_Section):
 class CachePolicy(_Section):
     enabled: bool = True
     ttl_s: float = Field(3600.0, gt=0)
+    # With a shared (Redis) store: a miss holds a lock this long at most while it calls upstream;
+    # the same request on another process waits (up to this, and its deadline) for the stored answer.
+    lock_ms: int = Field(30_000, gt=0)
     max_entry_bytes: int = Field(256 * 1024, gt=0)
     # Also serve and store sampled answers (temperature > 0 without a seed): callers asking for
     # variety would get the same text again. Off: only temperature 0 or seeded requests (n = 1).

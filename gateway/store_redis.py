@@ -72,6 +72,13 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as exc:
             raise _error("set", exc) from None
 
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return bool(await self._redis.set(self.prefix + key, value, px=max(1, round(ttl_s * 1000)), nx=True))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("add", exc) from None
+
     async def delete(self, key: str) -> None:
         try:
             async with asyncio.timeout(self._timeout_s):

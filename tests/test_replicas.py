@@ -97,6 +97,23 @@ async def test_three_replicas_share_the_cache_and_a_reload_through_one_reaches_a
             assert elapsed < 5.0, f"the reload took {elapsed:.2f} s to reach all three (within a second when idle)"
 
 
+async def test_the_same_miss_on_two_replicas_calls_upstream_once(upstream, tmp_path):
+    up = await upstream("up", ttft_ms=400, tokens=3)
+    async with redis_server() as redis_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(yaml.safe_dump(_policy(up.url, redis_url)))
+        async with serve(path, tmp_path) as g1, serve(path, tmp_path) as g2:
+            body = _chat("m", "the same question", temperature=0)
+            got = await asyncio.gather(*(
+                _fresh_post(g.url + "/v1/chat/completions", {**body, "stream": stream})
+                for g, stream in ((g1, False), (g2, True))
+            ))  # fmt: skip
+            assert [g[0] for g in got] == [200, 200]
+            assert sorted(g[2]["x-gateway-cache"] for g in got) == ["hit", "miss"]
+            assert got[1][1].rstrip().endswith(b"data: [DONE]")  # a streamed follower gets the answer as a stream
+            assert up.stats.requests == 1
+
+
 async def test_killing_one_replica_mid_stream_loses_only_its_own_streams(upstream, tmp_path):
     up = await upstream("up", ttft_ms=20, itl_ms=60, tokens=25)
     async with redis_server() as redis_url:
