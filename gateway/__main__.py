@@ -34,6 +34,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         for name, b in policy.backends.items()
         if b.api_key_env and not os.environ.get(b.api_key_env)
     ]
+    holders = [(f"tenants.{n}", t.key_sha256_env) for n, t in policy.tenants.items()]
+    holders.append(("admin", policy.admin.key_sha256_env if policy.admin else None))
+    missing += [
+        f"{path}.key_sha256_env: environment variable {env} is not set here (the gateway refuses to start without it)"
+        for path, env in holders
+        if env and not os.environ.get(env)
+    ]
     from .auth import key_warnings
 
     for line in [*missing, *key_warnings(policy)]:
@@ -111,6 +118,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"per worker, so {args.workers} workers admit up to {args.workers}x; set store.url to a Redis to share them",
             file=sys.stderr,
         )
+    for name, b in loaded.backends.items():
+        if b.max_concurrency < args.workers:
+            print(
+                f"gateway: {policy}: backends.{name}.max_concurrency is {b.max_concurrency}, below --workers "
+                f"{args.workers}: each worker holds at least one slot, so up to {args.workers} requests reach it at once",
+                file=sys.stderr,
+            )
     return supervise_workers(policy, args.host, args.port, args.workers, args.access_log)
 
 
@@ -122,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
-    serve.add_argument("--access-log", action="store_true", help="log every request (off: it costs latency)")
+    serve.add_argument("--access-log", action="store_true", help="write the JSON access log (one line per request on stdout), as the policy's log.access does")
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check", help="validate a policy file; exit 1 on error")
     check.add_argument("file")

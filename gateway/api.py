@@ -17,11 +17,13 @@ from . import pipeline
 from .cache import cache_control
 from .call import ENDPOINTS, Call
 from .errors import BadRequest, GatewayError, InternalError, NotFound, PayloadTooLarge, Unauthorized
-from .keys import ADMISSION, LIVE, METRICS, RELAY, RELOADER
+from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, RELAY, RELOADER, WORKER
+from .metrics import refresh_gauges
+from .observe import server_timing
 from .routing import usable
 from .sink import HttpSink
 
-__all__ = ["LOOPBACK", "routes"]
+__all__ = ["LOOPBACK", "backends_view", "routes"]
 
 # Whether the app is bound to a loopback address only (set by create_app from its `host`).
 LOOPBACK: web.AppKey[bool] = web.AppKey("loopback", bool)
@@ -125,8 +127,14 @@ async def _proxy(request: web.Request, endpoint_name: str) -> web.StreamResponse
         call = _new_call(request, endpoint_name, raw, rt.server.request_timeout_ms)
     except GatewayError as err:
         return _error(err, {"x-request-id": _request_id(request)})
-    sink = HttpSink(request, {"x-request-id": call.request_id, "x-gateway-queue-ms": "0"})
-    await pipeline.run(call, rt, request.app[RELAY], sink)
+    sink = HttpSink(request, {"x-request-id": call.request_id, "x-gateway-queue-ms": "0"}, functools.partial(server_timing, call))
+    drain = request.app[DRAIN]
+    drain.enter()
+    try:
+        await pipeline.run(call, rt, request.app[RELAY], sink)
+    finally:
+        drain.leave()
+        request.app[OBSERVER].done(call, rt)
     assert sink.response is not None
     return sink.response
 
@@ -180,6 +188,8 @@ async def readyz(request: web.Request) -> web.Response:
     """200 when every model route can send each request class to some backend, as the router sees
     it (a launched model still loading cannot; an ejected last resort still can)."""
     rt = request.app[LIVE].runtime
+    if request.app[DRAIN].draining:  # shutting down: load balancers take this replica out first
+        return _json({"status": "draining", "policy_generation": rt.generation}, status=503)
     healthy = [b.name for b in rt.backends.values() if b.takes_traffic()]
     unserved = [
         model
@@ -202,19 +212,7 @@ async def metrics(request: web.Request) -> web.Response:
     if not rt.tenants.may_scrape(_api_key(request)):
         return _error(Unauthorized("/metrics needs a key from `metrics.key_sha256` or an admin key"))
     m = request.app[METRICS]
-    admission = request.app[ADMISSION]
-    depth = dict(admission.gate.queue.sizes)
-    for b in rt.backends.values():
-        for band, n in b.slots.queue.sizes.items():
-            depth[band] += n
-    for band, n in depth.items():
-        m.queue_depth.labels(band).set(n)
-    m.admission_inflight.set(admission.gate.used)
-    for b in rt.backends.values():
-        m.healthy.labels(b.name).set(1 if b.takes_traffic() else 0)
-        p95 = b.tracker.ttft_p95_s(min_samples=1)
-        if p95 is not None:
-            m.ttft_p95.labels(b.name).set(p95)
+    refresh_gauges(m, rt, request.app[ADMISSION])
     return web.Response(body=m.exposition(), content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
 
@@ -235,9 +233,10 @@ def _admin(handler: Handler) -> Handler:
     return guarded
 
 
-@_admin
-async def admin_backends(request: web.Request) -> web.Response:
-    rt = request.app[LIVE].runtime
+def backends_view(app: web.Application) -> dict[str, object]:
+    """This process's view of its backends and admission (what /admin/backends shows)."""
+    rt = app[LIVE].runtime
+    worker = app[WORKER]
     out = {}
     for name, b in rt.backends.items():
         snap = b.tracker.snapshot()
@@ -255,14 +254,36 @@ async def admin_backends(request: web.Request) -> web.Response:
                     "cooling_s": round(h.cooling_for(), 3), "available_in_s": round(min(h.available_in(), 1e9), 3)}
                 for m, h in b.state.models.items()
             },
-            "max_concurrency": b.slots.limit,
+            # With N workers each holds its share: the policy's bound holds across them.
+            "max_concurrency": b.policy.max_concurrency,
+            "max_concurrency_this_worker": b.slots.limit,
             "queued": dict(b.slots.queue.sizes),
             **snap,
         }
-    gate = request.app[ADMISSION].gate
+    gate = app[ADMISSION].gate
     admission = {"inflight": gate.used, "max_inflight": gate.limit, "queued": dict(gate.queue.sizes),
-                 "service_s": round(request.app[ADMISSION].service_s(), 4)}
-    return _json({"policy_generation": rt.generation, "admission": admission, "backends": out})
+                 "service_s": round(app[ADMISSION].service_s(), 4)}
+    return {"policy_generation": rt.generation, "workers_total": 1 if worker is None else worker.count,
+            "admission": admission, "backends": out}
+
+
+_CONTROL_TIMEOUT_S = 15.0
+
+
+@_admin
+async def admin_backends(request: web.Request) -> web.Response:
+    """This process's view; with `--workers N`, also every worker's (`workers`, by index)."""
+    from .control import ControlError, ask
+
+    body = backends_view(request.app)
+    worker = request.app[WORKER]
+    if worker is not None:
+        body["worker"] = worker.index
+        try:
+            body["workers"] = (await ask(worker.supervisor_socket, "GET", "/backends", _CONTROL_TIMEOUT_S))["workers"]
+        except ControlError as exc:
+            body["workers"] = [{"ok": False, "error": str(exc)}]
+    return _json(body)
 
 
 @_admin
@@ -291,10 +312,32 @@ async def admin_tenants(request: web.Request) -> web.Response:
 
 @_admin
 async def admin_reload(request: web.Request) -> web.Response:
-    ok, detail = await request.app[RELOADER].reload("admin")
-    gen = request.app[LIVE].runtime.generation
+    """Reload every process of this gateway (all workers, and the replicas on the same Redis);
+    the answer lists each one's result. 200 when this replica reloaded everywhere."""
+    from .control import ControlError, ask
+
+    app = request.app
+    worker = app[WORKER]
+    if worker is None:
+        ok, detail = await app[RELOADER].reload("admin")
+        rt = app[LIVE].runtime
+        result = {"ok": ok, "pid": os.getpid(), "worker": None, "policy_generation": rt.generation}
+        if not ok:
+            result["error"] = detail
+        peers = app[PEERS]
+        replicas = await peers.announce() if ok and peers is not None else []
+        workers = [result]
+    else:
+        try:
+            answer = await ask(worker.supervisor_socket, "POST", "/reload", _CONTROL_TIMEOUT_S)
+        except ControlError as exc:
+            return _error(InternalError(f"the reload could not reach the other workers: {exc}"))
+        ok, workers, replicas = bool(answer.get("ok")), answer.get("workers", []), answer.get("replicas", [])
+        sup = answer.get("supervisor", {})
+        detail = next((str(r["error"]) for r in [sup, *workers] if r.get("error")), "")
+    gen = app[LIVE].runtime.generation
     if ok:
-        return _json({"status": "reloaded", "policy_generation": gen})
+        return _json({"status": "reloaded", "policy_generation": gen, "workers": workers, "replicas": replicas})
     err = BadRequest(f"policy rejected, the previous one stays in force: {detail}", code="invalid_policy")
     return _error(err)
 

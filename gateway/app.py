@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator
+import os
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -13,9 +15,13 @@ from aiohttp import web
 from .api import LOOPBACK, routes
 from .auth import is_loopback, open_mode_problem
 from .backends import BackendState
-from .admission import Admission
-from .keys import ADMISSION, LIVE, METRICS, RELAY, RELOADER
-from .metrics import Metrics
+from .admission import Admission, reserve_slots
+from .drain import Drain
+from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, RELAY, RELOADER, WORKER
+from .launcher import Children, watch_launched
+from .metrics import Metrics, refresh_gauges
+from .observe import Observer
+from .peers import Peers
 from .policy import LaunchPolicy, Policy, StorePolicy, load_policy
 from .relay import RelayContext
 from .probes import run_probes
@@ -23,18 +29,25 @@ from .reload import Live, Reloader
 from .runtime import Runtime, build_runtime
 from .store import Store
 from .upstream_http import UpstreamPool
+from .workers import WorkerInfo, share
 
 __all__ = ["create_app"]
 
 log = logging.getLogger("gateway.app")
 
+_GAUGES_EVERY_S = 1.0  # a worker's per-backend gauges, for scrapes served by any worker
 
-def create_app(policy: Policy | str | Path, host: str | None = None) -> web.Application:
+
+def create_app(
+    policy: Policy | str | Path, host: str | None = None, *, worker: WorkerInfo | None = None, access_log: bool = False
+) -> web.Application:
     """Build the gateway app from a policy object or a policy file (the file is then watched).
 
     `host` is the address it will be bound to (None: loopback). A policy without tenants is
     refused (ValueError) on any other address unless it sets `server.open_access`, at start and
-    on every reload."""
+    on every reload. `worker`: this app is one worker of `gateway serve --workers N` (it takes
+    its share of each backend's max_concurrency, and leaves launching to the supervisor).
+    `access_log`: write the JSON access log even when the policy's `log.access` is off."""
     path = None if isinstance(policy, Policy) else Path(policy)
     loaded = load_policy(path) if path is not None else policy
     assert isinstance(loaded, Policy)
@@ -58,25 +71,134 @@ def create_app(policy: Policy | str | Path, host: str | None = None) -> web.Appl
         )
         a = p.admission
         admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())
+        metrics.zero_series(sorted({rt.tenants.metric_label(t) for t in p.tenants}))
+        if worker is not None and worker.count > 1:
+            for b in rt.backends.values():  # max_concurrency holds across the workers: each its share
+                b.slots.limit = share(b.policy.max_concurrency, worker)
+                b.slots.reserve = reserve_slots(b.slots.limit, p.admission.priority_reserve_pct)
+                b.slots.dispatch()
         return rt
 
     live = Live(build(loaded, 1))
-    children = _Children()
+
+    def set_ready(name: str, ready: bool) -> None:
+        b = live.runtime.backends.get(name)
+        if b is not None:
+            b.health.ready = ready
+
+    children = Children(set_ready)
+
+    async def on_swap(rt: Runtime) -> None:
+        if worker is None:  # a worker's supervisor launches the models
+            await children.reconcile(_launch_specs(rt))
+
     app[METRICS] = metrics
     app[ADMISSION] = admission
     app[LOOPBACK] = is_loopback(host)
     app[LIVE] = live
-    app[RELOADER] = Reloader(path, live, build, metrics, on_swap=children.reconcile)
+    app[WORKER] = worker
+    app[DRAIN] = Drain()
+    app[OBSERVER] = Observer(metrics, force_access_log=access_log)
+    app[RELOADER] = Reloader(path, live, build, metrics, on_swap=on_swap)
     app.add_routes(routes())
     app.cleanup_ctx.append(_upstream_pool)
     app.cleanup_ctx.append(lambda _app: _close_stores(stores, live))
-    app.cleanup_ctx.append(children.context)
+    if worker is None:
+        app.cleanup_ctx.append(lambda _app: _launched(children, live))
+        app.cleanup_ctx.append(_peers)
+    else:
+        for b in live.runtime.backends.values():
+            if b.policy.launch is not None:
+                b.health.ready = False  # until this worker sees its /healthz answer
+        app.cleanup_ctx.append(_worker_side)
     app.cleanup_ctx.append(_reload_watch)
     app.cleanup_ctx.append(_probes)
+    app.cleanup_ctx.append(_observer)
     return app
 
 
+def _launch_specs(rt: Runtime) -> list[tuple[str, str, LaunchPolicy]]:
+    return [(name, b.base_url, b.policy.launch) for name, b in rt.backends.items() if b.policy.launch is not None]
+
+
+async def _launched(children: Children, live: Live) -> AsyncIterator[None]:
+    """Backends with a `launch:` section: started, supervised and stopped with the app."""
+    await children.reconcile(_launch_specs(live.runtime))
+    yield
+    await children.stop()
+
+
+async def _peers(app: web.Application) -> AsyncIterator[None]:
+    """Reloads announced by other replicas on the same Redis reach this process."""
+
+    async def on_reload(trigger: str) -> dict[str, object]:
+        ok, detail = await app[RELOADER].reload(trigger)
+        return _reload_result(app, ok, detail)
+
+    peers = Peers(app[LIVE].runtime.policy, on_reload)
+    await peers.start()
+    app[PEERS] = peers
+    yield
+    await peers.close()
+
+
+def _reload_result(app: web.Application, ok: bool, detail: str) -> dict[str, object]:
+    """One process's answer to a reload, as /admin/reload lists it."""
+    worker = app[WORKER]
+    return {
+        "ok": ok, "pid": os.getpid(), "worker": None if worker is None else worker.index,
+        "policy_generation": app[LIVE].runtime.generation, **({} if ok else {"error": detail}),
+    }  # fmt: skip
+
+
+async def _worker_side(app: web.Application) -> AsyncIterator[None]:
+    """In a worker: the control socket (reload, admin view), readiness of the launched models,
+    and the per-backend gauges refreshed here too (every worker's view reaches /metrics)."""
+    from . import control
+    from .api import backends_view
+
+    worker = app[WORKER]
+    assert worker is not None
+    live = app[LIVE]
+
+    async def reload() -> dict[str, object]:
+        ok, detail = await app[RELOADER].reload("admin, through the supervisor")
+        return _reload_result(app, ok, detail)
+
+    async def view() -> dict[str, object]:
+        return {"pid": os.getpid(), "worker": worker.index, **backends_view(app)}
+
+    app[PEERS] = None
+    server = await control.serve_unix(worker.socket, {("POST", "/reload"): reload, ("GET", "/backends"): view})
+
+    def launched() -> list[tuple[str, str, Callable[[bool], None]]]:
+        out = []
+        for name, b in live.runtime.backends.items():
+            if b.policy.launch is not None:
+                out.append((name, b.base_url, functools.partial(setattr, b.health, "ready")))
+        return out
+
+    async def gauges() -> None:
+        while True:
+            refresh_gauges(app[METRICS], live.runtime, app[ADMISSION])
+            await asyncio.sleep(_GAUGES_EVERY_S)
+
+    tasks = [asyncio.create_task(watch_launched(launched)), asyncio.create_task(gauges())]
+    yield
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await server.cleanup()
+
+
+async def _observer(app: web.Application) -> AsyncIterator[None]:
+    app[OBSERVER].start(app[LIVE].runtime.policy)
+    yield
+    app[OBSERVER].close()
+
+
 async def _close_stores(stores: dict[StorePolicy, Store], live: Live) -> AsyncIterator[None]:
+    await asyncio.gather(*(s.warm() for s in stores.values() if hasattr(s, "warm")))
     yield
     quota = live.runtime.quota
     if quota is not None:
@@ -115,61 +237,3 @@ async def _reload_watch(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
     await reloader.close()
-
-
-class _Children:
-    """Backends with a `launch:` section: started, supervised and stopped with the app."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[str, tuple[tuple[str, LaunchPolicy], asyncio.Task[None]]] = {}
-        self._runtime: Runtime | None = None
-
-    async def context(self, app: web.Application) -> AsyncIterator[None]:
-        await self.reconcile(app[LIVE].runtime)
-        yield
-        await self._stop(list(self._tasks))
-
-    async def reconcile(self, runtime: Runtime) -> None:
-        """Start children new to this policy; stop those that left it or changed."""
-        wanted = {
-            name: (b.base_url, b.policy.launch) for name, b in runtime.backends.items() if b.policy.launch is not None
-        }
-        stale = [n for n, (spec, _) in self._tasks.items() if wanted.get(n) != spec]
-        await self._stop(stale)
-        for name, spec in wanted.items():
-            if name not in self._tasks:
-                backend = runtime.backends[name]
-                task = asyncio.create_task(_run_child(name, spec[0], spec[1], backend.state))
-                self._tasks[name] = (spec, task)  # type: ignore[assignment]
-
-    async def _stop(self, names: list[str]) -> None:
-        tasks = [self._tasks.pop(n)[1] for n in names if n in self._tasks]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _run_child(name: str, url: str, launch: LaunchPolicy, state: BackendState) -> None:
-    from .launcher import ChildBackend, LaunchError
-
-    child = ChildBackend(
-        name,
-        url,
-        launch.model,
-        quantize=launch.quantize,
-        device=launch.device,
-        threads=launch.threads,
-        startup_timeout_s=launch.startup_timeout_s,
-        extra_args=launch.extra_args,
-    )
-    state.health.ready = False
-    try:
-        await child.start()
-        state.health.ready = True
-        log.info("backend %s: local model %s is ready at %s", name, launch.model, url)
-        await child.supervise()
-    except LaunchError as exc:
-        log.error("backend %s could not be launched: %s", name, exc)
-    finally:
-        state.health.ready = False
-        await asyncio.shield(child.stop())

@@ -151,9 +151,11 @@ async def attempt(
     resp: UpstreamResponse | None = None
     raw = b""
     timer = asyncio.timeout_at(first_deadline)  # one timer per attempt, moved as the phases change
+    call.sent_at = time.perf_counter()  # Server-Timing's stages (observe.py)
     try:
         async with timer:
             resp = await ctx.pool.post(url, body, headers, connect_timeout_s=t.connect_ms / 1000)
+            call.headers_at = time.perf_counter()
             if resp.status == 200 and not call.stream:
                 timer.reschedule(min(now + t.total_ms / 1000, call_deadline))
                 raw = await resp.read(max_bytes=MAX_BODY_BYTES)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import os
+import re
 from dataclasses import dataclass
 
 from .errors import Forbidden, Unauthorized
@@ -107,6 +109,23 @@ class Tenant:
 OPEN_TENANT = Tenant("default", "default", None)
 
 
+def env_digests(digests: tuple[str, ...], env: str | None, path: str) -> tuple[str, ...]:
+    """`digests` plus those in the environment variable `env` (comma- or space-separated).
+
+    ValueError when the variable is unset, empty or holds something else than digests: a tenant
+    whose keys did not arrive must fail the start (or the reload), never run without keys."""
+    if env is None:
+        return digests
+    raw = os.environ.get(env, "")
+    extra = tuple(d for d in raw.replace(",", " ").split() if d)
+    if not extra:
+        raise ValueError(f"{path}.key_sha256_env: environment variable {env} is not set or empty")
+    for d in extra:
+        if not re.fullmatch(r"[0-9a-f]{64}", d):
+            raise ValueError(f"{path}.key_sha256_env: {env} must hold lowercase hex sha256 digests (`gateway hash-key`), comma-separated")
+    return digests + extra
+
+
 class Tenants:
     """Authenticates callers. A policy without tenants runs open: on a loopback address (local
     development), or elsewhere only with `server.open_access` (see `open_mode_problem`)."""
@@ -121,9 +140,9 @@ class Tenants:
                 cache_namespace=tp.cache_namespace or f"tenant:{name}",
                 cache=tp.cache,
             )
-            for digest in tp.key_sha256:
+            for digest in env_digests(tp.key_sha256, tp.key_sha256_env, f"tenants.{name}"):
                 self._by_digest[digest] = tenant
-        self._admin = set(policy.admin.key_sha256) if policy.admin else set()
+        self._admin = set(env_digests(policy.admin.key_sha256, policy.admin.key_sha256_env, "admin")) if policy.admin else set()
         self._metrics = set(policy.metrics.key_sha256)
         self.open = not self._by_digest
         self.tenant_label = policy.metrics.tenant_label

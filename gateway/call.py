@@ -62,6 +62,8 @@ class Call:
     backend: str | None = None
     attempts: list[str] = field(default_factory=list)
     queue_ms: float = 0.0
+    sent_at: float = 0.0  # perf_counter when the request went upstream (the last attempt)
+    headers_at: float = 0.0  # perf_counter when that attempt's response headers came
     ttft_s: float | None = None
     usage: dict[str, Any] | None = None
     streamed_tokens: int = 0  # content events passed to the client (what a client that leaves is charged)

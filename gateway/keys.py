@@ -8,14 +8,23 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from .admission import Admission
+    from .drain import Drain
+    from .observe import Observer
+    from .peers import Peers
+    from .workers import WorkerInfo
     from .metrics import Metrics
     from .relay import RelayContext
     from .reload import Live, Reloader
 
-__all__ = ["ADMISSION", "LIVE", "METRICS", "RELAY", "RELOADER"]
+__all__ = ["ADMISSION", "DRAIN", "LIVE", "METRICS", "OBSERVER", "PEERS", "RELAY", "RELOADER", "WORKER"]
 
 LIVE: web.AppKey["Live"] = web.AppKey("live")
 METRICS: web.AppKey["Metrics"] = web.AppKey("metrics")
 RELAY: web.AppKey["RelayContext"] = web.AppKey("relay")
 RELOADER: web.AppKey["Reloader"] = web.AppKey("reloader")
 ADMISSION: web.AppKey["Admission"] = web.AppKey("admission")
+DRAIN: web.AppKey["Drain"] = web.AppKey("drain")
+OBSERVER: web.AppKey["Observer"] = web.AppKey("observer")
+# Set in one process only (a single gateway); None in the workers of a supervisor, which has it.
+PEERS: web.AppKey["Peers | None"] = web.AppKey("peers")
+WORKER: web.AppKey["WorkerInfo | None"] = web.AppKey("worker")

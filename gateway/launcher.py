@@ -15,13 +15,15 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import aiohttp
 
-__all__ = ["ChildBackend", "LaunchError"]
+from .policy import LaunchPolicy
+
+__all__ = ["ChildBackend", "Children", "LaunchError", "LaunchSpec", "watch_launched"]
 
 log = logging.getLogger("gateway.launcher")
 
@@ -205,3 +207,92 @@ class ChildBackend:
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
                 await asyncio.wait_for(self._pump, 1.0)
             self._pump = None
+
+
+# (name, url, launch policy): what a launched backend is; a change of any part restarts it.
+LaunchSpec = tuple[str, str, LaunchPolicy]
+
+
+class Children:
+    """The launched backends of one policy: started, supervised, restarted on change, stopped.
+
+    `on_ready(name, ready)` hears when one became healthy or went away (in a single process, the
+    backend's routing readiness; in a supervisor, a log line). Owned by whoever launches: the one
+    gateway process, or the supervisor of `--workers N` (its workers only watch, see
+    `watch_launched`)."""
+
+    def __init__(self, on_ready: Callable[[str, bool], None]) -> None:
+        self._tasks: dict[str, tuple[tuple[str, LaunchPolicy], asyncio.Task[None]]] = {}
+        self._on_ready = on_ready
+
+    async def reconcile(self, specs: Iterable[LaunchSpec]) -> None:
+        """Start children new to this policy; stop those that left it or changed."""
+        wanted = {name: (url, launch) for name, url, launch in specs}
+        stale = [n for n, (spec, _) in self._tasks.items() if wanted.get(n) != spec]
+        await self.stop(stale)
+        for name, spec in wanted.items():
+            if name not in self._tasks:
+                self._on_ready(name, False)  # not routed to until its /healthz answers
+                task = asyncio.create_task(self._run(name, *spec), name=f"launch-{name}")
+                self._tasks[name] = (spec, task)
+
+    async def stop(self, names: list[str] | None = None) -> None:
+        """Stop the named children (all by default) and wait until they exited."""
+        tasks = [self._tasks.pop(n)[1] for n in (list(self._tasks) if names is None else names) if n in self._tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _run(self, name: str, url: str, lp: LaunchPolicy) -> None:
+        child = ChildBackend(
+            name, url, lp.model, quantize=lp.quantize, device=lp.device, threads=lp.threads,
+            startup_timeout_s=lp.startup_timeout_s, extra_args=lp.extra_args,
+        )  # fmt: skip
+        try:
+            await child.start()
+            self._on_ready(name, True)
+            log.info("backend %s: local model %s is ready at %s", name, lp.model, url)
+            await child.supervise()
+        except LaunchError as exc:
+            log.error("backend %s could not be launched: %s", name, exc)
+        finally:
+            self._on_ready(name, False)
+            await asyncio.shield(child.stop())
+
+
+_WATCH_READY_S = 1.0  # between polls of a ready launched backend
+_WATCH_STARTING_S = 0.2  # between polls while it starts: traffic waits for this
+_WATCH_FAILURES = 3  # failed polls in a row before a ready backend counts as gone
+
+
+async def watch_launched(backends: Callable[[], Iterable[tuple[str, str, Callable[[bool], None]]]]) -> None:
+    """In a worker: follow the readiness of the backends another process launched, by polling
+    their /healthz (`backends()` yields name, base URL and a setter, read anew each round so it
+    follows reloads). Runs until cancelled."""
+    failures: dict[str, int] = {}
+    ready: dict[str, bool] = {}
+    timeout = aiohttp.ClientTimeout(total=2.0)
+    async with aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()) as http:
+        while True:
+            current = list(backends())
+            results = await asyncio.gather(*(_healthy(http, url) for _, url, _ in current))
+            for (name, _, set_ready), ok in zip(current, results, strict=True):
+                failures[name] = 0 if ok else failures.get(name, 0) + 1
+                now = ok or (ready.get(name, False) and failures[name] < _WATCH_FAILURES)
+                if now != ready.get(name):
+                    log.info("backend %s: launched model %s", name, "ready" if now else "not ready")
+                ready[name] = now
+                set_ready(now)
+            starting = any(not ready.get(name, False) for name, _, _ in current)
+            await asyncio.sleep(_WATCH_STARTING_S if starting else _WATCH_READY_S)
+
+
+async def _healthy(http: aiohttp.ClientSession, base_url: str) -> bool:
+    parts = urlsplit(base_url)
+    url = f"{parts.scheme}://{parts.netloc}/healthz"
+    try:
+        async with http.get(url) as resp:
+            await resp.read()
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False

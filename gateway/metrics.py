@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
-__all__ = ["Metrics", "BackendMetrics"]
+if TYPE_CHECKING:
+    from .admission import Admission
+    from .runtime import Runtime
+
+__all__ = ["Metrics", "BackendMetrics", "STAGES", "refresh_gauges"]
+
+# Where a request's time went, in order, without overlap (gateway_stage_seconds{stage}):
+# gateway: its own work (parse, auth, classify, cache lookup, routing) and failed attempts;
+# queue: waiting for admission or a backend slot; upstream_headers: request sent -> response
+# headers; first_token: headers -> first content token (prefill); decode: first token -> end (a
+# non-streamed answer: reading its body).
+STAGES = ("gateway", "queue", "upstream_headers", "first_token", "decode")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
+_SHED_REASONS = ("queue_full", "deadline", "expired", "standing_queue")
+_QUOTA_LIMITS = ("rpm", "tpm", "concurrency", "tokens_per_day", "spend_per_day_usd")
 _QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -111,12 +124,29 @@ class Metrics:
             "gateway_quota_degraded", "Quota operations answered by this replica's own counters (shared store failing)",
             registry=r,
         )
+        self.stage = Histogram(
+            "gateway_stage_seconds", "Where each request's time went: " + ", ".join(STAGES), ["stage"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.stages = {s: self.stage.labels(s) for s in STAGES}
         # Bound once: labels() is slow on the hot path, and these label sets are fixed.
         self.lookup = {r: self.cache_lookups.labels(r) for r in ("hit", "miss", "bypass")}
         self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
+
+    def zero_series(self, tenants: list[str]) -> None:
+        """Create the refusal series at 0 (sheds; quota rejections per tenant label): a rate over
+        a series that does not exist yet is "no data" on a dashboard, not 0."""
+        from .admission import BANDS
+
+        for reason in _SHED_REASONS:
+            for band in BANDS:
+                self.shed.labels(reason, band)
+        for tenant in tenants:
+            for limit in _QUOTA_LIMITS:
+                self.quota_rejections.labels(tenant, limit)
 
     def request_done(self, model: str, backend: str, cls: str, cache: str, code: int) -> None:
         """Count one answered request (label children are cached: labels() is slow on the hot path)."""
@@ -148,6 +178,24 @@ class Metrics:
             multiprocess.MultiProcessCollector(merged)
             return generate_latest(merged)
         return generate_latest(self.registry)
+
+
+def refresh_gauges(m: Metrics, rt: "Runtime", admission: "Admission") -> None:
+    """Set the gauges that mirror live state (queues, in flight, health, live TTFT P95). Called on
+    every scrape, and every second in each worker of `--workers N` (a scrape reaches one worker,
+    but /metrics shows all of them)."""
+    depth = dict(admission.gate.queue.sizes)
+    for b in rt.backends.values():
+        for band, n in b.slots.queue.sizes.items():
+            depth[band] += n
+    for band, n in depth.items():
+        m.queue_depth.labels(band).set(n)
+    m.admission_inflight.set(admission.gate.used)
+    for b in rt.backends.values():
+        m.healthy.labels(b.name).set(1 if b.takes_traffic() else 0)
+        p95 = b.tracker.ttft_p95_s(min_samples=1)
+        if p95 is not None:
+            m.ttft_p95.labels(b.name).set(p95)
 
 
 class BackendMetrics:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from typing import Any
 
+from . import cache_flight
 from .auth import Tenant
 from .admission import Admission, Ticket
 from .backends import Backend
@@ -89,15 +90,28 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
                     ctx.metrics.lookup["hit"].inc()  # a streamed follower, answered from its leader's live stream
                     return
                 if entry is None:  # the leader, or a follower whose leader stored (or streamed) nothing
-                    call.cache = "miss"
-                    ctx.metrics.lookup["miss"].inc()
-                    sink.set_header("x-gateway-cache", "miss")
-                    call.capture = rt.cache.max_entry_bytes
                     tee = TeeSink(sink, flight.stream) if flight.leader and flight.stream is not None else sink
-                    await relay(call, route, ctx, tee)
-                    if call.entry is not None and plan.store:
-                        await rt.cache.save(plan.key, call.entry, ttl_s=plan.ttl_s)
-                        flight.publish(call.entry)
+                    locked = False
+                    if flight.leader and cache_flight.shared(rt.cache):  # another process may be answering it
+                        lock_s = rt.policy.cache.lock_ms / 1000
+                        locked, entry = await cache_flight.claim(rt.cache, plan.key, wait_s=call.remaining_s(), lock_s=lock_s)
+                        if entry is not None:
+                            flight.publish(entry)
+                            await _replay(call, entry, tee)
+                            ctx.metrics.lookup["hit"].inc()
+                            return
+                    try:
+                        call.cache = "miss"
+                        ctx.metrics.lookup["miss"].inc()
+                        sink.set_header("x-gateway-cache", "miss")
+                        call.capture = rt.cache.max_entry_bytes
+                        await relay(call, route, ctx, tee)
+                        if call.entry is not None and plan.store:
+                            await rt.cache.save(plan.key, call.entry, ttl_s=plan.ttl_s)
+                            flight.publish(call.entry)
+                    finally:
+                        if locked:
+                            await asyncio.shield(cache_flight.release(rt.cache, plan.key))
                     return
         await _replay(call, entry, sink)
         ctx.metrics.lookup["hit"].inc()

@@ -229,7 +229,10 @@ class QuotaPolicy(LimitsPolicy):
 
 
 class TenantPolicy(_Section):
-    key_sha256: tuple[str, ...] = Field(min_length=1)
+    key_sha256: tuple[str, ...] = ()
+    # The name of an environment variable holding more digests (comma- or space-separated), e.g.
+    # from a Kubernetes Secret: the policy file then carries no key material at all.
+    key_sha256_env: str | None = None
     priority: Priority = "default"
     models: tuple[str, ...] | None = None  # None: every public model
     cache_namespace: str | None = None  # tenants naming the same namespace share cached answers
@@ -245,11 +248,19 @@ class TenantPolicy(_Section):
                 raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
         return v
 
+    @model_validator(mode="after")
+    def _some_key(self) -> "TenantPolicy":
+        if not self.key_sha256 and not self.key_sha256_env:
+            raise ValueError("needs `key_sha256` (a list of digests) or `key_sha256_env` (a variable holding them)")
+        return self
+
 
 class AdminPolicy(_Section):
-    key_sha256: tuple[str, ...] = Field(min_length=1)
+    key_sha256: tuple[str, ...] = ()
+    key_sha256_env: str | None = None  # as in a tenant
 
     _check = field_validator("key_sha256")(TenantPolicy._hex_digests.__func__)  # type: ignore[attr-defined]
+    _some = model_validator(mode="after")(TenantPolicy._some_key)
 
 
 class MetricsPolicy(_Section):
@@ -267,6 +278,11 @@ class ServerPolicy(_Section):
     max_attempts: int = Field(3, ge=1, le=10)  # backends tried before the first byte
     heartbeat_after_ms: int = Field(5_000, gt=0)  # SSE comment heartbeats while a stream waits
     heartbeat_interval_ms: int = Field(5_000, gt=0)
+    # Graceful shutdown (SIGTERM): /readyz answers 503 for `drain_delay_ms` while the port still
+    # takes connections (a load balancer's readiness check notices), then the port closes and the
+    # requests in flight (streams included) get up to `shutdown_timeout_ms` to finish.
+    drain_delay_ms: int = Field(1_000, ge=0)
+    shutdown_timeout_ms: int = Field(30_000, ge=0)
     # A policy without tenants serves anyone. That is allowed on a loopback address only, unless
     # this says so: the operator states that an open gateway on the network is intended.
     open_access: bool = False
@@ -321,6 +337,9 @@ class StorePolicy(_Section):
 class CachePolicy(_Section):
     enabled: bool = True
     ttl_s: float = Field(3600.0, gt=0)
+    # With a shared (Redis) store: a miss holds a lock this long at most while it calls upstream;
+    # the same request on another process waits (up to this, and its deadline) for the stored answer.
+    lock_ms: int = Field(30_000, gt=0)
     max_entry_bytes: int = Field(256 * 1024, gt=0)
     # Also serve and store sampled answers (temperature > 0 without a seed): callers asking for
     # variety would get the same text again. Off: only temperature 0 or seeded requests (n = 1).
@@ -361,6 +380,24 @@ class AdmissionPolicy(_Section):
 class ReloadPolicy(_Section):
     watch: bool = True
     interval_ms: int = Field(1_000, gt=0)
+    # With a Redis `store`: a reload through /admin/reload is announced on this pub/sub channel,
+    # and every replica on the same Redis reloads its own policy file (null: no announcement).
+    channel: str | None = "gateway:reload"
+
+
+class LogPolicy(_Section):
+    """The structured access log: one JSON line per API request on stdout."""
+
+    access: bool = False  # `gateway serve --access-log` turns it on too
+    prompts: bool = False  # also log the request's messages / prompt (off: prompts are private)
+
+
+class TracingPolicy(_Section):
+    """OpenTelemetry trace export (needs the `otel` extra): one span per API request."""
+
+    otlp_endpoint: str  # e.g. http://otel-collector:4318/v1/traces (OTLP over HTTP, protobuf)
+    service_name: str = "llm-gateway"
+    sample_ratio: float = Field(1.0, ge=0, le=1)
 
 
 class Policy(_Section):
@@ -378,6 +415,8 @@ class Policy(_Section):
     admin: AdminPolicy | None = None
     metrics: MetricsPolicy = MetricsPolicy()
     classifier: ClassifierPolicy = ClassifierPolicy()
+    log: LogPolicy = LogPolicy()
+    tracing: TracingPolicy | None = None
 
     @field_validator("backends", "models", "tenants")
     @classmethod

@@ -1,4 +1,14 @@
-"""Running the app: one worker in this process, or N worker processes sharing the port."""
+"""Running the app: one worker in this process, or a supervisor over N worker processes.
+
+The supervisor of `--workers N` owns what must exist once per machine: the launched local models
+(workers only route to them), the control socket through which a reload or an admin view reaches
+every worker, and the policy-reload announcements between replicas (peers.py). Workers share the
+port with SO_REUSEPORT.
+
+Shutdown (SIGTERM): each worker turns /readyz to 503, keeps serving for `server.drain_delay_ms`,
+closes its port, gives the requests in flight up to `server.shutdown_timeout_ms`, and exits; the
+supervisor then stops the local models. SIGINT (Ctrl-C) does the same without the drain delay.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +20,10 @@ import shutil
 import signal
 import tempfile
 import time
+from pathlib import Path
+from typing import Any
+
+from .workers import WorkerInfo, worker_socket
 
 __all__ = ["run_worker", "setup_logging", "supervise_workers"]
 
@@ -17,27 +31,41 @@ log = logging.getLogger("gateway")
 
 _CRASH_WINDOW_S = 5.0  # a worker dying this soon after its start counts as a crash loop
 _MAX_QUICK_CRASHES = 5
+_FANOUT_TIMEOUT_S = 10.0  # a worker's reload (policy parse, classifier load) well within this
 
 
-async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log: bool) -> None:
+async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log: bool, worker: WorkerInfo | None) -> None:
     from aiohttp import web
 
     from .app import create_app
+    from .keys import DRAIN, LIVE
 
-    app = create_app(policy, host)
+    app = create_app(policy, host, worker=worker, access_log=access_log)
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
-    # request is abandoned at once and every slot is returned.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=log if access_log else None)
+    # request is abandoned at once and every slot is returned. Shutdown waits for requests
+    # itself (below); what is left after that gets one more second.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=2048)
     await site.start()
     log.info("gateway (pid %d) serving on http://%s:%d with policy %s", os.getpid(), host, port, policy)
     stop = asyncio.Event()
+    how: list[int] = []
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, lambda s=sig: (how.append(s), stop.set()))
     try:
         await stop.wait()
+        server = app[LIVE].runtime.server
+        drain = app[DRAIN]
+        drain.draining = True
+        delay_s = server.drain_delay_ms / 1000 if how[0] == signal.SIGTERM else 0.0
+        log.info("gateway (pid %d) draining: /readyz is 503; the port closes in %.1f s", os.getpid(), delay_s)
+        await asyncio.sleep(delay_s)
+        await site.stop()  # no new connections from here on
+        if not await drain.wait_idle(server.shutdown_timeout_ms / 1000):
+            log.warning("gateway (pid %d): %d requests still in flight after %d ms; cutting them",
+                        os.getpid(), drain.inflight, server.shutdown_timeout_ms)
     finally:
         log.info("gateway (pid %d) shutting down", os.getpid())
         await runner.cleanup()
@@ -51,67 +79,186 @@ def setup_logging() -> None:
     )
 
 
-def run_worker(policy: str, host: str, port: int, reuse_port: bool, access_log: bool) -> None:
+def run_worker(
+    policy: str, host: str, port: int, reuse_port: bool, access_log: bool, worker: WorkerInfo | None = None
+) -> None:
     """Serve until SIGTERM/SIGINT, on uvloop when it is installed."""
     setup_logging()
     try:
         import uvloop
 
-        uvloop.run(_serve(policy, host, port, reuse_port, access_log))
+        uvloop.run(_serve(policy, host, port, reuse_port, access_log, worker))
     except ImportError:  # uvloop is an optional extra
-        asyncio.run(_serve(policy, host, port, reuse_port, access_log))
+        asyncio.run(_serve(policy, host, port, reuse_port, access_log, worker))
 
 
 def supervise_workers(policy: str, host: str, port: int, workers: int, access_log: bool) -> int:
     """N processes share the port (SO_REUSEPORT); /metrics aggregates them through a shared dir.
 
-    Signals are forwarded (SIGHUP reloads every worker); a worker that dies is restarted, unless
-    workers keep dying right after start, which means the configuration cannot work."""
+    A worker that dies is restarted, unless workers keep dying right after start, which means the
+    configuration cannot work. Returns the exit code."""
     metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+    control_dir = Path(tempfile.mkdtemp(prefix="gateway-control-"))  # mode 0700: ours alone
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    ctx = multiprocessing.get_context("spawn")
-    procs: list[tuple[multiprocessing.process.BaseProcess, float]] = []
-    stopping = False
-    quick_crashes = 0
-
-    def spawn() -> tuple[multiprocessing.process.BaseProcess, float]:
-        p = ctx.Process(target=run_worker, args=(policy, host, port, True, access_log))
-        p.start()
-        return p, time.monotonic()
-
-    def forward(sig: int, _frame: object) -> None:
-        nonlocal stopping
-        if sig in (signal.SIGTERM, signal.SIGINT):
-            stopping = True
-        for p, _ in procs:
-            if p.pid is not None and p.is_alive():
-                os.kill(p.pid, sig)
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward)
-    procs.extend(spawn() for _ in range(workers))
-    code = 0
     try:
+        return asyncio.run(_Supervisor(Path(policy), host, port, workers, access_log, control_dir).run())
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(control_dir, ignore_errors=True)
+
+
+class _Supervisor:
+    def __init__(self, policy: Path, host: str, port: int, workers: int, access_log: bool, control_dir: Path) -> None:
+        from .launcher import Children
+        from .policy import load_policy
+
+        self.path = policy
+        self.host, self.port, self.count, self.access_log = host, port, workers, access_log
+        self.control_dir = control_dir
+        self.policy = load_policy(policy)
+        self.generation = 1
+        self.children = Children(lambda name, ready: None)  # the launcher logs; workers watch /healthz
+        self.ctx = multiprocessing.get_context("spawn")
+        self.procs: dict[int, tuple[Any, float]] = {}  # index -> (process, started)
+        self.stopping = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    # ---- life ---------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        from . import control
+        from .peers import Peers
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop, sig)
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload_all("SIGHUP")))
+        server = await control.serve_unix(
+            self.control_dir / "supervisor.sock",
+            {("POST", "/reload"): lambda: self.reload_everywhere("admin"), ("GET", "/backends"): self.views},
+        )
+        await self.children.reconcile(self._launch_specs())
+        for i in range(self.count):
+            self._spawn(i)
+        peers = Peers(self.policy, on_reload=self.reload_all)
+        await peers.start()
+        self.peers = peers
+        watcher = loop.create_task(self._watch_file())
+        code = 0
+        try:
+            code = await self._monitor()
+        finally:
+            watcher.cancel()
+            await peers.close()
+            await self._wait_workers()
+            await self.children.stop()
+            await server.cleanup()
+        return code
+
+    def _stop(self, sig: int) -> None:
+        if not self.stopping.is_set():
+            self.stopping.set()
+            for p, _ in self.procs.values():
+                if p.pid is not None and p.is_alive():
+                    os.kill(p.pid, sig)
+
+    def _spawn(self, index: int) -> None:
+        info = WorkerInfo(index, self.count, self.control_dir)
+        p = self.ctx.Process(target=run_worker, args=(str(self.path), self.host, self.port, True, self.access_log, info))
+        p.start()
+        self.procs[index] = (p, time.monotonic())
+
+    async def _monitor(self) -> int:
         from prometheus_client import multiprocess
 
-        while procs:
-            for i, (p, started) in enumerate(list(procs)):
-                p.join(timeout=0.2)
-                if p.exitcode is None:
+        quick_crashes = 0
+        while not self.stopping.is_set():
+            await asyncio.sleep(0.2)
+            for index, (p, started) in list(self.procs.items()):
+                if p.exitcode is None or self.stopping.is_set():
                     continue
                 multiprocess.mark_process_dead(p.pid)
-                if stopping:
-                    procs.remove((p, started))
-                    continue
                 quick_crashes = quick_crashes + 1 if time.monotonic() - started < _CRASH_WINDOW_S else 0
                 if quick_crashes >= _MAX_QUICK_CRASHES:
                     log.error("workers keep exiting right after start; giving up")
-                    stopping, code = True, 1
-                    forward(signal.SIGTERM, None)
-                    procs.remove((p, started))
-                    continue
+                    del self.procs[index]
+                    self._stop(signal.SIGTERM)
+                    return 1
                 log.error("worker pid %s exited with %s; restarting it", p.pid, p.exitcode)
-                procs[procs.index((p, started))] = spawn()
-    finally:
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-    return code
+                self._spawn(index)
+        return 0
+
+    async def _wait_workers(self) -> None:
+        """Wait for the workers to drain and exit; kill those past every bound."""
+        from prometheus_client import multiprocess
+
+        s = self.policy.server
+        deadline = time.monotonic() + (s.drain_delay_ms + s.shutdown_timeout_ms) / 1000 + 5.0
+        while any(p.exitcode is None for p, _ in self.procs.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for p, _ in self.procs.values():
+            if p.exitcode is None:
+                log.warning("worker pid %s did not exit in time; killing it", p.pid)
+                p.kill()
+            p.join(timeout=5)
+            if p.pid is not None:
+                multiprocess.mark_process_dead(p.pid)
+
+    # ---- policy -------------------------------------------------------------------------------
+
+    def _launch_specs(self) -> list[tuple[str, str, Any]]:
+        return [(name, b.url, b.launch) for name, b in self.policy.backends.items() if b.launch is not None]
+
+    async def _reload_self(self, trigger: str) -> dict[str, Any]:
+        from .policy import PolicyError, load_policy
+
+        try:
+            policy = await asyncio.to_thread(load_policy, self.path)
+        except (PolicyError, ValueError) as exc:
+            log.error("supervisor: policy reload (%s) rejected: %s", trigger, exc)
+            return {"ok": False, "error": str(exc)}
+        self.policy = policy
+        self.generation += 1
+        await self.children.reconcile(self._launch_specs())
+        return {"ok": True}
+
+    async def reload_all(self, trigger: str) -> dict[str, Any]:
+        """Reload here (the launched models follow the policy) and in every worker."""
+        from . import control
+
+        async with self._lock:
+            own = await self._reload_self(trigger)
+            sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
+            results = await control.ask_all(sockets, "POST", "/reload", _FANOUT_TIMEOUT_S)
+        ok = bool(own["ok"]) and all(r.get("ok") for r in results)
+        return {"ok": ok, "supervisor": {"pid": os.getpid(), **own}, "workers": results}
+
+    async def reload_everywhere(self, trigger: str) -> dict[str, Any]:
+        """reload_all, then the other replicas on the same Redis (their answers included)."""
+        out = await self.reload_all(trigger)
+        out["replicas"] = await self.peers.announce()
+        return out
+
+    async def views(self) -> dict[str, Any]:
+        from . import control
+
+        sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
+        return {"workers": await control.ask_all(sockets, "GET", "/backends", _FANOUT_TIMEOUT_S)}
+
+    async def _watch_file(self) -> None:
+        """Follow the policy file for the launched models (each worker watches it too)."""
+        from .reload import _digest, _stat
+
+        last, digest = _stat(self.path), _digest(self.path)
+        while True:
+            await asyncio.sleep(self.policy.reload.interval_ms / 1000)
+            if not self.policy.reload.watch:
+                continue
+            now = _stat(self.path)
+            if now == last:
+                continue
+            last = now
+            if now is not None and (d := _digest(self.path)) != digest:
+                digest = d
+                async with self._lock:
+                    await self._reload_self("file change")

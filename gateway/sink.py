@@ -7,6 +7,7 @@ error event in the stream.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from aiohttp import web
@@ -37,13 +38,21 @@ class Sink(Protocol):
 class HttpSink:
     """Writes one request's answer; `response` is what the handler returns."""
 
-    __slots__ = ("request", "headers", "response", "committed")
+    __slots__ = ("request", "headers", "response", "committed", "timing")
 
-    def __init__(self, request: web.Request, headers: dict[str, str]) -> None:
+    def __init__(
+        self, request: web.Request, headers: dict[str, str], timing: Callable[[], str] | None = None
+    ) -> None:
         self.request = request
         self.headers = headers
         self.response: web.StreamResponse | None = None
         self.committed = False
+        self.timing = timing  # the Server-Timing header's value, computed as the headers leave
+
+    def _final_headers(self) -> dict[str, str]:
+        if self.timing is not None:
+            self.headers["Server-Timing"] = self.timing()
+        return self.headers
 
     def set_header(self, name: str, value: str) -> None:
         if self.committed:
@@ -54,7 +63,7 @@ class HttpSink:
         """Send the 200 and SSE headers (idempotent)."""
         if self.committed:
             return
-        resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **self.headers})
+        resp = web.StreamResponse(status=200, headers={**_SSE_HEADERS, **self._final_headers()})
         await resp.prepare(self.request)
         self.response = resp
         self.committed = True
@@ -70,7 +79,7 @@ class HttpSink:
 
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self.response = web.Response(
-            status=status, body=body, headers={**self.headers, "Content-Type": content_type}
+            status=status, body=body, headers={**self._final_headers(), "Content-Type": content_type}
         )
 
     async def fail(self, err: GatewayError) -> None:
@@ -83,5 +92,5 @@ class HttpSink:
         self.response = web.Response(
             status=err.status,
             body=err.to_body(),
-            headers={**self.headers, **err.headers(), "Content-Type": "application/json"},
+            headers={**self._final_headers(), **err.headers(), "Content-Type": "application/json"},
         )

@@ -36,6 +36,11 @@ class Store(Protocol):
         """Remove `key`; absent keys are fine."""
         ...
 
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        """Store `value` under `key` only when no live value is there; True when it was stored
+        (a short lock: cache_flight.py)."""
+        ...
+
     async def close(self) -> None:
         """Release connections; the store is not used afterwards."""
         ...
@@ -111,6 +116,12 @@ class MemoryStore:
     async def delete(self, key: str) -> None:
         if key in self._items:
             self._drop(key)
+
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        if await self.get(key) is not None:
+            return False
+        await self.set(key, value, ttl_s)
+        return True
 
     async def close(self) -> None:
         self._items.clear()

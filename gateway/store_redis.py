@@ -72,6 +72,13 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as exc:
             raise _error("set", exc) from None
 
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return bool(await self._redis.set(self.prefix + key, value, px=max(1, round(ttl_s * 1000)), nx=True))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("add", exc) from None
+
     async def delete(self, key: str) -> None:
         try:
             async with asyncio.timeout(self._timeout_s):
@@ -114,6 +121,16 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as exc:
             raise _error("quota usage", exc) from None
         return Usage(*(int(x) for x in r))
+
+    async def warm(self, timeout_s: float = 2.0) -> None:
+        """Open a connection in each pool now (at start), so the first requests do not pay the
+        connect inside their few-millisecond budget (and turn into misses). Errors are left to
+        the calls that follow (they fail open)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(self._redis.ping(), self._qredis.ping())
+        except (RedisError, OSError, TimeoutError):
+            pass
 
     async def close(self) -> None:
         await self._redis.aclose()

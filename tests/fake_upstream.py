@@ -72,6 +72,7 @@ class Behaviour:
 class Stats:
     requests: int = 0
     active: int = 0
+    peak_active: int = 0  # the most requests in flight at once (since start or the last reset)
     generating: int = 0  # holding a capacity slot (or all active ones without a capacity)
     queued: int = 0  # waiting for a capacity slot
     failed: int = 0  # answered 500 by fail_pct
@@ -220,6 +221,7 @@ class FakeUpstream:
         st = self.stats
         st.requests += 1
         st.active += 1
+        st.peak_active = max(st.peak_active, st.active)
         raw = await request.read()
         body = orjson.loads(raw)
         st.models.append(body.get("model", ""))
@@ -386,18 +388,44 @@ class FakeUpstream:
         return resp
 
 
+_HELP = {
+    "ttft_ms": "milliseconds before the first token (after any capacity queueing)",
+    "itl_ms": "milliseconds between two tokens of a stream",
+    "tokens": "content tokens per answer (words w0 w1 ...)",
+    "mode": "ok, or a fault: error_NNN, hang, reset, close, stall, stall_mid, disconnect, cut, no_done, "
+    "malformed, error_event, garbage (see below)",
+    "fail_after": "tokens sent before stall_mid / disconnect / cut / error_event strike",
+    "retry_after_s": "the Retry-After header of error_429 / error_503 answers",
+    "model": "the model name to answer with (default: echo the request's)",
+    "prompt_ms_per_kchar": "extra TTFT per 1,000 prompt characters (prefill that grows with the prompt)",
+    "capacity": "at most this many requests generate at once; the rest queue FIFO (0: unlimited)",
+    "fail_pct": "share (0..1) of requests answered 500 before the first byte, every 1/share-th one",
+    "error_body": "error_NNN modes: the body to answer with instead of an OpenAI-shaped error",
+    "fault_count": "the mode applies to the next this many requests only, then ok (0: always)",
+    "flap_ms": "alternate ok and the mode every this many ms, starting ok (0: no flapping)",
+    "endpoints": "comma-separated OpenAI paths served (chat,completions,embeddings,models); others 404",
+}
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Fake OpenAI-compatible upstream")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=9001)
-    parser.add_argument("--name", default="fake")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.fake_upstream",
+        description="A fake OpenAI-compatible upstream with latency and fault knobs.",
+        epilog=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=9001, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--name", default="fake", help="its name in logs and stats (default: %(default)s)")
     for f in dataclasses.fields(Behaviour):
         kind = {"float": float, "int": int, "str": str}.get(str(f.type).split(" ")[0], str)
         if f.name == "retry_after_s":
             kind = float
         if f.name == "endpoints":
             kind = lambda v: tuple(x for x in v.split(",") if x)  # noqa: E731  --endpoints chat,completions
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f"{_HELP[f.name]} (default: %(default)s)"
+        )
     args = parser.parse_args()
     behaviour = Behaviour(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Behaviour)})
 

@@ -105,6 +105,14 @@ async def test_concurrent_calls_all_answer(store: Store) -> None:
     assert got == [str(i).encode() for i in range(50)]
 
 
+async def test_add_stores_only_when_absent(store: Store) -> None:
+    assert await store.add("lock", b"1", 30)
+    assert not await store.add("lock", b"2", 30)
+    assert await store.get("lock") == b"1"
+    await store.delete("lock")
+    assert await store.add("lock", b"3", 30)
+
+
 def test_both_stores_satisfy_the_protocol() -> None:
     assert isinstance(MemoryStore(), Store)
     assert isinstance(RedisStore(REDIS_URL), Store)

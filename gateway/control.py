@@ -1,0 +1,82 @@
+"""The control channel of `gateway serve --workers N`: small JSON HTTP over unix sockets.
+
+Each worker listens on `<dir>/worker-<i>.sock` (reload, its admin view); the supervisor on
+`<dir>/supervisor.sock`. A worker asked on its public port to reload, or for every worker's view,
+asks the supervisor, which asks every worker and answers with all of their results. Unix sockets
+in a private directory (mode 0700): nothing outside this machine's user can reach them, and no
+port is taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+__all__ = ["ControlError", "ask", "ask_all", "serve_unix"]
+
+log = logging.getLogger("gateway.control")
+
+Handler = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class ControlError(RuntimeError):
+    """A process on the control channel did not answer."""
+
+
+async def serve_unix(path: Path, handlers: dict[tuple[str, str], Handler]) -> web.AppRunner:
+    """Serve `handlers` ((method, path) -> coroutine returning JSON) on a unix socket at `path`."""
+
+    def wrap(fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(_request: web.Request) -> web.Response:
+            return web.Response(body=orjson.dumps(await fn()), content_type="application/json")
+
+        return handle
+
+    app = web.Application()
+    for (method, route), fn in handlers.items():
+        app.router.add_route(method, route, wrap(fn))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # a socket left by a worker that died
+    site = web.UnixSite(runner, str(path))
+    await site.start()
+    os.chmod(path, 0o600)
+    return runner
+
+
+async def ask(path: Path, method: str, route: str, timeout_s: float) -> dict[str, Any]:
+    """One JSON request to the process listening on `path`; ControlError when it cannot answer."""
+    try:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=str(path)), timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as http:
+            async with http.request(method, f"http://gateway{route}") as resp:
+                body = await resp.read()
+                if resp.status != 200:
+                    raise ControlError(f"{path.name} answered {method} {route} with HTTP {resp.status}")
+                out: dict[str, Any] = orjson.loads(body)
+                return out
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
+        raise ControlError(f"{path.name} did not answer {method} {route}: {type(exc).__name__}: {exc}") from None
+
+
+async def ask_all(paths: list[Path], method: str, route: str, timeout_s: float) -> list[dict[str, Any]]:
+    """Ask every process at once; one that cannot answer gives {"error": ...} in its place."""
+
+    async def one(path: Path) -> dict[str, Any]:
+        try:
+            return await ask(path, method, route, timeout_s)
+        except ControlError as exc:
+            return {"ok": False, "error": str(exc), "socket": path.name}
+
+    return list(await asyncio.gather(*(one(p) for p in paths)))

@@ -1,0 +1,124 @@
+"""Helpers for tests that run real gateway processes: free ports, a private redis-server, a
+`gateway serve` subprocess that is always stopped (by its PID) when the test ends."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+__all__ = ["free_port", "redis_server", "serve", "wait_http", "Proc"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_http(url: str, timeout_s: float, status: int = 200) -> None:
+    """Poll `url` until it answers `status`; AssertionError after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while True:
+            try:
+                async with http.get(url) as r:
+                    if r.status == status:
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            assert loop.time() < end, f"{url} did not answer {status} within {timeout_s} s"
+            await asyncio.sleep(0.1)
+
+
+@asynccontextmanager
+async def redis_server() -> AsyncIterator[str]:
+    """A redis-server of our own on a free port (no persistence); yields its URL."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(100):
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+class Proc:
+    """A running `gateway serve`; `log` is its stderr (a file, so a chatty process never blocks)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, port: int, log: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.log = log
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def signal(self, sig: int) -> None:
+        if self.proc.returncode is None:
+            self.proc.send_signal(sig)
+
+    async def stop(self, timeout_s: float = 30.0) -> int:
+        self.signal(signal.SIGTERM)
+        try:
+            return await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except TimeoutError:
+            self.proc.kill()
+            return await self.proc.wait()
+
+
+@asynccontextmanager
+async def serve(policy: dict[str, Any] | Path, tmp: Path, *args: str, ready: str = "/healthz", wait_s: float = 60) -> AsyncIterator[Proc]:
+    """Run `gateway serve` on a free port with `policy` (a dict is written to a file in `tmp`)."""
+    port = free_port()
+    if isinstance(policy, Path):
+        path = policy
+    else:
+        path = tmp / f"policy-{port}.yaml"
+        path.write_text(yaml.safe_dump(policy))
+    log = tmp / f"gateway-{port}.log"
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    with log.open("wb") as err:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway", "serve", "--policy", str(path), "--host", "127.0.0.1", "--port", str(port), *args,
+            cwd=ROOT, env=env, stdout=asyncio.subprocess.DEVNULL, stderr=err,
+        )  # fmt: skip
+    p = Proc(proc, port, log)
+    try:
+        try:
+            await wait_http(p.url + ready, wait_s)
+        except AssertionError:
+            raise AssertionError(f"gateway did not start: {log.read_text()[-3000:]}") from None
+        yield p
+    finally:
+        if proc.returncode is None:
+            proc.kill()  # a test that wanted a graceful stop did it itself
+            await proc.wait()
