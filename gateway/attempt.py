@@ -155,7 +155,11 @@ async def attempt(
     try:
         if resp.status != 200:
             await _refuse(resp, backend, first_deadline)
-        if call.stream:
+        if call.endpoint.name == "responses":
+            from .responses_stream import answer  # imported here: that module builds on this one
+
+            kind = await answer(call, backend, resp, raw, ctx, sink, progress, started, first_deadline, call_deadline)
+        elif call.stream:
             kind = await _stream(call, backend, resp, ctx, sink, progress, started, first_deadline, call_deadline)
         else:
             await _deliver(call, backend, raw, sink, progress)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -12,12 +12,15 @@ from .admission import Ticket
 from .cache_entry import Entry
 from .classify import Verdict
 
+if TYPE_CHECKING:
+    from .affinity import Learner
+
 __all__ = ["Call", "Endpoint", "ENDPOINTS"]
 
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    name: str  # "chat" | "completions" | "embeddings"
+    name: str  # "chat" | "completions" | "embeddings" | "responses"
     upstream_path: str  # appended to a backend's base URL
     streams: bool
 
@@ -26,6 +29,7 @@ ENDPOINTS = {
     "chat": Endpoint("chat", "/chat/completions", True),
     "completions": Endpoint("completions", "/completions", True),
     "embeddings": Endpoint("embeddings", "/embeddings", False),
+    "responses": Endpoint("responses", "/responses", True),  # OpenAI's Responses API (responses*.py)
 }
 
 
@@ -66,6 +70,8 @@ class Call:
     streamed_tokens: int = 0  # content events passed to the client (what a client that leaves is charged)
     strip_usage: bool = False  # the gateway asked for the stream's usage chunk: the client did not
     ticket: Ticket | None = None  # its place in admission and backend queues (band, tenant, tokens)
+    # Responses API: records which backend holds each response id it answers (responses*.py)
+    affinity: Learner | None = None
     status: int = 200
     error: str | None = None
     finish: str | None = None  # "ok" | "error" | "client_disconnect" | "cut"

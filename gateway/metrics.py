@@ -105,6 +105,11 @@ class Metrics:
             "gateway_quota_degraded", "Quota operations answered by this replica's own counters (shared store failing)",
             registry=r,
         )
+        self.affinity = Counter(
+            "gateway_responses_affinity",
+            "Responses API id -> backend map: learn (ok, error) and lookup (hit, miss, error) operations",
+            ["op", "result"], registry=r,
+        )
         # Bound once: labels() is slow on the hot path, and these label sets are fixed.
         self.lookup = {r: self.cache_lookups.labels(r) for r in ("hit", "miss", "bypass")}
         self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
