@@ -45,8 +45,11 @@ class Pinned:
         """The relay's failure, said in terms of the state the request builds on."""
         code = _missing_code(self.field)
         if self.backend is None:
-            if err.failures and all(_is_404(e) for _, e in err.failures):
-                tried = ", ".join(repr(name) for name, _ in err.failures)
+            # Every backend asked said 404 (the others were not asked: ejected, cooling, full).
+            if any(_is_404(e) for _, e in err.failures) and all(
+                _is_404(e) or isinstance(e, (Unavailable, RateLimited)) for _, e in err.failures
+            ):
+                tried = ", ".join(repr(name) for name, e in err.failures if _is_404(e))
                 return NotFound(
                     f"{self.field} {self.ref!r} is not known to this gateway (not answered through it, expired after "
                     f"responses.affinity_ttl_s, or its record was lost), and no backend tried ({tried}) has it",
