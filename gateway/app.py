@@ -55,7 +55,7 @@ def create_app(policy: Policy | str | Path, host: str | None = None) -> web.Appl
             p, states, generation, stores,
             on_cache_error=lambda op: metrics.cache_errors.labels(op).inc(),
             on_quota_degraded=metrics.quota_degraded.inc,
-            on_affinity=lambda op, result: metrics.affinity.labels(op, result).inc(),
+            on_affinity=metrics.affinity_event,
         )
         a = p.admission
         admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())

@@ -116,6 +116,14 @@ class Metrics:
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
+        self._affinity: dict[tuple[str, str], Any] = {}
+
+    def affinity_event(self, op: str, result: str) -> None:
+        """Count one operation on the Responses affinity map (children bound once: labels() is slow)."""
+        child = self._affinity.get((op, result))
+        if child is None:
+            child = self._affinity[(op, result)] = self.affinity.labels(op, result)
+        child.inc()
 
     def request_done(self, model: str, backend: str, cls: str, cache: str, code: int) -> None:
         """Count one answered request (label children are cached: labels() is slow on the hot path)."""

@@ -2,7 +2,8 @@
 
 Answers the same words as chat ("w0 w1 ... "), with the same fault modes (fake_upstream.py), in the
 Responses API's shapes: a Response object, or its event stream. Every response is kept (by id) so
-follow-ups and GET/DELETE/cancel/input_items work on the backend that made it, and only there:
+follow-ups and GET/DELETE/cancel/input_items work on the backend that made it, and only there
+(the latest 10,000):
 a `previous_response_id` this fake did not issue is a 404 (previous_response_not_found), as is a
 `conversation` whose id does not start with `conv_<name>`. `background: true` answers `queued`
 at once; the response completes after the time its tokens would take (cancel stops it).
@@ -44,6 +45,11 @@ class ResponsesFake:
     name: str
     kept: dict[str, _Kept] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def _keep(self, rid: str, kept: _Kept) -> None:
+        self.kept[rid] = kept
+        if len(self.kept) > 10_000:  # bounded (benchmarks send many): the oldest go first
+            del self.kept[next(iter(self.kept))]
 
     def _obj(self, rid: str, model: str, text: str | None, status: str, n: int, size: int, body: dict[str, Any]) -> dict[str, Any]:
         output = []
@@ -88,9 +94,9 @@ class ResponsesFake:
         items = [{**it, "id": f"item_{rid}_{i}"} for i, it in enumerate(items) if isinstance(it, dict)]
         final = self._obj(rid, model, text, "completed", n, size, body)
         if body.get("background"):
-            self.kept[rid] = _Kept(final, items, time.monotonic() + ttft_s + b.itl_ms * n / 1000)
+            self._keep(rid, _Kept(final, items, time.monotonic() + ttft_s + b.itl_ms * n / 1000))
             return web.json_response(self._obj(rid, model, None, "queued", n, size, body))
-        self.kept[rid] = _Kept(final, items, 0.0)
+        self._keep(rid, _Kept(final, items, 0.0))
         if not body.get("stream"):
             await asyncio.sleep(ttft_s + b.itl_ms * n / 1000)
             if mode == "garbage":
