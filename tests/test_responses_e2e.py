@@ -359,3 +359,21 @@ async def test_quotas_count_the_usage_of_response_completed(upstream, gateway):
                 break
             await asyncio.sleep(0.05)
     assert used == expected
+
+
+async def test_streamed_followers_of_a_cut_stream_end_with_the_same_error_event(upstream, gateway):
+    up = await upstream(_name("a"), tokens=8, itl_ms=30, mode="cut", fail_after=4)
+    gw = await gateway(_policy(up))
+    body = {"model": "gpt-test", "input": "same", "temperature": 0, "stream": True}
+
+    async def one() -> tuple[str | None, bytes]:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/v1/responses", json=body) as r:
+                return r.headers.get("x-gateway-cache"), await r.read()
+
+    results = await asyncio.gather(one(), one())
+    assert sorted(str(h) for h, _ in results) == ["hit", "miss"]  # one upstream call, shared live
+    for _, data in results:
+        last = data.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+        assert last.startswith(b"event: error\ndata: ") and b"event: response.completed" not in data
+    assert up.stats.requests == 1
