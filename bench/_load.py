@@ -76,8 +76,10 @@ async def fixed_rate(url: str, rate: float, duration: float, body: bytes | str, 
     return lat
 
 
-async def ttft(url: str, n: int, body: bytes | str) -> list[float]:
-    """Sequential streamed requests; time to the first content chunk."""
+async def ttft(url: str, n: int, body: bytes | str, marker: str = '"content":"w') -> list[float]:
+    """Sequential streamed requests; time to the first content chunk (the first line holding
+    `marker`: a chat delta's content by default, `"delta":"w` for a Responses stream)."""
+    needle = marker.encode()
     out = []
     async with aiohttp.ClientSession() as http:
         for i in range(n + 20):
@@ -85,7 +87,7 @@ async def ttft(url: str, n: int, body: bytes | str) -> list[float]:
             async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
                 first = None
                 async for line in r.content:
-                    if first is None and b'"content":"w' in line:
+                    if first is None and needle in line:
                         first = time.perf_counter() - t0
                 if i >= 20:  # skip warm-up
                     out.append(first)

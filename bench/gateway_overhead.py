@@ -5,7 +5,8 @@
 Also runs a bare aiohttp passthrough (bench/_minproxy.py) in the same run as the floor to compare
 with: the machine's speed moves between runs, the ratios do not. Measures non-streaming throughput at concurrency 32 (wrk, a C load generator), latency p50/p99 at
 a fixed request rate (an open-loop generator in its own process), TTFT added on streams, the
-gateway's CPU time per request and its peak RSS. One gateway worker, uvloop. Each figure is
+gateway's CPU time per request and its peak RSS; the same again for the Responses API (rows
+"responses:", the TTFT being the first `response.output_text.delta`). One gateway worker, uvloop. Each figure is
 reported beside the direct one and as a ratio.
 
 Then the same throughput through `gateway serve --workers 2` (`--workers 0` skips it): req/s and
@@ -32,6 +33,9 @@ BODY = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content
 STREAM_BODY = orjson.dumps(
     {"model": "gpt-test", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16, "stream": True}
 )
+# The Responses API (/v1/responses), the same request in its shape.
+RESP_BODY = orjson.dumps({"model": "gpt-test", "input": "Say hello in one word.", "max_output_tokens": 16})
+RESP_STREAM_BODY = orjson.dumps({"model": "gpt-test", "input": "Say hello in one word.", "max_output_tokens": 16, "stream": True})
 
 
 def main() -> None:
@@ -47,6 +51,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     script = tmp / "post.lua"
     script.write_text(lua_post(BODY, {"Authorization": "Bearer sk-bench"}))
+    resp_script = tmp / "responses.lua"
+    resp_script.write_text(lua_post(RESP_BODY, {"Authorization": "Bearer sk-bench"}))
     up_port, gw_port, mp_port = free_port(), free_port(), free_port()
     policy = tmp / "policy.yaml"
     policy.write_text(
@@ -78,6 +84,17 @@ def main() -> None:
         lat_g = run_in_subprocess("fixed_rate", via, args.rate, args.duration, BODY.decode())
         ttft_d = run_in_subprocess("ttft", direct, args.stream_n, STREAM_BODY.decode())
         ttft_g = run_in_subprocess("ttft", via, args.stream_n, STREAM_BODY.decode())
+        # The Responses API, against the same upstream and gateway.
+        r_direct = direct.replace("/chat/completions", "/responses")
+        r_via = via.replace("/chat/completions", "/responses")
+        wrk(r_via, args.connections, 2, resp_script)  # warm-up
+        rd = wrk(r_direct, args.connections, args.duration, resp_script)
+        rg = wrk(r_via, args.connections, args.duration, resp_script)
+        results["responses_throughput"] = {"direct_rps": rd["rps"], "gateway_rps": rg["rps"], "gateway_non2xx": rg["non2xx"]}
+        rlat_d = run_in_subprocess("fixed_rate", r_direct, args.rate, args.duration, RESP_BODY.decode())
+        rlat_g = run_in_subprocess("fixed_rate", r_via, args.rate, args.duration, RESP_BODY.decode())
+        rttft_d = run_in_subprocess("ttft", r_direct, args.stream_n, RESP_STREAM_BODY.decode(), '"delta":"w')
+        rttft_g = run_in_subprocess("ttft", r_via, args.stream_n, RESP_STREAM_BODY.decode(), '"delta":"w')
         rss = peak_rss_mb(gateway.pid)
         multi = _workers(args, policy, script, g["rps"], cpu_per_req_us) if args.workers > 1 else None
     finally:
@@ -93,6 +110,13 @@ def main() -> None:
         ("latency p99 at %d req/s (ms)" % args.rate, pct(lat_d, 0.99) * ms, pct(lat_g, 0.99) * ms, pct(lat_g, 0.99) / pct(lat_d, 0.99)),
         ("stream TTFT p50 (ms)", pct(ttft_d, 0.5) * ms, pct(ttft_g, 0.5) * ms, pct(ttft_g, 0.5) / pct(ttft_d, 0.5)),
         ("stream TTFT p99 (ms)", pct(ttft_d, 0.99) * ms, pct(ttft_g, 0.99) * ms, pct(ttft_g, 0.99) / pct(ttft_d, 0.99)),
+        ("responses: throughput, non-stream (req/s)", rd["rps"], rg["rps"], rg["rps"] / rd["rps"]),
+        ("responses: latency p50 at %d req/s (ms)" % args.rate, pct(rlat_d, 0.5) * ms, pct(rlat_g, 0.5) * ms,
+         pct(rlat_g, 0.5) / pct(rlat_d, 0.5)),
+        ("responses: latency p99 at %d req/s (ms)" % args.rate, pct(rlat_d, 0.99) * ms, pct(rlat_g, 0.99) * ms,
+         pct(rlat_g, 0.99) / pct(rlat_d, 0.99)),
+        ("responses: stream TTFT p50 (ms)", pct(rttft_d, 0.5) * ms, pct(rttft_g, 0.5) * ms, pct(rttft_g, 0.5) / pct(rttft_d, 0.5)),
+        ("responses: stream TTFT p99 (ms)", pct(rttft_d, 0.99) * ms, pct(rttft_g, 0.99) * ms, pct(rttft_g, 0.99) / pct(rttft_d, 0.99)),
     ]
     print(f"\n{'metric':42} {'direct':>10} {'gateway':>10} {'ratio':>7} {'added':>9}")
     for name, dv, gv, ratio in rows:
@@ -103,7 +127,8 @@ def main() -> None:
         f"(gateway/bare: {g['rps'] / b['rps']:.2f}x req/s, {cpu_per_req_us / bare_cpu_us:.2f}x CPU)"
     )
     print(f"{'gateway peak RSS (MB)':42} {'':10} {rss:10.1f}")
-    print(f"(non-2xx through the gateway: {g['non2xx']}; wrk socket errors: {g['socket_errors'] or 'none'})")
+    print(f"(non-2xx through the gateway: {g['non2xx']} chat, {rg['non2xx']} responses; "
+          f"wrk socket errors: {g['socket_errors'] or 'none'})")
     if multi is not None:
         n = args.workers
         print(f"\n{'--workers, same run':42} {'1 worker':>10} {f'{n} workers':>10} {'ratio':>7}")

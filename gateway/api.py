@@ -21,6 +21,7 @@ from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, RELAY, RELOA
 from .metrics import refresh_gauges
 from .observe import server_timing
 from .routing import usable
+from .responses import ResponsesSink
 from .sink import HttpSink
 
 __all__ = ["LOOPBACK", "backends_view", "routes"]
@@ -131,7 +132,8 @@ async def _proxy(request: web.Request, endpoint_name: str) -> web.StreamResponse
     drain = request.app[DRAIN]
     drain.enter()
     try:
-        await pipeline.run(call, rt, request.app[RELAY], sink)
+        # Responses streams end a failure with their own `error` event (responses.py).
+        await pipeline.run(call, rt, request.app[RELAY], ResponsesSink(sink) if endpoint_name == "responses" else sink)
     finally:
         drain.leave()
         request.app[OBSERVER].done(call, rt)
@@ -149,6 +151,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def embeddings(request: web.Request) -> web.StreamResponse:
     return await _proxy(request, "embeddings")
+
+
+async def responses(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, "responses")
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -170,7 +176,7 @@ async def route_explain(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
     try:
         raw = await _read_body(request, rt.server.max_body_bytes)
-        call = _new_call(request, "chat", raw, rt.server.request_timeout_ms)
+        call = _new_call(request, _explained_endpoint(raw), raw, rt.server.request_timeout_ms)
         return _json(await pipeline.explain(call, rt, request.app[ADMISSION]), headers={"x-request-id": call.request_id})
     except GatewayError as err:
         return _error(err, {"x-request-id": _request_id(request)})
@@ -178,6 +184,15 @@ async def route_explain(request: web.Request) -> web.Response:
         rid = _request_id(request)
         log.exception("request %s: internal error in /v1/route/explain", rid)
         return _error(InternalError(f"internal error in the gateway (request id {rid})"), {"x-request-id": rid})
+
+
+def _explained_endpoint(raw: bytes) -> str:
+    """Which body /v1/route/explain was given: a Responses one (`input`, no `messages`), else chat."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return "chat"  # parse() answers the 400
+    return "responses" if isinstance(body, dict) and "input" in body and "messages" not in body else "chat"
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -347,10 +362,14 @@ async def not_found(request: web.Request) -> web.Response:
 
 
 def routes() -> list[web.RouteDef]:
+    from .responses_api import routes as responses_by_id  # imported here: it uses this module's helpers
+
     return [
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/completions", completions),
         web.post("/v1/embeddings", embeddings),
+        web.post("/v1/responses", responses),
+        *responses_by_id(),
         web.get("/v1/models", list_models),
         web.post("/v1/route/explain", route_explain),
         web.get("/healthz", healthz),

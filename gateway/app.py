@@ -68,6 +68,7 @@ def create_app(
             p, states, generation, stores,
             on_cache_error=lambda op: metrics.cache_errors.labels(op).inc(),
             on_quota_degraded=metrics.quota_degraded.inc,
+            on_affinity=metrics.affinity_event,
         )
         a = p.admission
         admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())

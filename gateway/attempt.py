@@ -185,7 +185,11 @@ async def attempt(
     try:
         if resp.status != 200:
             await _refuse(resp, backend, call, first_deadline)
-        if call.stream:
+        if call.endpoint.name == "responses":
+            from .responses_stream import answer  # imported here: that module builds on this one
+
+            kind = await answer(call, backend, resp, raw, ctx, sink, progress, started, first_deadline, call_deadline)
+        elif call.stream:
             idle_s = t.idle_ms / 1000
             if live_deadline is not None and call.transcript is not None:  # a stall can be rescued: notice it sooner
                 rp = live_deadline

@@ -14,6 +14,7 @@ from typing import Any
 
 import orjson
 
+from .responses_replay import replayable
 from .wire import SSE_DONE
 
 __all__ = ["Entry", "entry_from_response", "is_complete", "StreamAssembler", "replay_json", "replay_sse"]
@@ -44,6 +45,8 @@ def is_complete(obj: Any) -> bool:
     that a stored entry read back is not corrupt (Cache.lookup)."""
     if not isinstance(obj, dict):
         return False
+    if obj.get("object") == "response":
+        return replayable(obj)  # a Responses API answer (responses_replay.py)
     choices = obj.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return False

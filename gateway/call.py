@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -13,12 +13,15 @@ from .cache_entry import Entry
 from .classify import Verdict
 from .continuation import Transcript
 
+if TYPE_CHECKING:
+    from .affinity import Learner
+
 __all__ = ["Call", "Endpoint", "ENDPOINTS"]
 
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    name: str  # "chat" | "completions" | "embeddings"
+    name: str  # "chat" | "completions" | "embeddings" | "responses"
     upstream_path: str  # appended to a backend's base URL
     streams: bool
 
@@ -27,6 +30,7 @@ ENDPOINTS = {
     "chat": Endpoint("chat", "/chat/completions", True),
     "completions": Endpoint("completions", "/completions", True),
     "embeddings": Endpoint("embeddings", "/embeddings", False),
+    "responses": Endpoint("responses", "/responses", True),  # OpenAI's Responses API (responses*.py)
 }
 
 
@@ -70,6 +74,8 @@ class Call:
     strip_usage: bool = False  # the gateway asked for the stream's usage chunk: the client did not
     ticket: Ticket | None = None  # its place in admission and backend queues (band, tenant, tokens)
     transcript: Transcript | None = None  # what a stream delivered, when it could be continued elsewhere
+    # Responses API: records which backend holds each response id it answers (responses*.py)
+    affinity: Learner | None = None
     status: int = 200
     error: str | None = None
     finish: str | None = None  # "ok" | "error" | "client_disconnect" | "cut"

@@ -27,7 +27,7 @@ import orjson
 from .call import Call
 from .errors import GatewayError, UpstreamError, UpstreamTimeout
 from .sink import Sink
-from .wire import SSE_HEARTBEAT, SSEDecoder, event_data, sse_event
+from .wire import SSE_HEARTBEAT, SSEDecoder, event_data
 
 __all__ = ["Broadcast", "Budget", "TeeSink", "follow", "DEFAULT_MAX_BYTES", "DEFAULT_BUDGET_BYTES"]
 
@@ -89,7 +89,7 @@ class Broadcast:
     """
 
     __slots__ = (
-        "state", "started", "backend", "include_usage", "max_bytes", "_budget", "_history", "_history_bytes", "_taps", "_tail",
+        "state", "started", "backend", "include_usage", "max_bytes", "_budget", "_history", "_history_bytes", "_taps", "error",
     )
 
     def __init__(self, *, include_usage: bool = False, max_bytes: int = DEFAULT_MAX_BYTES, budget: Budget | None = None) -> None:
@@ -102,7 +102,7 @@ class Broadcast:
         self._history: list[bytes] | None = []
         self._history_bytes = 0
         self._taps: set[_Tap] = set()
-        self._tail = b""  # the error event that ends a failed stream
+        self.error: GatewayError | None = None  # what ends a failed stream (each follower's sink frames it)
 
     def __len__(self) -> int:
         """Followers attached now."""
@@ -145,7 +145,7 @@ class Broadcast:
         the others go upstream themselves."""
         if self.state is _OPEN:
             if self.started:
-                self.state, self._tail = _FAILED, sse_event(err.to_dict())
+                self.state, self.error = _FAILED, err
             else:
                 self.state = _ABANDONED
             self._wake_all()
@@ -295,8 +295,8 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
                         if not sent:
                             return False
                         call.finish = "cut"
-                        await sink.write(bc._tail)
-                        await sink.end()
+                        # The sink frames it: an SSE error event for chat, an `error` event on /v1/responses.
+                        await sink.fail(bc.error or UpstreamError("the stream this request shared ended early"))
                         return True
                     await tap.wait()
         except TimeoutError:

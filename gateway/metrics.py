@@ -129,12 +129,25 @@ class Metrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.stages = {s: self.stage.labels(s) for s in STAGES}
+        self.affinity = Counter(
+            "gateway_responses_affinity",
+            "Responses API id -> backend map: learn (ok, error) and lookup (hit, miss, error) operations",
+            ["op", "result"], registry=r,
+        )
         # Bound once: labels() is slow on the hot path, and these label sets are fixed.
         self.lookup = {r: self.cache_lookups.labels(r) for r in ("hit", "miss", "bypass")}
         self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
+        self._affinity: dict[tuple[str, str], Any] = {}
+
+    def affinity_event(self, op: str, result: str) -> None:
+        """Count one operation on the Responses affinity map (children bound once: labels() is slow)."""
+        child = self._affinity.get((op, result))
+        if child is None:
+            child = self._affinity[(op, result)] = self.affinity.labels(op, result)
+        child.inc()
 
     def zero_series(self, tenants: list[str]) -> None:
         """Create the refusal series at 0 (sheds; quota rejections per tenant label): a rate over

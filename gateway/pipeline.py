@@ -16,19 +16,22 @@ from .admission import Admission, Ticket
 from .backends import Backend
 from .cache_entry import Entry, replay_json, replay_sse
 from .call import Call
-from .errors import GatewayError, InternalError
+from .errors import AllBackendsFailed, GatewayError, InternalError
 from .flight import TeeSink, follow
 from .quota import Hold, QuotaExceeded
 from .relay import ClientGone, RelayContext, relay
 from .runtime import Route, Runtime
 from .sink import Sink
+from .responses import ResponsesRequest
+from .responses_replay import replay_events
+from .responses_route import Pinned, pin
 from .wire import ChatRequest, CompletionRequest, EmbeddingRequest, parse_body
 
 __all__ = ["run", "explain", "parse"]
 
 log = logging.getLogger("gateway.pipeline")
 
-_BODY_MODELS = {"chat": ChatRequest, "completions": CompletionRequest, "embeddings": EmbeddingRequest}
+_BODY_MODELS = {"chat": ChatRequest, "completions": CompletionRequest, "embeddings": EmbeddingRequest, "responses": ResponsesRequest}
 _TIERS = {"priority": "priority", "default": "default", "auto": "default", "flex": "flex"}
 
 
@@ -73,12 +76,21 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         if call.cls != "none":
             sink.set_header("x-gateway-class", call.cls)
             ctx.metrics.per_class[call.cls].inc()
+        pinned: Pinned | None = None
+        if call.endpoint.name == "responses":
+            call.affinity = rt.affinity.learner(tenant.cache_namespace)
+            pinned = await pin(call.body, call.model, tenant.cache_namespace, route, rt)
+            if pinned is not None:
+                route = pinned.route
         plan = rt.cache_plan(call, route, tenant)
         if plan.key is None or rt.cache is None:
             call.cache = "bypass"
             ctx.metrics.lookup["bypass"].inc()
             sink.set_header("x-gateway-cache", "bypass")
-            await relay(call, route, ctx, sink)
+            try:
+                await relay(call, route, ctx, sink)
+            except AllBackendsFailed as err:
+                raise err if pinned is None else pinned.failed(err) from None
             return
         entry = await rt.cache.lookup(plan.key)
         if entry is None:
@@ -153,7 +165,7 @@ def _band(call: Call, rt: Runtime, tenant: Tenant) -> None:
         band_ms = getattr(rt.policy.admission.deadline_ms, band)
         if band_ms is not None:
             call.deadline = min(call.deadline, call.t0_monotonic + band_ms / 1000)
-    max_tokens = call.body.get("max_completion_tokens") or call.body.get("max_tokens")
+    max_tokens = call.body.get("max_completion_tokens") or call.body.get("max_tokens") or call.body.get("max_output_tokens")
     # A base per request, so tiny requests do not take many turns each (DRR shares tokens).
     cost = 256 + call.prompt_tokens + (max_tokens if isinstance(max_tokens, int) else 256)
     call.ticket = Ticket(band, tenant.name, max(1, cost), rt.tenants.weight(tenant.name))
@@ -185,7 +197,13 @@ async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
     sink.set_header("x-gateway-cache", "hit")
     sink.set_header("x-gateway-backend", "cache")
     try:
-        if call.stream:
+        if call.endpoint.name == "responses":  # the stored Response, or its events (responses_replay.py)
+            if call.stream:
+                await sink.write(replay_events(entry.body))
+                await sink.end()
+            else:
+                await sink.send(200, entry.body)
+        elif call.stream:
             opts = call.body.get("stream_options")
             include_usage = isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.strip_usage
             await sink.write(b"".join(replay_sse(entry, include_usage=include_usage)))
@@ -221,6 +239,9 @@ async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, An
     """What the gateway would do with this request, calling no backend."""
     route, tenant = _prepare(call, rt)
     _band(call, rt, tenant)
+    pinned = await pin(call.body, call.model, tenant.cache_namespace, route, rt) if call.endpoint.name == "responses" else None
+    if pinned is not None:
+        route = pinned.route
     ticket = call.ticket
     assert ticket is not None
     plan = rt.cache_plan(call, route, tenant)
@@ -253,6 +274,7 @@ async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, An
         chosen = pool.backends[ranked[0].index].name
     v = call.verdict
     return {
+        "endpoint": call.endpoint.name,
         "model": call.model,
         "tenant": call.tenant,
         "priority": call.priority,
@@ -269,6 +291,8 @@ async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, An
         "queue": _queue_view(ticket, admission, pool.backends[ranked[0].index] if ranked else None),
         "strategy": pool.selector.strategy,
         "hedge": route.hedge is not None,
+        # A Responses follow-up: the backend that holds the state it builds on (its only candidate).
+        "affinity": None if pinned is None else {"field": pinned.field, "id": pinned.ref, "backend": pinned.backend},
         "candidates": candidates,
         "chosen": chosen,
     }

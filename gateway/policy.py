@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 Priority = Literal["priority", "default", "flex"]
-Endpoint = Literal["chat", "completions", "embeddings"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 
 
@@ -83,7 +83,9 @@ class BackendPolicy(_Section):
     cost: float = Field(0.0, ge=0)  # relative price; traded against latency by routing.cost_weight_s
     price: PricePolicy | None = None  # USD per million tokens: spend quotas and gateway_spend_usd_total
     # The OpenAI endpoints this backend serves; embeddings are opt-in (most chat servers lack them).
-    endpoints: tuple[Endpoint, ...] = Field(("chat", "completions"), min_length=1)
+    # Unset: chat, completions and responses; a `launch:` backend (our local model server, which
+    # has no Responses API) chat and completions.
+    endpoints: tuple[Endpoint, ...] = Field(("chat", "completions", "responses"), min_length=1)
     # Whether it continues a trailing assistant message (an assistant prefill) instead of starting a
     # new turn: how a stream cut elsewhere is continued here. None: the default for its kind (true
     # for a launched local backend, false otherwise: OpenAI's own API starts a new message).
@@ -102,6 +104,12 @@ class BackendPolicy(_Section):
         if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", v):
             raise ValueError(f"must name an environment variable (the key itself never goes here), got {v!r}")
         return v
+
+    @model_validator(mode="after")
+    def _launched_default_endpoints(self) -> "BackendPolicy":
+        if self.launch is not None and "endpoints" not in self.model_fields_set:
+            object.__setattr__(self, "endpoints", ("chat", "completions"))
+        return self
 
     @property
     def model_map(self) -> dict[str, str]:
@@ -377,6 +385,13 @@ class AdmissionPolicy(_Section):
     deadline_ms: BandDeadlines = BandDeadlines()
 
 
+class ResponsesPolicy(_Section):
+    """The Responses API (/v1/responses): how long the gateway remembers which backend holds a
+    response id (for `previous_response_id` follow-ups and GET/DELETE/cancel by id)."""
+
+    affinity_ttl_s: float = Field(30 * 86400.0, gt=0)  # OpenAI keeps stored responses 30 days
+
+
 class ReloadPolicy(_Section):
     watch: bool = True
     interval_ms: int = Field(1_000, gt=0)
@@ -417,6 +432,7 @@ class Policy(_Section):
     classifier: ClassifierPolicy = ClassifierPolicy()
     log: LogPolicy = LogPolicy()
     tracing: TracingPolicy | None = None
+    responses: ResponsesPolicy = ResponsesPolicy()
 
     @field_validator("backends", "models", "tenants")
     @classmethod

@@ -193,7 +193,7 @@ class Quota:
         if call.endpoint.name == "embeddings":
             return 0
         body = call.body
-        for key in ("max_completion_tokens", "max_tokens"):
+        for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
             v = body.get(key)
             if isinstance(v, int) and v > 0:
                 return v
@@ -233,8 +233,8 @@ def _tokens_used(call: Call) -> int:
 
 def _ask_for_usage(call: Call) -> None:
     """Streams: have the backend send its usage chunk; strip it for a client that did not ask."""
-    if not call.stream or call.endpoint.name == "embeddings":
-        return
+    if not call.stream or call.endpoint.name in ("embeddings", "responses"):
+        return  # a Responses stream always ends with its usage (response.completed)
     opts = call.body.get("stream_options")
     if isinstance(opts, dict) and opts.get("include_usage") is True:
         return

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .admission import reserve_slots
+from .affinity import Affinity
 from .auth import Tenants
 from .backends import Backend, BackendState, Slots
 from .call import ENDPOINTS, Call
@@ -32,6 +33,7 @@ from .policy import (
     StorePolicy,
 )
 from .quota import Quota
+from .responses import chat_view, stateful_reason
 from .store import MemoryStore, Store
 from .store_redis import RedisStore
 from .routing import Candidate, Selector
@@ -144,6 +146,7 @@ class Runtime:
         generation: int,
         cache: Cache | None = None,
         quota: Quota | None = None,
+        affinity: Affinity | None = None,
     ) -> None:
         self.policy = policy
         self.generation = generation
@@ -166,6 +169,8 @@ class Runtime:
         self.rules = Rules(**cp.rules.model_dump())
         self.cache = cache
         self.quota = quota  # None: no tenant has limits
+        # Which backend holds each Responses API id (affinity.py); in memory unless given a store.
+        self.affinity = affinity if affinity is not None else Affinity(MemoryStore(), policy.responses.affinity_ttl_s)
 
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.
@@ -185,6 +190,8 @@ class Runtime:
         if call.no_cache:
             return CachePlan(None, "cache-control: no-cache")
         why = cacheable_request(call.body, require_deterministic=not include_sampled)
+        if why is None and call.endpoint.name == "responses":
+            why = stateful_reason(call.body)
         if why is not None:
             return CachePlan(None, why)
         key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body)
@@ -196,6 +203,10 @@ class Runtime:
         cands = tuple(Candidate(b.name, b.tracker, b.health_for(model), b.policy.weight, _cost(b.policy)) for b in picked)
         selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s)
         return Pool(picked, cands, selector)
+
+    def single_pool(self, model: str, backend: str) -> Pool:
+        """A pool of one backend (a follow-up pinned to the backend that holds its state)."""
+        return self._pool(model, (backend,), "ordered")
 
     def _by_endpoint(self, model: str, pool: Pool, strategy: str) -> dict[str, Pool | None]:
         """Per endpoint: the pool itself when every backend serves it, else the ones that do."""
@@ -235,7 +246,8 @@ class Runtime:
         if not (route.split or self.classify_all):
             return _UNCLASSIFIED
         threshold = route.threshold if route.threshold is not None else self.threshold
-        return self.classifier.classify(call.body, threshold=threshold, rules=self.rules)
+        body = chat_view(call.body) if call.endpoint.name == "responses" else call.body
+        return self.classifier.classify(body, threshold=threshold, rules=self.rules)
 
     def route(self, model: str) -> Route:
         route = self.routes.get(model)
@@ -259,6 +271,7 @@ def build_runtime(
     stores: dict[StorePolicy, Store] | None = None,
     on_cache_error: Callable[[str], None] | None = None,
     on_quota_degraded: Callable[[], None] | None = None,
+    on_affinity: Callable[[str, str], None] | None = None,
 ) -> Runtime:
     """Build a Runtime; backend measurements carry over from `states`, and cache stores from
     `stores` (both updated in place; a store is reused while its settings stay the same).
@@ -305,7 +318,8 @@ def build_runtime(
     if any(t.quota is not None and t.quota.any() for t in policy.tenants.values()):
         # The fallback is this process's in-memory store: its counters live across reloads.
         quota = Quota(policy, store_of(policy.store), store_of(StorePolicy()), on_degraded=on_quota_degraded)
-    return Runtime(policy, backends, classifier, generation, cache, quota)
+    affinity = Affinity(store_of(policy.store), policy.responses.affinity_ttl_s, on_affinity)
+    return Runtime(policy, backends, classifier, generation, cache, quota, affinity)
 
 
 def open_store(sp: StorePolicy) -> Store:

@@ -33,6 +33,7 @@ _HIGH_WATER = 1 << 20  # buffered body bytes at which we stop reading the socket
 MAX_HEADER_BYTES = 64 * 1024  # default cap on a response's head (status line, headers, interim responses)
 MAX_HEADERS = 256  # default cap on the number of response header lines (LLM APIs send a few dozen)
 _MAX_TARGETS = 256  # parsed URLs kept; the relay posts to a handful of fixed URLs
+_METHODS = frozenset({"POST", "GET", "DELETE"})  # `method=`: the Responses API's by-id calls use GET and DELETE
 
 
 class UpstreamHTTPError(Exception):
@@ -354,14 +355,14 @@ class UpstreamResponse:
 class _Target:
     __slots__ = ("head", "host", "key", "port", "tls")
 
-    def __init__(self, url: URL) -> None:
+    def __init__(self, url: URL, method: str = "POST") -> None:
         if url.scheme not in ("http", "https") or not url.raw_host or url.port is None:
             raise ValueError(f"not an http(s) URL: {url}")
         self.host = url.raw_host
         self.port = url.port
         self.tls = url.scheme == "https"
         self.key = (url.scheme, self.host, self.port)
-        self.head = f"POST {url.raw_path_qs} HTTP/1.1\r\nHost: {url.host_port_subcomponent}\r\n"
+        self.head = f"{method} {url.raw_path_qs} HTTP/1.1\r\nHost: {url.host_port_subcomponent}\r\n"
 
 
 class UpstreamPool:
@@ -391,12 +392,13 @@ class UpstreamPool:
         self._max_headers = max_headers
         self._idle: dict[tuple[str, str, int], deque[_Conn]] = {}
         self._conns: set[_Conn] = set()  # every open connection, idle or busy, for close()
-        self._targets: dict[URL | str, _Target] = {}
+        self._targets: dict[object, _Target] = {}  # url (POST), or (method, url)
 
     async def post(
-        self, url: URL | str, body: bytes, headers: Mapping[str, str], *, connect_timeout_s: float
+        self, url: URL | str, body: bytes, headers: Mapping[str, str], *, connect_timeout_s: float, method: str = "POST"
     ) -> UpstreamResponse:
-        """POST `body`; return once the status line and headers are in (bound it with asyncio.timeout).
+        """POST `body` (or GET/DELETE with `method`); return once the status line and headers are in
+        (bound it with asyncio.timeout).
 
         `headers` must not carry Host, Content-Length or Transfer-Encoding: those are ours.
         Raises UpstreamConnectError (nothing was sent), UpstreamMaybeSent (the request was written,
@@ -405,12 +407,15 @@ class UpstreamPool:
         a plain UpstreamDisconnected (a fresh connection closed before the request was written).
         A pooled connection found closed before the request was written to it (the write never
         happened, so the upstream cannot have seen it) is replaced by a fresh one, once."""
-        target = self._targets.get(url)
+        key: object = url if method == "POST" else (method, url)
+        target = self._targets.get(key)
         if target is None:
-            target = _Target(url if isinstance(url, URL) else URL(url))
+            if method not in _METHODS:
+                raise ValueError(f"unsupported method {method!r}")
+            target = _Target(url if isinstance(url, URL) else URL(url), method)
             if len(self._targets) >= _MAX_TARGETS:
                 self._targets.clear()
-            self._targets[url] = target
+            self._targets[key] = target
         lines = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
         # Each line holds exactly one CR and one LF: anything more is an injection attempt.
         if lines.count("\n") != len(headers) or lines.count("\r") != len(headers):

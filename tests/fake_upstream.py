@@ -23,11 +23,15 @@ Continuation: a chat request whose last message is an assistant turn (a prefill)
 answer after the words it already has (the answer is always w0 w1 ... w{tokens-1}); with
 `prefill` false it is refused with a 400, as providers that do not take a prefill do.
 
-When the mode applies: `fault_count` (> 0) limits it to the next that many chat/completions
+POST /v1/responses answers in the Responses API's shapes with the same knobs and modes (plus
+`failed`), and keeps its responses for follow-ups and GET/DELETE/cancel/input_items by id:
+tests/fake_responses.py.
+
+When the mode applies: `fault_count` (> 0) limits it to the next that many chat/completions/responses
 requests after start or the last `set()` (later ones answer `ok`); `flap_ms` (> 0) alternates
 phases of that length, starting healthy: `ok` in even phases, the mode in odd ones (GET /models
 follows the phase too). `endpoints` (None: all) lists the OpenAI paths served (chat, completions,
-embeddings, models); the others answer a plain 404, as a server without that route does.
+embeddings, responses, models); the others answer a plain 404, as a server without that route does.
 `Stats.by_path` counts every request to an OpenAI path (embeddings and /models included).
 """
 
@@ -45,6 +49,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+
+from tests.fake_responses import ResponsesFake
 
 __all__ = ["Behaviour", "FakeUpstream"]
 
@@ -64,7 +70,7 @@ class Behaviour:
     error_body: str | None = None  # error_NNN modes: the body to answer with (None: an OpenAI-shaped error)
     fault_count: int = 0  # > 0: the mode applies to the next this many requests only, then `ok`
     flap_ms: float = 0.0  # > 0: alternate `ok` / the mode every flap_ms, starting with `ok`
-    endpoints: tuple[str, ...] | None = None  # OpenAI paths served (chat, completions, embeddings, models); None: all
+    endpoints: tuple[str, ...] | None = None  # OpenAI paths served (chat, completions, embeddings, responses, models); None: all
     prefill: bool = True  # continues a trailing assistant message; False: such a request gets a 400
 
 
@@ -105,12 +111,15 @@ class FakeUpstream:
         self._fail_acc = 0.0  # fail_pct counter: a request fails each time this passes 1
         self._faults_since_set = 0  # fault_count: requests the mode applied to since the last set()
         self._set_at = time.monotonic()  # flap_ms: phases count from here
+        self.responses = ResponsesFake(name)  # the Responses API's kept responses (fake_responses.py)
         self.app = web.Application(middlewares=[self._count_and_gate])
         self.app.add_routes(
             [
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/embeddings", self._embeddings),
+                web.post("/v1/responses", self._responses),
+                *self.responses.routes(),
                 web.get("/v1/models", self._models),
                 web.get("/healthz", self._healthz),
                 web.post("/_control", self._control),
@@ -166,6 +175,7 @@ class FakeUpstream:
         "/v1/chat/completions": "chat",
         "/v1/completions": "completions",
         "/v1/embeddings": "embeddings",
+        "/v1/responses": "responses",
         "/v1/models": "models",
     }
 
@@ -216,7 +226,10 @@ class FakeUpstream:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, chat=False)
 
-    async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._answer(request, chat=False, responses=True)
+
+    async def _answer(self, request: web.Request, chat: bool, responses: bool = False) -> web.StreamResponse:
         b = self.behaviour
         st = self.stats
         st.requests += 1
@@ -241,7 +254,7 @@ class FakeUpstream:
             mode = self._take_mode()
             await self._acquire()
             try:
-                resp = await self._respond(request, body, chat, dataclasses.replace(self.behaviour, mode=mode), len(raw))
+                resp = await self._respond(request, body, chat, dataclasses.replace(self.behaviour, mode=mode), len(raw), responses)
             finally:
                 self._release()
             st.completed += 1
@@ -286,7 +299,9 @@ class FakeUpstream:
                 self.stats.generating += 1
                 fut.set_result(None)
 
-    async def _respond(self, request: web.Request, body: dict[str, Any], chat: bool, b: Behaviour, size: int) -> web.StreamResponse:
+    async def _respond(
+        self, request: web.Request, body: dict[str, Any], chat: bool, b: Behaviour, size: int, responses: bool = False
+    ) -> web.StreamResponse:
         model = b.model or body.get("model", "fake")
         mode = b.mode
         if mode.startswith("error_") and mode[6:].isdigit():
@@ -322,8 +337,10 @@ class FakeUpstream:
                 transport.abort() if mode == "reset" else transport.close()
             await asyncio.sleep(3600)  # the handler is cancelled: the connection is gone
         ttft = b.ttft_ms + b.prompt_ms_per_kchar * size / 1000
-        n = int(body.get("max_tokens") or b.tokens)
+        n = int(body.get("max_tokens") or body.get("max_output_tokens") or b.tokens)
         n = min(n, b.tokens)
+        if responses:
+            return await self.responses.respond(request, body, b, mode, n, ttft / 1000, size)
         rid = f"chatcmpl-{self.name}-{self.stats.requests}"
         created = int(time.time())
         if not body.get("stream"):

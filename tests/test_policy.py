@@ -135,9 +135,12 @@ def test_schema_and_cross_reference_errors_come_in_one_pass():
 
 def test_backends_say_which_endpoints_they_serve():
     p = parse_policy(GOOD)
-    assert p.backends["fast-a"].endpoints == ("chat", "completions")  # embeddings are opt-in
+    assert p.backends["fast-a"].endpoints == ("chat", "completions", "responses")  # embeddings are opt-in
     p = parse_policy(GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    endpoints: [embeddings]\n", 1))
     assert p.backends["fast-a"].endpoints == ("embeddings",)
+    # A launched backend (our local model server has no Responses API): chat and completions.
+    launched = GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    launch: {model: tiny-random}\n", 1)
+    assert parse_policy(launched).backends["fast-a"].endpoints == ("chat", "completions")
     for bad in ("[]", "[chat, images]"):
         text = GOOD.replace("    models: [gpt-4o-mini]\n", f"    models: [gpt-4o-mini]\n    endpoints: {bad}\n", 1)
         assert any(p.startswith("backends.fast-a.endpoints") for p in _problems(text)), bad

@@ -20,7 +20,7 @@ from gateway.call import ENDPOINTS, Call
 from gateway.errors import UpstreamError
 from gateway.flight import Broadcast, Budget, TeeSink, follow
 from gateway.keys import RELAY
-from gateway.wire import SSE_DONE, SSE_HEARTBEAT
+from gateway.wire import SSE_DONE, SSE_HEARTBEAT, sse_event
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "Tell me a story about a tee."}]
@@ -62,6 +62,9 @@ class ListSink:
 
     async def fail(self, err: Any) -> None:
         self.failed = err
+        if self.committed:  # as HttpSink: once streaming, the error travels as an event that ends the stream
+            self.data.append(sse_event(err.to_dict()))
+            self.ended = True
 
     @property
     def body(self) -> bytes:

@@ -1,0 +1,192 @@
+"""The Responses API without sockets: the stream monitor, cache replay (parsed by the openai SDK),
+the classifier's view of a Responses body, the error event, and the affinity map on both stores."""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+import redis.asyncio as aredis
+from openai import omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from gateway.affinity import Affinity, Holder
+from gateway.cache_entry import is_complete
+from gateway.errors import UpstreamError
+from gateway.responses import chat_view, error_event, followup_id, held_ids, stateful_reason, usage_of
+from gateway.responses_replay import replay_events, replayable
+from gateway.responses_stream import CONTENT, END, FAILED, HELD, SKIP, Monitor
+from gateway.store import MemoryStore, Store, StoreError
+from gateway.store_redis import RedisStore
+from gateway.wire import SSEDecoder, event_data
+
+REDIS_URL = "redis://127.0.0.1:6379/13"
+TEXT = "The capital of France is Paris. " * 5
+
+
+def _response(**over: object) -> dict:
+    obj = {
+        "id": "resp_1", "object": "response", "created_at": 1, "status": "completed", "model": "m",
+        "output": [
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+             "content": [{"type": "output_text", "text": TEXT, "annotations": []}]},
+            {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "lookup", "arguments": '{"city": "Paris"}',
+             "status": "completed"},
+        ],
+        "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+        "usage": {"input_tokens": 12, "output_tokens": 30, "total_tokens": 42,
+                  "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}},
+    }
+    obj.update(over)
+    return obj
+
+
+def _events(data: bytes) -> list[dict]:
+    return [orjson.loads(event_data(e)) for e in SSEDecoder().feed(data)]
+
+
+def test_a_replayed_hit_is_a_valid_event_sequence_the_sdk_assembles_into_the_same_response():
+    stored = _response()
+    data = replay_events(orjson.dumps(stored), chunk_chars=16)
+    raw = SSEDecoder().feed(data)
+    assert all(e.startswith(b"event: ") for e in raw)
+    events = [orjson.loads(event_data(e)) for e in raw]
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "response.created" and kinds[1] == "response.in_progress" and kinds[-1] == "response.completed"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert sum(k == "response.output_text.delta" for k in kinds) == -(-len(TEXT) // 16)
+    # Every event is one of the SDK's types, and its own stream accumulator takes them in order.
+    adapter = TypeAdapter(ResponseStreamEvent)
+    state = ResponseStreamState(input_tools=omit, text_format=omit)
+    for e in events:
+        state.handle_event(adapter.validate_python(e))
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == TEXT
+    assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") == '{"city": "Paris"}'
+    final = adapter.validate_python(events[-1])
+    assert Response.model_validate(final.response.model_dump()).output_text == TEXT
+
+
+def test_only_completed_responses_with_replayable_items_are_cached():
+    assert replayable(_response()) and is_complete(_response())
+    assert not replayable(_response(status="incomplete"))
+    assert not replayable(_response(output=[{"type": "web_search_call", "id": "ws_1", "status": "completed"}]))
+    assert not replayable(_response(output=[{"type": "message", "id": "m", "content": [{"type": "input_image"}]}]))
+    assert not replayable({"object": "chat.completion"})
+
+
+def test_the_monitor_tells_deltas_ends_and_failures_apart():
+    mon = Monitor()
+    assert mon.feed({"type": "response.created", "response": {"id": "resp_9"}}) == HELD
+    assert mon.created == {"id": "resp_9"}
+    assert mon.feed({"type": "response.output_item.added", "item": {}}) == HELD
+    assert mon.feed({"type": "response.output_text.delta", "delta": "a"}) == CONTENT
+    assert mon.feed({"type": "response.function_call_arguments.delta", "delta": "{"}) == CONTENT
+    assert mon.feed({"type": "response.completed", "response": _response()}) == END
+    assert usage_of(mon.final) == {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}
+    assert mon.feed({"no": "type"}) == SKIP
+    failed = Monitor()
+    assert failed.feed({"type": "response.failed", "response": {"error": {"message": "overloaded"}}}) == FAILED
+    assert failed.failure == "overloaded"
+    err = Monitor()
+    assert err.feed({"type": "error", "code": "server_error", "message": "boom", "sequence_number": 3}) == FAILED
+    assert err.failure == "boom"
+    assert Monitor().feed({"error": {"message": "chat-style"}}) == FAILED
+
+
+def test_the_classifier_reads_instructions_and_input_as_a_chat():
+    view = chat_view({"instructions": "Be brief.", "input": "What is 2+2?", "max_output_tokens": 9})
+    assert view == {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}], "max_tokens": 9}
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Write a sorting function."}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "def f(): ..."}]},
+        {"type": "function_call_output", "call_id": "c", "output": "42"},
+    ]
+    view = chat_view({"input": items, "tools": [{"type": "function", "name": "f"}]})
+    assert [m["role"] for m in view["messages"]] == ["user", "assistant", "tool"]
+    assert view["messages"][0]["content"] == [{"type": "text", "text": "Write a sorting function."}]
+    assert view["tools"]
+
+
+def test_stateful_requests_bypass_the_cache_and_name_what_they_build_on():
+    assert followup_id({"previous_response_id": "resp_1"}) == ("previous_response_id", "resp_1")
+    assert followup_id({"conversation": {"id": "conv_1"}}) == ("conversation", "conv_1")
+    assert followup_id({"input": "hi"}) is None
+    assert stateful_reason({"previous_response_id": "resp_1"}).startswith("previous_response_id")
+    assert stateful_reason({"conversation": "conv_1"}).startswith("conversation")
+    assert stateful_reason({"background": True}).startswith("background")
+    assert stateful_reason({"top_logprobs": 2}) == "logprobs requested"
+    assert stateful_reason({"input": "hi", "store": False}) is None
+    assert held_ids({"id": "resp_1", "conversation": {"id": "conv_7"}}) == ["resp_1", "conv_7"]
+
+
+def test_a_cut_stream_ends_with_an_error_event_the_sdk_raises_on():
+    data = error_event(UpstreamError("the backend's connection was lost mid-stream"), 17)
+    assert data.startswith(b"event: error\ndata: ")
+    obj = orjson.loads(event_data(data))
+    assert obj["type"] == "error" and obj["sequence_number"] == 17 and obj["code"] == "upstream_error"
+    assert obj["error"]["message"] == obj["message"]  # the key on which the openai SDK raises APIError
+
+
+# -- the affinity map, on both stores ------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _store(kind: str) -> AsyncIterator[Store]:
+    if kind == "memory":
+        yield MemoryStore()
+        return
+    prefix = f"test:affinity:{uuid.uuid4().hex}:"
+    store = RedisStore(REDIS_URL, prefix=prefix, timeout_ms=500)
+    try:
+        await store.get("ping")
+    except StoreError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    try:
+        yield store
+    finally:
+        await store.close()
+        raw = aredis.Redis.from_url(REDIS_URL)
+        keys = [k async for k in raw.scan_iter(match=prefix + "*")]
+        if keys:
+            await raw.delete(*keys)
+        await raw.aclose()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_affinity_remembers_forgets_and_expires(kind: str):
+    events: list[tuple[str, str]] = []
+    async with _store(kind) as store:
+        aff = Affinity(store, ttl_s=0.3, on_event=lambda op, r: events.append((op, r)))
+        await aff.learner("tenant:a").learn({"id": "resp_x", "conversation": {"id": "conv_y"}}, "b1")
+        assert await aff.lookup("resp_x") == Holder("b1", "tenant:a")
+        assert await aff.lookup("conv_y") == Holder("b1", "tenant:a")
+        assert await aff.lookup("resp_unknown") is None
+        await aff.forget("conv_y")
+        assert await aff.lookup("conv_y") is None
+        assert await aff.lookup("x" * 1000) is None  # nobody's id
+        import asyncio
+
+        await asyncio.sleep(0.45)
+        assert await aff.lookup("resp_x") is None  # expired with its TTL
+    assert ("learn", "ok") in events and ("lookup", "hit") in events and ("lookup", "miss") in events
+
+
+async def test_affinity_fails_open_when_its_store_fails():
+    class Down(MemoryStore):
+        async def get(self, key: str) -> bytes | None:
+            raise StoreError("down")
+
+        async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+            raise StoreError("down")
+
+    events: list[tuple[str, str]] = []
+    aff = Affinity(Down(), ttl_s=60, on_event=lambda op, r: events.append((op, r)))
+    await aff.remember(["resp_1"], "b1", "t")  # no exception: reported
+    assert await aff.lookup("resp_1") is None
+    assert events == [("learn", "error"), ("lookup", "error")]
