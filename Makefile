@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(PY) bench/cache.py
 	$(PY) bench/quota.py
 	$(PY) bench/overload.py
+	$(PY) bench/faults.py
 	$(PY) bench/classifier.py
 	$(PY) bench/local_model.py
 
