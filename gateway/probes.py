@@ -35,7 +35,8 @@ def _due(backend: Backend, interval_s: float) -> bool:
     h = backend.health
     if not h.ready:
         return False  # a launched backend still starting: its launcher watches it
-    return h.state() in ("ejected", "probing") or backend.tracker.idle_s() > interval_s
+    healths = (h, *backend.state.models.values())
+    return any(x.state() in ("ejected", "probing") for x in healths) or backend.tracker.idle_s() > interval_s
 
 
 async def run_probes(live: Live, metrics: Metrics) -> None:
@@ -51,9 +52,12 @@ async def run_probes(live: Live, metrics: Metrics) -> None:
                 continue
             results = await asyncio.gather(*(probe(http, b, hp.probe_timeout_ms / 1000) for b in due))
             for backend, ok in zip(due, results, strict=True):
-                before = backend.health.state()
-                backend.health.report_probe(ok)
+                before = backend.headline_health().state()
+                backend.health.report_probe(ok)  # a failed probe counts against the backend as a whole
+                if ok:  # a good one may end a first ejection early, the backend's or a model's (half-open)
+                    for h in backend.state.models.values():
+                        h.report_probe(True)
                 metrics.probes.labels(backend.name, "ok" if ok else "failed").inc()
-                after = backend.health.state()
+                after = backend.headline_health().state()
                 if before != after:
                     log.info("backend %s: %s -> %s after a %s probe", backend.name, before, after, "good" if ok else "failed")

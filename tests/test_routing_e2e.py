@@ -159,14 +159,14 @@ async def test_an_ejected_backend_is_probed_back_and_explain_shows_why_it_was_sk
     assert 'gateway_backend_ejections_total{backend="a"} 1.0' in await _metrics(gw)
     # the probe GETs /models, which works even while chat fails: a real request must decide
     a.set(mode="ok", tokens=1)
-    backend = gw.app[LIVE].runtime.backends["a"]
+    health = gw.app[LIVE].runtime.backends["a"].health_for("m")  # model m's health on backend a
     for _ in range(50):
-        if backend.health.state() == "probing":
+        if health.state() == "probing":
             break
         await asyncio.sleep(0.05)
-    assert backend.health.state() == "probing"  # a probe noticed it, long before the 60 s ejection ends
+    assert health.state() == "probing"  # a probe noticed it, long before the 60 s ejection ends
     r = await c.chat.completions.with_raw_response.create(model="m", messages=MSG)
-    assert r.headers["x-gateway-backend"] == "a" and backend.health.state() == "healthy"
+    assert r.headers["x-gateway-backend"] == "a" and health.state() == "healthy"
     assert 'gateway_probes_total{backend="a",result="ok"}' in await _metrics(gw)
 
 
