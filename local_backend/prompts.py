@@ -10,12 +10,18 @@ __all__ = ["encode_chat", "encode_completion"]
 
 
 def encode_chat(tokenizer: Any, request: ChatRequest) -> list[int]:
-    """Render the messages with the model's chat template, ending with the assistant's turn."""
+    """Render the messages with the model's chat template, ending with the assistant's turn (a
+    trailing assistant message is that turn's beginning, continued: a prefill)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ApiError(400, "this model has no chat template: use /v1/completions", param="messages")
     # The SmolLM2 template knows system/user/assistant; OpenAI's newer "developer" role is a system prompt.
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in request.messages]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if messages and messages[-1]["role"] == "assistant":
+        # An assistant prefill: continue that message (how the gateway continues an answer that
+        # broke on another backend), rather than start a new turn after it.
+        text = tokenizer.apply_chat_template(messages, continue_final_message=True, tokenize=False)
+    else:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids: list[int] = tokenizer(text, add_special_tokens=False).input_ids
     return ids
 
