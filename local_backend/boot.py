@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .models import LoadedModel
     from .quantize import QuantPlan
 
-__all__ = ["EngineSettings", "build_engine", "default_threads", "engine_from_loaded", "eos_token_ids", "resolve_device"]
+__all__ = ["EngineSettings", "build_engine", "chat_template_prefix", "default_threads", "engine_from_loaded", "eos_token_ids", "resolve_device"]
 
 Progress = Callable[[str], None]
 
@@ -72,6 +72,19 @@ def eos_token_ids(hf_model: Any) -> list[int]:
     return [int(t) for t in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
 
 
+def chat_template_prefix(tokenizer: Any) -> list[int]:
+    """The tokens every one-user-message chat starts with (SmolLM2: its default system prompt and the user tag)."""
+    from .checkset import chat_prompt_ids
+
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    a, b = chat_prompt_ids(tokenizer, "Hello"), chat_prompt_ids(tokenizer, "Why?")
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
 def engine_from_loaded(loaded: LoadedModel, plan: QuantPlan, *, max_batch: int = 16, max_queue: int = 64) -> Engine:
     """An (unstarted) Engine over ``loaded``'s weights in ``plan``'s format."""
     from .engine import Engine
@@ -103,6 +116,9 @@ def build_engine(settings: EngineSettings, progress: Progress) -> Engine:
     progress(f"weights ready ({plan.mode}, {engine.model.nbytes() / 1e6:.0f} MB read per decode step) in {time.perf_counter() - started:.1f} s")
     started = time.perf_counter()
     engine.warm_up(engine.tokenizer("Hello, how are you?").input_ids)
-    progress(f"warmed up in {time.perf_counter() - started:.2f} s")
+    prefix = chat_template_prefix(engine.tokenizer)
+    if prefix:
+        engine.cache_prefix(prefix)
+    progress(f"warmed up in {time.perf_counter() - started:.2f} s (cached the chat template's first {len(prefix)} tokens)")
     engine.start()
     return engine

@@ -67,7 +67,13 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._active: list[_Slot] = []  # slot i owns cache row i
-        self._cache = model.new_cache(max_batch)
+        if self.device.type == "cuda":  # a static cache, decode steps replayed as CUDA graphs
+            self._cache = model.new_cache(max_batch, capacity=model.context_length)
+            model.use_cuda_graphs(self._cache)
+        else:
+            self._cache = model.new_cache(max_batch)
+        self._prefix_ids: list[int] = []
+        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._closing = False
         self._thread: threading.Thread | None = None
 
@@ -86,6 +92,19 @@ class Engine:
             for _ in range(2):
                 self.model.prefill(ids, self._cache, self._cache.add_row(len(prompt_ids)))
             self.model.decode(torch.zeros(2, dtype=torch.long, device=self.device), self._cache)
+            self._cache.clear()
+
+    def cache_prefix(self, ids: list[int]) -> None:
+        """Keep the K/V of ``ids`` (the chat template's opening, e.g. its default system prompt) for
+        prompts that start with them: prefill then computes only the rest. Call before ``start()``.
+
+        The prefix is computed once, so every request that uses it gets the same K/V whatever else runs.
+        """
+        with torch.inference_mode():
+            row = self._cache.add_row(len(ids))
+            self.model.prefill(torch.tensor(ids, dtype=torch.long, device=self.device), self._cache, row)
+            self._prefix_kv = self._cache.snapshot(row, len(ids))
+            self._prefix_ids = list(ids)
             self._cache.clear()
 
     # ---- asyncio side -------------------------------------------------------------------
@@ -191,7 +210,13 @@ class Engine:
         ids = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
         # Join the batch (cache row len(_active)) before the first token goes out, so a client that
         # sees a token sees a slot; a sequence that is already done leaves again in _drop_done.
-        logits = self.model.prefill(ids, self._cache, self._cache.add_row(len(req.prompt_ids)))
+        row = self._cache.add_row(len(req.prompt_ids))
+        start = len(self._prefix_ids)
+        if start and len(req.prompt_ids) > start and req.prompt_ids[:start] == self._prefix_ids:
+            self._cache.restore(row, self._prefix_kv)
+        else:
+            start = 0
+        logits = self.model.prefill(ids, self._cache, row, start)
         self._active.append(slot)
         token = choose_tokens(logits[None], [req.sampling], [slot.generator])[0]
         self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(req.prompt_ids))

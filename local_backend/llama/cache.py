@@ -97,6 +97,16 @@ class KVCache:
             self.lengths[row] = n
         self.lengths.pop()
 
+    def snapshot(self, row: int, length: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of ``row``'s first ``length`` positions of K and V, per layer (a reusable prefix)."""
+        return [(k[row, :, :length].clone(), v[row, :, :length].clone()) for k, v in zip(self.keys, self.values, strict=True)]
+
+    def restore(self, row: int, prefix: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy a snapshot into the start of ``row``."""
+        for (k, v), (pk, pv) in zip(zip(self.keys, self.values, strict=True), prefix, strict=True):
+            k[row, :, : pk.shape[1]] = pk
+            v[row, :, : pv.shape[1]] = pv
+
     def clear(self) -> None:
         """Free every row."""
         self.lengths = []
@@ -104,16 +114,20 @@ class KVCache:
     def begin_step(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Open a decode step over every row: (row index [B], write positions [B], attended width).
 
-        Marks each row's next position as holding a token, so the step attends to what it writes.
+        The step itself unmasks each row's position, writes K/V there and advances ``positions``
+        (tensor ops only, so a CUDA graph can replay them); ``end_step`` updates the lengths.
         """
         width = max(self.lengths) + 1
         self.reserve(width)
         b = self.rows
-        rows, positions = self._rows_index[:b], self.positions[:b]
-        self.bias[rows, positions] = 0.0
-        return rows, positions, width
+        return self._rows_index[:b], self.positions[:b], width
 
     def end_step(self) -> None:
         """Every row gained the token the step wrote."""
-        self.positions[: self.rows] += 1
         self.lengths = [n + 1 for n in self.lengths]
+
+    def reset(self) -> None:
+        """Free every row and forget what any step wrote (after CUDA-graph capture ran steps on nothing)."""
+        self.lengths = []
+        self.positions.zero_()
+        self.bias.fill_(float("-inf"))

@@ -11,13 +11,16 @@ The attention scale 1/sqrt(head_dim) is folded into the Q weights (exact for hea
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
 from .weights import EmbeddingTable, Linear, dequantized, make_embedding, make_linear
+
+if TYPE_CHECKING:
+    from .graphs import CudaGraphs
 
 __all__ = ["LeanLlama"]
 
@@ -66,9 +69,10 @@ class LeanLlama:
         self.embed, self.head, self.layers, self.final_norm = embed, head, layers, final_norm
         self.cos, self.sin = rope  # [positions, head_dim]; sin carries rotate_half's sign
         self.act_dtype, self.mode = act_dtype, mode
-        # fp32 attention: bf16 scores lose ~0.4% and small bf16 matmuls are slower than fp32 ones on CPU.
-        self.kv_dtype = torch.float32
         self.device = final_norm.device
+        # fp32 attention on CPU: bf16 scores lose ~0.4%, and small bf16 matmuls run slower than fp32 there.
+        self.kv_dtype = torch.float32 if self.device.type == "cpu" else act_dtype
+        self.graphs: CudaGraphs | None = None  # set by use_cuda_graphs()
         self.hidden = int(config.hidden_size)
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -122,6 +126,12 @@ class LeanLlama:
             final_norm = hf.model.norm.weight.float().clone()
         return cls(config=config, embed=embed, head=head, layers=layers, final_norm=final_norm, rope=rope, act_dtype=act_dtype, mode=mode)
 
+    def use_cuda_graphs(self, cache: KVCache) -> None:
+        """Replay decode steps as CUDA graphs over ``cache`` (allocated at full capacity): one per batch size."""
+        from .graphs import CudaGraphs
+
+        self.graphs = CudaGraphs(self, cache)
+
     def nbytes(self) -> int:
         """Bytes of weights a decode step reads (quantized), excluding prefill's dense copies."""
         per_layer = sum(x.nbytes() for lay in self.layers for x in (lay.qkv, lay.o, lay.gate_up, lay.down))
@@ -158,32 +168,48 @@ class LeanLlama:
 
     # ---- forward passes ----------------------------------------------------------------
 
-    def prefill(self, ids: torch.Tensor, cache: KVCache, row: int) -> torch.Tensor:
-        """Run prompt ``ids`` [T] alone, write its K/V into ``row``; return the last position's logits [vocab]."""
+    def prefill(self, ids: torch.Tensor, cache: KVCache, row: int, start: int = 0) -> torch.Tensor:
+        """Run prompt ``ids`` [T] alone, write its K/V into ``row``; return the last position's logits [vocab].
+
+        With ``start`` > 0 the row already holds K/V for the first ``start`` tokens (a cached
+        prefix) and only the rest is computed.
+        """
         t = int(ids.shape[0])
+        n = t - start
         hd, nh, nkv = self.head_dim, self.heads, self.kv_heads
-        cos, sin = self.cos[:t, None, :], self.sin[:t, None, :]
-        h = self.embed.lookup(ids).float()
+        cos, sin = self.cos[start:t, None, :], self.sin[start:t, None, :]
+        # New tokens see every earlier position: a plain causal mask when there is no prefix.
+        mask = None if start == 0 else torch.arange(t, device=ids.device)[None, :] <= torch.arange(start, t, device=ids.device)[:, None]
+        h = self.embed.lookup(ids[start:]).float()
         for i, lay in enumerate(self.layers):
             qkv = lay.qkv_p(self._norm(h, lay.attn_norm)).float()
-            qk = self._rope(qkv[:, : self._qk].view(t, nh + nkv, hd), cos, sin)
+            qk = self._rope(qkv[:, : self._qk].view(n, nh + nkv, hd), cos, sin)
             q = qk[:, :nh].transpose(0, 1)
-            k = qk[:, nh:].transpose(0, 1)
-            v = qkv[:, self._qk :].view(t, nkv, hd).transpose(0, 1)
-            cache.keys[i][row, :, :t] = k
-            cache.values[i][row, :, :t] = v
-            attn = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=1.0, enable_gqa=True)
-            h = h + lay.o_p(self._act(attn[0].transpose(0, 1).reshape(t, nh * hd)))
+            keys, values = cache.keys[i], cache.values[i]
+            keys[row, :, start:t] = qk[:, nh:].transpose(0, 1)
+            values[row, :, start:t] = qkv[:, self._qk :].view(n, nkv, hd).transpose(0, 1)
+            k, v = keys[row : row + 1, :, :t], values[row : row + 1, :, :t]
+            attn = F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=1.0, enable_gqa=True)
+            h = h + lay.o_p(self._act(attn[0].transpose(0, 1).reshape(n, nh * hd)))
             gu = lay.gate_up_p(self._norm(h, lay.mlp_norm))
             h = h + lay.down_p(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
         return self._logits(h[-1:])[0]
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per cache row (``tokens`` [B], B = cache.rows); return logits [B, vocab]."""
+        if self.graphs is not None:
+            return self.graphs.replay(tokens, cache)
+        rows, pos, width = cache.begin_step()
+        logits = self.decode_tensors(tokens, cache, rows, pos, width)
+        cache.end_step()
+        return logits
+
+    def decode_tensors(self, tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor, pos: torch.Tensor, width: int) -> torch.Tensor:
+        """The decode step's tensor work, free of host-side decisions (so a CUDA graph can capture it)."""
         b = int(tokens.shape[0])
         hd, nh, nkv = self.head_dim, self.heads, self.kv_heads
         group = nh // nkv
-        rows, pos, width = cache.begin_step()
+        cache.bias[rows, pos] = 0.0  # each row attends to the token it writes now
         cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
         bias = cache.bias[:b, None, None, :width]  # 0 where a row holds a token, -inf elsewhere
         h = self.embed.lookup(tokens).float()
@@ -200,7 +226,7 @@ class LeanLlama:
             h = h + lay.o(self._act(attn.reshape(b, nh * hd)))
             gu = lay.gate_up(self._norm(h, lay.mlp_norm))
             h = h + lay.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
-        cache.end_step()
+        pos += 1  # in place: these are the cache's positions
         return self._logits(h)
 
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from local_backend.boot import chat_template_prefix
 from local_backend.llama import KVCache, LeanLlama
 from local_backend.models import LoadedModel
 from local_backend.protocol import GenerationRequest
@@ -95,3 +96,37 @@ async def test_engine_gives_a_prompt_the_same_tokens_alone_and_among_seven_other
     alone = await tokens(requests[3])
     together = await asyncio.gather(*(tokens(r) for r in requests))
     assert together[3] == alone and len(alone) == 20
+
+
+@torch.inference_mode()
+def test_prefill_after_a_cached_prefix_matches_a_full_prefill(tiny: LoadedModel) -> None:
+    lean = _lean(tiny, "none")
+    prefix, ids = chat_template_prefix(tiny.tokenizer), chat_ids(tiny, PROMPTS[2])
+    assert len(prefix) > 10 and ids[: len(prefix)] == prefix
+    full = _greedy(lean, lean.new_cache(1), [ids], steps=4)[0]
+    cache = lean.new_cache(2)
+    row = cache.add_row(len(prefix))
+    lean.prefill(torch.tensor(prefix), cache, row)
+    saved = cache.snapshot(row, len(prefix))
+    cache.clear()
+    row = cache.add_row(len(ids))
+    cache.restore(row, saved)
+    cached = [lean.prefill(torch.tensor(ids), cache, row, start=len(prefix))]
+    for _ in range(4):
+        cached.append(lean.decode(torch.tensor([int(cached[-1].argmax())]), cache)[0])
+    assert torch.allclose(torch.stack(cached), torch.stack(full), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["none", "int8"])
+async def test_engine_with_the_template_prefix_cached_gives_the_same_tokens(tiny: LoadedModel, make_engine, mode: str) -> None:
+    plain, cached = make_engine(quantize=mode, max_batch=8, start=False), make_engine(quantize=mode, max_batch=8, start=False)
+    cached.cache_prefix(chat_template_prefix(tiny.tokenizer))
+    plain.start()
+    cached.start()
+
+    async def tokens(engine, prompt: str) -> tuple[int, ...]:
+        request = GenerationRequest(chat_ids(tiny, prompt), max_tokens=12)
+        return [d async for d in engine.submit(request).deltas()][-1].token_ids
+
+    want = [await tokens(plain, p) for p in PROMPTS]
+    assert list(await asyncio.gather(*(tokens(cached, p) for p in PROMPTS))) == want
