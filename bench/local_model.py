@@ -44,7 +44,7 @@ def _prompt_of(engine: Any, tokens: int) -> list[int]:
     """A chat prompt of exactly ``tokens`` tokens (a question padded with filler words)."""
     from local_backend.checkset import chat_prompt_ids
 
-    words = "Summarize in one sentence: the quick brown fox jumps over the lazy dog".split()
+    words = ["Summarize", "in", "one", "sentence:", "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
     n = len(words)
     while len(chat_prompt_ids(engine.tokenizer, " ".join(words[: n + 1]))) <= tokens and n < 200:
         words.append(words[4 + n % 9])
@@ -133,6 +133,45 @@ def _llama_cpp(threads: int) -> float | None:
     return int(out["usage"]["completion_tokens"]) / (time.perf_counter() - started)
 
 
+def _kernel_scaling(threads: int) -> dict[str, dict[int, float]]:
+    """Milliseconds of matmul per decode step (SmolLM2's 30 layers and LM head) at 1 and 8 rows, per weight format.
+
+    Shows where the 8-stream ratio comes from: the weight-only kernels cost ~M times their
+    one-row time (compute, not memory, bounds them on one core).
+    """
+    import torch
+
+    from local_backend.llama.weights import DenseLinear, Int4Linear, Int8Linear
+
+    torch.set_num_threads(threads)
+    shapes = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (out, in, count)
+    formats = {
+        "fp32 dense": lambda w: DenseLinear(w),
+        "bf16 dense": lambda w: DenseLinear(w.bfloat16()),
+        "int8": lambda w: Int8Linear(w, torch.bfloat16),
+        "int4": lambda w: Int4Linear(w, torch.bfloat16, 32),
+    }
+    out: dict[str, dict[int, float]] = {}
+    for name, make in formats.items():
+        layers = [(make(torch.randn(n, k) * 0.02), k, count) for n, k, count in shapes]
+        dtype = torch.float32 if name.startswith("fp32") else torch.bfloat16
+        out[name] = {}
+        for rows in (1, CONCURRENT):
+            total = 0.0
+            for linear, k, count in layers:
+                x = torch.randn(rows, k).to(dtype)
+                linear(x)
+                samples = []
+                for _ in range(5):
+                    started = time.perf_counter()
+                    for _ in range(10):
+                        linear(x)
+                    samples.append((time.perf_counter() - started) / 10)
+                total += statistics.median(samples) * count
+            out[name][rows] = total * 1000
+    return out
+
+
 def _agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[int, float]:
     from local_backend.checkset import prefix_agreement
 
@@ -145,8 +184,10 @@ def table(data: dict[str, Any]) -> str:
 
     res, base = data["results"], data["results"].get("none")
     lines = [
-        f"| quantize | right /{len(CHECKS)} | same as fp32 | fp32 tokens kept | TTFT p50 ({TTFT_PROMPT_TOKENS} tok) | decode tok/s (1 stream) "
-        f"| vs fp32 | agg 1 stream | agg {CONCURRENT} streams | {CONCURRENT}/1 | weights MB | RSS MB (peak) |",
+        (
+            f"| quantize | right /{len(CHECKS)} | same as fp32 | fp32 tokens kept | TTFT p50 ({TTFT_PROMPT_TOKENS} tok) "
+            f"| decode tok/s (1 stream) | vs fp32 | agg 1 stream | agg {CONCURRENT} streams | {CONCURRENT}/1 | weights MB | RSS MB (peak) |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for q, r in res.items():
@@ -159,6 +200,13 @@ def table(data: dict[str, Any]) -> str:
             f"| {r['agg1_tok_s']:.1f} | {r['agg8_tok_s']:.1f} | {r['ratio8']:.1f}x "
             f"| {r['weights_mb']:.0f} | {r['after']['rss_mb']:.0f} ({r['after']['peak_rss_mb']:.0f}) |"
         )
+    scaling = data.get("kernel_ms")
+    if scaling:
+        lines += ["", f"Matmul time per decode step (30 layers + LM head, {data['threads']} thread), ms:", "",
+                  f"| weights | 1 row | {CONCURRENT} rows | ratio |", "|---|---|---|---|"]
+        for name, ms in scaling.items():
+            one, many = ms[1] if 1 in ms else ms["1"], ms[CONCURRENT] if CONCURRENT in ms else ms[str(CONCURRENT)]
+            lines.append(f"| {name} | {one:.1f} | {many:.1f} | {many / one:.1f}x |")
     if data.get("llama_cpp_tok_s") is not None:
         lines.append(f"\nllama.cpp (llama-cpp-python, {data['threads']} threads), same GGUF: {data['llama_cpp_tok_s']:.1f} tokens/s one stream")
     return "\n".join(lines)
@@ -180,6 +228,7 @@ def main() -> None:
         done = subprocess.run(cmd, check=True, capture_output=True, text=True)
         data["results"][quantize] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"# {quantize}: done", file=sys.stderr, flush=True)
+    data["kernel_ms"] = _kernel_scaling(args.threads)
     data["llama_cpp_tok_s"] = _llama_cpp(args.threads)
     Path("bench/results").mkdir(parents=True, exist_ok=True)
     Path("bench/results/local_model.json").write_text(json.dumps(data, indent=2))

@@ -57,8 +57,8 @@ def resolve_device(device: str) -> str:
 
 def _quiet_libraries() -> None:
     """Keep stderr to our own progress lines: the launcher forwards it line by line to the gateway's log."""
-    # Optional CUDA kernels torchao cannot load on CPU, and torch's pytree deprecation notes.
-    for name in ("torchao", "torch.utils._pytree"):
+    # torch's pytree deprecation notes.
+    for name in ("torch.utils._pytree",):
         logging.getLogger(name).setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 

@@ -17,7 +17,7 @@ from .protocol import GenerationRequest
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["CHECKS", "CheckRun", "Check", "chat_prompt_ids", "prefix_agreement", "run_checks"]
+__all__ = ["CHECKS", "Check", "CheckRun", "chat_prompt_ids", "prefix_agreement", "run_checks"]
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ __all__ = [
     "Int8Linear",
     "Linear",
     "dequantized",
-    "make_linear",
     "make_embedding",
+    "make_linear",
     "quantize_int4",
     "quantize_int8",
 ]
