@@ -1,12 +1,14 @@
-"""Benchmark the local model engine on this machine (not a test).
+"""Benchmark the local model's engine per quantization mode on this machine (not a test).
 
-For each quantization: greedy answers on a fixed question set (how many are right, how many
-equal fp32's word for word), TTFT and decode tokens/s at concurrency 1 for a ~50-token prompt,
-and aggregate tokens/s at concurrency 1, 4, 8, 16 with continuous batching and one at a time
-(the same engine with max_batch=1). Optionally, the latency of a separate aiohttp process (a
-stand-in for the gateway) while the model is busy.
+Each mode runs in its own subprocess (so its RSS is its own) with a fixed torch thread count:
+the check set's greedy answers (right, identical to fp32's, share of fp32's tokens reproduced
+before the first difference), TTFT p50 for a 50-token prompt, decode tokens/s for one stream,
+aggregate tokens/s for 1 and 8 concurrent streams of 64 tokens (TTFT included, as a client sees
+it) and their ratio, and the process's RSS. Speed figures are medians over ``--repeat`` rounds.
+When ``llama-cpp-python`` is installed, llama.cpp's one-stream decode on the same GGUF is
+printed too (optional: never a dependency).
 
-    flock /tmp/bench.lock .venv/bin/python bench/local_model.py [--quantize none int8 int4] [--threads N]
+    flock /tmp/bench.lock .venv/bin/python bench/local_model.py [--quantize none int8 int4] [--threads 1] [--repeat 3]
 
 Prints a markdown table; writes JSON to bench/results/local_model.json.
 """
@@ -25,188 +27,209 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from local_backend.boot import EngineSettings, build_engine  # noqa: E402
-from local_backend.engine import Engine  # noqa: E402
-from local_backend.protocol import GenerationRequest  # noqa: E402
-
-# Easy questions and a word any right answer contains.
-QUESTIONS = [
-    ("What is the capital of France?", ("paris",)),
-    ("What is 2 + 2?", ("is 4", "= 4", "four")),
-    ("What is the largest planet in our solar system?", ("jupiter",)),
-    ("Who wrote Romeo and Juliet?", ("shakespeare",)),
-    ("How many legs does a spider have?", ("8 legs", "eight legs")),
-    ("What color is the sky on a clear day?", ("blue",)),
-    ("At what temperature in Celsius does water freeze?", (" 0°", " 0 degrees", "zero")),
-    ("How many days are in a week?", ("7 day", "seven day")),
-    ("What is the capital of Japan?", ("tokyo",)),
-    ("What is the opposite of hot?", ("cold",)),
-    ("Who was the first president of the United States?", ("washington",)),
-    ("What is the chemical symbol for water?", ("h2o", "h₂o")),
-]
-PADDING = " Please answer in one short sentence, and do not add any extra explanation or commentary."
+TTFT_PROMPT_TOKENS = 50
 DECODE_TOKENS = 64
-CONCURRENCY = (1, 4, 8, 16)
+CONCURRENT = 8
 
 
-def _ids(engine: Engine, question: str) -> list[int]:
-    tok = engine.tokenizer
-    text = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False)
-    return list(tok(text, add_special_tokens=False).input_ids)
+def _rss_mb() -> dict[str, float]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            fields[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return {"rss_mb": fields.get("VmRSS", 0.0), "peak_rss_mb": fields.get("VmHWM", 0.0)}
 
 
-async def _one(engine: Engine, request: GenerationRequest) -> tuple[str, float, float, int]:
-    """Text, TTFT (s), time from first to last token (s), tokens."""
+def _prompt_of(engine: Any, tokens: int) -> list[int]:
+    """A chat prompt of exactly ``tokens`` tokens (a question padded with filler words)."""
+    from local_backend.checkset import chat_prompt_ids
+
+    words = ["Summarize", "in", "one", "sentence:", "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
+    n = len(words)
+    while len(chat_prompt_ids(engine.tokenizer, " ".join(words[: n + 1]))) <= tokens and n < 200:
+        words.append(words[4 + n % 9])
+        n += 1
+    ids = chat_prompt_ids(engine.tokenizer, " ".join(words[:n]))
+    return ids[:tokens] if len(ids) >= tokens else ids
+
+
+async def _stream(engine: Any, ids: list[int], max_tokens: int) -> tuple[float, float, int]:
+    """TTFT (s), seconds from first to last token, tokens."""
+    from local_backend.protocol import GenerationRequest
+
     started = time.perf_counter()
     first = last = 0.0
-    parts: list[str] = []
     n = 0
-    async for delta in engine.submit(request).deltas():
-        now = time.perf_counter()
-        if not first:
-            first = now
-        last, n = now, delta.completion_tokens
-        parts.append(delta.text)
-    return "".join(parts), first - started, last - first, n
+    async for delta in engine.submit(GenerationRequest(ids, max_tokens=max_tokens, ignore_eos=True)).deltas():
+        last = time.perf_counter()
+        first = first or last
+        n = delta.completion_tokens
+    return first - started, last - first, n
 
 
-async def quality(engine: Engine) -> list[str]:
-    return [(await _one(engine, GenerationRequest(_ids(engine, q), max_tokens=48)))[0] for q, _ in QUESTIONS]
+async def _aggregate(engine: Any, prompts: list[list[int]]) -> float:
+    started = time.perf_counter()
+    results = await asyncio.gather(*(_stream(engine, p, DECODE_TOKENS) for p in prompts))
+    return sum(r[2] for r in results) / (time.perf_counter() - started)
 
 
-async def single_stream(engine: Engine) -> dict[str, float]:
-    """TTFT p50 and decode tokens/s at concurrency 1, ~50-token prompts, 64 tokens each."""
-    ttfts, rates, lengths = [], [], []
-    for q, _ in QUESTIONS[:6]:
-        ids = _ids(engine, q + PADDING)
-        _, ttft, span, n = await _one(engine, GenerationRequest(ids, max_tokens=DECODE_TOKENS, ignore_eos=True))
-        ttfts.append(ttft)
-        rates.append((n - 1) / span)
-        lengths.append(len(ids))
+async def _measure(engine: Any, repeat: int) -> dict[str, Any]:
+    from local_backend.checkset import chat_prompt_ids, run_checks
+
+    checks = await run_checks(engine)
+    ttft_ids = _prompt_of(engine, TTFT_PROMPT_TOKENS)
+    stories = [chat_prompt_ids(engine.tokenizer, f"Write a short story about a robot number {i}.") for i in range(CONCURRENT)]
+    ttfts, decode, agg1, agg8 = [], [], [], []
+    for _ in range(repeat):
+        for _ in range(3):
+            ttfts.append((await _stream(engine, ttft_ids, 1))[0])
+        _, span, n = await _stream(engine, stories[0], DECODE_TOKENS)
+        decode.append((n - 1) / span)
+        agg1.append(await _aggregate(engine, stories[:1]))
+        agg8.append(await _aggregate(engine, stories))
     return {
-        "prompt_tokens": statistics.median(lengths),
+        "right": checks.right,
+        "answers": checks.answers,
+        "tokens": [list(t) for t in checks.tokens],
+        "wrong": checks.wrong(),
+        "ttft_prompt_tokens": len(ttft_ids),
         "ttft_p50_ms": statistics.median(ttfts) * 1000,
-        "decode_tok_s": statistics.median(rates),
+        "decode_tok_s": statistics.median(decode),
+        "agg1_tok_s": statistics.median(agg1),
+        "agg8_tok_s": statistics.median(agg8),
+        "ratio8": statistics.median(a8 / a1 for a1, a8 in zip(agg1, agg8, strict=True)),
+        "runs": {"ttft_ms": [t * 1000 for t in ttfts], "decode_tok_s": decode, "agg1_tok_s": agg1, "agg8_tok_s": agg8},
     }
 
 
-async def aggregate(engine: Engine, concurrency: int) -> float:
-    """Generated tokens per second with `concurrency` requests in flight (each 64 tokens)."""
-    rounds = 2 if concurrency == 1 else 1
-    prompts = [_ids(engine, QUESTIONS[i % len(QUESTIONS)][0] + PADDING) for i in range(concurrency)]
+def _one_mode(quantize: str, threads: int, repeat: int) -> dict[str, Any]:
+    from local_backend.boot import EngineSettings, build_engine
+
     started = time.perf_counter()
-    total = 0
-    for _ in range(rounds):
-        results = await asyncio.gather(
-            *(_one(engine, GenerationRequest(p, max_tokens=DECODE_TOKENS, ignore_eos=True)) for p in prompts)
-        )
-        total += sum(r[3] for r in results)
-    return total / (time.perf_counter() - started)
-
-
-_PROBE_SERVER = """
-import sys
-from aiohttp import web
-async def ok(request): return web.Response(text="ok")
-app = web.Application(); app.router.add_get("/", ok)
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
-"""
-
-
-async def _probe_latency(port: int, n: int = 200) -> dict[str, float]:
-    import aiohttp
-
-    samples = []
-    async with aiohttp.ClientSession() as session:
-        for _ in range(n):
-            t = time.perf_counter()
-            async with session.get(f"http://127.0.0.1:{port}/") as resp:
-                await resp.read()
-            samples.append((time.perf_counter() - t) * 1000)
-            await asyncio.sleep(0.005)
-    samples.sort()
-    return {"p50_ms": samples[len(samples) // 2], "p99_ms": samples[int(len(samples) * 0.99)]}
-
-
-async def gateway_probe(engine: Engine) -> dict[str, Any]:
-    """Latency of another aiohttp process, idle vs while the engine decodes 16 sequences."""
-    port = 18999
-    proc = subprocess.Popen([sys.executable, "-c", _PROBE_SERVER, str(port)])
+    engine = build_engine(EngineSettings("smollm2-135m-instruct", quantize, "cpu", threads, 16, 256), lambda _: None)
+    out: dict[str, Any] = {"start_s": time.perf_counter() - started, "weights_mb": engine.model.nbytes() / 1e6}
+    out.update(_rss_mb())
     try:
-        await asyncio.sleep(1.5)
-        idle = await _probe_latency(port)
-        prompts = [_ids(engine, q + PADDING) for q, _ in QUESTIONS[:16]]
-        load = asyncio.gather(*(_one(engine, GenerationRequest(p, max_tokens=256, ignore_eos=True)) for p in prompts * 2))
-        await asyncio.sleep(1.0)
-        busy = await _probe_latency(port)
-        await load
+        out.update(asyncio.run(_measure(engine, repeat)))
     finally:
-        proc.terminate()
-        proc.wait()
-    return {"idle": idle, "busy": busy}
-
-
-def _build(quantize: str, threads: int | None, max_batch: int) -> Engine:
-    return build_engine(EngineSettings("smollm2-135m-instruct", quantize, "cpu", threads, max_batch, 256), lambda _: None)
-
-
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {"threads": args.threads, "results": {}}
-    reference: list[str] | None = None
-    for quantize in args.quantize:
-        engine = _build(quantize, args.threads, 16)
-        row: dict[str, Any] = {}
-        answers = await quality(engine)
-        reference = reference if reference is not None else answers if quantize == "none" else None
-        row["correct"] = sum(any(k in a.lower() for k in keys) for a, (_, keys) in zip(answers, QUESTIONS, strict=True))
-        row["same_as_fp32"] = None if reference is None else sum(a == b for a, b in zip(answers, reference, strict=True))
-        row["answers"] = answers
-        row.update(await single_stream(engine))
-        row["batched_tok_s"] = {c: await aggregate(engine, c) for c in CONCURRENCY}
-        if args.gateway_probe and quantize == args.quantize[0]:
-            row["gateway_probe"] = await gateway_probe(engine)
         engine.close()
-        one = _build(quantize, args.threads, 1)
-        row["one_at_a_time_tok_s"] = {c: await aggregate(one, c) for c in CONCURRENCY if c in (1, 8)}
-        one.close()
-        out["results"][quantize] = row
-        print(f"# {quantize}: done", file=sys.stderr, flush=True)
+    out["after"] = _rss_mb()
     return out
 
 
+def _llama_cpp(threads: int) -> float | None:
+    """llama.cpp's one-stream decode tokens/s on the same GGUF, when llama-cpp-python is installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from local_backend.models import _smollm2_gguf
+
+    llm = Llama(model_path=str(_smollm2_gguf()), n_threads=threads, n_ctx=512, verbose=False)
+    prompt = "<|im_start|>user\nWrite a short story about a robot.<|im_end|>\n<|im_start|>assistant\n"
+    llm(prompt, max_tokens=4)
+    started = time.perf_counter()
+    out = llm(prompt, max_tokens=DECODE_TOKENS, temperature=0.0)
+    return int(out["usage"]["completion_tokens"]) / (time.perf_counter() - started)
+
+
+def _kernel_scaling(threads: int) -> dict[str, dict[int, float]]:
+    """Milliseconds of matmul per decode step (SmolLM2's 30 layers and LM head) at 1 and 8 rows, per weight format.
+
+    Shows where the 8-stream ratio comes from: the weight-only kernels cost ~M times their
+    one-row time (compute, not memory, bounds them on one core).
+    """
+    import torch
+
+    from local_backend.llama.weights import DenseLinear, Int4Linear, Int8Linear
+
+    torch.set_num_threads(threads)
+    shapes = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (out, in, count)
+    formats = {
+        "fp32 dense": lambda w: DenseLinear(w),
+        "bf16 dense": lambda w: DenseLinear(w.bfloat16()),
+        "int8": lambda w: Int8Linear(w, torch.bfloat16),
+        "int4": lambda w: Int4Linear(w, torch.bfloat16, 32),
+    }
+    out: dict[str, dict[int, float]] = {}
+    for name, make in formats.items():
+        layers = [(make(torch.randn(n, k) * 0.02), k, count) for n, k, count in shapes]
+        dtype = torch.float32 if name.startswith("fp32") else torch.bfloat16
+        out[name] = {}
+        for rows in (1, CONCURRENT):
+            total = 0.0
+            for linear, k, count in layers:
+                x = torch.randn(rows, k).to(dtype)
+                linear(x)
+                samples = []
+                for _ in range(5):
+                    started = time.perf_counter()
+                    for _ in range(10):
+                        linear(x)
+                    samples.append((time.perf_counter() - started) / 10)
+                total += statistics.median(samples) * count
+            out[name][rows] = total * 1000
+    return out
+
+
+def _agreement(ref: list[list[int]], other: list[list[int]]) -> tuple[int, float]:
+    from local_backend.checkset import prefix_agreement
+
+    same = sum(a == b for a, b in zip(ref, other, strict=True))
+    return same, prefix_agreement([tuple(t) for t in ref], [tuple(t) for t in other])
+
+
 def table(data: dict[str, Any]) -> str:
-    res = data["results"]
-    base = res.get("none")
+    from local_backend.checkset import CHECKS
+
+    res, base = data["results"], data["results"].get("none")
     lines = [
-        "| quantize | right /12 | same as fp32 | prompt tok | TTFT p50 | decode tok/s (c=1) | vs fp32 | agg c=1 | c=4 | c=8 | c=16 | c=8/c=1 | c=16/c=1 | one-at-a-time c=8 |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        (
+            f"| quantize | right /{len(CHECKS)} | same as fp32 | fp32 tokens kept | TTFT p50 ({TTFT_PROMPT_TOKENS} tok) "
+            f"| decode tok/s (1 stream) | vs fp32 | agg 1 stream | agg {CONCURRENT} streams | {CONCURRENT}/1 | weights MB | RSS MB (peak) |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for q, r in res.items():
-        b = r["batched_tok_s"]
-        speed = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
+        same, kept = _agreement(base["tokens"], r["tokens"]) if base else ("-", None)
+        kept_s = f"{kept:.0%}" if kept is not None else "-"
+        speedup = f"{r['decode_tok_s'] / base['decode_tok_s']:.2f}x" if base else "-"
         lines.append(
-            f"| {q} | {r['correct']} | {r['same_as_fp32'] if r['same_as_fp32'] is not None else '-'} | {r['prompt_tokens']:.0f} "
-            f"| {r['ttft_p50_ms']:.0f} ms | {r['decode_tok_s']:.1f} | {speed} "
-            f"| {b[1]:.1f} | {b[4]:.1f} | {b[8]:.1f} | {b[16]:.1f} | {b[8] / b[1]:.1f}x | {b[16] / b[1]:.1f}x "
-            f"| {r['one_at_a_time_tok_s'][8]:.1f} |"
+            f"| {q} | {r['right']} | {same} | {kept_s} "
+            f"| {r['ttft_p50_ms']:.0f} ms | {r['decode_tok_s']:.1f} | {speedup} "
+            f"| {r['agg1_tok_s']:.1f} | {r['agg8_tok_s']:.1f} | {r['ratio8']:.1f}x "
+            f"| {r['weights_mb']:.0f} | {r['after']['rss_mb']:.0f} ({r['after']['peak_rss_mb']:.0f}) |"
         )
-    for q, r in res.items():
-        if "gateway_probe" in r:
-            p = r["gateway_probe"]
-            lines.append(
-                f"\nAnother aiohttp process (gateway stand-in), {q}: idle p50 {p['idle']['p50_ms']:.2f} ms / p99 {p['idle']['p99_ms']:.2f} ms; "
-                f"model decoding 16 sequences: p50 {p['busy']['p50_ms']:.2f} ms / p99 {p['busy']['p99_ms']:.2f} ms"
-            )
+    scaling = data.get("kernel_ms")
+    if scaling:
+        lines += ["", f"Matmul time per decode step (30 layers + LM head, {data['threads']} thread), ms:", "",
+                  f"| weights | 1 row | {CONCURRENT} rows | ratio |", "|---|---|---|---|"]
+        for name, ms in scaling.items():
+            one, many = ms[1] if 1 in ms else ms["1"], ms[CONCURRENT] if CONCURRENT in ms else ms[str(CONCURRENT)]
+            lines.append(f"| {name} | {one:.1f} | {many:.1f} | {many / one:.1f}x |")
+    if data.get("llama_cpp_tok_s") is not None:
+        lines.append(f"\nllama.cpp (llama-cpp-python, {data['threads']} threads), same GGUF: {data['llama_cpp_tok_s']:.1f} tokens/s one stream")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quantize", nargs="+", default=["none", "int8", "int4"], choices=["none", "int8", "int4"])
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: cores - 1)")
-    parser.add_argument("--gateway-probe", action="store_true", help="also measure a separate aiohttp process under model load")
+    parser.add_argument("--quantize", nargs="+", default=["none", "int8", "int4"], choices=["auto", "none", "int8", "int4"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (fixed, so runs compare)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds per speed figure; medians are reported")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: measure one mode, print JSON
     args = parser.parse_args()
-    data = asyncio.run(run(args))
+    if args.one:
+        print(json.dumps(_one_mode(args.one, args.threads, args.repeat)))
+        return
+    data: dict[str, Any] = {"threads": args.threads, "repeat": args.repeat, "results": {}}
+    for quantize in args.quantize:
+        cmd = [sys.executable, __file__, "--one", quantize, "--threads", str(args.threads), "--repeat", str(args.repeat)]
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        data["results"][quantize] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"# {quantize}: done", file=sys.stderr, flush=True)
+    data["kernel_ms"] = _kernel_scaling(args.threads)
+    data["llama_cpp_tok_s"] = _llama_cpp(args.threads)
     Path("bench/results").mkdir(parents=True, exist_ok=True)
     Path("bench/results/local_model.json").write_text(json.dumps(data, indent=2))
     print(table(data))

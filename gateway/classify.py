@@ -36,7 +36,7 @@ class Rules:
 
     complex_over_prompt_tokens: int | None = 1500   # estimated prompt tokens above this
     tools_complex: bool = True                      # `tools` / `functions` present
-    response_format_complex: bool = False           # a json_schema response_format
+    response_format_complex: bool = True            # a json_schema response_format (local refuses it)
     complex_over_max_tokens: int | None = None      # requested max_tokens above this
 
 

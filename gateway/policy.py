@@ -202,7 +202,7 @@ class ClassifierRulesPolicy(_Section):
 
     complex_over_prompt_tokens: int | None = Field(1500, gt=0)
     tools_complex: bool = True
-    response_format_complex: bool = False
+    response_format_complex: bool = True  # the local model refuses json_schema (400): keep it off `simple`
     complex_over_max_tokens: int | None = Field(None, gt=0)
 
 

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .engine import Engine
+    from .models import LoadedModel
+    from .quantize import QuantPlan
 
-__all__ = ["EngineSettings", "build_engine", "default_threads", "resolve_device"]
+__all__ = ["EngineSettings", "build_engine", "chat_template_prefix", "default_threads", "engine_from_loaded", "eos_token_ids", "resolve_device"]
 
 Progress = Callable[[str], None]
 
@@ -54,8 +57,8 @@ def resolve_device(device: str) -> str:
 
 def _quiet_libraries() -> None:
     """Keep stderr to our own progress lines: the launcher forwards it line by line to the gateway's log."""
-    # Optional CUDA kernels torchao cannot load on CPU, and torch's pytree deprecation notes.
-    for name in ("torchao", "torch.utils._pytree"):
+    # torch's pytree deprecation notes.
+    for name in ("torch.utils._pytree",):
         logging.getLogger(name).setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
@@ -63,14 +66,41 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()  # \r-redrawn bars make one huge log line
 
 
+def eos_token_ids(hf_model: Any) -> list[int]:
+    """The end-of-sequence ids the model's generation config names."""
+    eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    return [int(t) for t in (eos if isinstance(eos, list) else [eos] if eos is not None else [])]
+
+
+def chat_template_prefix(tokenizer: Any) -> list[int]:
+    """The tokens every one-user-message chat starts with (SmolLM2: its default system prompt and the user tag)."""
+    from .checkset import chat_prompt_ids
+
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    a, b = chat_prompt_ids(tokenizer, "Hello"), chat_prompt_ids(tokenizer, "Why?")
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def engine_from_loaded(loaded: LoadedModel, plan: QuantPlan, *, max_batch: int = 16, max_queue: int = 64) -> Engine:
+    """An (unstarted) Engine over ``loaded``'s weights in ``plan``'s format."""
+    from .engine import Engine
+    from .quantize import build_lean
+
+    lean = build_lean(loaded.model, plan)
+    return Engine(lean, loaded.tokenizer, eos_token_ids=eos_token_ids(loaded.model), max_batch=max_batch, max_queue=max_queue)
+
+
 def build_engine(settings: EngineSettings, progress: Progress) -> Engine:
     """Load, quantize and warm the model; return a started Engine."""
     _quiet_libraries()
     import torch
 
-    from .engine import Engine
     from .models import load_model
-    from .quantize import apply_quantization, plan_quantization
+    from .quantize import plan_quantization
 
     device = resolve_device(settings.device)
     threads = settings.threads or default_threads()
@@ -78,14 +108,17 @@ def build_engine(settings: EngineSettings, progress: Progress) -> Engine:
         torch.set_num_threads(threads)
     plan = plan_quantization(settings.quantize, device)
     progress(f"device {device}, {threads} torch threads, quantization {plan.describe()}")
-    loaded = load_model(settings.model, device=device, dtype=plan.dtype, progress=progress)
-    if plan.mode != "none":
-        started = time.perf_counter()
-        apply_quantization(loaded.model, plan)
-        progress(f"quantized to {plan.mode} in {time.perf_counter() - started:.1f} s")
-    engine = Engine(loaded, max_batch=settings.max_batch, max_queue=settings.max_queue, quantization=plan.mode)
+    loaded = load_model(settings.model, device=device, dtype=torch.float32, progress=progress)
     started = time.perf_counter()
-    engine.warm_up(loaded.tokenizer("Hello, how are you?").input_ids)
-    progress(f"warmed up in {time.perf_counter() - started:.2f} s")
+    engine = engine_from_loaded(loaded, plan, max_batch=settings.max_batch, max_queue=settings.max_queue)
+    del loaded  # transformers' copy of the weights: the engine holds its own (quantized) ones
+    gc.collect()
+    progress(f"weights ready ({plan.mode}, {engine.model.nbytes() / 1e6:.0f} MB read per decode step) in {time.perf_counter() - started:.1f} s")
+    started = time.perf_counter()
+    engine.warm_up(engine.tokenizer("Hello, how are you?").input_ids)
+    prefix = chat_template_prefix(engine.tokenizer)
+    if prefix:
+        engine.cache_prefix(prefix)
+    progress(f"warmed up in {time.perf_counter() - started:.2f} s (cached the chat template's first {len(prefix)} tokens)")
     engine.start()
     return engine

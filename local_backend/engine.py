@@ -1,8 +1,10 @@
 """The continuous-batching engine: one thread runs decode steps over every active sequence.
 
-Between steps it admits waiting requests (each prefilled alone, then spliced into the batch as
-a new row) and drops finished or cancelled ones, so concurrent requests share each forward
-pass. Tokens reach asyncio through ``loop.call_soon_threadsafe``; nothing here blocks the loop.
+Between steps it admits waiting requests (each prefilled alone into a free row of the
+preallocated KV cache) and drops finished or cancelled ones, so concurrent requests share each
+forward pass. Every kernel computes each row on its own, so a request's tokens do not depend on
+its batch-mates. Tokens reach asyncio through ``loop.call_soon_threadsafe``; nothing here
+blocks the loop.
 """
 
 from __future__ import annotations
@@ -11,14 +13,13 @@ import asyncio
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
-from .kvbatch import BatchCache
-from .models import LoadedModel
+from .llama import LeanLlama
 from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, Sequence
 from .sampling import choose_tokens, make_generator
 from .stats import EngineStats
@@ -37,6 +38,7 @@ class _Slot:
     max_tokens: int
     last_token: int = -1
     generated: int = 0
+    tokens: list[int] = field(default_factory=list)
     done: bool = field(default=False)
 
 
@@ -45,35 +47,38 @@ class Engine:
 
     def __init__(
         self,
-        loaded: LoadedModel,
+        model: LeanLlama,
+        tokenizer: Any,
         *,
+        eos_token_ids: Iterable[int] = (),
         max_batch: int = 16,
         max_queue: int = 64,
         prefill_budget_tokens: int = 512,
-        quantization: str = "none",
     ) -> None:
-        self.loaded = loaded
-        self.quantization = quantization
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
-        self.device = next(self.model.parameters()).device
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = model.device
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.prefill_budget_tokens = prefill_budget_tokens
-        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 2048))
-        self.stop_token_ids = self._stop_token_ids()
+        self.context_length = model.context_length
+        self.stop_token_ids = self._stop_token_ids(eos_token_ids)
         self.stats = EngineStats()
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
-        self._active: list[_Slot] = []
-        self._batch = BatchCache()
+        self._active: list[_Slot] = []  # slot i owns cache row i
+        if self.device.type == "cuda":  # a static cache, decode steps replayed as CUDA graphs
+            self._cache = model.new_cache(max_batch, capacity=model.context_length)
+            model.use_cuda_graphs(self._cache)
+        else:
+            self._cache = model.new_cache(max_batch)
+        self._prefix_ids: list[int] = []
+        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._closing = False
         self._thread: threading.Thread | None = None
 
-    def _stop_token_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        eos = getattr(self.model.generation_config, "eos_token_id", None)
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    def _stop_token_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        ids: set[int] = set(eos_token_ids)
         for token in (self.tokenizer.eos_token, "<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
             tid = self.tokenizer.convert_tokens_to_ids(token) if token else None
             if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
@@ -83,15 +88,24 @@ class Engine:
     def warm_up(self, prompt_ids: list[int]) -> None:
         """Run two prefills and one two-row decode step, so the first request pays no one-time setup."""
         with torch.inference_mode():
-            batch = BatchCache()
+            ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
             for _ in range(2):
-                ids = torch.tensor([prompt_ids], dtype=torch.long, device=self.device)
-                cache = DynamicCache(config=self.model.config)
-                out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                batch.add(out.past_key_values, len(prompt_ids))
-            mask, positions = batch.step_inputs()
-            ids = torch.zeros((2, 1), dtype=torch.long, device=self.device)
-            self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=batch.cache, use_cache=True)
+                self.model.prefill(ids, self._cache, self._cache.add_row(len(prompt_ids)))
+            self.model.decode(torch.zeros(2, dtype=torch.long, device=self.device), self._cache)
+            self._cache.clear()
+
+    def cache_prefix(self, ids: list[int]) -> None:
+        """Keep the K/V of ``ids`` (the chat template's opening, e.g. its default system prompt) for
+        prompts that start with them: prefill then computes only the rest. Call before ``start()``.
+
+        The prefix is computed once, so every request that uses it gets the same K/V whatever else runs.
+        """
+        with torch.inference_mode():
+            row = self._cache.add_row(len(ids))
+            self.model.prefill(torch.tensor(ids, dtype=torch.long, device=self.device), self._cache, row)
+            self._prefix_kv = self._cache.snapshot(row, len(ids))
+            self._prefix_ids = list(ids)
+            self._cache.clear()
 
     # ---- asyncio side -------------------------------------------------------------------
 
@@ -153,11 +167,13 @@ class Engine:
                 except Exception as exc:  # a failed forward pass fails its batch, not the engine
                     for slot in self._active:
                         slot.seq.deliver(exc)
-                    self._active, self._batch = [], BatchCache()
+                    self._active = []
+                    self._cache.clear()
                 self.stats.set_load(len(self._waiting), len(self._active))
         for slot in self._active:
             slot.seq.deliver(EngineClosed("the engine stopped"))
-        self._active, self._batch = [], BatchCache()
+        self._active = []
+        self._cache.clear()
 
     def _take_waiting(self) -> list[Sequence]:
         """Pop waiting requests that fit the batch and this step's prefill budget (at least one)."""
@@ -191,30 +207,27 @@ class Engine:
             generator=make_generator(req.sampling, self.device),
             max_tokens=max(0, min(req.max_tokens, room)),
         )
-        ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
-        token = choose_tokens(out.logits[:, -1, :], [req.sampling], [slot.generator])[0]
+        ids = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
+        # Join the batch (cache row len(_active)) before the first token goes out, so a client that
+        # sees a token sees a slot; a sequence that is already done leaves again in _drop_done.
+        row = self._cache.add_row(len(req.prompt_ids))
+        start = len(self._prefix_ids)
+        if start and len(req.prompt_ids) > start and req.prompt_ids[:start] == self._prefix_ids:
+            self._cache.restore(row, self._prefix_kv)
+        else:
+            start = 0
+        logits = self.model.prefill(ids, self._cache, row, start)
+        self._active.append(slot)
+        token = choose_tokens(logits[None], [req.sampling], [slot.generator])[0]
         self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(req.prompt_ids))
         self.stats.observe_tokens(1, decode_step=False)
-        # Join the batch before the first token goes out, so a client that sees a token sees a slot;
-        # a sequence that is already done leaves again in _drop_done.
-        self._batch.add(out.past_key_values, len(req.prompt_ids))
-        self._active.append(slot)
         self._emit(slot, token)
 
     def _decode_step(self) -> None:
-        mask, positions = self._batch.step_inputs()
-        ids = torch.tensor([[s.last_token] for s in self._active], dtype=torch.long, device=self.device)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self._batch.cache,
-            use_cache=True,
-        )
-        self._batch.advance()
+        ids = torch.tensor([s.last_token for s in self._active], dtype=torch.long, device=self.device)
+        logits = self.model.decode(ids, self._cache)
         params = [s.seq.request.sampling for s in self._active]
-        tokens = choose_tokens(out.logits[:, -1, :], params, [s.generator for s in self._active])
+        tokens = choose_tokens(logits, params, [s.generator for s in self._active])
         self.stats.observe_tokens(len(tokens), decode_step=True)
         for slot, token in zip(self._active, tokens, strict=True):
             self._emit(slot, token)
@@ -223,6 +236,7 @@ class Engine:
         """Account one new token for ``slot`` and send the text it completes."""
         slot.last_token = token
         slot.generated += 1
+        slot.tokens.append(token)
         finish: str | None = None
         if token in self.stop_token_ids and not slot.seq.request.ignore_eos:
             text, finish = slot.assembler.flush(), "stop"
@@ -237,19 +251,20 @@ class Engine:
             self.stats.observe_finish(finish)
         if text or finish is not None:
             prompt = len(slot.seq.request.prompt_ids)
-            slot.seq.deliver(Delta(text, finish, prompt, slot.generated))
+            tokens = tuple(slot.tokens) if finish is not None else ()
+            slot.seq.deliver(Delta(text, finish, prompt, slot.generated, tokens))
 
     def _drop_done(self) -> None:
-        keep: list[int] = []
-        for i, slot in enumerate(self._active):
+        # From the end, so the row that moves into a freed one has already been looked at.
+        for i in range(len(self._active) - 1, -1, -1):
+            slot = self._active[i]
             if slot.seq.cancelled and not slot.done:
                 slot.done = True
                 self.stats.observe_finish("cancelled")
-            if not slot.done:
-                keep.append(i)
-        if len(keep) < len(self._active):
-            self._batch.keep(keep)
-            self._active = [self._active[i] for i in keep]
+            if slot.done:
+                self._cache.remove(i)
+                self._active[i] = self._active[-1]
+                self._active.pop()
 
     def snapshot(self) -> dict[str, Any]:
         """Queue depth and batch size right now."""

@@ -48,12 +48,13 @@ class GenerationRequest:
 
 @dataclass(frozen=True)
 class Delta:
-    """A piece of output. The last one of a sequence carries ``finish_reason`` (stop|length)."""
+    """A piece of output. The last one of a sequence carries ``finish_reason`` (stop|length) and every generated token id."""
 
     text: str
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    token_ids: tuple[int, ...] = ()
 
 
 class Sequence:

@@ -172,6 +172,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions"""
     state = request.app[STATE]
     req = parse_request(ChatRequest, await _read_body(request, state.body_limit_bytes))
+    refusal = req.unsupported()
+    if refusal is not None:
+        raise refusal
     engine = _engine_for(state, req.model)
     ids = await asyncio.get_running_loop().run_in_executor(None, encode_chat, engine.tokenizer, req)
     seq = await _submit(state, engine, ids, req, "messages")

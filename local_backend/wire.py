@@ -111,9 +111,34 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    # Read only to refuse them: a 135M model can neither call tools nor follow a JSON schema.
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def unsupported(self) -> ApiError | None:
+        """The 400 for a request this backend cannot honour (rather than answer prose and ignore it)."""
+        for param in ("tools", "functions"):
+            if getattr(self, param):
+                return _unsupported(param, f"{param}: the local model cannot call tools; send this request to a model that can")
+        for param in ("tool_choice", "function_call"):
+            if getattr(self, param) not in (None, "none"):
+                return _unsupported(param, f"{param}: the local model cannot call tools; send this request to a model that can")
+        kind = (self.response_format or {}).get("type")
+        if kind == "json_schema":
+            return _unsupported(
+                "response_format", "response_format: the local model cannot follow a json_schema; send this request to a model that can"
+            )
+        return None
+
+
+def _unsupported(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param, code="unsupported_parameter")
 
 
 class CompletionRequest(_Sampling):

@@ -142,14 +142,15 @@ def test_prompt_token_limit_is_configurable(clf: Classifier) -> None:
     assert clf.classify(body, rules=Rules(complex_over_prompt_tokens=2)).rule == "prompt_tokens"
 
 
-def test_response_format_rule_is_opt_in(clf: Classifier) -> None:
+def test_response_format_rule_is_on_by_default(clf: Classifier) -> None:
+    # The local model refuses json_schema with a 400, so under `auto` such requests must go `complex`.
     rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
     body = chat("hello", response_format=rf)
-    assert clf.classify(body).rule is None
-    v = clf.classify(body, rules=Rules(response_format_complex=True))
+    v = clf.classify(body)
     assert (v.cls, v.rule) == ("complex", "response_format")
+    assert clf.classify(body, rules=Rules(response_format_complex=False)).rule is None
     plain = chat("hello", response_format={"type": "json_object"})
-    assert clf.classify(plain, rules=Rules(response_format_complex=True)).rule is None
+    assert clf.classify(plain).rule is None
 
 
 def test_max_tokens_rule(clf: Classifier) -> None:

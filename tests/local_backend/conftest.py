@@ -15,8 +15,10 @@ pytest.importorskip("transformers")
 
 from aiohttp import web  # noqa: E402
 
+from local_backend.boot import engine_from_loaded  # noqa: E402
 from local_backend.engine import Engine  # noqa: E402
 from local_backend.models import LoadedModel, load_model  # noqa: E402
+from local_backend.quantize import plan_quantization  # noqa: E402
 from local_backend.server import BackendState, create_app  # noqa: E402
 
 
@@ -36,11 +38,12 @@ def chat_ids(model: LoadedModel, question: str) -> list[int]:
 
 @pytest.fixture
 def make_engine(tiny: LoadedModel) -> Iterator[Callable[..., Engine]]:
-    """Build engines over the tiny model; each is closed after the test. start=False leaves it idle."""
+    """Build engines over the tiny model (fp32 unless ``quantize`` says otherwise); each is closed after
+    the test. start=False leaves it idle."""
     engines: list[Engine] = []
 
-    def build(*, start: bool = True, **kwargs: int) -> Engine:
-        engine = Engine(tiny, **kwargs)
+    def build(*, start: bool = True, quantize: str = "none", **kwargs: int) -> Engine:
+        engine = engine_from_loaded(tiny, plan_quantization(quantize, "cpu"), **kwargs)
         if start:
             engine.start()
         engines.append(engine)

@@ -122,6 +122,35 @@ async def test_bad_requests_get_openai_shaped_errors(server: RunningServer, body
     assert error["param"] == param
 
 
+_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [_TOOL]}, "tools"),
+        ({"tools": [_TOOL], "tool_choice": "auto"}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"functions": [_TOOL["function"]]}, "functions"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
+    ],
+)
+def test_tools_and_json_schema_are_refused_with_400(server: RunningServer, extra: dict[str, object], param: str) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=3, **extra)  # type: ignore[arg-type]
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == param and error["code"] == "unsupported_parameter"
+    assert "cannot" in error["message"]
+
+
+def test_harmless_tool_choice_and_text_formats_are_served(server: RunningServer) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    for extra in ({"tool_choice": "none"}, {"response_format": {"type": "text"}}, {"tools": []}):
+        resp = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=3, **extra)  # type: ignore[arg-type]
+        assert resp.choices[0].finish_reason == "length"
+
+
 async def test_body_too_large_is_413(make_engine, serve) -> None:
     server = serve(make_engine(), body_limit_bytes=1000)
     status, payload, _ = await _post(f"{server.base_url}/chat/completions", b'{"model":"tiny-random","pad":"' + b"x" * 2000 + b'"}')
