@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +74,12 @@ _LABELS: dict[str, str] = {
     "log_final_words": "request length", "no_hard": "no hard-task cue", "premise_question": "premises then a question",
     "factoid": "short lookup", "define_q": "what-is/definition", "short_output": "short output asked",
     "input_share": "mostly given text", "given_task": "task on given text",
+    "open_gen": "asks for written text", "gen_object": "long-form document",
+    "counterfactual": "counterfactual", "word_math": "computation in words",
+    "conversion": "unit conversion", "code_api": "framework/API name",
+    "code_construct": "programming construct", "puzzle": "puzzle", "plan_question": "planning question",
+    "roleplay": "roleplay set-up", "discuss": "open question", "estimate": "estimation",
+    "multi_part": "multi-part question",
 }
 
 
@@ -81,16 +87,31 @@ class Classifier:
     """A loaded scorer. Immutable after construction; safe to share between requests."""
 
     __slots__ = ("_weights", "_bias", "_hash_dim", "_hash_weights", "default_threshold",
-                 "metadata")
+                 "recall_thresholds", "metadata")
 
     def __init__(self, weights: Mapping[str, float], bias: float, hash_weights: list[float],
-                 threshold: float, metadata: Mapping[str, Any] | None = None) -> None:
+                 threshold: float, metadata: Mapping[str, Any] | None = None,
+                 recall_thresholds: Sequence[tuple[float, float]] = ()) -> None:
         self._weights = tuple((name, float(w)) for name, w in weights.items() if w)
         self._bias = float(bias)
         self._hash_dim = len(hash_weights)
         self._hash_weights = [float(w) for w in hash_weights]
         self.default_threshold = float(threshold)
+        # (complex recall, threshold) pairs measured on leave-one-source-out scores, by recall
+        self.recall_thresholds = tuple(sorted((float(r), float(t)) for r, t in recall_thresholds))
         self.metadata: dict[str, Any] = dict(metadata or {})
+
+    def threshold_for_recall(self, target: float | None) -> float:
+        """The threshold for a target complex recall: the one tabulated for the smallest recall
+        at or above the target (recall first: never a higher threshold than the target asks
+        for), or the lowest tabulated one past the table's end. The weights' own threshold
+        when the target is None or the file has no table."""
+        if target is None or not self.recall_thresholds:
+            return self.default_threshold
+        for recall, threshold in self.recall_thresholds:
+            if recall >= target - 1e-9:
+                return threshold
+        return min(t for _, t in self.recall_thresholds)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str] | None = None) -> Classifier:
@@ -131,7 +152,14 @@ class Classifier:
         if not _is_number(bias) or not all(map(_is_number, weights.values())) \
                 or not all(map(_is_number, hashed)):
             raise bad("'bias', 'weights' and 'hash_weights' must hold finite numbers")
-        return cls(weights, bias, hashed, threshold, doc.get("training"))
+        table = doc.get("recall_thresholds", [])
+        if not isinstance(table, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(map(_is_number, p))
+                and 0.0 < p[0] <= 1.0 and 0.0 < p[1] < 1.0 for p in table):
+            raise bad("'recall_thresholds' must be a list of [recall, threshold] pairs, "
+                      "each number in (0, 1]")
+        return cls(weights, bias, hashed, threshold, doc.get("training"),
+                   [(p[0], p[1]) for p in table])
 
     def classify(self, body: Mapping[str, Any], *, threshold: float | None = None,
                  rules: Rules = Rules()) -> Verdict:

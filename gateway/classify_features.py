@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from gateway.classify_cues import cue_counts
+
 __all__ = ["Extracted", "MODEL_FEATURES", "extract", "hash_index", "request_text"]
 
 # How much of the final user message is read. Long prompts are complex by the size feature (and
@@ -30,122 +32,6 @@ PRIOR_TURN_CHARS = 400     # earlier user turns: only their cues matter
 HASH_HEAD_WORDS = 40       # n-gram part: the instruction, not the pasted material
 HASH_TAIL_WORDS = 12
 
-# Cue phrases, by group. One to three words each, matched on lower-cased word tokens.
-_CUES: dict[str, tuple[str, ...]] = {
-    "code_kw": (
-        "code coding function functions python javascript typescript java golang rust ruby php "
-        "sql html css regex algorithm algorithms program programming compile compiler debug "
-        "bug bugs api recursion recursive implement implementation snippet syntax runtime "
-        "refactor dataframe pandas numpy kotlin swiftui bash shell linux|command-line "
-        "|time complexity|linked list|binary tree|data structure|data structures|unit test"
-        "|unit tests|source code|big o|machine learning|neural network|neural networks"
-    ),
-    "math_kw": (
-        "calculate calculation compute solve equation equations integral derivative prove proof "
-        "theorem inequality probability factorial sqrt logarithm polynomial quadratic algebra "
-        "geometry arithmetic|square root|prime number|prime numbers|compound interest"
-    ),
-    # math words that are as often about text or everyday things ("divide this list into two
-    # paragraphs", "a chemical formula"): they count only next to numbers
-    "math_weak_kw": (
-        "percent percentage average median perimeter area volume radius diameter circumference "
-        "ratio fraction remainder divisible multiply divide divided squared formula sum"
-    ),
-    "wordprob_kw": (
-        "total each per twice half triple double left remaining spent spend spends earn earns "
-        "earned costs cost buys bought sells sold pays paid saves saved week weeks month "
-        "hours minutes miles dollars cents|how many|how much|how long|how far|how old"
-    ),
-    "reason_kw": (
-        "puzzle riddle logic logical reasoning deduce infer estimate estimation assumptions "
-        "assume suppose hypothetical paradox dilemma implications tradeoffs trade-offs "
-        "consequences step-by-step|step by step|what would happen|true false or uncertain"
-        "|think through|validate|disprove|refute"
-    ),
-    "plan_kw": (
-        "plan planning itinerary schedule budget curriculum roadmap strategy design architecture "
-        "outline proposal instructions recipe guide tutorial procedure steps step-by-step "
-        "to-do todo checklist"
-        "|how to|how do i"
-        "|how can i|how should i|how would you|step by step"
-    ),
-    "create_verb": "write compose create draft craft generate pen produce develop|come up with",
-    "longform_noun": (
-        "story stories poem poems essay letter email script dialogue dialog conversation song "
-        "lyrics haiku limerick sonnet speech article blog narrative report review screenplay "
-        "jingle rap fable tale pitch biography monologue paragraphs chapter novel ode ballad "
-        "verse skit|blog post|cover letter"
-    ),
-    "brevity": (
-        "briefly tweet|one sentence|a sentence|single sentence|one line|one-line|one word"
-        "|single word|a word|two words|three words|a phrase|in short|yes or no|true or false"
-        "|few words|short answer|two sentences|three sentences"
-    ),
-    "oneliner_noun": (
-        "title slogan tagline headline caption metaphor simile hashtag pun motto nickname acronym "
-        "synonym synonyms antonym antonyms rhyme rhymes sentence phrase word passphrase password"
-    ),
-    "explain_kw": (
-        "explain explanation describe discuss elaborate analyze analyse analysis evaluate justify "
-        "argue critique detailed thorough comprehensive insights|how does|how do|how did|how is"
-        "|how are|how can|how would|what causes|in detail|in depth|why does|why do|why is|why are"
-        "|in what ways|fleshed out"
-    ),
-    "compare_kw": (
-        "compare contrast comparison versus vs|difference between|differences between"
-        "|pros and cons|advantages and disadvantages"
-    ),
-    "topic_kw": (
-        "challenges opportunities implications|history of|evolution of|impact of|effects of"
-        "|effect of|importance of|role of|significance of|future of|causes of"
-    ),
-    "simple_task": (
-        "classify categorize identify name list translate rewrite paraphrase rephrase edit "
-        "correct sort rank extract summarize summarise spell define definition sentiment "
-        "label tag detect pick choose select capitalize punctuate shorten|tell me whether"
-        "|which of|which one|what is|who is|who was|when was|when did|where is|what are"
-        "|positive or negative|fact or opinion|is this"
-    ),
-    "tips_kw": "tips ideas suggestions ways examples recommendations things|a few|some ideas",
-    "lookup_kw": "|how many|how much|how long|how far|how old|how tall|how big|how often|is it true",
-    "given_kw": (
-        "following given above below|based on|according to|from the text|in the text"
-        "|this paragraph|this passage|the passage|the paragraph|this text|this sentence"
-    ),
-    "greet_kw": (
-        "hi hello hey hiya howdy greetings thanks thank bye goodbye sup yo|good morning"
-        "|good evening|good night|good afternoon|see you|how are you|what's up|nice to meet"
-    ),
-    "identity_kw": (
-        "yourself chatbot siri alexa cortana|who are you|what are you"
-        "|your name|are you|do you|can you|you are|you're|who made|who created|who built"
-        "|your favorite|your favourite|who trained"
-    ),
-    "feeling_kw": (
-        "bored sad happy lonely tired sorry love hate kiss hug joke lol haha stupid annoying "
-        "funny cute awesome boring friend marry date lonely"
-    ),
-    "followup_kw": (
-        "previous above earlier rework revise rephrase again instead|what if|what about"
-        "|how about|your answer|your response|your solution|your previous|the same"
-    ),
-}
-
-
-def _build_lookup() -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]],
-                             dict[str, tuple[str, ...]]]:
-    maps: tuple[dict[str, list[str]], ...] = ({}, {}, {})
-    for group, spec in _CUES.items():
-        singles, *phrases = spec.split("|")
-        for phrase in singles.split() + [p.strip() for p in phrases]:
-            words = phrase.split()
-            if words:
-                maps[min(len(words), 3) - 1].setdefault(" ".join(words), []).append(group)
-    uni, bi, tri = ({k: tuple(v) for k, v in m.items()} for m in maps)
-    return uni, bi, tri
-
-
-_UNI, _BI, _TRI = _build_lookup()
 
 # Words by str.translate + split (several times faster than a regex): everything but letters,
 # digits and the characters of "c++", "c#", "what's", "step-by-step" separates words.
@@ -220,6 +106,8 @@ def _split_given(text: str, n_words: int) -> tuple[str, int]:
 
 def _words(lowered: str) -> list[str]:
     return lowered.translate(_SEPARATORS).split()
+
+
 _WH_START = frozenset("who what when where which whom whose".split())
 _HOW_WHY_START = frozenset("how why".split())
 
@@ -235,8 +123,33 @@ MODEL_FEATURES: tuple[str, ...] = (
     "create_verb", "brevity", "oneliner_noun", "explain_kw", "compare_kw", "topic_kw",
     "simple_task", "wh_start", "how_why_start", "short_question", "tips_kw", "list_count",
     "greet", "identity", "feeling", "second_person", "question_marks", "given_input",
-    "no_hard", "premise_question", "factoid", "define_q", "short_output", "input_share", "given_task",
+    "no_hard", "premise_question", "factoid", "define_q", "short_output", "input_share",
+    "given_task",
+    # the kinds of complex request that carry no cue word of the groups above
+    "open_gen", "gen_object", "counterfactual", "word_math", "conversion", "code_api",
+    "code_construct", "puzzle", "plan_question", "roleplay", "discuss", "estimate", "multi_part",
 )
+_ASK_WORDS = frozenset("what why how which who when where".split())
+
+# Words said before the request proper ("please", "can you", "I want you to"): skipped when
+# asking whether the request opens with a verb that asks for text.
+_LEAD_IN = frozenset("please pls kindly can could would will you i we want need like to me "
+                     "us help hey hi hello ok okay now so and also just".split())
+_OPEN_VERBS = frozenset("write compose draft create generate invent imagine design develop "
+                        "craft produce describe narrate elaborate outline expand tell talk "
+                        "teach walk flesh".split())
+# numbers written as words, for computations in words ("the product of three, five and seven")
+_ALL_NUMBER_WORDS = frozenset(
+    "one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety "
+    "hundred thousand million billion half third quarter twice double triple dozen".split())
+# a quantity with a unit to convert, or a unit in the question: "37 cm in feet", "100 F to C"
+_CONVERSION_RE = re.compile(
+    r"\d\s*(?:°|degrees?\b|[a-z]{1,12}\b).{0,24}?\b(?:in|to|into)\s+(?:°\s*)?(?:celsius|fahrenheit|"
+    r"kelvin|[cf]\b|feet|foot|inch(?:es)?|cm|centimet(?:er|re)s?|met(?:er|re)s?|km|kilomet(?:er|re)s?"
+    r"|miles?|pounds?|lbs?|kg|kilograms?|ounces?|oz|grams?|lit(?:er|re)s?|gallons?|cups?|mph|"
+    r"km/h|yards?|hours?|minutes?|seconds?|days?|weeks?|years?|dollars?|euros?|usd|eur|gbp)\b"
+    r"|\bconver(?:t|sion)\b")
 
 
 @dataclass(slots=True)
@@ -317,22 +230,6 @@ def _instruction(text: str) -> str:
     return part if len(part) * 3 <= len(text) else text
 
 
-def _cue_counts(words: list[str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    n = len(words)
-    for i, w in enumerate(words):
-        for g in _UNI.get(w, ()):
-            counts[g] = counts.get(g, 0) + 1
-        if i + 1 < n:
-            bi = w + " " + words[i + 1]
-            for g in _BI.get(bi, ()):
-                counts[g] = counts.get(g, 0) + 1
-            if i + 2 < n:
-                for g in _TRI.get(bi + " " + words[i + 2], ()):
-                    counts[g] = counts.get(g, 0) + 1
-    return counts
-
-
 _HARD_GROUPS = ("code_kw", "math_kw", "reason_kw", "plan_kw", "explain_kw", "compare_kw",
                 "longform_noun")
 
@@ -340,7 +237,7 @@ _HARD_GROUPS = ("code_kw", "math_kw", "reason_kw", "plan_kw", "explain_kw", "com
 def _is_hard_turn(text: str) -> bool:
     """A cheap verdict on an earlier user turn: did it ask for something hard?"""
     t = _window(text, PRIOR_TURN_CHARS, 0)
-    counts = _cue_counts(_words(t.lower()))
+    counts = cue_counts(_words(t.lower()))
     return (any(counts.get(g) for g in _HARD_GROUPS) or "```" in t
             or len(_NUMBER_RE.findall(t)) >= 3)
 
@@ -360,7 +257,7 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     if "://" in lower:      # a URL names a page, it is not code ("...nytimes.com/...html")
         lower = _URL_RE.sub(" url ", lower)
     words = _words(lower)
-    cues = _cue_counts(words)
+    cues = cue_counts(words)
     n_words = len(final.split()) if len(final) <= 4000 else len(final) // 6
 
     has_digit = _DIGIT_RE.search(scan) is not None
@@ -388,7 +285,7 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     if asked and given_words and "\n\n" in stripped:
         # numbers in pasted prose (dates, sizes) are not a problem to solve, unless the
         # instruction asks for math ("Solve this:\n\n<word problem>")
-        ic = _cue_counts(_words(instr[:CUE_HEAD_CHARS].lower()))
+        ic = cue_counts(_words(instr[:CUE_HEAD_CHARS].lower()))
         if not (ic.get("math_kw") or ic.get("math_weak_kw") or ic.get("wordprob_kw")):
             asked = sum(1 for n in _NUMBER_RE.findall(instr[:CUE_HEAD_CHARS])
                         if not _YEAR_RE.fullmatch(n))
@@ -415,9 +312,35 @@ def extract(body: Mapping[str, Any]) -> Extracted:
                                 or "write about" in lower or "write an essay" in lower)
     code = code_kw > 0 or fence or docstring or trace or code_lines >= 2
     is_math = math_kw > 0 or latex or arith_expr or word_problem
+    # The kinds of complex request that name no code/math/writing cue word (see classify_cues).
+    instr_words = [w for w in words[:60] if w not in _LEAD_IN] if words else []
+    one_liner = brevity or cues.get("oneliner_noun", 0) > 0
+    open_gen = not one_liner and bool(instr_words) and instr_words[0] in _OPEN_VERBS \
+        and cues.get("open_verb_kw", 0) > 0
+    gen_object = not one_liner and cues.get("gen_object_kw", 0) > 0 and (
+        open_gen or cues.get("create_verb", 0) > 0)
+    counterfactual = cues.get("counterfactual_kw", 0) > 0
+    # quantities next to an operation or unit in words: "the product of 12, 7 and 3", "a
+    # triangle with angles of 35 and 75 degrees", "what is 451 times 23"
+    spelled = sum(1 for w in words if w in _ALL_NUMBER_WORDS)
+    word_math = cues.get("op_word_kw", 0) > 0 and asked + spelled >= 2 and not trivial
+    conversion = (has_digit or spelled > 0) and _CONVERSION_RE.search(lower) is not None
+    code_api = _clip(cues.get("code_api_kw", 0), 2)
+    code_construct = _clip(cues.get("code_construct_kw", 0), 3)
+    puzzle = cues.get("puzzle_kw", 0) > 0
+    plan_question = cues.get("plan_q_kw", 0) > 0
+    roleplay = cues.get("roleplay_kw", 0) > 0
+    discuss = cues.get("discuss_kw", 0) > 0
+    # estimation: "how many/much/long" about a quantity that has to be reasoned out
+    estimate = cues.get("estimate_kw", 0) > 0 and (
+        cues.get("lookup_kw", 0) > 0 or "estimate" in words)
+    # a question in several parts ("What is X and how does it work?", "Why ...? Was ...?")
+    asks = sum(1 for w in words if w in _ASK_WORDS)
+    multi_part = cue_text.count("?") >= 2 or asks >= 2
     # nothing in the request asks for code, math, reasoning, planning or long-form writing
     no_hard = not (hard or creative or code or is_math or cues.get("topic_kw")
-                   or (multi and prior_hard))
+                   or (multi and prior_hard) or open_gen or counterfactual or word_math
+                   or conversion or code_api or puzzle or plan_question or estimate)
     short_output = brevity or _SHORT_OUTPUT_RE.search(lower) is not None
     instr_n = n_words - given_words
     # a short lookup: a wh-word or "how many/long/..." in a short request with no hard cue
@@ -507,6 +430,20 @@ def extract(body: Mapping[str, Any]) -> Extracted:
         "input_share": given_words / n_words if given_words and n_words else 0.0,
         "given_task": bool(given_words) and not code_lines and not fence and (
             cues.get("simple_task", 0) > 0 or "?" in instr or cues.get("given_kw", 0) > 0),
+        # the kinds of complex request that carry no cue word of the groups above
+        "open_gen": open_gen,
+        "gen_object": gen_object,
+        "counterfactual": counterfactual,
+        "word_math": word_math,
+        "conversion": conversion,
+        "code_api": code_api,
+        "code_construct": code_construct,
+        "puzzle": puzzle,
+        "plan_question": plan_question,
+        "roleplay": roleplay,
+        "discuss": discuss,
+        "estimate": estimate,
+        "multi_part": multi_part,
         # not learned: reported, and used by rules
         "has_tools": bool(tools),
         "json_schema": json_schema,

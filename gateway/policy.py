@@ -207,7 +207,11 @@ class ClassifierRulesPolicy(_Section):
 
 
 class ClassifierPolicy(_Section):
-    threshold: float | None = Field(None, ge=0, le=1)  # None: the threshold shipped with the weights
+    # The complex recall to aim for: the threshold is the one the weights file tabulates for it,
+    # measured on leave-one-source-out scores (so on sources the model never saw). Recall first:
+    # an uncertain request goes to the big model.
+    complex_recall_target: float = Field(0.97, ge=0.8, le=1)
+    threshold: float | None = Field(None, ge=0, le=1)  # set: overrides complex_recall_target
     weights_file: str | None = None  # None: the shipped weights
     rules: ClassifierRulesPolicy = ClassifierRulesPolicy()
     classify_all: bool = False  # also classify models that do not route by class (for metrics/headers)

@@ -164,7 +164,8 @@ class Runtime:
         self.public_models = policy.public_models()
         cp = policy.classifier
         self.classifier = classifier
-        self.threshold = cp.threshold
+        self.threshold = cp.threshold if cp.threshold is not None \
+            else classifier.threshold_for_recall(cp.complex_recall_target)
         self.classify_all = cp.classify_all
         self.rules = Rules(**cp.rules.model_dump())
         self.cache = cache

@@ -32,11 +32,16 @@ SIMPLE = [
     "Thanks a lot, bye!",
     "Who painted the ceiling of the Sistine Chapel?",
     "what is the capital of australia",
-    "Translate 'good night' into Spanish.",
     "Give me a one-line slogan for a bicycle repair shop.",
-    "Is this review positive or negative? 'The soup was cold and the waiter ignored us.'",
     "What is 3 + 4?",
     "Rewrite this sentence in the passive voice: The dog chased the ball.",
+]
+# Simple by the rubric, but with no small-talk or lookup shape: the model scores them simple,
+# yet the recall-first default threshold (complex recall 0.97 on unseen sources) may send them
+# to the big model. At a lower recall target they go to the small one.
+SIMPLE_TASKS = [
+    "Translate 'good night' into Spanish.",
+    "Is this review positive or negative? 'The soup was cold and the waiter ignored us.'",
     "Name three rivers in Africa.",
 ]
 COMPLEX = [
@@ -55,10 +60,40 @@ COMPLEX = [
 ]
 
 
+# The kinds of complex request issue 15 lists as missed on unseen sources, one feature each;
+# written for these tests.
+MISSED_KINDS = [
+    ("open_gen", "Write the plot of a heist movie set on a space station."),
+    ("gen_object", "Can you draft a scope of work for renovating a small bakery?"),
+    ("counterfactual", "What if the printing press had never been invented?"),
+    ("word_math", "What is the product of fourteen, nine and twenty-three?"),
+    ("conversion", "What is 350 degrees Fahrenheit in Celsius?"),
+    ("code_api", "How do I pass props from a parent to a child component in React?"),
+    ("puzzle", "Which is the odd one out: copper, iron, bronze, silver?"),
+    ("plan_question", "What are your plans for the first 30 days as our new sales manager?"),
+    ("estimate", "How many piano tuners would you need in a city of three million people?"),
+]
+
+
+@pytest.mark.parametrize("feature, prompt", MISSED_KINDS)
+def test_missed_kinds_have_a_rubric_feature_and_are_complex(clf: Classifier, feature: str,
+                                                            prompt: str) -> None:
+    v = clf.classify(chat(prompt))
+    assert v.features[feature], (feature, v.features)
+    assert v.cls == "complex", (v.score, v.reasons)
+
+
 @pytest.mark.parametrize("prompt", SIMPLE)
 def test_simple_prompts_are_simple(clf: Classifier, prompt: str) -> None:
     v = clf.classify(chat(prompt))
     assert v.cls == "simple", (prompt, v.score, v.reasons)
+
+
+@pytest.mark.parametrize("prompt", SIMPLE_TASKS)
+def test_simple_tasks_are_simple_below_the_recall_first_target(clf: Classifier,
+                                                               prompt: str) -> None:
+    v = clf.classify(chat(prompt), threshold=clf.threshold_for_recall(0.85))
+    assert v.score < 0.5 and v.cls == "simple", (prompt, v.score, v.reasons)
 
 
 @pytest.mark.parametrize("prompt", COMPLEX)
@@ -216,8 +251,45 @@ def test_non_english_text_is_flagged(clf: Classifier) -> None:
 
 def test_shipped_weights_load_with_a_tuned_threshold(clf: Classifier) -> None:
     assert 0.0 < clf.default_threshold < 1.0
-    cv = clf.metadata["cv"]
-    assert cv["complex_recall"] >= 0.95
+    loso = clf.metadata["loso"]      # the threshold is set on leave-one-source-out scores
+    assert loso["complex_recall"] >= clf.metadata["recall_target"]
+    assert clf.threshold_for_recall(clf.metadata["recall_target"]) == clf.default_threshold
+
+
+def test_threshold_for_recall_never_asks_for_less_recall(clf: Classifier) -> None:
+    table = clf.recall_thresholds
+    assert len(table) >= 5
+    thresholds = [t for _, t in table]
+    assert thresholds == sorted(thresholds, reverse=True), "more recall, lower threshold"
+    (r1, t1), (r2, t2) = table[-3], table[-2]
+    assert clf.threshold_for_recall(r1) == t1
+    assert clf.threshold_for_recall((r1 + r2) / 2) == t2     # between entries: the next one up
+    assert clf.threshold_for_recall(1.5) == min(thresholds)  # past the end: the lowest
+    assert clf.threshold_for_recall(None) == clf.default_threshold
+
+
+def test_weights_without_a_recall_table_use_their_threshold() -> None:
+    doc = _good_doc()
+    del doc["recall_thresholds"]
+    old = Classifier.from_dict(doc)
+    assert old.threshold_for_recall(0.99) == old.default_threshold
+
+
+def test_policy_recall_target_sets_the_runtime_threshold(clf: Classifier) -> None:
+    from gateway.policy import parse_policy
+    from gateway.runtime import build_runtime
+
+    base = ("backends:\n  big: {url: 'http://127.0.0.1:1/v1', models: [m]}\n"
+            "  small: {url: 'http://127.0.0.1:2/v1', models: [s]}\n"
+            "models:\n  auto: {simple: [small], complex: [big]}\n")
+    default = build_runtime(parse_policy(base), {}, generation=1)
+    assert default.threshold == clf.threshold_for_recall(0.97)
+    strict = build_runtime(parse_policy(base + "classifier: {complex_recall_target: 0.99}\n"),
+                           {}, generation=1)
+    assert strict.threshold == clf.threshold_for_recall(0.99) <= default.threshold
+    fixed = build_runtime(parse_policy(
+        base + "classifier: {complex_recall_target: 0.99, threshold: 0.6}\n"), {}, generation=1)
+    assert fixed.threshold == 0.6                               # an explicit threshold wins
 
 
 def test_load_accepts_an_explicit_path(tmp_path: Path) -> None:
@@ -243,6 +315,9 @@ def _good_doc() -> dict[str, Any]:
     (lambda d: d.update(threshold="0.3"), "threshold"),
     (lambda d: d.update(bias=None), "finite numbers"),
     (lambda d: d["hash_weights"].__setitem__(0, "x"), "finite numbers"),
+    (lambda d: d.update(recall_thresholds=[[0.97]]), "recall_thresholds"),
+    (lambda d: d.update(recall_thresholds=[[0.97, 1.5]]), "recall_thresholds"),
+    (lambda d: d.update(recall_thresholds={"0.97": 0.3}), "recall_thresholds"),
 ])
 def test_bad_weights_file_raises_value_error(tmp_path: Path, mutate: Any, message: str) -> None:
     doc = _good_doc()
