@@ -9,9 +9,7 @@ is continued from where it broke (continuation.py) or ends with an error event.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,13 +20,13 @@ from .backends import Backend
 from .call import Call
 from .continuation import Resume, Transcript
 from .errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
-from .health import outcome
+from .heartbeat import Heartbeat
 from .latency import quantile
-from .metrics import BackendMetrics
-from .policy import RoutingPolicy, ServerPolicy
+from .policy import RoutingPolicy
+from .report import report
 from .runtime import Pool, Route
 from .sink import Sink
-from .wire import SSE_HEARTBEAT
+from .timing import cold_first_token_s, retry_wait
 
 __all__ = ["relay", "ClientGone", "RelayContext"]
 
@@ -64,7 +62,7 @@ async def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
     pool = route.pool(call.cls, call.endpoint.name)
     server = route.server
     # Started first: a stream waiting in a queue gets heartbeats too.
-    heartbeat = _Heartbeat(sink, server, Progress()) if call.stream else None
+    heartbeat = Heartbeat(sink, server, Progress()) if call.stream else None
     admission = ctx.admission
     # Admission off: one band, one tenant (a first come, first served queue), no shedding.
     if not admission.enabled:
@@ -162,7 +160,7 @@ async def _answer(
     order = _plan(call, pool, failures)
     full: list[Backend] = []
     server = route.server
-    cold_s = _cold_first_token_s(call, pool, route.routing)
+    cold_s = cold_first_token_s(pool.backends, call.prompt_tokens, route.routing)
     for i, backend in enumerate(order):
         if tries.count >= server.max_attempts or call.remaining_s() <= 0:
             break
@@ -182,7 +180,11 @@ async def _answer(
                                       live_deadline=None if last else route.routing, cold_s=cold_s)
             if answered or progress.owner is not None:
                 return  # once an attempt owns the client, nothing else starts for this request
-            wait = _retry_wait(call, route, backend, tries)
+            wait = retry_wait(
+                route.retry, tries.last_kind, tries_here=tries.on.get(backend.name, 0), tries_total=tries.count,
+                max_attempts=server.max_attempts, cooling_s=backend.health_for(call.model).cooling_for(),
+                remaining_s=call.remaining_s(),
+            )
             if wait is None or not backend.slots.free(ticket.band):
                 break
             ctx.metrics.relay_events.labels("retry", tries.last_kind or "unknown").inc()
@@ -215,49 +217,6 @@ async def _answer(
             else:
                 failures.extend((b.name, Unavailable("at max_concurrency", retry_after_s=1)) for b in full)
     raise AllBackendsFailed(failures, deadline_hit=call.remaining_s() <= 0)
-
-
-def _cold_first_token_s(call: Call, pool: Pool, rp: RoutingPolicy) -> float | None:
-    """The first-token deadline for a candidate with too few samples (while another could take
-    over): the live deadline of the best-known alternative, else routing.cold_first_token_ms."""
-    if len(pool.backends) < 2:
-        return None
-    best = None
-    for b in pool.backends:
-        p95 = b.tracker.ttft_p95_s(call.prompt_tokens, min_samples=20)
-        if p95 is not None:
-            d = max(rp.deadline_floor_ms / 1000, rp.deadline_p95_multiplier * p95)
-            best = d if best is None else min(best, d)
-    return best if best is not None else rp.cold_first_token_ms / 1000
-
-
-# retry.on names -> the outcome kinds they stand for
-_RETRY_NAMES = {
-    "reset": ("reset_before_headers", "disconnect", "cut"),
-    "connect": ("connect",),
-    "timeout": ("timeout", "first_token_timeout"),
-}
-_MIN_RETRY_WAIT_S = 0.05  # never a tight loop, whatever Retry-After says
-
-
-def _retry_wait(call: Call, route: Route, backend: Backend, tries: _Tries) -> float | None:
-    """Seconds to wait before trying `backend` again (route.retry), or None to fail over."""
-    rp, kind = route.retry, tries.last_kind
-    if rp is None or kind is None or tries.on.get(backend.name, 0) >= rp.attempts:
-        return None
-    if tries.count >= route.server.max_attempts:
-        return None
-    status = int(kind[5:]) if kind.startswith("http_") and kind[5:].isdigit() else None
-    if not any(o == status if isinstance(o, int) else kind in _RETRY_NAMES[o] for o in rp.on):
-        return None
-    n = tries.on.get(backend.name, 1)
-    wait = rp.backoff_ms / 1000 * 2 ** (n - 1) * random.uniform(0.75, 1.25)
-    if kind in ("http_429", "http_503"):
-        wait = backend.health_for(call.model).cooling_for() or wait  # its Retry-After
-    wait = max(_MIN_RETRY_WAIT_S, wait)
-    if wait > rp.max_wait_ms / 1000 or wait >= call.remaining_s():
-        return None
-    return wait
 
 
 async def _context_fallback(
@@ -467,96 +426,22 @@ async def _try(
         except AttemptFailed as failed:
             tries.failures.append((backend.name, failed.err))
             tries.last_kind = failed.kind
-            _account(call, backend, ctx, m, failed.kind, time.perf_counter() - started)
+            report(call, backend, ctx.metrics, m, failed.kind, time.perf_counter() - started)
             log.info("request %s: backend %r failed before the first token (%s): %s",
                      call.request_id, backend.name, failed.kind, failed.err.message)
             return False
         except Cut as cut:
             progress.cut = cut
-            _account(call, backend, ctx, m, cut.kind, time.perf_counter() - started)
+            report(call, backend, ctx.metrics, m, cut.kind, time.perf_counter() - started)
             return True
         except Lost:
             return False  # a hedged rival answered first: nothing about this backend is known
         except UpstreamRejected as rejected:
             kind = "context_length" if rejected.context_length else "rejected"
-            _account(call, backend, ctx, m, kind, time.perf_counter() - started)
+            report(call, backend, ctx.metrics, m, kind, time.perf_counter() - started)
             raise
-        _account(call, backend, ctx, m, kind, time.perf_counter() - started)
+        report(call, backend, ctx.metrics, m, kind, time.perf_counter() - started)
         return True
     finally:
         slots.release(_band(call))
         m.inflight.dec()
-
-
-# Outcomes that are not the backend's errors: not in gateway_upstream_errors_total.
-_NOT_UPSTREAM_ERRORS = frozenset({"rejected", "context_length", "caller_deadline", "client_disconnect", "lost", "mismatch"})
-# Outcomes about the backend as a whole, not one of its models.
-_WHOLE_BACKEND = frozenset({"connect"})
-
-
-def _account(call: Call, backend: Backend, ctx: RelayContext, m: BackendMetrics, kind: str, seconds: float) -> None:
-    """Report one attempt's outcome to the backend's tracker and its model's health (or the
-    backend's own, for a refused connection), as health.OUTCOMES says."""
-    o = outcome(kind)
-    if o.sample:
-        completion = (call.usage or {}).get("completion_tokens") if kind == "ok" else None
-        backend.tracker.observe_done(
-            seconds,
-            ok=kind == "ok",
-            prompt_tokens=call.prompt_tokens,
-            completion_tokens=completion if isinstance(completion, int) else None,
-            streamed=call.stream,
-            timeout=kind in ("timeout", "first_token_timeout"),
-        )
-    health = backend.health_for(call.model)
-    if kind == "ok":
-        health.report_success()
-        backend.health.report_success()  # the backend as a whole answers, too
-        return
-    if kind not in _NOT_UPSTREAM_ERRORS:
-        m.error(kind)
-    if kind in ("http_429", "http_503"):
-        ctx.metrics.relay_events.labels("cooldown", kind).inc()
-    if o.health:
-        if kind in _WHOLE_BACKEND:
-            health = backend.health
-        ejections = health.ejections
-        health.report_failure()
-        if health.ejections > ejections:
-            m.ejections.inc()
-            ctx.metrics.relay_events.labels("ejection", kind).inc()
-            target = "" if health is backend.health else f" model {backend.upstream_model(call.model)!r}"
-            log.warning("request %s: backend %r%s ejected for %.1f s after %d failures in a row (last: %s)",
-                        call.request_id, backend.name, target, health.available_in(), health.consecutive_failures, kind)
-
-
-class _Heartbeat:
-    """SSE comments while a stream waits for its first token, so idle-timeout proxies keep it open.
-
-    They start only after heartbeat_after_ms (a fast failure still gets a real HTTP status), and
-    only then does a task exist: most streams never need one, and a timer is cheaper than a task."""
-
-    __slots__ = ("_sink", "_server", "progress", "_timer", "_task")
-
-    def __init__(self, sink: Sink, server: ServerPolicy, progress: Progress) -> None:
-        self._sink, self._server, self.progress = sink, server, progress
-        self._task: asyncio.Task[None] | None = None
-        self._timer = asyncio.get_running_loop().call_later(server.heartbeat_after_ms / 1000, self._start)
-
-    def _start(self) -> None:
-        if not self.progress.first_sent:
-            self._task = asyncio.get_running_loop().create_task(self._beat())
-
-    async def _beat(self) -> None:
-        while not self.progress.first_sent:
-            await self._sink.write(SSE_HEARTBEAT)
-            await asyncio.sleep(self._server.heartbeat_interval_ms / 1000)
-
-    async def stop(self) -> None:
-        self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-                await self._task
-
-

@@ -153,3 +153,44 @@ def test_bad_rescue_keys_name_their_path(route, problem):
     with pytest.raises(PolicyError) as info:
         parse_policy(_policy(route))
     assert "models.m." in str(info.value) and problem in str(info.value)
+
+
+# -- timing.retry_wait: the pause before trying the same backend again -------------------------
+
+def _retry(**kw):
+    from gateway.policy import RetryPolicy
+    return RetryPolicy.model_validate({"attempts": 3, "on": [429, 500, "reset"], "max_wait_ms": 3000, "backoff_ms": 200, **kw})
+
+
+def _wait(rp, kind, **kw):
+    import random
+
+    from gateway.timing import retry_wait
+    args = {"tries_here": 1, "tries_total": 1, "max_attempts": 5, "cooling_s": 0.0, "remaining_s": 60.0, "rng": random.Random(1)}
+    return retry_wait(rp, kind, **{**args, **kw})
+
+
+def test_a_retry_waits_for_retry_after_on_429_and_backs_off_otherwise():
+    rp = _retry()
+    assert _wait(rp, "http_429", cooling_s=2.0) == 2.0
+    first, second = _wait(rp, "http_500"), _wait(rp, "http_500", tries_here=2)
+    assert 0.15 <= first <= 0.25 and 0.3 <= second <= 0.5  # doubles, +-25 % jitter
+    assert _wait(rp, "reset_before_headers") is not None and _wait(rp, "disconnect") is not None
+
+
+@pytest.mark.parametrize(("kind", "kw"), [
+    ("http_502", {}),  # not in `on`
+    ("http_429", {"cooling_s": 30.0}),  # past max_wait_ms: fail over instead
+    ("http_500", {"tries_here": 3}),  # attempts used up on this backend
+    ("http_500", {"tries_total": 5}),  # server.max_attempts used up
+    ("http_429", {"cooling_s": 2.0, "remaining_s": 1.5}),  # the deadline comes first
+    (None, {}),
+])
+def test_no_retry_when_the_rule_says_fail_over(kind, kw):
+    assert _wait(_retry(), kind, **kw) is None
+    assert _wait(None, "http_500") is None  # no `retry`: fail over at once
+
+
+def test_a_retry_never_loops_tightly():
+    assert _wait(_retry(), "http_429", cooling_s=0.001) == 0.05  # Retry-After: 0.001
+    assert _wait(_retry(backoff_ms=1), "http_500") == 0.05

@@ -135,7 +135,9 @@ async def test_the_hedge_budget_caps_extra_calls(upstream, gateway):
     started = float(text.split('gateway_hedges_total{result="started"} ')[1].split("\n")[0])
     exhausted = float(text.split('gateway_hedges_total{result="budget_exhausted"} ')[1].split("\n")[0])
     assert started <= 1 + 0.10 * 20 and exhausted >= 1  # 10 % of 20 requests, plus one to start
-    assert b.stats.requests == started
+    # Every request b saw was a hedge (a hedge cancelled by the winner before its request left
+    # never reaches b, which happens on a loaded machine).
+    assert b.stats.requests <= started
 
 
 async def test_an_ejected_backend_is_probed_back_and_explain_shows_why_it_was_skipped(upstream, gateway):
