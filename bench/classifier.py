@@ -15,7 +15,10 @@ from, and the threshold, change:
   2. + rubric features (the ones before issue 15), dev set, 0.5
   3. + rubric features for the kinds issue 15 lists, dev set, 0.5
   4. + train set: trained on dev + train, 0.5
-  5. + recall-first threshold: row 4's scores at the threshold LOSO gives for the target recall
+  5. + simple shapes (the follow-up's features: options given, short translation), dev + train,
+     0.5. Rows 1-4 score without them; the follow-up's fixes to existing features and cue words
+     (small talk, no_hard, compare/topic/code cues) are in every row
+  6. + recall-first threshold: row 5's scores at the threshold LOSO gives for the target recall
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ SHARED = Path(__file__).resolve().parents[2] / "shared/eval"
 NEW_FEATURES = ("open_gen", "gen_object", "counterfactual", "word_math", "conversion",
                 "code_api", "code_construct", "puzzle", "plan_question", "roleplay", "discuss",
                 "estimate", "multi_part")
+# The features added by the issue 15 follow-up (row 5 adds them).
+SHAPE_FEATURES = ("choices", "translate_short")
 
 
 def latency(clf: Classifier, body: dict[str, Any], n: int = 3000) -> tuple[float, float]:
@@ -85,14 +90,18 @@ def ablation(data: F.Data, lam: np.ndarray, recall: float, bodies: dict[str, Any
     d = len(MODEL_FEATURES)
     dev = np.array([s == "route-dev" for s in data.sets])
     new_cols = [1 + MODEL_FEATURES.index(n) for n in NEW_FEATURES]
+    shape_cols = [1 + MODEL_FEATURES.index(n) for n in SHAPE_FEATURES]
     lexical = data.x.copy()
     lexical[:, 1:1 + d] = 0.0
-    old_rubric = data.x.copy()
+    no_shapes = data.x.copy()
+    no_shapes[:, shape_cols] = 0.0
+    old_rubric = no_shapes.copy()
     old_rubric[:, new_cols] = 0.0
     configs = [("lexical only (dev)", lexical, dev, None),
                ("+ rubric features (dev)", old_rubric, dev, None),
-               ("+ rubric for missed kinds (dev)", data.x, dev, None),
-               ("+ train set (dev + train)", data.x, None, None),
+               ("+ rubric for missed kinds (dev)", no_shapes, dev, None),
+               ("+ train set (dev + train)", no_shapes, None, None),
+               ("+ simple shapes (dev + train)", data.x, None, None),
                (f"+ recall-first threshold ({recall})", data.x, None, recall)]
     folds = F.folds_of(data, 5)
     print(f"{'ablation (scored on dev + train)':<38} {'CV acc':>7} {'CV rec':>7} {'LOSO acc':>8} "

@@ -79,7 +79,8 @@ _LABELS: dict[str, str] = {
     "conversion": "unit conversion", "code_api": "framework/API name",
     "code_construct": "programming construct", "puzzle": "puzzle", "plan_question": "planning question",
     "roleplay": "roleplay set-up", "discuss": "open question", "estimate": "estimation",
-    "multi_part": "multi-part question",
+    "multi_part": "multi-part question", "choices": "answer options given",
+    "translate_short": "short translation",
 }
 
 

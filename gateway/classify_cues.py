@@ -16,9 +16,13 @@ CUES: dict[str, str] = {
         "code coding function functions python javascript typescript java golang rust ruby php "
         "sql html css regex algorithm algorithms program programming compile compiler debug "
         "bug bugs api recursion recursive implement implementation snippet syntax runtime "
-        "refactor dataframe pandas numpy kotlin swiftui bash shell linux|command-line "
+        "refactor dataframe pandas numpy kotlin swiftui bash shell linux "
+        # computer-science concepts (rubric: "explaining code, programming concepts included")
+        "np-hard np-complete self-attention transformers backpropagation cryptography"
+        "|command-line "
         "|time complexity|linked list|binary tree|data structure|data structures|unit test"
         "|unit tests|source code|big o|machine learning|neural network|neural networks"
+        "|turing machine|language model|language models|computer science|gradient descent"
     ),
     "math_kw": (
         "calculate calculation compute solve equation equations integral derivative prove proof "
@@ -73,11 +77,13 @@ CUES: dict[str, str] = {
     ),
     "compare_kw": (
         "compare contrast comparison versus vs|difference between|differences between"
-        "|pros and cons|advantages and disadvantages"
+        "|pros and cons|advantages and disadvantages|similarities between|similarities and"
+        "|differentiate between|distinguish between"
     ),
     "topic_kw": (
         "challenges opportunities implications|history of|evolution of|impact of|effects of"
-        "|effect of|importance of|role of|significance of|future of|causes of"
+        "|effect of|importance of|role of|significance of|future of|causes of|impacts of"
+        "|effects on|impact on|roots of|origins of"
     ),
     "simple_task": (
         "classify categorize identify name list translate rewrite paraphrase rephrase edit "

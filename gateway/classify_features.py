@@ -33,6 +33,7 @@ HASH_HEAD_WORDS = 40       # n-gram part: the instruction, not the pasted materi
 HASH_TAIL_WORDS = 12
 
 
+
 # Words by str.translate + split (several times faster than a regex): everything but letters,
 # digits and the characters of "c++", "c#", "what's", "step-by-step" separates words.
 _SEPARATORS = str.maketrans({c: " " for c in "!\"$%&()*,./:;<=>?@[\\]^_`{|}~\t\n\r“”‘…—–"})
@@ -84,6 +85,16 @@ _WH_ANY = frozenset("who what when where which whom whose".split())
 _DEFINE_HEADS = frozenset(("what is", "what are", "what's", "who is", "who was", "what does",
                            "describe what", "explain what", "define what", "tell me what",
                            "what was", "what were"))
+# answer options given one a line ("A Mother\nB The Man in Black\nC ..."): the answer is a
+# letter, a lookup unless a hard cue (math, code, ...) says otherwise
+# Numeric options ("A)24\nB)49") are the answers of a computation, not of a lookup.
+_CHOICES_RE = re.compile(r"^\(?A[ .):]\s*[^\W\d].*\n\(?B[ .):]\s*[^\W\d].*\n\(?C[ .):]",
+                         re.MULTILINE)
+# "how do you say X in French", "translate to German: ...": a translation of a short text
+_TRANSLATE_RE = re.compile(
+    r"\b(?:translat\w*|how (?:do|would|can) (?:you|i|we) say|what's the \w+ for|what is the \w+ for"
+    r"|in (?:english|spanish|french|german|italian|portuguese|russian|chinese|japanese|korean"
+    r"|arabic|dutch|hindi|turkish|polish|swedish|greek|latin))\b")
 _NON_ASCII_LETTER_RE = re.compile(r"[^\x00-\x7f\u2000-\u206f\u00a0-\u00bf]")
 
 
@@ -128,6 +139,8 @@ MODEL_FEATURES: tuple[str, ...] = (
     # the kinds of complex request that carry no cue word of the groups above
     "open_gen", "gen_object", "counterfactual", "word_math", "conversion", "code_api",
     "code_construct", "puzzle", "plan_question", "roleplay", "discuss", "estimate", "multi_part",
+    # simple shapes that hard-task cue words mistake for hard ones (issue 15 follow-up)
+    "choices", "translate_short",
 )
 _ASK_WORDS = frozenset("what why how which who when where".split())
 
@@ -337,10 +350,18 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     # a question in several parts ("What is X and how does it work?", "Why ...? Was ...?")
     asks = sum(1 for w in words if w in _ASK_WORDS)
     multi_part = cue_text.count("?") >= 2 or asks >= 2
-    # nothing in the request asks for code, math, reasoning, planning or long-form writing
+    # nothing in the request asks for code, math, reasoning, planning or long-form writing or
+    # analysis (an open question of value or ethics asks for an argued answer)
     no_hard = not (hard or creative or code or is_math or cues.get("topic_kw")
                    or (multi and prior_hard) or open_gen or counterfactual or word_math
-                   or conversion or code_api or puzzle or plan_question or estimate)
+                   or conversion or code_api or puzzle or plan_question or estimate or discuss)
+    # rubric "short factual lookups": options given, answered with a letter
+    choices = not (code or is_math or creative or puzzle or word_math) and "\nB" in final \
+        and _CHOICES_RE.search(scan) is not None
+    # rubric "translations of a short text" (the hard-task cues "how would you" and "how do"
+    # in "how would you say X in Spanish" ask for no plan or explanation)
+    translate_short = n_words <= 60 and not code and not is_math \
+        and _TRANSLATE_RE.search(lower) is not None
     short_output = brevity or _SHORT_OUTPUT_RE.search(lower) is not None
     instr_n = n_words - given_words
     # a short lookup: a wh-word or "how many/long/..." in a short request with no hard cue
@@ -351,7 +372,9 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     premise_question = ends_q and not given_words and cue_text.count(". ") >= 2 \
         and len(cue_text) < 600
     head2 = " ".join(words[:2])
-    define_q = instr_n <= 12 and (head2 in _DEFINE_HEADS or first == "define") \
+    # "what is X" is a definition only when nothing asks for a computation, code or analysis
+    # ("what is 350 degrees Fahrenheit in Celsius" is a conversion)
+    define_q = no_hard and instr_n <= 12 and (head2 in _DEFINE_HEADS or first == "define") \
         and "and" not in words[2:]
     non_ascii = 0 if cue_text.isascii() else len(_NON_ASCII_LETTER_RE.findall(cue_text))
 
@@ -378,8 +401,11 @@ def extract(body: Mapping[str, Any]) -> Extracted:
         # code
         "code": code,
         "math": is_math,
+        # a very short message with no cue is small talk ("You are stupid"), unless it asks an
+        # open question ("What makes art valuable?") or names another hard kind
         "smalltalk": n_words <= 15 and not hard and not creative and not cues.get("topic_kw")
         and not (multi and prior_hard) and not cues.get("create_verb") and (
+            not discuss or greet or identity or feeling) and (
             greet or identity or feeling or (n_words <= 6 and not cues.get("simple_task"))),
         "code_fence": fence,
         "code_syntax": _clip(code_lines, 6),
@@ -444,6 +470,8 @@ def extract(body: Mapping[str, Any]) -> Extracted:
         "discuss": discuss,
         "estimate": estimate,
         "multi_part": multi_part,
+        "choices": choices,
+        "translate_short": translate_short,
         # not learned: reported, and used by rules
         "has_tools": bool(tools),
         "json_schema": json_schema,

@@ -33,11 +33,15 @@ PRIORS: dict[str, float] = {
     "smalltalk": -2.0, "brevity": -1.5, "oneliner_noun": -1.0, "trivial_arith": -1.5,
     "short_question": -1.0, "wh_start": -0.5, "simple_task": -1.0, "tips_kw": -0.5,
     "list_count": -0.5, "no_hard": -1.0, "factoid": -0.5, "define_q": -1.0, "short_output": -0.5,
-    "given_task": -0.5, "premise_question": 1.0,
+    # extraction or classification over a short given text: a rubric line of its own, as
+    # strong as the cues its material may carry (the issue 15 follow-up raised it from -0.5)
+    "given_task": -1.5, "premise_question": 1.0,
     # the kinds the first model missed on unseen sources (issue 15), each a line of the rubric
     "open_gen": 1.0, "gen_object": 1.0, "counterfactual": 1.0, "word_math": 1.0,
     "conversion": 1.0, "code_api": 1.5, "code_construct": 0.5, "puzzle": 1.5,
     "plan_question": 1.0, "roleplay": 0.5, "discuss": 0.5, "estimate": 1.0, "multi_part": 0.5,
+    # simple shapes that hard-task cues mistake for hard ones (issue 15 follow-up)
+    "choices": -2.5, "translate_short": -2.0,
 }
 
 

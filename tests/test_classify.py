@@ -83,6 +83,38 @@ def test_missed_kinds_have_a_rubric_feature_and_are_complex(clf: Classifier, fea
     assert v.cls == "complex", (v.score, v.reasons)
 
 
+# Simple shapes that hard-task cue words used to mistake for hard ones (issue 15 follow-up),
+# one feature each; written for these tests.
+SIMPLE_SHAPES = [
+    ("choices", "Which band recorded the album Rumours?\nA Eagles\nB Fleetwood Mac\n"
+                "C The Doors\nD Heart"),
+    ("translate_short", 'How would you say "Where is the train station?" in German?'),
+]
+
+
+@pytest.mark.parametrize("feature, prompt", SIMPLE_SHAPES)
+def test_simple_shapes_have_a_feature_and_score_simple(clf: Classifier, feature: str,
+                                                       prompt: str) -> None:
+    v = clf.classify(chat(prompt), threshold=clf.threshold_for_recall(0.85))
+    assert v.features[feature], (feature, v.features)
+    assert v.score < 0.5 and v.cls == "simple", (prompt, v.score, v.reasons)
+
+
+def test_numeric_options_are_not_a_lookup(clf: Classifier) -> None:
+    # options that are numbers are the answers of a computation (an AQuA-style problem)
+    v = clf.classify(chat("A tank fills in 6 hours and drains in 9. How long to fill it?\n"
+                          "A)12\nB)18\nC)15\nD)20"))
+    assert not v.features["choices"]
+
+
+def test_a_short_open_question_is_not_small_talk(clf: Classifier) -> None:
+    # rubric: an open question of value needs an argued answer; a short message with no cue
+    # is small talk only when it asks none
+    v = clf.classify(chat("Is ambition a virtue or a vice, morally?"))
+    assert v.features["discuss"] and not v.features["smalltalk"] and not v.features["no_hard"]
+    assert clf.classify(chat("You are so boring")).features["smalltalk"]
+
+
 @pytest.mark.parametrize("prompt", SIMPLE)
 def test_simple_prompts_are_simple(clf: Classifier, prompt: str) -> None:
     v = clf.classify(chat(prompt))
