@@ -8,7 +8,7 @@ it) and their ratio, and the process's RSS. Speed figures are medians over ``--r
 When ``llama-cpp-python`` is installed, llama.cpp's one-stream decode on the same GGUF is
 printed too (optional: never a dependency).
 
-    flock /tmp/bench.lock .venv/bin/python bench/local_model.py [--quantize none int8 int4] [--threads 1] [--repeat 3]
+    flock /tmp/bench.lock .venv/bin/python bench/local_model.py [--quantize none int8 w8a8 int4] [--threads 1] [--repeat 3]
 
 Prints a markdown table; writes JSON to bench/results/local_model.json.
 """
@@ -214,7 +214,7 @@ def table(data: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quantize", nargs="+", default=["none", "int8", "int4"], choices=["auto", "none", "int8", "int4"])
+    parser.add_argument("--quantize", nargs="+", default=["none", "int8", "w8a8", "int4"], choices=["auto", "none", "int8", "w8a8", "int4"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (fixed, so runs compare)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds per speed figure; medians are reported")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: measure one mode, print JSON

@@ -6,6 +6,10 @@ on its batch-mates (torch's packed int8/int4 kernels give each row the same bits
 tests/local_backend/test_weights.py checks it).
 
 - int8: symmetric, one scale per output channel, ``torch.ops.aten._weight_int8pack_mm``.
+- w8a8: the same int8 weights, and each activation row quantized to int8 on the fly with its
+  own scale (per token, never per batch), multiplied int8 x int8 with exact int32 sums (oneDNN's
+  packed int8 matmul, or ``torch._int_mm``): a row's result is bit-identical whatever its
+  batch-mates, and the kernel's cost grows far less with the rows than the weight-only one's.
 - int4: asymmetric, one scale and zero per group of ``group_size`` input features,
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (CPU) or ``_weight_int4pack_mm`` (CUDA).
   SmolLM2's GGUF stores its layers as Q4_1 (groups of 32, scale and minimum), which int4 with
@@ -25,11 +29,13 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "Linear",
+    "W8A8Linear",
     "dequantized",
     "make_embedding",
     "make_linear",
     "quantize_int4",
     "quantize_int8",
+    "quantize_rows",
 ]
 
 _INT4_INNER_K_TILES = 8  # the CUDA packing's tile parameter (2, 4 or 8); the CPU kernel ignores it
@@ -68,6 +74,22 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return q.reshape(n, k), scales, lo + 8.0 * scales
 
 
+def quantize_rows(x: torch.Tensor, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 of activations x [M, K]: (q [M, K], scales fp32 [M, 1]).
+
+    Each row's scale is its own absolute maximum / 127, so a row's bits never depend on the
+    other rows of the batch. With ``offset`` the values come as uint8 q + 128 (zero point 128):
+    oneDNN's fast int8 kernels take unsigned activations (signed ones fall back to a path
+    ~300x slower here).
+    """
+    scales = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-10).div_(127.0)
+    q = torch.div(x, scales).round_()
+    return (q.add_(_ZERO_POINT).to(torch.uint8) if offset else q.to(torch.int8)), scales
+
+
+_ZERO_POINT = 128
+
+
 class DenseLinear:
     """A plain floating-point weight."""
 
@@ -98,6 +120,74 @@ class Int8Linear:
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
 
 
+class W8A8Linear:
+    """int8 weights (one scale per output channel) times int8 activations (one scale per row).
+
+    The output is fp32: ``(xq @ q.T) * channel_scale * row_scale``. The int32 sums are exact
+    and both scales belong to one row or one column, so any row's bits are the same whatever
+    M and whichever kernel torch picks for it. The kernel is oneDNN's int8 matmul over a weight
+    packed once (``onednn.qlinear_pointwise``, what torch's x86 int8 inference uses): its time
+    barely grows from 1 to 8 rows because it streams the packed weight once for all rows;
+    ``torch._int_mm`` (which repacks the weight every call and is 1.3x slower at 8 rows here)
+    gives the same bits and serves where torch lacks oneDNN.
+
+    ``residual_pass`` quantizes each row twice, its int8 value and then its rounding error in
+    a second int8 row at 1/254 of the scale (~15 bits per activation), in one call of 2M rows:
+    for the LM head, whose near-tied top tokens one 8-bit pass flipped ("Paris" lost).
+    """
+
+    def __init__(self, weight: torch.Tensor | None = None, *, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 residual_pass: bool = False, onednn: bool | None = None) -> None:
+        if quantized is None:
+            if weight is None:
+                raise ValueError("W8A8Linear needs a weight or its quantized (q, scales)")
+            quantized = quantize_int8(weight)
+        q, scales = quantized
+        self.out_features = int(q.shape[0])
+        self.residual_pass = residual_pass
+        self.scales = scales.float().contiguous()
+        self.onednn = _onednn_int8() if onednn is None else onednn
+        if self.onednn:
+            self.packed = torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+            self._zeros = torch.zeros(self.out_features, dtype=torch.long)
+            self.qweight_t = None
+        else:
+            self.qweight_t = q.t().contiguous()  # [K, N]: _int_mm's layout
+        self._bytes = q.numel() + self.scales.numel() * 4
+
+    def _matmul(self, xq: torch.Tensor) -> torch.Tensor:
+        """fp32 [M, N] = (xq @ q.T) * channel_scale for xq [M, K] from ``quantize_rows(offset=self.onednn)``."""
+        if self.qweight_t is None:
+            return torch.ops.onednn.qlinear_pointwise(
+                xq, 1.0, _ZERO_POINT, self.packed, self.scales, self._zeros, None, 1.0, 0, torch.float32, "none", [], ""
+            )
+        return torch.mul(torch._int_mm(xq, self.qweight_t), self.scales)  # int32 * fp32 -> fp32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.residual_pass:
+            xq, row_scales = quantize_rows(x, offset=self.onednn)
+            return self._matmul(xq).mul_(row_scales)
+        m = x.shape[0]
+        row_scales = x.abs().amax(dim=1, keepdim=True).float().clamp_(min=1e-10).div_(127.0)
+        scaled = torch.div(x, row_scales)
+        hi = scaled.round()
+        lo = scaled.sub_(hi).mul_(_RESIDUAL_STEP).round_()  # |error| <= 1/2, so lo stays within +-127
+        both = torch.cat([hi, lo])
+        out = self._matmul(both.add_(_ZERO_POINT).to(torch.uint8) if self.onednn else both.to(torch.int8))
+        return out[m:].div_(_RESIDUAL_STEP).add_(out[:m]).mul_(row_scales)
+
+    def nbytes(self) -> int:
+        return self._bytes
+
+
+_RESIDUAL_STEP = 254.0  # the second pass's step is 1/254 of the first's
+
+
+def _onednn_int8() -> bool:
+    """Whether this torch has oneDNN's int8 linear (x86 CPU builds do)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
 class Int4Linear:
     """int4 weights in groups along the input features, each with a scale and a zero point."""
 
@@ -125,7 +215,9 @@ class Int4Linear:
 
 
 def make_linear(weight: torch.Tensor, mode: str, dtype: torch.dtype, group_size: int) -> Linear:
-    """A linear layer for ``mode`` (none|int8|int4) with activations in ``dtype``."""
+    """A linear layer for ``mode`` (none|int8|w8a8|int4) with activations in ``dtype``."""
+    if mode == "w8a8":
+        return W8A8Linear(weight)
     if mode == "int8":
         return Int8Linear(weight, dtype)
     if mode == "int4":
@@ -139,9 +231,10 @@ def dequantized(weight: torch.Tensor, mode: str, dtype: torch.dtype, group_size:
     Prefill is compute-bound, and dense bf16 GEMMs run 3x faster than the weight-only kernels at
     50 rows here, so prefill can use this copy while decode reads the smaller quantized weights.
     """
-    if mode == "int8":
+    if mode in ("int8", "w8a8"):
         q, scales = quantize_int8(weight)
-        w = q.float() * scales.to(dtype).float()[:, None]
+        # int8's kernel keeps its scales in the activation dtype; w8a8 keeps them in fp32.
+        w = q.float() * (scales.to(dtype).float() if mode == "int8" else scales)[:, None]
     elif mode == "int4":
         q, scales, zeros = quantize_int4(weight, group_size)
         g = q.reshape(q.shape[0], -1, group_size).float()
@@ -156,26 +249,31 @@ class EmbeddingTable:
 
     Dense, or int8 with one scale per token (a scale per output channel of the head): the head
     and the lookups read the same int8 table, and lookups dequantize only the rows they need.
-    (No int4 table: on SmolLM2, whose GGUF keeps the embedding at 8 bits, a 4-bit head lost
+    ``w8a8``: the same int8 table, the head a residual-pass W8A8Linear (oneDNN keeps its own
+    packed copy, 28 MB for SmolLM2). (No int4 table: on SmolLM2, whose GGUF keeps the embedding at 8 bits, a 4-bit head lost
     answers fp32 gets right.)
     """
 
     def __init__(self, weight: torch.Tensor, mode: str, dtype: torch.dtype) -> None:
-        if mode not in ("none", "int8"):
-            raise ValueError(f"the embedding table is dense or int8, not {mode!r}")
+        if mode not in ("none", "int8", "w8a8"):
+            raise ValueError(f"the embedding table is dense, int8 or w8a8, not {mode!r}")
         self.mode, self.dtype = mode, dtype
-        self.head: Int8Linear | DenseLinear
+        self.head: Int8Linear | W8A8Linear | DenseLinear
         if mode == "int8":
             self.head = Int8Linear(weight, dtype)
             self._rows, self._scales = self.head.qweight, self.head.scales
+        elif mode == "w8a8":
+            q, scales = quantize_int8(weight)
+            self.head = W8A8Linear(quantized=(q, scales), residual_pass=True)
+            self._rows, self._scales = q, scales
         else:
             self.head = DenseLinear(weight.to(dtype))
             self._rows = self.head.weight
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows for token ids [T] -> [T, hidden] in the activation dtype."""
-        if self.mode == "int8":
-            return self._rows[ids].to(self.dtype) * self._scales[ids, None]
+        if self.mode != "none":
+            return (self._rows[ids].to(self.dtype) * self._scales[ids, None]).to(self.dtype)
         return self._rows[ids]
 
     def nbytes(self) -> int:
@@ -183,5 +281,5 @@ class EmbeddingTable:
 
 
 def make_embedding(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> EmbeddingTable:
-    """The tied embedding / LM head table: int8 for any quantized mode, else dense."""
-    return EmbeddingTable(weight, "none" if mode == "none" else "int8", dtype)
+    """The tied embedding / LM head table: dense for ``none``, its own kind for ``w8a8``, else int8 (int4's too)."""
+    return EmbeddingTable(weight, mode if mode in ("none", "w8a8") else "int8", dtype)

@@ -45,7 +45,7 @@ def test_fp32_logits_match_transformers(tiny: LoadedModel) -> None:
     assert torch.allclose(torch.stack(ours), theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "int4"])
 @torch.inference_mode()
 def test_quantized_row_is_bit_identical_alone_and_among_seven_others(tiny: LoadedModel, mode: str) -> None:
     lean = _lean(tiny, mode)
@@ -85,7 +85,7 @@ def test_cache_refuses_rows_beyond_its_slots_and_lengths_beyond_its_context() ->
         cache.add_row(17)
 
 
-@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+@pytest.mark.parametrize("mode", ["none", "int8", "w8a8", "int4"])
 async def test_engine_gives_a_prompt_the_same_tokens_alone_and_among_seven_others(tiny: LoadedModel, make_engine, mode: str) -> None:
     engine = make_engine(quantize=mode, max_batch=8)
     requests = [GenerationRequest(chat_ids(tiny, p), max_tokens=20) for p in PROMPTS]
@@ -117,7 +117,7 @@ def test_prefill_after_a_cached_prefix_matches_a_full_prefill(tiny: LoadedModel)
     assert torch.allclose(torch.stack(cached), torch.stack(full), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["none", "int8"])
+@pytest.mark.parametrize("mode", ["none", "int8", "w8a8"])
 async def test_engine_with_the_template_prefix_cached_gives_the_same_tokens(tiny: LoadedModel, make_engine, mode: str) -> None:
     plain, cached = make_engine(quantize=mode, max_batch=8, start=False), make_engine(quantize=mode, max_batch=8, start=False)
     cached.cache_prefix(chat_template_prefix(tiny.tokenizer))
