@@ -420,7 +420,8 @@ _HELP = {
     "error_body": "error_NNN modes: the body to answer with instead of an OpenAI-shaped error",
     "fault_count": "the mode applies to the next this many requests only, then ok (0: always)",
     "flap_ms": "alternate ok and the mode every this many ms, starting ok (0: no flapping)",
-    "endpoints": "comma-separated OpenAI paths served (chat,completions,embeddings,models); others 404",
+    "endpoints": "comma-separated OpenAI paths served (chat,completions,embeddings,responses,models); others 404",
+    "prefill": "true: continue a trailing assistant message after its words; false: answer such a request 400",
 }
 
 
@@ -440,6 +441,8 @@ def main() -> None:
             kind = float
         if f.name == "endpoints":
             kind = lambda v: tuple(x for x in v.split(",") if x)  # noqa: E731  --endpoints chat,completions
+        if f.name == "prefill":
+            kind = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731  --prefill false
         parser.add_argument(
             "--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f"{_HELP[f.name]} (default: %(default)s)"
         )

@@ -182,3 +182,16 @@ def test_serve_refuses_a_missing_api_key_variable(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "NO_SUCH_KEY_VAR"}
     r = _gateway("serve", "--policy", str(p), "--port", str(_free_port()), env=env)
     assert r.returncode == 1 and "NO_SUCH_KEY_VAR is not set" in r.stderr
+
+
+def test_the_fake_upstream_runs_as_a_process_and_explains_every_knob():
+    """Benchmarks start it as `python -m tests.fake_upstream`: every Behaviour field has an option."""
+    import dataclasses
+
+    from tests.fake_upstream import Behaviour
+
+    out = subprocess.run([sys.executable, "-m", "tests.fake_upstream", "--help"], capture_output=True, text=True, timeout=60,
+                         cwd=str(Path(__file__).resolve().parents[1]))
+    assert out.returncode == 0, out.stderr
+    for f in dataclasses.fields(Behaviour):
+        assert "--" + f.name.replace("_", "-") in out.stdout, f.name
