@@ -24,7 +24,7 @@ from .cache_entry import StreamAssembler, entry_from_response
 from .call import Call
 from .continuation import Mismatch, Resume
 from .errors import GatewayError, RateLimited, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
-from .metrics import Metrics
+from .metrics import BackendMetrics, Metrics
 from .policy import RoutingPolicy
 from .sink import Sink
 from .upstream_http import (
@@ -37,7 +37,10 @@ from .upstream_http import (
 )
 from .wire import SSE_DONE, SSEDecoder, SSEEventTooLarge, event_data
 
-__all__ = ["AttemptFailed", "ClientGone", "Cut", "Lost", "Progress", "RelayContext", "attempt", "claim", "client_write"]
+__all__ = [
+    "AttemptFailed", "ClientGone", "Cut", "Lost", "Progress", "RelayContext",
+    "attempt", "caller_deadline", "claim", "client_write", "observe_content", "parse_event",
+]
 
 log = logging.getLogger("gateway.relay")
 
@@ -163,7 +166,7 @@ async def attempt(
         if resp is not None:
             resp.close()
         if call.deadline_passed():
-            raise _caller_deadline(call, backend) from None
+            raise caller_deadline(call, backend) from None
         if resp is None:
             raise AttemptFailed(UpstreamTimeout(f"no response within {_ms(first_deadline - now)} ms"), "timeout") from None
         raise AttemptFailed(UpstreamTimeout("the answer did not complete in time"), "timeout") from None
@@ -208,7 +211,7 @@ async def attempt(
             resp.close()  # never leave a half-read or cancelled upstream on the pool
 
 
-def _caller_deadline(call: Call, backend: Backend) -> AttemptFailed:
+def caller_deadline(call: Call, backend: Backend) -> AttemptFailed:
     """The request's own deadline passed: the caller's choice, not the backend's failure."""
     err = UpstreamTimeout(
         f"the request's deadline of {call.timeout_ms()} ms (x-request-timeout-ms or server.request_timeout_ms) "
@@ -306,7 +309,6 @@ async def _stream(
     reached the client, AttemptFailed before."""
     loop = asyncio.get_running_loop()
     m = ctx.metrics.for_backend(backend.name)
-    itl_hist = m.inter_token
     decoder = SSEDecoder()
     assembler = StreamAssembler(call.capture) if call.capture else None  # the answer, for the cache
     transcript = call.transcript
@@ -333,12 +335,8 @@ async def _stream(
                     if data == b"[DONE]":
                         saw_done = True
                         break
-                    try:
-                        obj = orjson.loads(data)
-                    except orjson.JSONDecodeError:
-                        obj = None
-                    if not isinstance(obj, dict):
-                        m.malformed.inc()
+                    obj = parse_event(data, m)
+                    if obj is None:
                         continue
                     if "error" in obj:
                         e = obj["error"]
@@ -348,17 +346,12 @@ async def _stream(
                         cut, kind = f"backend {backend.name!r} sent an error event mid-stream: {msg}", "error_event_mid_stream"
                         break
                     upstream_content = _has_content(obj)
-                    if upstream_content and not last_content:
-                        now = time.perf_counter()
-                        backend.tracker.observe_ttft(now - started, prompt_tokens=call.prompt_tokens)
-                        if resume is None:
-                            call.ttft_s = now - call.t0
-                            m.ttft.observe(call.ttft_s)
+                    if upstream_content:
+                        # A continuation's first token is the backend's TTFT, not the client's.
+                        last_content = observe_content(call, backend, m, started, last_content, client=resume is None)
                     if resume is not None:
                         ev, obj = _rewritten(resume, obj, ev)
                         if obj is None:
-                            if upstream_content:
-                                last_content = time.perf_counter()
                             continue
                     content = upstream_content and (resume is None or _has_content(obj))
                     if any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or ()):
@@ -370,12 +363,6 @@ async def _stream(
                         call.usage = usage
                         if call.strip_usage and not obj.get("choices"):
                             continue  # the usage chunk the gateway asked for, not the client
-                    if upstream_content:
-                        now = time.perf_counter()
-                        if last_content:
-                            itl_hist.observe(now - last_content)
-                            backend.tracker.observe_itl(now - last_content)
-                        last_content = now
                     if content:
                         call.streamed_tokens += 1
                         if not first:
@@ -410,7 +397,7 @@ async def _stream(
     except TimeoutError:
         if call.deadline_passed():
             if not first:
-                raise _caller_deadline(call, backend) from None
+                raise caller_deadline(call, backend) from None
             cut, kind = f"the request's deadline of {call.timeout_ms()} ms passed mid-stream", "caller_deadline"
         elif not first:
             raise AttemptFailed(
@@ -445,6 +432,33 @@ async def _stream(
     await client_write(sink.write(SSE_DONE))
     await client_write(sink.end())
     return "ok"
+
+
+def parse_event(data: bytes, m: BackendMetrics) -> dict | None:
+    """One SSE event's JSON object; None (counted as malformed) when it is not one."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict):
+        m.malformed.inc()
+        return None
+    return obj
+
+
+def observe_content(call: Call, backend: Backend, m: BackendMetrics, started: float, last: float, *, client: bool = True) -> float:
+    """A content event arrived now: an inter-token gap since `last`, or (the first) a TTFT sample
+    for the backend and, when `client`, for the call. Returns now, the next `last`."""
+    now = time.perf_counter()
+    if last:
+        m.inter_token.observe(now - last)
+        backend.tracker.observe_itl(now - last)
+    else:
+        backend.tracker.observe_ttft(now - started, prompt_tokens=call.prompt_tokens)
+        if client:
+            call.ttft_s = now - call.t0
+            m.ttft.observe(call.ttft_s)
+    return now
 
 
 def _has_content(obj: dict) -> bool:

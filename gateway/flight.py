@@ -26,7 +26,7 @@ import orjson
 
 from .call import Call
 from .errors import GatewayError, UpstreamError, UpstreamTimeout
-from .sink import Sink
+from .sink import Sink, SinkWrapper
 from .wire import SSE_HEARTBEAT, SSEDecoder, event_data
 
 __all__ = ["Broadcast", "Budget", "TeeSink", "follow", "DEFAULT_MAX_BYTES", "DEFAULT_BUDGET_BYTES"]
@@ -181,30 +181,19 @@ class Broadcast:
             tap.wake()
 
 
-class TeeSink:
+class TeeSink(SinkWrapper):
     """The leader's Sink, copying what its client gets into a Broadcast (see the module docstring)."""
 
-    __slots__ = ("_inner", "_bc")
+    __slots__ = ("_bc",)
 
     def __init__(self, inner: Sink, broadcast: Broadcast) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._bc = broadcast
-
-    @property
-    def committed(self) -> bool:
-        return self._inner.committed
-
-    @committed.setter
-    def committed(self, value: bool) -> None:
-        self._inner.committed = value
 
     def set_header(self, name: str, value: str) -> None:
         if name == "x-gateway-backend" and not self._bc.started:
             self._bc.backend = value  # the relay names the backend that owns the answer before its first byte
         self._inner.set_header(name, value)
-
-    async def commit(self) -> None:
-        await self._inner.commit()
 
     async def write(self, data: bytes) -> None:
         if self._bc.started or data != SSE_HEARTBEAT:

@@ -15,7 +15,7 @@ import orjson
 from pydantic import Field
 
 from .errors import GatewayError
-from .sink import Sink
+from .sink import Sink, SinkWrapper
 from .wire import SSE_HEARTBEAT, _Body
 
 __all__ = [
@@ -172,40 +172,20 @@ def _last_sequence_number(data: bytes) -> int | None:
     return int(data[i:j]) if j > i else None
 
 
-class ResponsesSink:
+class ResponsesSink(SinkWrapper):
     """A Sink for /v1/responses: once streaming, a failure ends the stream with a Responses
     `error` event (error_event), numbered after the last event the client got."""
 
-    __slots__ = ("_inner", "_last")
+    __slots__ = ("_last",)
 
     def __init__(self, inner: Sink) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._last = b""  # the last events written (the next sequence number is read from them on failure)
-
-    @property
-    def committed(self) -> bool:
-        return self._inner.committed
-
-    @committed.setter
-    def committed(self, value: bool) -> None:
-        self._inner.committed = value
-
-    def set_header(self, name: str, value: str) -> None:
-        self._inner.set_header(name, value)
-
-    async def commit(self) -> None:
-        await self._inner.commit()
 
     async def write(self, data: bytes) -> None:
         if data and data != SSE_HEARTBEAT:
             self._last = data
         await self._inner.write(data)
-
-    async def end(self) -> None:
-        await self._inner.end()
-
-    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-        await self._inner.send(status, body, content_type)
 
     async def fail(self, err: GatewayError) -> None:
         if not self._inner.committed:

@@ -22,7 +22,8 @@ from typing import Any
 
 import orjson
 
-from .attempt import MAX_HELD_BYTES, AttemptFailed, Progress, RelayContext, claim, client_write
+from .attempt import MAX_HELD_BYTES, AttemptFailed, Progress, RelayContext, caller_deadline, claim, client_write
+from .attempt import observe_content, parse_event
 from .backends import Backend
 from .cache_entry import Entry
 from .call import Call
@@ -158,12 +159,8 @@ async def _stream(
                         if first:
                             out.append(ev)
                         continue
-                    try:
-                        obj = orjson.loads(data)
-                    except orjson.JSONDecodeError:
-                        obj = None
-                    if not isinstance(obj, dict):
-                        m.malformed.inc()
+                    obj = parse_event(data, m)
+                    if obj is None:
                         continue
                     had = mon.created
                     what = mon.feed(obj)
@@ -180,16 +177,9 @@ async def _stream(
                         await call.affinity.learn(mon.created, backend.name)
                     if what == CONTENT:
                         call.streamed_tokens += 1
-                        now = time.perf_counter()
-                        if last_delta:
-                            m.inter_token.observe(now - last_delta)
-                            backend.tracker.observe_itl(now - last_delta)
-                        else:
+                        if not last_delta:
                             claim(progress, backend, call, sink)
-                            call.ttft_s = now - call.t0
-                            backend.tracker.observe_ttft(now - started, prompt_tokens=call.prompt_tokens)
-                            m.ttft.observe(call.ttft_s)
-                        last_delta = now
+                        last_delta = observe_content(call, backend, m, started, last_delta)
                     elif what == END:
                         ended = True
                         call.usage = usage_of(mon.final or {})
@@ -217,7 +207,7 @@ async def _stream(
     except TimeoutError:
         if call.deadline_passed():
             if not first:
-                raise AttemptFailed(_deadline_error(call, backend), "caller_deadline") from None
+                raise caller_deadline(call, backend) from None
             cut, kind = f"the request's deadline of {call.timeout_ms()} ms passed mid-stream", "caller_deadline"
         elif not first:
             waited = int((first_deadline - loop.time() + time.perf_counter() - started) * 1000)
@@ -257,9 +247,3 @@ async def _stream(
     await client_write(sink.end())
     return "ok"
 
-
-def _deadline_error(call: Call, backend: Backend) -> UpstreamTimeout:
-    return UpstreamTimeout(
-        f"the request's deadline of {call.timeout_ms()} ms (x-request-timeout-ms or server.request_timeout_ms) "
-        f"passed before backend {backend.name!r} answered"
-    )

@@ -15,7 +15,7 @@ from aiohttp import web
 from .errors import GatewayError
 from .wire import sse_event
 
-__all__ = ["Sink", "HttpSink"]
+__all__ = ["Sink", "HttpSink", "SinkWrapper"]
 
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -94,3 +94,38 @@ class HttpSink:
             body=err.to_body(),
             headers={**self._final_headers(), **err.headers(), "Content-Type": "application/json"},
         )
+
+
+class SinkWrapper:
+    """A Sink that passes everything to `inner`; subclasses override what they add to it."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Sink) -> None:
+        self._inner = inner
+
+    @property
+    def committed(self) -> bool:
+        return self._inner.committed
+
+    @committed.setter
+    def committed(self, value: bool) -> None:
+        self._inner.committed = value
+
+    def set_header(self, name: str, value: str) -> None:
+        self._inner.set_header(name, value)
+
+    async def commit(self) -> None:
+        await self._inner.commit()
+
+    async def write(self, data: bytes) -> None:
+        await self._inner.write(data)
+
+    async def end(self) -> None:
+        await self._inner.end()
+
+    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        await self._inner.send(status, body, content_type)
+
+    async def fail(self, err: GatewayError) -> None:
+        await self._inner.fail(err)
