@@ -8,7 +8,7 @@ it) and their ratio, and the process's RSS. Speed figures are medians over ``--r
 When ``llama-cpp-python`` is installed, llama.cpp's one-stream decode on the same GGUF is
 printed too (optional: never a dependency).
 
-    flock /tmp/bench.lock .venv/bin/python bench/local_model.py [--quantize none int8 w8a8 int4] [--threads 1] [--repeat 3]
+    flock /tmp/bench.lock .venv/bin/python bench/local_model.py [--quantize none int8 w8a16 w8a8 int4] [--threads 1] [--repeat 3]
 
 Prints a markdown table; writes JSON to bench/results/local_model.json.
 """
@@ -136,12 +136,14 @@ def _llama_cpp(threads: int) -> float | None:
 def _kernel_scaling(threads: int) -> dict[str, dict[int, float]]:
     """Milliseconds of matmul per decode step (SmolLM2's 30 layers and LM head) at 1 and 8 rows, per weight format.
 
-    Shows where the 8-stream ratio comes from: the weight-only kernels cost ~M times their
-    one-row time (compute, not memory, bounds them on one core).
+    Shows where the 8-stream ratio comes from: torch's weight-only kernels cost ~M times their
+    one-row time (compute, not memory, bounds them on one core); the VNNI kernel keeps pace with
+    memory at 8 rows of one digit, and two digits double its products.
     """
     import torch
 
-    from local_backend.llama.weights import DenseLinear, Int4Linear, Int8Linear
+    from local_backend.llama.native import kernel
+    from local_backend.llama.weights import DenseLinear, Int4Linear, Int8Linear, VnniLinear
 
     torch.set_num_threads(threads)
     shapes = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]  # (out, in, count)
@@ -151,10 +153,13 @@ def _kernel_scaling(threads: int) -> dict[str, dict[int, float]]:
         "int8": lambda w: Int8Linear(w, torch.bfloat16),
         "int4": lambda w: Int4Linear(w, torch.bfloat16, 32),
     }
+    if kernel() is not None:
+        formats["int8 VNNI, 2 digits (w8a16)"] = lambda w: VnniLinear(w, digits=2)
+        formats["int8 VNNI, 1 digit"] = lambda w: VnniLinear(w, digits=1)
     out: dict[str, dict[int, float]] = {}
     for name, make in formats.items():
         layers = [(make(torch.randn(n, k) * 0.02), k, count) for n, k, count in shapes]
-        dtype = torch.float32 if name.startswith("fp32") else torch.bfloat16
+        dtype = torch.float32 if name.startswith(("fp32", "int8 VNNI")) else torch.bfloat16
         out[name] = {}
         for rows in (1, CONCURRENT):
             total = 0.0
@@ -214,7 +219,7 @@ def table(data: dict[str, Any]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quantize", nargs="+", default=["none", "int8", "w8a8", "int4"], choices=["auto", "none", "int8", "w8a8", "int4"])
+    parser.add_argument("--quantize", nargs="+", default=["none", "int8", "w8a16", "w8a8", "int4"], choices=["auto", "none", "int8", "w8a16", "w8a8", "int4"])
     parser.add_argument("--threads", type=int, default=1, help="torch threads (fixed, so runs compare)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds per speed figure; medians are reported")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: measure one mode, print JSON

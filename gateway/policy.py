@@ -54,7 +54,7 @@ class LaunchPolicy(_Section):
     """The gateway starts this backend itself: `python -m local_backend serve ...`."""
 
     model: str
-    quantize: Literal["auto", "none", "int8", "w8a8", "int4"] = "auto"
+    quantize: Literal["auto", "none", "int8", "w8a16", "w8a8", "int4"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, gt=0)
     startup_timeout_s: float = Field(300.0, gt=0)

@@ -23,7 +23,7 @@ from .server import BackendState, create_app
 
 log = logging.getLogger("local_backend")
 
-_QUANTIZE = ("auto", "none", "int8", "w8a8", "int4")  # quantize.QUANTIZE_CHOICES, without importing torch here
+_QUANTIZE = ("auto", "none", "int8", "w8a16", "w8a8", "int4")  # quantize.QUANTIZE_CHOICES, without importing torch here
 
 
 def _parser() -> argparse.ArgumentParser:

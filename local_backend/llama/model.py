@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
-from .weights import EmbeddingTable, Linear, dequantized, make_embedding, make_linear
+from .weights import EmbeddingTable, Linear, VnniLinear, dequantized, make_embedding, make_linear
 
 if TYPE_CHECKING:
     from .graphs import CudaGraphs
@@ -73,6 +73,8 @@ class LeanLlama:
         # fp32 attention on CPU: bf16 scores lose ~0.4%, and small bf16 matmuls run slower than fp32 there.
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else act_dtype
         self.graphs: CudaGraphs | None = None  # set by use_cuda_graphs()
+        # The VNNI modes decode attention in the kernel too (RoPE, K/V write, attention per row in one call).
+        self.native = _native_kernel() if isinstance(head, VnniLinear) else None
         self.hidden = int(config.hidden_size)
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -84,13 +86,13 @@ class LeanLlama:
 
     @classmethod
     def from_hf(cls, hf: Any, *, mode: str, act_dtype: torch.dtype, group_size: int = 32, dense_prefill: bool = False) -> LeanLlama:
-        """Take a transformers LlamaForCausalLM's weights: fuse, quantize (``mode`` none|int8|int4), build."""
+        """Take a transformers LlamaForCausalLM's weights: fuse, quantize (``mode`` none|int8|w8a16|w8a8|int4), build."""
         config = hf.config
         _check_config(config)
         device = next(hf.parameters()).device
 
-        def linear(w: torch.Tensor) -> Linear:
-            return make_linear(w, mode, act_dtype, group_size)
+        def linear(w: torch.Tensor, role: str = "") -> Linear:
+            return make_linear(w, mode, act_dtype, group_size, role)
 
         def prefill_copy(w: torch.Tensor, decode: Linear) -> Linear:
             return dequantized(w, mode, act_dtype, group_size) if dense_prefill and mode != "none" else decode
@@ -106,7 +108,7 @@ class LeanLlama:
                     "gate_up": torch.cat([m.gate_proj.weight, m.up_proj.weight]).float(),
                     "down": m.down_proj.weight.float(),
                 }
-                dec = {k: linear(w) for k, w in ws.items()}
+                dec = {k: linear(w, k) for k, w in ws.items()}
                 pre = {f"{k}_p": prefill_copy(w, dec[k]) for k, w in ws.items()}
                 layers.append(
                     _Layer(
@@ -121,7 +123,7 @@ class LeanLlama:
             # of France is L'Etoile"), so the int4 mode keeps the tied embedding/LM head at int8.
             embed = make_embedding(embed_w, mode, act_dtype)
             tied = hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-            head = embed.head if tied else linear(hf.lm_head.weight.float())
+            head = embed.head if tied else linear(hf.lm_head.weight.float(), "head")
             rope = _rope_tables(hf, int(getattr(config, "max_position_embeddings", 2048)), act_dtype, device)
             final_norm = hf.model.norm.weight.float().clone()
         return cls(config=config, embed=embed, head=head, layers=layers, final_norm=final_norm, rope=rope, act_dtype=act_dtype, mode=mode)
@@ -156,15 +158,29 @@ class LeanLlama:
     def _norm(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(h, (self.hidden,), weight, self.eps).to(self.act_dtype)
 
-    def _act(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.act_dtype)
+    def _norm_linear(self, h: torch.Tensor, weight: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """linear(RMSNorm(h) * weight), in one kernel call where the linear fuses the norm (VNNI kernel)."""
+        fused = getattr(linear, "norm_linear", None)
+        return fused(h, weight, self.eps) if fused is not None else linear(self._norm(h, weight))
+
+    def _add_linear(self, h: torch.Tensor, x: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """h + linear(x): in place where the linear fuses the residual add (VNNI kernel; h is the pass's own)."""
+        fused = getattr(linear, "add_into", None)
+        return fused(h, x) if fused is not None else h + linear(x.to(self.act_dtype))
+
+    def _add_mlp_down(self, h: torch.Tensor, gu: torch.Tensor, linear: Linear) -> torch.Tensor:
+        """h + linear(silu(gate) * up) for gu = [gate | up]: SiLU, product and add inside the call where fused."""
+        fused = getattr(linear, "add_into", None)
+        if fused is not None:
+            return fused(h, gu, glu=True)
+        return h + linear(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
 
     def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x * cos + rotate_half(x) * sin, with rotate_half(x) = roll(x) * (-1 for the first half).
         return torch.addcmul(qk * cos, qk.roll(self.head_dim // 2, dims=-1), sin)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self._norm(h, self.final_norm)).float()
+        return self._norm_linear(h, self.final_norm, self.head).float()
 
     # ---- forward passes ----------------------------------------------------------------
 
@@ -182,7 +198,7 @@ class LeanLlama:
         mask = None if start == 0 else torch.arange(t, device=ids.device)[None, :] <= torch.arange(start, t, device=ids.device)[:, None]
         h = self.embed.lookup(ids[start:]).float()
         for i, lay in enumerate(self.layers):
-            qkv = lay.qkv_p(self._norm(h, lay.attn_norm)).float()
+            qkv = self._norm_linear(h, lay.attn_norm, lay.qkv_p).float()
             qk = self._rope(qkv[:, : self._qk].view(n, nh + nkv, hd), cos, sin)
             q = qk[:, :nh].transpose(0, 1)
             keys, values = cache.keys[i], cache.values[i]
@@ -190,10 +206,21 @@ class LeanLlama:
             values[row, :, start:t] = qkv[:, self._qk :].view(n, nkv, hd).transpose(0, 1)
             k, v = keys[row : row + 1, :, :t], values[row : row + 1, :, :t]
             attn = F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=1.0, enable_gqa=True)
-            h = h + lay.o_p(self._act(attn[0].transpose(0, 1).reshape(n, nh * hd)))
-            gu = lay.gate_up_p(self._norm(h, lay.mlp_norm))
-            h = h + lay.down_p(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
+            h = self._add_linear(h, attn[0].transpose(0, 1).reshape(n, nh * hd), lay.o_p)
+            h = self._add_mlp_down(h, self._norm_linear(h, lay.mlp_norm, lay.gate_up_p), lay.down_p)
         return self._logits(h[-1:])[0]
+
+    def _native_attention(self, qkv: torch.Tensor, cache: KVCache, layer: int, pos: torch.Tensor) -> torch.Tensor:
+        """RoPE, the K/V write at ``pos`` and attention over each row's own length, in one kernel call (VNNI modes)."""
+        b = int(qkv.shape[0])
+        keys, values = cache.keys[layer], cache.values[layer]
+        out = torch.empty((b, self.heads * self.head_dim), dtype=torch.float32)
+        rc = self.native.attend(qkv.data_ptr(), qkv.stride(0), b, self.heads, self.kv_heads, self.head_dim, pos.data_ptr(),
+                                self.cos.data_ptr(), self.sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
+                                out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"the VNNI attention kernel failed for {b} rows (head_dim {self.head_dim}, out of memory?)")
+        return out
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One token per cache row (``tokens`` [B], B = cache.rows); return logits [B, vocab]."""
@@ -210,24 +237,36 @@ class LeanLlama:
         hd, nh, nkv = self.head_dim, self.heads, self.kv_heads
         group = nh // nkv
         cache.bias[rows, pos] = 0.0  # each row attends to the token it writes now
-        cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
-        bias = cache.bias[:b, None, None, :width]  # 0 where a row holds a token, -inf elsewhere
+        if self.native is None:
+            cos, sin = self.cos[pos][:, None, :], self.sin[pos][:, None, :]
+            bias = cache.bias[:b, None, None, :width]  # 0 where a row holds a token, -inf elsewhere
         h = self.embed.lookup(tokens).float()
         for i, lay in enumerate(self.layers):
-            qkv = lay.qkv(self._norm(h, lay.attn_norm)).float()
-            qk = self._rope(qkv[:, : self._qk].view(b, nh + nkv, hd), cos, sin)
-            keys, values = cache.keys[i], cache.values[i]
-            keys[rows, :, pos] = qk[:, nh:]
-            values[rows, :, pos] = qkv[:, self._qk :].view(b, nkv, hd)
-            # Grouped-query attention as [B, kv_heads, group, ...] matmuls: no K/V repeat, no copy.
-            q = qk[:, :nh].reshape(b, nkv, group, hd)
-            scores = torch.matmul(q, keys[:b, :, :width].transpose(-1, -2)) + bias
-            attn = torch.matmul(torch.softmax(scores, dim=-1), values[:b, :, :width])
-            h = h + lay.o(self._act(attn.reshape(b, nh * hd)))
-            gu = lay.gate_up(self._norm(h, lay.mlp_norm))
-            h = h + lay.down(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
+            qkv = self._norm_linear(h, lay.attn_norm, lay.qkv).float()
+            if self.native is not None:
+                attn = self._native_attention(qkv, cache, i, pos)
+            else:
+                qk = self._rope(qkv[:, : self._qk].view(b, nh + nkv, hd), cos, sin)
+                keys, values = cache.keys[i], cache.values[i]
+                keys[rows, :, pos] = qk[:, nh:]
+                values[rows, :, pos] = qkv[:, self._qk :].view(b, nkv, hd)
+                # Grouped-query attention as [B, kv_heads, group, ...] matmuls: no K/V repeat, no copy.
+                q = qk[:, :nh].reshape(b, nkv, group, hd)
+                scores = torch.matmul(q, keys[:b, :, :width].transpose(-1, -2)) + bias
+                attn = torch.matmul(torch.softmax(scores, dim=-1), values[:b, :, :width])
+            h = self._add_linear(h, attn.reshape(b, nh * hd), lay.o)
+            h = self._add_mlp_down(h, self._norm_linear(h, lay.mlp_norm, lay.gate_up), lay.down)
         pos += 1  # in place: these are the cache's positions
         return self._logits(h)
+
+
+def _native_kernel() -> Any:
+    from .native import kernel, unavailable_reason
+
+    lib = kernel()
+    if lib is None:
+        raise RuntimeError(unavailable_reason())
+    return lib
 
 
 def _rope_tables(hf: Any, positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

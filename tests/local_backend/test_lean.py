@@ -9,6 +9,7 @@ import torch
 
 from local_backend.boot import chat_template_prefix
 from local_backend.llama import KVCache, LeanLlama
+from local_backend.llama.native import kernel, unavailable_reason
 from local_backend.models import LoadedModel
 from local_backend.protocol import GenerationRequest
 
@@ -18,6 +19,10 @@ PROMPTS = ["What is the capital of France?", "Hi", "List three prime numbers.", 
 
 
 def _lean(tiny: LoadedModel, mode: str) -> LeanLlama:
+    if mode in ("w8a16", "w8a8k"):  # the VNNI kernel: fp32 in and out, prefill through the kernel too
+        if kernel() is None:
+            pytest.skip(unavailable_reason())
+        return LeanLlama.from_hf(tiny.model, mode={"w8a16": "w8a16", "w8a8k": "w8a8"}[mode], act_dtype=torch.float32)
     dtype = torch.float32 if mode == "none" else torch.bfloat16
     return LeanLlama.from_hf(tiny.model, mode=mode, act_dtype=dtype, dense_prefill=mode != "none")
 
@@ -45,7 +50,7 @@ def test_fp32_logits_match_transformers(tiny: LoadedModel) -> None:
     assert torch.allclose(torch.stack(ours), theirs, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["int8", "w8a8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "int4", "w8a16", "w8a8k"])
 @torch.inference_mode()
 def test_quantized_row_is_bit_identical_alone_and_among_seven_others(tiny: LoadedModel, mode: str) -> None:
     lean = _lean(tiny, mode)
@@ -85,7 +90,7 @@ def test_cache_refuses_rows_beyond_its_slots_and_lengths_beyond_its_context() ->
         cache.add_row(17)
 
 
-@pytest.mark.parametrize("mode", ["none", "int8", "w8a8", "int4"])
+@pytest.mark.parametrize("mode", ["none", "int8", "w8a8", "int4", "w8a16"])
 async def test_engine_gives_a_prompt_the_same_tokens_alone_and_among_seven_others(tiny: LoadedModel, make_engine, mode: str) -> None:
     engine = make_engine(quantize=mode, max_batch=8)
     requests = [GenerationRequest(chat_ids(tiny, p), max_tokens=20) for p in PROMPTS]
@@ -117,7 +122,7 @@ def test_prefill_after_a_cached_prefix_matches_a_full_prefill(tiny: LoadedModel)
     assert torch.allclose(torch.stack(cached), torch.stack(full), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["none", "int8", "w8a8"])
+@pytest.mark.parametrize("mode", ["none", "int8", "w8a8", "w8a16"])
 async def test_engine_with_the_template_prefix_cached_gives_the_same_tokens(tiny: LoadedModel, make_engine, mode: str) -> None:
     plain, cached = make_engine(quantize=mode, max_batch=8, start=False), make_engine(quantize=mode, max_batch=8, start=False)
     cached.cache_prefix(chat_template_prefix(tiny.tokenizer))
