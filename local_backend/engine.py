@@ -158,8 +158,7 @@ class Engine:
                         break
                     admitted = self._take_waiting()
                 try:
-                    for seq in admitted:
-                        self._prefill(seq)
+                    self._prefill(admitted)
                     self._drop_done()
                     if self._active:
                         self._decode_step()
@@ -195,7 +194,25 @@ class Engine:
         for _ in range(n):
             self.stats.observe_finish("cancelled")
 
-    def _prefill(self, seq: Sequence) -> None:
+    def _prefill(self, admitted: list[Sequence]) -> None:
+        """Prefill each admitted request alone into its own cache row and send its first token.
+
+        One at a time, so each request's first token goes out as soon as its own prompt is done
+        (prefill is compute-bound: one pass for several prompts saves little and makes them all
+        wait for the last). If one fails, those admitted with it that were not prefilled yet
+        fail with it (they hold no slot for the batch's handler to reach).
+        """
+        for k, seq in enumerate(admitted):
+            try:
+                self._prefill_one(seq)
+            except Exception as exc:
+                holding = {id(slot.seq) for slot in self._active}
+                for later in admitted[k:]:
+                    if id(later) not in holding:
+                        later.deliver(exc)
+                raise
+
+    def _prefill_one(self, seq: Sequence) -> None:
         req = seq.request
         if seq.cancelled:
             self.stats.observe_finish("cancelled")

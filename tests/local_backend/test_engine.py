@@ -155,3 +155,32 @@ async def test_metrics_count_tokens_and_requests(tiny: LoadedModel, make_engine)
     assert 'local_backend_completion_tokens_total{model="tiny-random"} 5' in text
     assert 'local_backend_requests_total{model="tiny-random",finish_reason="length"} 1' in text
     assert 'local_backend_ttft_seconds_count{model="tiny-random"} 1' in text
+
+
+async def test_a_failed_prefill_fails_the_requests_admitted_with_it_and_the_engine_goes_on(
+    tiny: LoadedModel, make_engine, monkeypatch
+) -> None:
+    engine = make_engine(max_batch=8, start=False)
+    real = engine.model.prefill
+    calls = {"n": 0}
+
+    def flaky(ids, cache, row, start=0):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated prefill failure")
+        return real(ids, cache, row, start)
+
+    monkeypatch.setattr(engine.model, "prefill", flaky)
+    requests = [GenerationRequest(chat_ids(tiny, q), max_tokens=4) for q in QUESTIONS[:3]]
+    first = [engine.submit(r) for r in requests]  # queued before the engine starts: admitted together
+    engine.start()
+    async def drain(seq) -> None:
+        async for _ in seq.deltas():
+            pass
+
+    for seq in first:  # the failed one and the two admitted after it: none is left waiting forever
+        with pytest.raises(RuntimeError, match="simulated prefill failure"):
+            await asyncio.wait_for(drain(seq), 10)
+    deltas, _ = await _run(engine, requests[0])  # the engine still serves
+    assert deltas[-1].finish_reason in ("stop", "length")
+    assert await _eventually(lambda: engine.snapshot()["batch_size"] == 0)
