@@ -73,8 +73,6 @@ class LeanLlama:
         # fp32 attention on CPU: bf16 scores lose ~0.4%, and small bf16 matmuls run slower than fp32 there.
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else act_dtype
         self.graphs: CudaGraphs | None = None  # set by use_cuda_graphs()
-        # The VNNI modes decode attention in the kernel too (RoPE, K/V write, attention per row in one call).
-        self.native = _native_kernel() if isinstance(head, VnniLinear) else None
         self.hidden = int(config.hidden_size)
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
@@ -83,6 +81,10 @@ class LeanLlama:
         self.intermediate = int(config.intermediate_size)
         self.context_length = int(self.cos.shape[0])
         self._qk = (self.heads + self.kv_heads) * self.head_dim
+        # The VNNI modes decode attention in the kernel too (RoPE, K/V write, attention per row in one
+        # call), for head sizes it vectorizes (multiples of 16 up to 256: every Llama we know of).
+        vnni = isinstance(head, VnniLinear) and self.head_dim % 16 == 0 and self.head_dim <= 256
+        self.native = _native_kernel() if vnni else None
 
     @classmethod
     def from_hf(cls, hf: Any, *, mode: str, act_dtype: torch.dtype, group_size: int = 32, dense_prefill: bool = False) -> LeanLlama:

@@ -194,3 +194,31 @@ def test_the_kernel_builds_once_into_the_model_cache(tmp_path: Path) -> None:
 def test_a_missing_compiler_is_reported_not_raised(tmp_path: Path) -> None:
     out = _load_in_subprocess({"LOCAL_BACKEND_CACHE": str(tmp_path), "CC": "no-such-compiler-here"})
     assert out.startswith("NONE:") and "compiler" in out
+
+
+@needs_kernel
+@torch.inference_mode()
+def test_decode_with_the_kernels_attention_matches_torchs(tiny) -> None:
+    # The same w8a16 linears, attention by the kernel or (for head sizes it does not vectorize) by torch.
+    from local_backend.llama import LeanLlama
+
+    from .conftest import chat_ids
+
+    lean = LeanLlama.from_hf(tiny.model, mode="w8a16", act_dtype=torch.float32)
+    assert lean.native is not None
+    prompts = [chat_ids(tiny, q) for q in ("What is the capital of France?", "Hi", "List three prime numbers, please.")]
+    runs = []
+    for attention in (lean.native, None):
+        lean.native = attention
+        cache = lean.new_cache(4, capacity=16)  # grows while decoding: the kernel reads the new capacity
+        rows = [cache.add_row(len(p)) for p in prompts]
+        logits = [lean.prefill(torch.tensor(p), cache, r) for p, r in zip(prompts, rows, strict=True)]
+        tokens = torch.tensor([int(x.argmax()) for x in logits])
+        steps = []
+        for _ in range(24):
+            step = lean.decode(tokens, cache)
+            steps.append(step)
+            tokens = step.argmax(dim=-1)
+        runs.append(torch.stack(steps))
+    assert (runs[0] - runs[1]).abs().max() < 1e-2 * runs[1].abs().max()  # fp32 rounding, grown over 24 steps
+    assert torch.equal(runs[0].argmax(-1), runs[1].argmax(-1))
