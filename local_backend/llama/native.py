@@ -1,11 +1,12 @@
-"""Build and load the w8a16 decode kernel (``q8kernel.c``): one C file, compiled once per machine.
+"""Build and load the int8 VNNI kernels of the w8a16/w8a8 modes (``q8kernel.c``): one C file, compiled once per machine.
 
 The kernel needs an x86-64 CPU with AVX-512 (F, BW, VL) and VNNI and a C compiler (``$CC``,
 else ``cc``). It is compiled on first use into ``<model cache>/kernels/q8kernel-<hash>.so``
 (the hash covers the source, the flags and the compiler's version, so an edit or another
 compiler builds a new file; the write is atomic, so concurrent starts are safe) and called
 through ctypes, which releases the GIL for the call. ``kernel()`` returns None with a reason
-when the CPU or the compiler is missing; ``--quantize auto`` then falls back to ``int8``.
+when the CPU or the compiler is missing; ``--quantize auto`` then falls back to ``int8`` (and
+``w8a8`` to oneDNN's int8 matmul).
 """
 
 from __future__ import annotations
@@ -82,13 +83,13 @@ def _library_path(version: str) -> Path:
 @functools.cache
 def _load() -> tuple[Kernel | None, str]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"the w8a16 kernel needs Linux on x86-64, not {platform.system()} {platform.machine()}"
+        return None, f"the int8 VNNI kernel needs Linux on x86-64, not {platform.system()} {platform.machine()}"
     missing = [f for f in CPU_FLAGS if f not in _cpu_flags()]
     if missing:
-        return None, f"the w8a16 kernel needs AVX-512 VNNI; this CPU lacks {', '.join(missing)}"
+        return None, f"the int8 VNNI kernel needs AVX-512 VNNI; this CPU lacks {', '.join(missing)}"
     cc = _compiler()
     if cc is None:
-        return None, "the w8a16 kernel is compiled on first use and no C compiler was found (set $CC or install cc)"
+        return None, "the int8 VNNI kernel is compiled on first use and no C compiler was found (set $CC or install cc)"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
         path = _library_path(version)
@@ -96,7 +97,7 @@ def _load() -> tuple[Kernel | None, str]:
             _build(cc, version, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"the w8a16 kernel could not be built or loaded: {exc}"
+        return None, f"the int8 VNNI kernel could not be built or loaded: {exc}"
     if lib.q8_abi_version() != ABI_VERSION:
         return None, f"{path} has ABI {lib.q8_abi_version()}, expected {ABI_VERSION}"
     lib.q8_pack.argtypes = [_P, _I64, _I64, _I64, _I64, _P]
