@@ -26,6 +26,14 @@ log = logging.getLogger("local_backend")
 _QUANTIZE = ("auto", "none", "int8", "w8a16", "w8a8", "int4")  # quantize.QUANTIZE_CHOICES, without importing torch here
 
 
+def _positive_int(text: str) -> int:
+    """argparse type for counts: 0 threads would silently mean "pick for me", so it is refused."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m local_backend", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,7 +43,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8001)
     serve.add_argument("--quantize", choices=_QUANTIZE, default="auto", help="auto: the measured best for the device")
     serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    serve.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default: cores - 1, at least 1)")
+    serve.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="CPU threads per forward pass (default: picked per pass among 1, 2, 4, ..., cores - 1 and cores by live timings)",
+    )
     serve.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     serve.add_argument("--served-name", default=None, help="the model id clients send (default: the model name)")

@@ -10,12 +10,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .threads import ThreadPicker
+
 if TYPE_CHECKING:
     from .engine import Engine
     from .models import LoadedModel
     from .quantize import QuantPlan
 
-__all__ = ["EngineSettings", "build_engine", "chat_template_prefix", "default_threads", "engine_from_loaded", "eos_token_ids", "resolve_device"]
+__all__ = [
+    "EngineSettings",
+    "build_engine",
+    "chat_template_prefix",
+    "engine_from_loaded",
+    "eos_token_ids",
+    "resolve_device",
+    "thread_picker",
+    "usable_cores",
+]
 
 Progress = Callable[[str], None]
 
@@ -32,14 +43,24 @@ class EngineSettings:
     max_queue: int = 64
 
 
-def default_threads() -> int:
-    """Torch threads: every usable core but one, which stays free for the gateway's event loop.
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
-    With 2 shared cores, 2 torch threads slowed decoding 4x as soon as anything else ran
-    (OpenMP threads spin-wait for each other), while 1 thread lost ~25% on an idle machine.
+
+def thread_picker(threads: int | None = None, cores: int | None = None) -> ThreadPicker:
+    """The thread counts the engine picks from on CPU: ``threads`` alone when given, else 1, 2, 4, ...
+    below the core count, every core but one (the gateway's) and every core.
+
+    A fixed count was wrong either way on 2 shared cores: 2 threads decode 30-50% faster while the
+    other core is idle and 2-3x slower while something keeps it busy (OpenMP threads wait on each
+    other), so the engine times its passes and keeps to whichever count is faster now.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    if threads:
+        return ThreadPicker((threads,))
+    cores = cores or usable_cores()
+    ladder = {1 << i for i in range(cores.bit_length()) if 1 << i < cores}
+    return ThreadPicker(ladder | {max(1, cores - 1), cores})
 
 
 def resolve_device(device: str) -> str:
@@ -85,13 +106,17 @@ def chat_template_prefix(tokenizer: Any) -> list[int]:
     return a[:n]
 
 
-def engine_from_loaded(loaded: LoadedModel, plan: QuantPlan, *, max_batch: int = 16, max_queue: int = 64) -> Engine:
-    """An (unstarted) Engine over ``loaded``'s weights in ``plan``'s format."""
+def engine_from_loaded(
+    loaded: LoadedModel, plan: QuantPlan, *, max_batch: int = 16, max_queue: int = 64, threads: ThreadPicker | None = None
+) -> Engine:
+    """An (unstarted) Engine over ``loaded``'s weights in ``plan``'s format; ``threads`` picks each CPU pass's thread count."""
     from .engine import Engine
     from .quantize import build_lean
 
     lean = build_lean(loaded.model, plan)
-    return Engine(lean, loaded.tokenizer, eos_token_ids=eos_token_ids(loaded.model), max_batch=max_batch, max_queue=max_queue)
+    return Engine(
+        lean, loaded.tokenizer, eos_token_ids=eos_token_ids(loaded.model), max_batch=max_batch, max_queue=max_queue, threads=threads
+    )
 
 
 def build_engine(settings: EngineSettings, progress: Progress) -> Engine:
@@ -103,14 +128,19 @@ def build_engine(settings: EngineSettings, progress: Progress) -> Engine:
     from .quantize import plan_quantization
 
     device = resolve_device(settings.device)
-    threads = settings.threads or default_threads()
-    if device == "cpu":
-        torch.set_num_threads(threads)
+    picker = thread_picker(settings.threads) if device == "cpu" else None
+    if picker is not None:
+        # Loading and warming up run on this thread, and on one core: a second OpenMP pool left here
+        # makes libgomp count more of its threads than cores, and then its workers on the engine
+        # thread sleep between parallel regions instead of spinning (measured: 2-thread decode
+        # steps 10 ms instead of 4).
+        torch.set_num_threads(1)
+    threads = picker.describe() if picker is not None else "torch's default"
     plan = plan_quantization(settings.quantize, device)
     progress(f"device {device}, {threads} torch threads, quantization {plan.describe()}")
     loaded = load_model(settings.model, device=device, dtype=torch.float32, progress=progress)
     started = time.perf_counter()
-    engine = engine_from_loaded(loaded, plan, max_batch=settings.max_batch, max_queue=settings.max_queue)
+    engine = engine_from_loaded(loaded, plan, max_batch=settings.max_batch, max_queue=settings.max_queue, threads=picker)
     del loaded  # transformers' copy of the weights: the engine holds its own (quantized) ones
     gc.collect()
     progress(f"weights ready ({plan.mode}, {engine.model.nbytes() / 1e6:.0f} MB read per decode step) in {time.perf_counter() - started:.1f} s")

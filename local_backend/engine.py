@@ -4,7 +4,8 @@ Between steps it admits waiting requests (each prefilled alone into a free row o
 preallocated KV cache) and drops finished or cancelled ones, so concurrent requests share each
 forward pass. Every kernel computes each row on its own, so a request's tokens do not depend on
 its batch-mates. Tokens reach asyncio through ``loop.call_soon_threadsafe``; nothing here
-blocks the loop.
+blocks the loop. On CPU each forward pass runs on the thread count a ``ThreadPicker`` chooses
+from live timings (threads.py); the tokens are the same on any count.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import asyncio
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, Sequenc
 from .sampling import choose_tokens, make_generator
 from .stats import EngineStats
 from .textstream import TextAssembler
+from .threads import ThreadPicker
 
 __all__ = ["Engine"]
 
@@ -54,8 +57,10 @@ class Engine:
         max_batch: int = 16,
         max_queue: int = 64,
         prefill_budget_tokens: int = 512,
+        threads: ThreadPicker | None = None,
     ) -> None:
         self.model = model
+        self.threads = threads  # CPU: each pass's thread count; None leaves torch's setting alone
         self.tokenizer = tokenizer
         self.device = model.device
         self.max_batch = max_batch
@@ -76,6 +81,7 @@ class Engine:
         self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._torch_threads = 0  # what this engine last set on its own thread
 
     def _stop_token_ids(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         ids: set[int] = set(eos_token_ids)
@@ -233,7 +239,9 @@ class Engine:
             self._cache.restore(row, self._prefix_kv)
         else:
             start = 0
-        logits = self.model.prefill(ids, self._cache, row, start)
+        key = ("prefill", (len(req.prompt_ids) - start).bit_length())
+        with self._timed(key, len(req.prompt_ids) - start):
+            logits = self.model.prefill(ids, self._cache, row, start)
         self._active.append(slot)
         token = choose_tokens(logits[None], [req.sampling], [slot.generator])[0]
         self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(req.prompt_ids))
@@ -242,12 +250,27 @@ class Engine:
 
     def _decode_step(self) -> None:
         ids = torch.tensor([s.last_token for s in self._active], dtype=torch.long, device=self.device)
-        logits = self.model.decode(ids, self._cache)
+        with self._timed(("decode", len(self._active)), 1):
+            logits = self.model.decode(ids, self._cache)
         params = [s.seq.request.sampling for s in self._active]
         tokens = choose_tokens(logits, params, [s.generator for s in self._active])
         self.stats.observe_tokens(len(tokens), decode_step=True)
         for slot, token in zip(self._active, tokens, strict=True):
             self._emit(slot, token)
+
+    @contextmanager
+    def _timed(self, key: tuple[str, int], units: int) -> Iterator[None]:
+        """Run one forward pass of kind ``key`` on the thread count picked for it; report its cost per unit."""
+        if self.threads is None:
+            yield
+            return
+        n = self.threads.pick(key)
+        if n != self._torch_threads:
+            torch.set_num_threads(n)  # this thread's OpenMP setting: the kernels read it per call
+            self._torch_threads = n
+        started = time.perf_counter()
+        yield
+        self.threads.record(key, n, (time.perf_counter() - started) / max(1, units))
 
     def _emit(self, slot: _Slot, token: int) -> None:
         """Account one new token for ``slot`` and send the text it completes."""

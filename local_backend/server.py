@@ -255,7 +255,8 @@ async def metrics(request: web.Request) -> web.Response:
     ready = 1 if state.engine is not None else 0
     text = f"# TYPE local_backend_ready gauge\nlocal_backend_ready {ready}\n"
     if state.engine is not None:
-        text += state.engine.stats.render(state.served_name)
+        picker = state.engine.threads
+        text += state.engine.stats.render(state.served_name, picker.passes() if picker is not None else None)
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
 

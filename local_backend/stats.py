@@ -59,8 +59,8 @@ class EngineStats:
             total = sum(n for t, n in self._recent if now - t <= _RATE_WINDOW_S)
         return total / _RATE_WINDOW_S
 
-    def render(self, model: str) -> str:
-        """Prometheus text exposition of every counter."""
+    def render(self, model: str, passes: dict[tuple[str, int], int] | None = None) -> str:
+        """Prometheus text exposition of every counter; ``passes``: forward passes per (kind, thread count)."""
         label = f'model="{model}"'
         rate = self.tokens_per_second()
         with self._lock:
@@ -91,4 +91,10 @@ class EngineStats:
                 lines.append(f'local_backend_ttft_seconds_bucket{{{label},le="{le}"}} {cumulative}')
             lines.append(f"local_backend_ttft_seconds_sum{{{label}}} {self._ttft_sum:.6f}")
             lines.append(f"local_backend_ttft_seconds_count{{{label}}} {cumulative}")
+        if passes:
+            lines.append("# TYPE local_backend_forward_passes_total counter")
+            lines += [
+                f'local_backend_forward_passes_total{{{label},pass="{kind}",threads="{n}"}} {count}'
+                for (kind, n), count in sorted(passes.items())
+            ]
         return "\n".join(lines) + "\n"

@@ -1,0 +1,108 @@
+"""How many CPU threads each forward pass gets: the faster of a few counts, by live timings.
+
+The model shares a small machine with the gateway and whatever else runs there. With the other
+core idle, 2 threads decode 30-50% faster than 1 (bench/local_threads.py, 2 cores); while
+something else keeps that core busy, 2 OpenMP threads wait on each other and the same pass takes
+2-3x longer than on 1 thread. Neither fixed count is right, so every pass is
+timed and each kind of pass (a decode step of R rows, a prefill of about T tokens) runs on the
+count that has been fastest for it lately, trying the others now and then to notice when the
+machine changes. The choice never changes a token: every kernel computes each output element
+in the same order whatever the thread count (tested).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["ThreadPicker"]
+
+
+@dataclass
+class _Arms:
+    """One kind of pass: a cost estimate per thread count and when each was last tried."""
+
+    cost: dict[int, float | None]
+    last_tried: dict[int, int]
+    picks: int = 0
+    passes: dict[int, int] = field(default_factory=dict)
+
+
+class ThreadPicker:
+    """Chooses a thread count per pass from an exponentially weighted cost per count.
+
+    ``pick(key)`` returns the count to run the next pass of kind ``key`` on: each count once
+    while any has no estimate, then the cheapest, except every ``explore_every``-th pick, which
+    goes to the count tried longest ago. ``record`` feeds back the pass's cost (seconds, or
+    seconds per token: anything comparable within one key). One count means a fixed choice.
+    """
+
+    def __init__(self, choices: Iterable[int], *, explore_every: int = 32, alpha: float = 0.3) -> None:
+        self.choices = tuple(sorted(set(choices)))
+        if not self.choices or self.choices[0] < 1:
+            raise ValueError(f"thread choices must be positive counts, not {choices!r}")
+        if explore_every < 2 or not 0 < alpha <= 1:
+            raise ValueError(f"explore_every must be >= 2 and alpha in (0, 1], not {explore_every}, {alpha}")
+        self.explore_every = explore_every
+        self.alpha = alpha
+        self._kinds: dict[Hashable, _Arms] = {}
+        self._lock = threading.Lock()  # the engine thread writes, /metrics reads
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether there is anything to choose between."""
+        return len(self.choices) > 1
+
+    def describe(self) -> str:
+        """For the start-up line: ``1`` or ``1-2 (per pass, by live timings)``."""
+        if not self.adaptive:
+            return str(self.choices[0])
+        return f"{'/'.join(map(str, self.choices))} (picked per pass by live timings)"
+
+    def pick(self, key: Hashable) -> int:
+        """The thread count for the next pass of kind ``key``."""
+        if not self.adaptive:
+            return self.choices[0]
+        with self._lock:
+            arms = self._arms(key)
+            arms.picks += 1
+            untried = [n for n in self.choices if arms.cost[n] is None]
+            if untried:
+                return untried[0]
+            if arms.picks % self.explore_every == 0:
+                return min(self.choices, key=lambda n: arms.last_tried[n])
+            return min(self.choices, key=lambda n: arms.cost[n])  # type: ignore[arg-type,return-value]
+
+    def record(self, key: Hashable, threads: int, cost: float) -> None:
+        """Feed back what a pass of kind ``key`` on ``threads`` threads cost."""
+        with self._lock:
+            arms = self._arms(key)
+            arms.passes[threads] = arms.passes.get(threads, 0) + 1
+            if threads not in arms.cost:
+                return  # a count outside the choices (set by hand): counted, not learned from
+            old = arms.cost[threads]
+            arms.cost[threads] = cost if old is None else old + self.alpha * (cost - old)
+            arms.last_tried[threads] = arms.picks
+
+    def passes(self) -> dict[tuple[str, int], int]:
+        """Passes run so far per (kind's first element, e.g. ``decode``, thread count)."""
+        out: dict[tuple[str, int], int] = {}
+        with self._lock:
+            for key, arms in self._kinds.items():
+                kind = str(key[0] if isinstance(key, tuple) and key else key)
+                for n, count in arms.passes.items():
+                    out[(kind, n)] = out.get((kind, n), 0) + count
+        return out
+
+    def estimates(self, key: Hashable) -> dict[int, float | None]:
+        """The current cost estimate per thread count for ``key`` (None: not measured yet)."""
+        with self._lock:
+            arms = self._kinds.get(key)
+            return dict(arms.cost) if arms is not None else dict.fromkeys(self.choices)
+
+    def _arms(self, key: Hashable) -> _Arms:
+        arms = self._kinds.get(key)
+        if arms is None:
+            arms = self._kinds[key] = _Arms(dict.fromkeys(self.choices), dict.fromkeys(self.choices, 0))
+        return arms

@@ -1,0 +1,159 @@
+"""Thread counts picked per forward pass: the picker's choices, the default ladder, and an engine that
+switches counts mid-stream without changing a token."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import openai
+import pytest
+import torch
+
+from local_backend.boot import thread_picker
+from local_backend.models import LoadedModel
+from local_backend.protocol import GenerationRequest
+from local_backend.threads import ThreadPicker
+
+from .conftest import chat_ids
+from .test_engine import QUESTIONS, _run
+
+DECODE1 = ("decode", 1)
+
+
+def _drive(picker: ThreadPicker, key: object, cost: dict[int, float], passes: int) -> list[int]:
+    """Run ``passes`` passes of kind ``key``, each costing ``cost[threads]``; return the counts picked."""
+    picked = []
+    for _ in range(passes):
+        n = picker.pick(key)
+        picker.record(key, n, cost[n])
+        picked.append(n)
+    return picked
+
+
+def test_a_single_count_is_fixed_and_not_adaptive() -> None:
+    picker = ThreadPicker((3,))
+    assert not picker.adaptive and picker.describe() == "3"
+    assert _drive(picker, DECODE1, {3: 1.0}, 5) == [3] * 5
+
+
+@pytest.mark.parametrize("choices", [(), (0, 1), (-2,)])
+def test_choices_must_be_positive_counts(choices: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        ThreadPicker(choices)
+
+
+def test_bad_exploration_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="explore_every"):
+        ThreadPicker((1, 2), explore_every=1)
+    with pytest.raises(ValueError, match="alpha"):
+        ThreadPicker((1, 2), alpha=0)
+
+
+def test_tries_every_count_then_keeps_to_the_cheapest_and_explores_on_schedule() -> None:
+    picker = ThreadPicker((2, 1), explore_every=8)
+    assert picker.choices == (1, 2) and picker.adaptive
+    picked = _drive(picker, DECODE1, {1: 5.0, 2: 4.0}, 32)
+    assert picked[:2] == [1, 2]  # each count once, in order
+    # Then 2 (cheaper), except every 8th pick, which retries 1.
+    assert [i + 1 for i, n in enumerate(picked) if n == 1] == [1, 8, 16, 24, 32]
+    assert picker.estimates(DECODE1) == {1: 5.0, 2: 4.0}
+
+
+def test_moves_to_one_thread_when_the_other_core_gets_busy_and_back_when_it_frees() -> None:
+    picker = ThreadPicker((1, 2), explore_every=8, alpha=0.3)
+    assert _drive(picker, DECODE1, {1: 5.0, 2: 4.0}, 15)[-1] == 2
+    busy = _drive(picker, DECODE1, {1: 5.0, 2: 12.0}, 40)
+    assert busy[:3] == [1, 2, 1]  # the 16th pick retries 1; one slow pass on 2 lifts its estimate above 1's
+    assert busy.count(2) <= 1 + 40 // 8  # afterwards 2 only on the exploring picks
+    idle = _drive(picker, DECODE1, {1: 5.0, 2: 4.0}, 160)
+    assert idle[-24:].count(2) == 24 - 3  # back on 2, retrying 1 on every 8th pick
+
+
+def test_kinds_of_pass_learn_separately_and_passes_count_by_kind() -> None:
+    picker = ThreadPicker((1, 2), explore_every=50)
+    _drive(picker, ("decode", 1), {1: 5.0, 2: 4.0}, 10)
+    _drive(picker, ("decode", 8), {1: 12.0, 2: 8.0}, 10)
+    _drive(picker, ("prefill", 6), {1: 0.5, 2: 0.9}, 10)
+    assert picker.pick(("decode", 8)) == 2 and picker.pick(("prefill", 6)) == 1
+    assert picker.estimates(("decode", 16)) == {1: None, 2: None}
+    assert picker.passes() == {("decode", 1): 2, ("decode", 2): 18, ("prefill", 1): 9, ("prefill", 2): 1}
+
+
+def test_a_count_outside_the_choices_is_counted_but_not_learned() -> None:
+    picker = ThreadPicker((1, 2))
+    picker.record(DECODE1, 7, 0.001)
+    assert picker.passes() == {("decode", 7): 1}
+    assert picker.estimates(DECODE1) == {1: None, 2: None}
+
+
+@pytest.mark.parametrize(
+    ("threads", "cores", "choices"),
+    [
+        (None, 1, (1,)),
+        (None, 2, (1, 2)),
+        (None, 4, (1, 2, 3, 4)),
+        (None, 16, (1, 2, 4, 8, 15, 16)),
+        (3, 16, (3,)),
+        (1, 2, (1,)),
+    ],
+)
+def test_default_ladder_and_a_fixed_count(threads: int | None, cores: int, choices: tuple[int, ...]) -> None:
+    assert thread_picker(threads, cores).choices == choices
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_the_command_line_refuses_a_thread_count_below_one(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from local_backend.__main__ import _parser
+
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["serve", "--threads", value])
+    assert "--threads" in capsys.readouterr().err
+    assert _parser().parse_args(["serve", "--threads", "2"]).threads == 2
+
+
+async def test_switching_counts_mid_stream_changes_no_token(tiny: LoadedModel, make_engine) -> None:
+    requests = [GenerationRequest(chat_ids(tiny, q), max_tokens=24) for q in QUESTIONS]
+    reference = await asyncio.gather(*(_run(make_engine(max_batch=8, threads=ThreadPicker((1,))), r) for r in requests[:1]))
+    fixed = make_engine(max_batch=8, threads=ThreadPicker((1,)))
+    alone = [await _run(fixed, r) for r in requests]
+    assert alone[0] == reference[0]
+    for quantize in ("none", "w8a16", "int8"):
+        if quantize == "w8a16":
+            from local_backend.llama.native import kernel
+
+            if kernel() is None:
+                continue
+        one = make_engine(max_batch=8, quantize=quantize, threads=ThreadPicker((1,)))
+        base = [await _run(one, r) for r in requests]
+        # Exploring every 2nd pass: counts alternate within each stream, prefill and decode alike.
+        switching = make_engine(max_batch=8, quantize=quantize, threads=ThreadPicker((1, 2), explore_every=2))
+        mixed = await asyncio.gather(*(_run(switching, r) for r in requests))
+        for (a_deltas, a_text), (b_deltas, b_text) in zip(base, mixed, strict=True):
+            assert b_text == a_text, quantize
+            assert b_deltas[-1] == a_deltas[-1], quantize
+        passes = switching.threads.passes()
+        assert passes[("decode", 1)] > 0 and passes[("decode", 2)] > 0, passes
+        assert passes[("prefill", 1)] + passes[("prefill", 2)] == len(requests)
+
+
+async def test_an_engine_without_a_picker_leaves_torch_threads_alone(make_engine, tiny: LoadedModel) -> None:
+    torch.set_num_threads(1)
+    engine = make_engine()
+    assert engine.threads is None
+    await _run(engine, GenerationRequest(chat_ids(tiny, "Hi"), max_tokens=4))
+    assert torch.get_num_threads() == 1
+
+
+async def test_metrics_show_passes_per_thread_count(make_engine, serve) -> None:
+    server = serve(make_engine(max_batch=4, threads=ThreadPicker((1, 2), explore_every=2)))
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    await client.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "Hi"}], max_tokens=6)
+    await client.close()
+    async with aiohttp.ClientSession() as session, session.get(f"{server.root}/metrics") as resp:
+        text = await resp.text()
+    series = [line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("local_backend_forward_passes_total{")]
+    lines = {name: int(value) for name, value in series}
+    assert lines['local_backend_forward_passes_total{model="tiny-random",pass="prefill",threads="1"}'] == 1
+    decode = [v for k, v in lines.items() if 'pass="decode"' in k]
+    assert len(decode) == 2 and sum(decode) == 5  # 6 tokens: one from prefill, 5 decode steps on both counts
