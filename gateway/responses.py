@@ -41,10 +41,10 @@ class ResponsesRequest(_Body):
 
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
+    max_output_tokens: int | None = Field(None, ge=1, strict=True)
     previous_response_id: str | None = Field(None, min_length=1)
     conversation: str | dict[str, Any] | None = None
-    background: bool | None = None
+    background: bool | None = Field(None, strict=True)
 
 
 def conversation_id(body: Mapping[str, Any]) -> str | None:

@@ -38,11 +38,13 @@ class _Body(BaseModel):
     # strict: "yes", "1" or 1 are not booleans; the backend would read them differently than we do.
     stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, ge=0, le=1)
-    n: int | None = Field(None, ge=1, le=128)
+    # Numbers strict too: "5" passes on to the backend as a string, which reads it differently
+    # (or refuses it) while quotas and the classifier here would have read 5.
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0, le=2, strict=True)
+    top_p: float | None = Field(None, ge=0, le=1, strict=True)
+    n: int | None = Field(None, ge=1, le=128, strict=True)
     # OpenAI's tiers; an unknown one is a 400, like an unknown `x-priority`.
     service_tier: Literal["auto", "default", "flex", "priority", "scale"] | None = None
 

@@ -67,6 +67,13 @@ async def test_unknown_model_is_404(upstream, gateway):
         ({"model": "gpt-test", "messages": MSG, "service_tier": "ultra"}, "service_tier"),
         ({"model": "gpt-test", "messages": MSG, "max_tokens": 0}, "max_tokens"),
         ({"model": "gpt-test", "messages": MSG, "temperature": 7}, "temperature"),
+        # Numbers strict: the backend would get the string the gateway read as a number.
+        ({"model": "gpt-test", "messages": MSG, "max_tokens": "5"}, "max_tokens"),
+        ({"model": "gpt-test", "messages": MSG, "max_tokens": 5.5}, "max_tokens"),
+        ({"model": "gpt-test", "messages": MSG, "max_completion_tokens": True}, "max_completion_tokens"),
+        ({"model": "gpt-test", "messages": MSG, "temperature": "0"}, "temperature"),
+        ({"model": "gpt-test", "messages": MSG, "top_p": "1"}, "top_p"),
+        ({"model": "gpt-test", "messages": MSG, "n": "2"}, "n"),
         ({"model": 42, "messages": MSG}, "model"),
     ],
 )
@@ -78,6 +85,15 @@ async def test_invalid_bodies_are_400_naming_the_field(upstream, gateway, body, 
     assert exc.value.body["param"] == field, exc.value.body  # type: ignore[index]
     assert field in exc.value.message
     assert up.stats.requests == 0
+
+
+async def test_numbers_in_their_json_types_pass(upstream, gateway):
+    up = await upstream("a")
+    gw = await gateway(simple_policy(up))
+    body = {"model": "gpt-test", "messages": MSG, "max_tokens": 5, "temperature": 0, "top_p": 1, "n": 1}
+    await _post(gw, body)
+    await _post(gw, {**body, "temperature": 0.5, "top_p": 0.9, "max_tokens": None})
+    assert up.stats.requests == 2
 
 
 async def _post(gw, body):

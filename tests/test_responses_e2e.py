@@ -377,3 +377,15 @@ async def test_streamed_followers_of_a_cut_stream_end_with_the_same_error_event(
         last = data.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
         assert last.startswith(b"event: error\ndata: ") and b"event: response.completed" not in data
     assert up.stats.requests == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("max_output_tokens", "16"), ("max_output_tokens", 1.5), ("background", "true"), ("temperature", "0")]
+)
+async def test_numbers_and_flags_of_the_wrong_json_type_are_400_naming_the_field(upstream, gateway, field, value):
+    up = await upstream(_name("a"), tokens=8)
+    gw = await gateway(_policy(up))
+    with pytest.raises(openai.BadRequestError) as exc:
+        await gw.client().post("/responses", cast_to=object, body={"model": "gpt-test", "input": "hi", field: value})
+    assert exc.value.body["param"] == field, exc.value.body  # type: ignore[index]
+    assert up.stats.requests == 0
