@@ -19,7 +19,7 @@ from .call import ENDPOINTS, Call
 from .errors import BadRequest, GatewayError, InternalError, NotFound, PayloadTooLarge, Unauthorized
 from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, RELAY, RELOADER, WORKER
 from .metrics import refresh_gauges
-from .observe import server_timing
+from .observe import parse_traceparent, server_timing
 from .routing import usable
 from .responses import ResponsesSink
 from .sink import HttpSink
@@ -118,6 +118,7 @@ def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeo
         no_cache=no_cache,
         no_store=no_store,
         deadline_asked=bool(h.get("x-request-timeout-ms")),
+        trace_parent=parse_traceparent(h.get("traceparent")),
     )
 
 

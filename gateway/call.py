@@ -47,6 +47,7 @@ class Call:
     no_cache: bool = False  # cache-control: no-cache
     no_store: bool = False  # cache-control: no-store
     deadline_asked: bool = False  # x-request-timeout-ms was sent (else a band's default may apply)
+    trace_parent: tuple[int, int, int] | None = None  # a valid W3C traceparent: (trace id, span id, flags)
     # Filled in by the parse stage:
     body: dict[str, Any] = field(default_factory=dict)
     model: str = ""

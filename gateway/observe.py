@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import queue
+import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -24,9 +25,24 @@ from .policy import Policy, TracingPolicy
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-__all__ = ["Observer", "server_timing", "stages"]
+__all__ = ["Observer", "parse_traceparent", "server_timing", "stages"]
 
 access_log = logging.getLogger("gateway.access")
+
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
+
+
+def parse_traceparent(value: str | None) -> tuple[int, int, int] | None:
+    """(trace id, parent span id, flags) of a W3C `traceparent` header, or None when it is absent
+    or invalid: the spec says to ignore a bad one and start a new trace. Versions after 00 are
+    read by their first four fields, as the spec asks; `ff` is invalid."""
+    m = _TRACEPARENT.fullmatch(value.strip()) if value and len(value) < 512 else None
+    if m is None or m.group(1) == "ff" or (m.group(1) == "00" and m.group(5)):
+        return None
+    trace_id, span_id = int(m.group(2), 16), int(m.group(3), 16)
+    if not trace_id or not span_id:  # all zeros: invalid
+        return None
+    return trace_id, span_id, int(m.group(4), 16)
 
 
 def stages(call: Call, end: float) -> dict[str, float]:
@@ -127,14 +143,16 @@ class Observer:
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
+            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
         except ImportError:
             logging.getLogger("gateway").error(
                 "tracing: the policy asks for OpenTelemetry export, but it is not installed: pip install 'llm-routing-gateway[otel]'"
             )
             return
         provider = TracerProvider(
-            resource=Resource.create({"service.name": tp.service_name}), sampler=TraceIdRatioBased(tp.sample_ratio)
+            # A caller's traceparent decides for its own trace (its sampled flag); sample_ratio for the rest.
+            resource=Resource.create({"service.name": tp.service_name}),
+            sampler=ParentBased(TraceIdRatioBased(tp.sample_ratio)),
         )
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=tp.otlp_endpoint)))
         self._provider = provider
@@ -157,12 +175,24 @@ class Observer:
         for key in ("prompt_tokens", "completion_tokens"):
             if isinstance(usage.get(key), int):
                 attrs[f"gen_ai.usage.{key}"] = usage[key]
-        span = self._tracer.start_span(f"{call.endpoint.name} {call.model}", start_time=start_ns, attributes=attrs)
+        span = self._tracer.start_span(
+            f"{call.endpoint.name} {call.model}", context=_parent_context(call), start_time=start_ns, attributes=attrs
+        )
         if call.status >= 500:
             from opentelemetry.trace import Status, StatusCode
 
             span.set_status(Status(StatusCode.ERROR, call.error or ""))
         span.end(end_time=end_ns)
+
+
+def _parent_context(call: Call) -> Any:
+    """The caller's span (from its traceparent) as the parent of the gateway's, or None for a new trace."""
+    if call.trace_parent is None:
+        return None
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
+
+    trace_id, span_id, flags = call.trace_parent
+    return set_span_in_context(NonRecordingSpan(SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 1))))
 
 
 def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:

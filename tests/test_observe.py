@@ -4,8 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
+from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import orjson
@@ -14,6 +17,7 @@ from aiohttp import web
 
 from gateway.drain import Drain
 from gateway.keys import OBSERVER
+from gateway.observe import parse_traceparent
 from gateway.workers import WorkerInfo, share
 from tests.conftest import simple_policy
 
@@ -91,16 +95,18 @@ async def test_the_access_log_carries_the_prompt_only_when_the_policy_asks(gatew
     assert "visible prompt" in captured_access_log.readouterr().out
 
 
-async def test_spans_go_to_an_otlp_collector(gateway, upstream):
+@contextlib.asynccontextmanager
+async def _otlp_collector() -> AsyncIterator[tuple[str, list[Any]]]:
+    """A fake OTLP/HTTP collector on loopback: its URL, and the spans it got (after the exporter flushed)."""
     pytest.importorskip("opentelemetry.sdk")
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-    got: list[ExportTraceServiceRequest] = []
+    spans: list[Any] = []
 
     async def traces(request: web.Request) -> web.Response:
         msg = ExportTraceServiceRequest()
         msg.ParseFromString(await request.read())
-        got.append(msg)
+        spans.extend(s for rs in msg.resource_spans for ss in rs.scope_spans for s in ss.spans)
         return web.Response(status=200)
 
     app = web.Application()
@@ -111,20 +117,69 @@ async def test_spans_go_to_an_otlp_collector(gateway, upstream):
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
+        yield f"http://127.0.0.1:{port}/v1/traces", spans
+    finally:
+        await runner.cleanup()
+
+
+async def _flush(gw) -> None:
+    # The exporter posts from its own thread, and blocks it until our loop answers.
+    await asyncio.get_running_loop().run_in_executor(None, gw.app[OBSERVER].close)
+
+
+async def test_spans_go_to_an_otlp_collector(gateway, upstream):
+    async with _otlp_collector() as (url, spans):
         up = await upstream("a", tokens=1)
-        gw = await gateway(simple_policy(up, tracing={"otlp_endpoint": f"http://127.0.0.1:{port}/v1/traces", "service_name": "gw-test"}))
+        gw = await gateway(simple_policy(up, tracing={"otlp_endpoint": url, "service_name": "gw-test"}))
         await gw.client().chat.completions.create(model="gpt-test", messages=[{"role": "user", "content": "traced"}])
-        # The exporter posts from its own thread, and blocks it until our loop answers.
-        await asyncio.get_running_loop().run_in_executor(None, gw.app[OBSERVER].close)
-        spans = [s for m in got for rs in m.resource_spans for ss in rs.scope_spans for s in ss.spans]
+        await _flush(gw)
         assert len(spans) == 1
         attrs = {a.key: a.value for a in spans[0].attributes}
         assert attrs["gen_ai.request.model"].string_value == "gpt-test"
         assert attrs["gateway.backend"].string_value == "a"
         assert "gateway.stage.upstream_headers_ms" in attrs
         assert spans[0].end_time_unix_nano > spans[0].start_time_unix_nano
-    finally:
-        await runner.cleanup()
+        assert not spans[0].parent_span_id  # no traceparent: a trace of its own
+
+
+async def test_a_callers_traceparent_makes_the_span_its_child_and_decides_sampling(gateway, upstream):
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    async with _otlp_collector() as (url, spans):
+        up = await upstream("a", tokens=1)
+        # sample_ratio 0: only a caller's sampled flag gets a span exported.
+        gw = await gateway(simple_policy(up, tracing={"otlp_endpoint": url, "sample_ratio": 0.0}))
+        client = gw.client()
+        msgs = [{"role": "user", "content": "traced"}]
+        await client.chat.completions.create(model="gpt-test", messages=msgs, extra_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        await client.chat.completions.create(model="gpt-test", messages=msgs, extra_headers={"traceparent": f"00-{'1' * 32}-{parent}-00"})
+        await client.chat.completions.create(model="gpt-test", messages=msgs)  # ratio 0, no parent: not sampled
+        # Invalid: a new trace, sampled by the ratio (0), and still answered.
+        r = await client.chat.completions.create(model="gpt-test", messages=msgs, extra_headers={"traceparent": "00-zz-00-01"})
+        assert r.choices[0].message.content
+        await _flush(gw)
+        assert len(spans) == 1
+        assert spans[0].trace_id.hex() == trace_id and spans[0].parent_span_id.hex() == parent
+
+
+@pytest.mark.parametrize(
+    ("header", "parsed"),
+    [
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, 1)),
+        (" 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00 ", (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, 0)),
+        ("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-future", (0x4BF92F3577B34DA6A3CE929D0E0E4736, 0x00F067AA0BA902B7, 1)),
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra", None),  # version 00 has exactly four fields
+        ("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01", None),
+        ("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01", None),  # upper case is invalid
+        ("00-00000000000000000000000000000000-00f067aa0ba902b7-01", None),
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01", None),
+        ("00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01", None),
+        ("", None),
+        (None, None),
+        ("00-" + "a" * 600, None),
+    ],
+)
+def test_traceparent_parsing_follows_the_w3c_rules(header: str | None, parsed: tuple[int, int, int] | None) -> None:
+    assert parse_traceparent(header) == parsed
 
 
 def test_max_concurrency_shares_add_up_across_workers():
