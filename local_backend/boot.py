@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .threads import ThreadPicker
@@ -43,16 +45,34 @@ class EngineSettings:
     max_queue: int = 64
 
 
-def usable_cores() -> int:
-    """Cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU limit (a container's
+    `--cpus`, a Kubernetes `limits.cpu`), rounded up. More threads than the limit get throttled
+    for whole scheduler periods (100 ms), far worse than fewer threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    limit = _cgroup_cpu_limit(cgroup_root)
+    return max(1, min(cores, math.ceil(limit))) if limit else cores
+
+
+def _cgroup_cpu_limit(root: Path) -> float | None:
+    """CPUs allowed by cgroup v2's cpu.max or v1's cfs quota; None when unlimited or unreadable."""
+    try:
+        v2 = root / "cpu.max"
+        if v2.exists():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else int(quota) / int(period)
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return quota_us / period_us if quota_us > 0 and period_us > 0 else None
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def thread_picker(threads: int | None = None, cores: int | None = None) -> ThreadPicker:
     """The thread counts the engine picks from on CPU: ``threads`` alone when given, else 1, 2, 4, ...
     below the core count, every core but one (the gateway's) and every core.
 
-    A fixed count was wrong either way on 2 shared cores: 2 threads decode 30-50% faster while the
+    A fixed count was wrong either way on 2 shared cores: 2 threads decode 10-50% faster while the
     other core is idle and 2-3x slower while something keeps it busy (OpenMP threads wait on each
     other), so the engine times its passes and keeps to whichever count is faster now.
     """

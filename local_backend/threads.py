@@ -1,7 +1,7 @@
 """How many CPU threads each forward pass gets: the faster of a few counts, by live timings.
 
 The model shares a small machine with the gateway and whatever else runs there. With the other
-core idle, 2 threads decode 30-50% faster than 1 (bench/local_threads.py, 2 cores); while
+core idle, 2 threads decode 10-50% faster than 1 (bench/local_threads.py, 2 cores); while
 something else keeps that core busy, 2 OpenMP threads wait on each other and the same pass takes
 2-3x longer than on 1 thread. Neither fixed count is right, so every pass is
 timed and each kind of pass (a decode step of R rows, a prefill of about T tokens) runs on the
@@ -33,9 +33,12 @@ class ThreadPicker:
     """Chooses a thread count per pass from an exponentially weighted cost per count.
 
     ``pick(key)`` returns the count to run the next pass of kind ``key`` on: each count once
-    while any has no estimate, then the cheapest, except every ``explore_every``-th pick, which
-    goes to the count tried longest ago. ``record`` feeds back the pass's cost (seconds, or
-    seconds per token: anything comparable within one key). One count means a fixed choice.
+    while any has no estimate, then the cheapest, except when another count is due a retry. A
+    count is due ``explore_every`` x (counts - 1) x (its cost / the cheapest's) passes after it
+    last ran, so retries take about 1/``explore_every`` of the time however many counts there are
+    and however slow they are (a count 10x slower is retried 10x less often). ``record`` feeds back
+    the pass's cost (seconds, or seconds per token: anything comparable within one key). One count
+    means a fixed choice.
     """
 
     def __init__(self, choices: Iterable[int], *, explore_every: int = 32, alpha: float = 0.3) -> None:
@@ -67,12 +70,20 @@ class ThreadPicker:
         with self._lock:
             arms = self._arms(key)
             arms.picks += 1
-            untried = [n for n in self.choices if arms.cost[n] is None]
+            cost = arms.cost
+            untried = [n for n in self.choices if cost[n] is None]
             if untried:
                 return untried[0]
-            if arms.picks % self.explore_every == 0:
-                return min(self.choices, key=lambda n: arms.last_tried[n])
-            return min(self.choices, key=lambda n: arms.cost[n])  # type: ignore[arg-type,return-value]
+            best = min(self.choices, key=lambda n: cost[n])  # type: ignore[arg-type,return-value]
+            spacing = self.explore_every * (len(self.choices) - 1) / max(cost[best], 1e-12)  # type: ignore[arg-type]
+            # How overdue each other count is: >= 1 means due a retry.
+            overdue = {
+                n: (arms.picks - arms.last_tried[n]) / (spacing * cost[n])  # type: ignore[operator]
+                for n in self.choices
+                if n != best
+            }
+            late = max(overdue, key=overdue.__getitem__)
+            return late if overdue[late] >= 1 else best
 
     def record(self, key: Hashable, threads: int, cost: float) -> None:
         """Feed back what a pass of kind ``key`` on ``threads`` threads cost."""
