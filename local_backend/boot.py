@@ -155,9 +155,9 @@ def build_engine(settings: EngineSettings, progress: Progress) -> Engine:
         # thread sleep between parallel regions instead of spinning (measured: 2-thread decode
         # steps 10 ms instead of 4).
         torch.set_num_threads(1)
-    threads = picker.describe() if picker is not None else "torch's default"
+    threads = picker.describe() if picker is not None else "torch's default threads"
     plan = plan_quantization(settings.quantize, device)
-    progress(f"device {device}, {threads} torch threads, quantization {plan.describe()}")
+    progress(f"device {device}, {threads}, quantization {plan.describe()}")
     loaded = load_model(settings.model, device=device, dtype=torch.float32, progress=progress)
     started = time.perf_counter()
     engine = engine_from_loaded(loaded, plan, max_batch=settings.max_batch, max_queue=settings.max_queue, threads=picker)

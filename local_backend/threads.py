@@ -3,10 +3,9 @@
 The model shares a small machine with the gateway and whatever else runs there. With the other
 core idle, 2 threads decode 10-50% faster than 1 (bench/local_threads.py, 2 cores); while
 something else keeps that core busy, 2 OpenMP threads wait on each other and the same pass takes
-2-3x longer than on 1 thread. Neither fixed count is right, so every pass is
-timed and each kind of pass (a decode step of R rows, a prefill of about T tokens) runs on the
-count that has been fastest for it lately, trying the others now and then to notice when the
-machine changes. The choice never changes a token: every kernel computes each output element
+2-3x longer than on 1 thread. Neither fixed count is right, so every pass is timed and each kind
+of pass (a decode step of R rows, a prefill of about T tokens) runs on the count that has been
+fastest for it lately, trying the others now and then to notice when the machine changes. The choice never changes a token: every kernel computes each output element
 in the same order whatever the thread count (tested).
 """
 
@@ -58,10 +57,11 @@ class ThreadPicker:
         return len(self.choices) > 1
 
     def describe(self) -> str:
-        """For the start-up line: ``1`` or ``1-2 (per pass, by live timings)``."""
+        """For the start-up line: ``1 torch thread`` or ``1/2 torch threads (picked per pass by live timings)``."""
         if not self.adaptive:
-            return str(self.choices[0])
-        return f"{'/'.join(map(str, self.choices))} (picked per pass by live timings)"
+            n = self.choices[0]
+            return f"{n} torch thread{'s' if n > 1 else ''}"
+        return f"{'/'.join(map(str, self.choices))} torch threads (picked per pass by live timings)"
 
     def pick(self, key: Hashable) -> int:
         """The thread count for the next pass of kind ``key``."""

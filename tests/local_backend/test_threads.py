@@ -33,7 +33,9 @@ def _drive(picker: ThreadPicker, key: object, cost: dict[int, float], passes: in
 
 def test_a_single_count_is_fixed_and_not_adaptive() -> None:
     picker = ThreadPicker((3,))
-    assert not picker.adaptive and picker.describe() == "3"
+    assert not picker.adaptive and picker.describe() == "3 torch threads"
+    assert ThreadPicker((1,)).describe() == "1 torch thread"
+    assert ThreadPicker((1, 2)).describe() == "1/2 torch threads (picked per pass by live timings)"
     assert _drive(picker, DECODE1, {3: 1.0}, 5) == [3] * 5
 
 
