@@ -9,9 +9,11 @@ Outcomes, from a follower's point of view:
 - the leader ended its stream (`end()`): the follower got the same stream, and ends too;
 - the leader failed after content reached its client: the follower gets the same error event and
   no [DONE] (nothing is ever retried after a byte reached a client);
+- the leader's client went away after content: the stream goes on for the followers (TeeSink
+  detaches from that client; pipeline._lead keeps the relay running) and ends as it would have;
 - the leader failed before any content (all backends failed, a rejected request, a non-streamed
-  answer, its client went away, or the flight ended without a stream): the follower, which has
-  sent nothing yet, goes upstream itself (`follow()` returns False).
+  answer, its client went away before any content, or the flight ended without a stream): the
+  follower, which has sent nothing yet, goes upstream itself (`follow()` returns False).
 
 Heartbeats the leader sends while it waits for its first token are not passed on: a follower
 commits its headers only with the first content, so that one which goes upstream itself can
@@ -182,13 +184,26 @@ class Broadcast:
 
 
 class TeeSink(SinkWrapper):
-    """The leader's Sink, copying what its client gets into a Broadcast (see the module docstring)."""
+    """The leader's Sink, copying what its client gets into a Broadcast (see the module docstring).
 
-    __slots__ = ("_bc",)
+    When the leader's client goes away after content reached followers, the sink detaches from
+    it (`detached`) and the stream goes on for the followers alone: one caller leaving must not
+    cut the answers of others (pipeline.py keeps the relay running for them)."""
+
+    __slots__ = ("_bc", "detached")
 
     def __init__(self, inner: Sink, broadcast: Broadcast) -> None:
         super().__init__(inner)
         self._bc = broadcast
+        self.detached = False
+
+    def keeps_followers(self) -> bool:
+        """Whether the stream must go on without the leader's client: followers hold part of it."""
+        return self._bc.started and len(self._bc) > 0 and self._bc.state is _OPEN
+
+    def detach(self) -> None:
+        """The leader's client is gone: from now on only the followers get the stream."""
+        self.detached = True
 
     def set_header(self, name: str, value: str) -> None:
         if name == "x-gateway-backend" and not self._bc.started:
@@ -198,19 +213,31 @@ class TeeSink(SinkWrapper):
     async def write(self, data: bytes) -> None:
         if self._bc.started or data != SSE_HEARTBEAT:
             self._bc.publish(data)  # followers first: the leader's client write may wait on a slow reader
-        await self._inner.write(data)
+        if self.detached:
+            if not self.keeps_followers():  # the last follower left too: stop the upstream call
+                raise ConnectionResetError("the leader's client and every follower of its stream went away")
+            return
+        try:
+            await self._inner.write(data)
+        except ConnectionResetError:
+            if not self.keeps_followers():
+                raise
+            self.detach()  # the leader's client left mid-stream; its followers read on
 
     async def end(self) -> None:
         self._bc.finish()
-        await self._inner.end()
+        if not self.detached:
+            await self._inner.end()
 
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self._bc.abandon()
-        await self._inner.send(status, body, content_type)
+        if not self.detached:
+            await self._inner.send(status, body, content_type)
 
     async def fail(self, err: GatewayError) -> None:
         self._bc.fail(err)
-        await self._inner.fail(err)
+        if not self.detached:
+            await self._inner.fail(err)
 
 
 class _DropUsage:

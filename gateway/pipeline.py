@@ -117,7 +117,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
                         ctx.metrics.lookup["miss"].inc()
                         sink.set_header("x-gateway-cache", "miss")
                         call.capture = rt.cache.max_entry_bytes
-                        await relay(call, route, ctx, tee)
+                        await _lead(call, route, ctx, tee)
                         if call.entry is not None and plan.store:
                             await rt.cache.save(plan.key, call.entry, ttl_s=plan.ttl_s)
                             flight.publish(call.entry)
@@ -213,6 +213,36 @@ async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
     except ConnectionResetError:
         raise ClientGone() from None
     call.finish = "ok"
+
+
+async def _lead(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None:
+    """The flight leader's relay. A streamed leader's answer is its followers' too (TeeSink): if
+    its own client leaves after content reached them, the relay goes on for them to the end, in a
+    task of its own so that the handler's cancellation does not end it. The leader is then a
+    client_disconnect, charged the whole answer (the upstream call was its own, and ran)."""
+    if not isinstance(sink, TeeSink):
+        await relay(call, route, ctx, sink)
+        return
+    task = asyncio.ensure_future(relay(call, route, ctx, sink))
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if task.done() or not sink.keeps_followers():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+        sink.detach()
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # this handler's client is gone; the work it started is not
+        try:
+            await task
+        except asyncio.CancelledError:  # cancelled again (a shutdown): the followers' stream ends too
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+    if sink.detached:
+        call.finish = "client_disconnect"
 
 
 def _observe(call: Call, rt: Runtime, ctx: RelayContext) -> None:

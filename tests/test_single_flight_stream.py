@@ -387,6 +387,58 @@ async def test_a_follower_that_disconnects_leaves_the_leader_and_the_others_whol
     assert up.stats.requests == 1 and up.stats.cancelled == 0
 
 
+async def _metric(gw: Any, needle: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(gw.url + "/metrics") as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines() if line.startswith(needle))
+
+
+async def test_followers_keep_their_stream_when_the_leaders_client_leaves_mid_stream(upstream, gateway):
+    up = await upstream("a", tokens=30, ttft_ms=200, itl_ms=15)
+    gw = await gateway(simple_policy(up))
+    t0 = time.perf_counter()
+    lead = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    followers = [asyncio.create_task(_stream(gw, t0=t0)) for _ in range(3)]
+    await _until(lambda: _following(gw) == 3)
+    leader = await lead
+    assert leader["text"] and leader["text"] != _text(30)  # it left after its first token
+    for f in await asyncio.gather(*followers):
+        # Before: an error event "the stream this request shared ended early" after the first words.
+        assert f["error"] is None and f["text"] == _text(30) and f["finish"] == "stop" and f["cache"] == "hit"
+    assert up.stats.requests == 1 and up.stats.cancelled == 0
+    await _until(lambda: len(gw.app[RELAY].flight) == 0)
+    # The leader counts as a disconnect; its slot is back; the answer was stored as usual.
+    assert await _metric(gw, "gateway_client_disconnects_total") == 1
+    assert await _metric(gw, 'gateway_backend_inflight{backend="a"}') == 0
+    again = await _stream(gw)
+    assert again["cache"] == "hit" and again["text"] == _text(30) and up.stats.requests == 1
+
+
+async def test_the_upstream_call_stops_when_the_leader_and_every_follower_have_left(upstream, gateway):
+    up = await upstream("a", tokens=200, ttft_ms=200, itl_ms=15)
+    gw = await gateway(simple_policy(up))
+    t0 = time.perf_counter()
+    lead = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    follower = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
+    await _until(lambda: _following(gw) == 1)
+    await asyncio.gather(lead, follower)
+    await _until(lambda: up.stats.cancelled == 1)  # long before the answer's 3 s end
+    assert time.perf_counter() - t0 < 2.0 and up.stats.completed == 0
+    await _until(lambda: len(gw.app[RELAY].flight) == 0)
+    assert await _metric(gw, 'gateway_backend_inflight{backend="a"}') == 0
+
+
+async def test_a_lone_leader_that_leaves_mid_stream_stops_its_upstream_call(upstream, gateway):
+    up = await upstream("a", tokens=200, ttft_ms=100, itl_ms=15)
+    gw = await gateway(simple_policy(up))
+    t0 = time.perf_counter()
+    leader = await _stream(gw, t0=t0, quit_at_first=True)
+    assert leader["text"]
+    await _until(lambda: up.stats.cancelled == 1)
+    assert time.perf_counter() - t0 < 2.0 and up.stats.completed == 0
+
+
 async def test_followers_get_usage_only_when_they_asked_for_it(upstream, gateway):
     up = await upstream("a", tokens=8, ttft_ms=200, itl_ms=5)
     gw = await gateway(simple_policy(up))
