@@ -96,6 +96,16 @@ class RelayContext:
     flight: SingleFlight = field(default_factory=SingleFlight)
     # The process-wide admission gate: it outlives reloads (they change its limits, not its queue).
     admission: Admission = field(default_factory=lambda: Admission(1024, 4096))
+    # Relays going on for single-flight followers after their leader's client left (pipeline._lead):
+    # a shutdown that runs out of time cancels them before the pool closes.
+    carried: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def cancel_carried(self) -> None:
+        """Cancel the relays still going on for followers, and wait until they have ended."""
+        tasks = list(self.carried)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def claim(progress: Progress, backend: Backend, call: Call, sink: Sink) -> None:
@@ -485,7 +495,7 @@ def _rewritten(resume: Resume, obj: dict, ev: bytes) -> tuple[bytes, dict | None
 async def client_write(aw: object) -> None:
     try:
         await aw  # type: ignore[misc]
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or lost while a write waited on a slow reader
         raise ClientGone() from None
 
 

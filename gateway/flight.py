@@ -219,15 +219,22 @@ class TeeSink(SinkWrapper):
             return
         try:
             await self._inner.write(data)
-        except ConnectionResetError:
+        except ConnectionError:  # reset, or lost while the write waited on a slow reader
             if not self.keeps_followers():
                 raise
             self.detach()  # the leader's client left mid-stream; its followers read on
 
     async def end(self) -> None:
+        followed = self.keeps_followers()
         self._bc.finish()
-        if not self.detached:
+        if self.detached:
+            return
+        try:
             await self._inner.end()
+        except ConnectionError:
+            if not followed:
+                raise
+            self.detach()  # gone at the very end: the answer is whole for the followers (and the cache)
 
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self._bc.abandon()
@@ -321,7 +328,7 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
             call.finish = "cut"
             await sink.fail(UpstreamTimeout("the request's deadline passed mid-stream"))
             return True
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or lost while a write waited on a slow reader
         call.finish = "client_disconnect"
         return True
     finally:

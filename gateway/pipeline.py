@@ -135,7 +135,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         call.status, call.error, call.finish = err.status, err.message, "error"
         try:
             await sink.fail(err)
-        except ConnectionResetError:
+        except ConnectionError:  # reset, or lost while a write waited on a slow reader
             call.finish = "client_disconnect"
     except asyncio.CancelledError:
         call.finish = "client_disconnect"  # aiohttp cancels the handler when the client goes away
@@ -210,7 +210,7 @@ async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
             await sink.end()
         else:
             await sink.send(200, replay_json(entry))
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or lost while a write waited on a slow reader
         raise ClientGone() from None
     call.finish = "ok"
 
@@ -232,6 +232,8 @@ async def _lead(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
             await asyncio.gather(task, return_exceptions=True)
             raise
         sink.detach()
+        ctx.carried.add(task)
+        task.add_done_callback(ctx.carried.discard)
         current = asyncio.current_task()
         if current is not None:
             current.uncancel()  # this handler's client is gone; the work it started is not
@@ -241,7 +243,7 @@ async def _lead(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise
-    if sink.detached:
+    if sink.detached and call.finish == "ok":  # a cut after it left stays a cut
         call.finish = "client_disconnect"
 
 

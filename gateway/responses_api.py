@@ -112,7 +112,7 @@ async def _stream(request: web.Request, resp: UpstreamResponse, headers: dict[st
         # Cut: the client sees the stream stop without response.completed, which is the truth.
         log.warning("request %s: replayed stream from a backend cut: %s", headers.get("x-request-id"), exc)
         return out
-    except ConnectionResetError:
+    except ConnectionError:  # reset, or lost while a write waited on a slow reader
         return out
     await out.write_eof()
     return out

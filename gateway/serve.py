@@ -38,7 +38,7 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
     from aiohttp import web
 
     from .app import create_app
-    from .keys import DRAIN, LIVE
+    from .keys import DRAIN, LIVE, RELAY
 
     app = create_app(policy, host, worker=worker, access_log=access_log)
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
@@ -66,6 +66,9 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
         if not await drain.wait_idle(server.shutdown_timeout_ms / 1000):
             log.warning("gateway (pid %d): %d requests still in flight after %d ms; cutting them",
                         os.getpid(), drain.inflight, server.shutdown_timeout_ms)
+            # aiohttp no longer tracks a handler whose client left; those still streaming to
+            # single-flight followers end here, before the upstream pool and stores close.
+            await app[RELAY].cancel_carried()
     finally:
         log.info("gateway (pid %d) shutting down", os.getpid())
         await runner.cleanup()

@@ -45,26 +45,47 @@ class EngineSettings:
     max_queue: int = 64
 
 
-def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup CPU limit (a container's
-    `--cpus`, a Kubernetes `limits.cpu`), rounded up. More threads than the limit get throttled
-    for whole scheduler periods (100 ms), far worse than fewer threads."""
+    `--cpus`, a Kubernetes `limits.cpu`, a systemd `CPUQuota=`), rounded up. More threads than the
+    limit get throttled for whole scheduler periods (100 ms), far worse than fewer threads."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    limit = _cgroup_cpu_limit(cgroup_root)
+    limit = _cgroup_cpu_limit(cgroup_root, proc_cgroup)
     return max(1, min(cores, math.ceil(limit))) if limit else cores
 
 
-def _cgroup_cpu_limit(root: Path) -> float | None:
-    """CPUs allowed by cgroup v2's cpu.max or v1's cfs quota; None when unlimited or unreadable."""
+def _cgroup_cpu_limit(root: Path, proc_cgroup: Path) -> float | None:
+    """The smallest CPU limit on this process's cgroup and its parents (cgroup v2 `cpu.max`, v1 CFS
+    quota); None when there is none or nothing is readable."""
     try:
-        v2 = root / "cpu.max"
-        if v2.exists():
-            quota, period = v2.read_text().split()[:2]
-            return None if quota == "max" else int(quota) / int(period)
-        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
-        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    v2_path = next((line.split(":", 2)[2] for line in lines if line.startswith("0::")), "/")
+    v1_path = next((line.split(":", 2)[2] for line in lines if "cpu" in line.split(":", 2)[1].split(",")), "/")
+    limits = []
+    for rel in _self_and_parents(v2_path):
+        limits.append(_read_limit(root / rel / "cpu.max", None))
+    for rel in _self_and_parents(v1_path):
+        limits.append(_read_limit(root / "cpu" / rel / "cpu.cfs_quota_us", root / "cpu" / rel / "cpu.cfs_period_us"))
+    found = [x for x in limits if x is not None]
+    return min(found) if found else None
+
+
+def _self_and_parents(path: str) -> list[str]:
+    parts = [p for p in path.strip().split("/") if p and p != ".."]
+    return ["/".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _read_limit(quota_file: Path, period_file: Path | None) -> float | None:
+    """CPUs one cgroup file allows: v2 `cpu.max` ("max 100000" or "200000 100000"), or v1 quota and period files."""
+    try:
+        if period_file is None:
+            quota, period = quota_file.read_text().split()[:2]
+            return None if quota == "max" or int(period) <= 0 else int(quota) / int(period)
+        quota_us, period_us = int(quota_file.read_text()), int(period_file.read_text())
         return quota_us / period_us if quota_us > 0 and period_us > 0 else None
-    except (OSError, ValueError, ZeroDivisionError):
+    except (OSError, ValueError):
         return None
 
 

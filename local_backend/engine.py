@@ -156,6 +156,7 @@ class Engine:
 
     def _run(self) -> None:
         with torch.inference_mode():
+            self._start_thread_pools()
             while True:
                 with self._cond:
                     while not self._closing and not self._active and not self._waiting:
@@ -257,6 +258,18 @@ class Engine:
         self.stats.observe_tokens(len(tokens), decode_step=True)
         for slot, token in zip(self._active, tokens, strict=True):
             self._emit(slot, token)
+
+    def _start_thread_pools(self) -> None:
+        """Have OpenMP start this thread's workers for every count the picker may choose, before
+        any pass is timed: creating them costs the first pass on a count several ms (measured up
+        to ~2x a step), which would seed its estimate too high."""
+        if self.threads is None or not self.threads.adaptive:
+            return
+        for n in sorted(self.threads.choices, reverse=True):
+            torch.set_num_threads(n)
+            torch.ones(1 << 20).sum()  # big enough for torch to split it over n threads
+        self._torch_threads = self.threads.choices[0]
+        torch.set_num_threads(self._torch_threads)
 
     @contextmanager
     def _timed(self, key: tuple[str, int], units: int) -> Iterator[None]:

@@ -5,12 +5,14 @@ core idle, 2 threads decode 10-50% faster than 1 (bench/local_threads.py, 2 core
 something else keeps that core busy, 2 OpenMP threads wait on each other and the same pass takes
 2-3x longer than on 1 thread. Neither fixed count is right, so every pass is timed and each kind
 of pass (a decode step of R rows, a prefill of about T tokens) runs on the count that has been
-fastest for it lately, trying the others now and then to notice when the machine changes. The choice never changes a token: every kernel computes each output element
-in the same order whatever the thread count (tested).
+fastest for it lately, trying the others now and then to notice when the machine changes. The
+choice never changes a token: every kernel computes each output element in the same order
+whatever the thread count (tested).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
@@ -73,7 +75,10 @@ class ThreadPicker:
             cost = arms.cost
             untried = [n for n in self.choices if cost[n] is None]
             if untried:
-                return untried[0]
+                # A new kind of pass starts on what its nearest measured sibling runs best on (a
+                # prefill of a new length on many cores need not pay a 1-thread pass first).
+                hint = self._nearest_best(key) if len(untried) == len(self.choices) else None
+                return hint if hint is not None else untried[0]
             best = min(self.choices, key=lambda n: cost[n])  # type: ignore[arg-type,return-value]
             spacing = self.explore_every * (len(self.choices) - 1) / max(cost[best], 1e-12)  # type: ignore[arg-type]
             # How overdue each other count is: >= 1 means due a retry.
@@ -87,6 +92,9 @@ class ThreadPicker:
 
     def record(self, key: Hashable, threads: int, cost: float) -> None:
         """Feed back what a pass of kind ``key`` on ``threads`` threads cost."""
+        if not math.isfinite(cost):
+            return
+        cost = max(cost, 1e-9)  # a zero or negative reading (a coarse clock) would stop every retry
         with self._lock:
             arms = self._arms(key)
             arms.passes[threads] = arms.passes.get(threads, 0) + 1
@@ -111,6 +119,22 @@ class ThreadPicker:
         with self._lock:
             arms = self._kinds.get(key)
             return dict(arms.cost) if arms is not None else dict.fromkeys(self.choices)
+
+    def _nearest_best(self, key: Hashable) -> int | None:
+        """The cheapest count of the measured key of the same kind nearest in size to ``key``
+        (keys like ``("decode", rows)``), or None."""
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[1], int)):
+            return None
+        best: tuple[int, int] | None = None  # (distance, count)
+        for other, arms in self._kinds.items():
+            if other == key or not (isinstance(other, tuple) and len(other) == 2 and other[0] == key[0]):
+                continue
+            if not isinstance(other[1], int) or any(c is None for c in arms.cost.values()):
+                continue
+            distance = abs(other[1] - key[1])
+            if best is None or distance < best[0]:
+                best = (distance, min(self.choices, key=lambda n: arms.cost[n]))  # type: ignore[arg-type,return-value]
+        return best[1] if best is not None else None
 
     def _arms(self, key: Hashable) -> _Arms:
         arms = self._kinds.get(key)

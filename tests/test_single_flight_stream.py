@@ -7,6 +7,8 @@ official openai SDK.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 from typing import Any
 
@@ -412,6 +414,54 @@ async def test_followers_keep_their_stream_when_the_leaders_client_leaves_mid_st
     assert await _metric(gw, 'gateway_backend_inflight{backend="a"}') == 0
     again = await _stream(gw)
     assert again["cache"] == "hit" and again["text"] == _text(30) and up.stats.requests == 1
+
+
+async def test_followers_keep_their_stream_when_a_slow_leaders_connection_is_reset(upstream, gateway):
+    # A leader that reads slowly: the gateway's write to it waits on a full buffer; then its
+    # connection is reset, which aiohttp reports as a plain ConnectionError ("Connection lost").
+    up = await upstream("a", tokens=30000, ttft_ms=150, itl_ms=0)
+    gw = await gateway(simple_policy(up))
+    body = orjson.dumps({"model": "gpt-test", "messages": MSG, "temperature": 0, "stream": True})
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, ("127.0.0.1", gw.port))
+    await loop.sock_sendall(sock, request)
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    t0 = time.perf_counter()
+    followers = [asyncio.create_task(_stream(gw, t0=t0)) for _ in range(2)]
+    await _until(lambda: _following(gw) == 2)
+    got = b""
+    while b"w0 " not in got:  # the leader reads its first content, then stops reading
+        got += await loop.sock_recv(sock, 1024)
+    await asyncio.sleep(0.5)  # the relay now waits on the leader's full buffer
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # a reset, not a FIN
+    for f in await asyncio.gather(*followers):
+        assert f["error"] is None and f["text"] == _text(30000) and f["finish"] == "stop"
+    assert up.stats.requests == 1
+
+
+async def test_a_shutdown_out_of_time_ends_the_relays_carried_for_followers(upstream, gateway):
+    up = await upstream("a", tokens=400, ttft_ms=150, itl_ms=10)  # a 4 s answer
+    gw = await gateway(simple_policy(up))
+    t0 = time.perf_counter()
+    lead = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    follower = asyncio.create_task(_stream(gw, t0=t0))
+    await _until(lambda: _following(gw) == 1)
+    await lead
+    await _until(lambda: len(gw.app[RELAY].carried) == 1)  # going on for the follower alone
+    await gw.app[RELAY].cancel_carried()  # what serve.py does when the drain runs out of time
+    f = await follower
+    assert isinstance(f["error"], openai.APIError) and f["finish"] is None and f["text"] != _text(400)
+    await _until(lambda: up.stats.cancelled == 1)
+    assert not gw.app[RELAY].carried and time.perf_counter() - t0 < 3.0
 
 
 async def test_the_upstream_call_stops_when_the_leader_and_every_follower_have_left(upstream, gateway):

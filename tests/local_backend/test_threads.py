@@ -92,6 +92,29 @@ def test_kinds_of_pass_learn_separately_and_passes_count_by_kind() -> None:
     assert picker.passes() == {("decode", 1): 2, ("decode", 2): 18, ("prefill", 1): 9, ("prefill", 2): 1}
 
 
+def test_a_new_kind_of_pass_starts_on_its_nearest_measured_siblings_best_count() -> None:
+    picker = ThreadPicker((1, 2, 4), explore_every=50)
+    _drive(picker, ("prefill", 5), {1: 3.0, 2: 2.0, 4: 1.0}, 6)
+    _drive(picker, ("prefill", 9), {1: 1.0, 2: 2.0, 4: 3.0}, 6)
+    assert picker.pick(("prefill", 6)) == 4  # nearest: 5
+    assert picker.pick(("prefill", 8)) == 1  # nearest: 9
+    assert picker.pick(("decode", 6)) == 1  # no decode key measured yet: the first untried count
+    picker.record(("prefill", 6), 4, 1.0)
+    assert picker.pick(("prefill", 6)) == 1  # then the counts it has not tried, in order
+    assert picker.pick("other") == 1  # keys of another shape: in order
+
+
+def test_zero_negative_and_non_finite_costs_are_clamped_or_dropped() -> None:
+    picker = ThreadPicker((1, 2), explore_every=4)
+    picker.record(DECODE1, 1, float("nan"))
+    picker.record(DECODE1, 2, float("inf"))
+    assert picker.estimates(DECODE1) == {1: None, 2: None}
+    picker.record(DECODE1, 1, 0.0)
+    picker.record(DECODE1, 2, -1.0)
+    picked = _drive(picker, DECODE1, {1: 0.0, 2: 5.0}, 200)
+    assert picked.count(1) > 150 and picked.count(2) >= 1  # no division by zero; 2 was measured
+
+
 def test_a_count_outside_the_choices_is_counted_but_not_learned() -> None:
     picker = ThreadPicker((1, 2))
     picker.record(DECODE1, 7, 0.001)
@@ -125,24 +148,33 @@ def test_the_command_line_refuses_a_thread_count_below_one(value: str, capsys: p
 
 
 @pytest.mark.parametrize(
-    ("files", "limit"),
+    ("files", "proc", "limit"),
     [
-        ({"cpu.max": "100000 100000\n"}, 1),
-        ({"cpu.max": "150000 100000\n"}, 2),  # 1.5 CPUs: 2 threads, the second throttled part of the time
-        ({"cpu.max": "max 100000\n"}, None),
-        ({"cpu.max": "0 0\n"}, None),
-        ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 1),
-        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
-        ({"cpu.max": "garbage"}, None),
-        ({}, None),
+        ({"cpu.max": "100000 100000\n"}, "0::/\n", 1),
+        ({"cpu.max": "150000 100000\n"}, "0::/\n", 2),  # 1.5 CPUs: 2 threads, the second throttled part of the time
+        ({"cpu.max": "max 100000\n"}, "0::/\n", None),
+        ({"cpu.max": "0 0\n"}, "0::/\n", None),
+        ({"cpu.max": "garbage"}, "0::/\n", None),
+        ({}, "0::/\n", None),
+        # No cgroup namespace: the limit sits on the process's own cgroup, or on a parent of it.
+        ({"system.slice/llm.service/cpu.max": "100000 100000\n"}, "0::/system.slice/llm.service\n", 1),
+        ({"system.slice/cpu.max": "50000 100000\n", "system.slice/llm.service/cpu.max": "max 100000\n"},
+         "0::/system.slice/llm.service\n", 1),
+        # cgroup v1: the cpu controller's hierarchy.
+        ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, "4:cpu,cpuacct:/\n", 1),
+        ({"cpu/docker/abc/cpu.cfs_quota_us": "100000\n", "cpu/docker/abc/cpu.cfs_period_us": "100000\n"},
+         "4:cpu,cpuacct:/docker/abc\n", 1),
+        ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, "4:cpu,cpuacct:/\n", None),
     ],
 )
-def test_a_cgroup_cpu_limit_caps_the_cores(tmp_path, files: dict[str, str], limit: int | None) -> None:
+def test_a_cgroup_cpu_limit_caps_the_cores(tmp_path, files: dict[str, str], proc: str, limit: int | None) -> None:
+    root = tmp_path / "cgroup"
     for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    unlimited = usable_cores(tmp_path / "nothing-here")
-    assert usable_cores(tmp_path) == (min(unlimited, limit) if limit else unlimited)
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "self-cgroup").write_text(proc)
+    unlimited = usable_cores(tmp_path / "nothing-here", tmp_path / "nothing-here")
+    assert usable_cores(root, tmp_path / "self-cgroup") == (min(unlimited, limit) if limit else unlimited)
 
 
 async def test_switching_counts_mid_stream_changes_no_token(tiny: LoadedModel, make_engine) -> None:
