@@ -16,7 +16,7 @@ from pydantic import Field
 
 from .errors import GatewayError
 from .sink import Sink, SinkWrapper
-from .wire import SSE_HEARTBEAT, _Body
+from .wire import SSE_HEARTBEAT, JsonInt, _Body
 
 __all__ = [
     "ResponsesRequest",
@@ -41,7 +41,7 @@ class ResponsesRequest(_Body):
 
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1, strict=True)
+    max_output_tokens: JsonInt | None = Field(None, ge=1)
     previous_response_id: str | None = Field(None, min_length=1)
     conversation: str | dict[str, Any] | None = None
     background: bool | None = Field(None, strict=True)

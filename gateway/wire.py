@@ -6,16 +6,18 @@ to the backend untouched (extra="allow"), so new OpenAI parameters work without 
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import BadRequest
 
 __all__ = [
     "ChatRequest",
     "CompletionRequest",
+    "JsonFloat",
+    "JsonInt",
     "EmbeddingRequest",
     "parse_body",
     "SSEDecoder",
@@ -31,6 +33,18 @@ SSE_DONE = b"data: [DONE]\n\n"
 SSE_HEARTBEAT = b": keep-alive\n\n"
 
 
+def _json_number(value: Any) -> Any:
+    """Numbers must be JSON numbers: "5" or true would reach the backend as they are, while the
+    gateway (quotas, the classifier) would have read 5 or 1. A whole float (100.0) is an integer."""
+    if isinstance(value, str | bool):
+        raise ValueError(f"must be a JSON number, not {type(value).__name__} {value!r:.40}")
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_number)]
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
@@ -38,13 +52,11 @@ class _Body(BaseModel):
     # strict: "yes", "1" or 1 are not booleans; the backend would read them differently than we do.
     stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
-    # Numbers strict too: "5" passes on to the backend as a string, which reads it differently
-    # (or refuses it) while quotas and the classifier here would have read 5.
-    max_tokens: int | None = Field(None, ge=1, strict=True)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
-    temperature: float | None = Field(None, ge=0, le=2, strict=True)
-    top_p: float | None = Field(None, ge=0, le=1, strict=True)
-    n: int | None = Field(None, ge=1, le=128, strict=True)
+    max_tokens: JsonInt | None = Field(None, ge=1)
+    max_completion_tokens: JsonInt | None = Field(None, ge=1)
+    temperature: JsonFloat | None = Field(None, ge=0, le=2)
+    top_p: JsonFloat | None = Field(None, ge=0, le=1)
+    n: JsonInt | None = Field(None, ge=1, le=128)
     # OpenAI's tiers; an unknown one is a 400, like an unknown `x-priority`.
     service_tier: Literal["auto", "default", "flex", "priority", "scale"] | None = None
 

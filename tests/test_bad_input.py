@@ -69,6 +69,7 @@ async def test_unknown_model_is_404(upstream, gateway):
         ({"model": "gpt-test", "messages": MSG, "temperature": 7}, "temperature"),
         # Numbers strict: the backend would get the string the gateway read as a number.
         ({"model": "gpt-test", "messages": MSG, "max_tokens": "5"}, "max_tokens"),
+        ({"model": "gpt-test", "messages": MSG, "max_tokens": True}, "max_tokens"),
         ({"model": "gpt-test", "messages": MSG, "max_tokens": 5.5}, "max_tokens"),
         ({"model": "gpt-test", "messages": MSG, "max_completion_tokens": True}, "max_completion_tokens"),
         ({"model": "gpt-test", "messages": MSG, "temperature": "0"}, "temperature"),
@@ -93,7 +94,8 @@ async def test_numbers_in_their_json_types_pass(upstream, gateway):
     body = {"model": "gpt-test", "messages": MSG, "max_tokens": 5, "temperature": 0, "top_p": 1, "n": 1}
     await _post(gw, body)
     await _post(gw, {**body, "temperature": 0.5, "top_p": 0.9, "max_tokens": None})
-    assert up.stats.requests == 2
+    await _post(gw, {**body, "max_tokens": 100.0, "n": 1.0})  # whole floats are integers in JSON
+    assert up.stats.requests == 3
 
 
 async def _post(gw, body):
