@@ -394,14 +394,21 @@ async def _metric(gw: Any, needle: str) -> float:
         return sum(float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines() if line.startswith(needle))
 
 
-async def test_followers_keep_their_stream_when_the_leaders_client_leaves_mid_stream(upstream, gateway):
-    up = await upstream("a", tokens=30, ttft_ms=200, itl_ms=15)
-    gw = await gateway(simple_policy(up))
+async def _leader_that_leaves(gw: Any, followers: int, *, they_quit: bool = False) -> tuple[Any, list[Any], float]:
+    """A streamed leader whose client leaves at its first token, with `followers` streamed followers
+    attached before it does (each leaving at its first token too with `they_quit`)."""
     t0 = time.perf_counter()
     lead = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
     await _until(lambda: len(gw.app[RELAY].flight) == 1)
-    followers = [asyncio.create_task(_stream(gw, t0=t0)) for _ in range(3)]
-    await _until(lambda: _following(gw) == 3)
+    tasks = [asyncio.create_task(_stream(gw, t0=t0, quit_at_first=they_quit)) for _ in range(followers)]
+    await _until(lambda: _following(gw) == followers)
+    return lead, tasks, t0
+
+
+async def test_followers_keep_their_stream_when_the_leaders_client_leaves_mid_stream(upstream, gateway):
+    up = await upstream("a", tokens=30, ttft_ms=200, itl_ms=15)
+    gw = await gateway(simple_policy(up))
+    lead, followers, _ = await _leader_that_leaves(gw, 3)
     leader = await lead
     assert leader["text"] and leader["text"] != _text(30)  # it left after its first token
     for f in await asyncio.gather(*followers):
@@ -450,11 +457,7 @@ async def test_followers_keep_their_stream_when_a_slow_leaders_connection_is_res
 async def test_a_shutdown_out_of_time_ends_the_relays_carried_for_followers(upstream, gateway):
     up = await upstream("a", tokens=400, ttft_ms=150, itl_ms=10)  # a 4 s answer
     gw = await gateway(simple_policy(up))
-    t0 = time.perf_counter()
-    lead = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
-    await _until(lambda: len(gw.app[RELAY].flight) == 1)
-    follower = asyncio.create_task(_stream(gw, t0=t0))
-    await _until(lambda: _following(gw) == 1)
+    lead, (follower,), t0 = await _leader_that_leaves(gw, 1)
     await lead
     await _until(lambda: len(gw.app[RELAY].carried) == 1)  # going on for the follower alone
     await gw.app[RELAY].cancel_carried()  # what serve.py does when the drain runs out of time
@@ -467,11 +470,7 @@ async def test_a_shutdown_out_of_time_ends_the_relays_carried_for_followers(upst
 async def test_the_upstream_call_stops_when_the_leader_and_every_follower_have_left(upstream, gateway):
     up = await upstream("a", tokens=200, ttft_ms=200, itl_ms=15)
     gw = await gateway(simple_policy(up))
-    t0 = time.perf_counter()
-    lead = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
-    await _until(lambda: len(gw.app[RELAY].flight) == 1)
-    follower = asyncio.create_task(_stream(gw, t0=t0, quit_at_first=True))
-    await _until(lambda: _following(gw) == 1)
+    lead, (follower,), t0 = await _leader_that_leaves(gw, 1, they_quit=True)
     await asyncio.gather(lead, follower)
     await _until(lambda: up.stats.cancelled == 1)  # long before the answer's 3 s end
     assert time.perf_counter() - t0 < 2.0 and up.stats.completed == 0
