@@ -47,7 +47,8 @@ async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float) -> tupl
             return False, entry
         try:
             if await cache.store.get(_LOCK + key) is None:
-                return False, None
+                # The leader may have stored the answer and let go between our two reads.
+                return False, await cache.lookup(key)
         except StoreError:
             return False, None
     return False, None

@@ -674,3 +674,25 @@ async def test_the_flight_map_is_bounded() -> None:
     assert len(flight) == 0
     async with flight.hold("k-extra", wait_s=5) as f:  # room again
         assert f.leader and len(flight) == 1
+
+
+async def test_a_cross_process_follower_gets_an_answer_stored_between_its_two_reads():
+    """claim() polls the answer, then the lock; a leader that stores its answer and lets go of the
+    lock between those two reads must still give a hit, not send the follower upstream."""
+    from gateway import cache_flight
+
+    class LeaderInBetween(Cache):
+        """On the follower's first miss, the other process stores the answer and releases the lock."""
+
+        async def lookup(self, key: str) -> Entry | None:
+            entry = await super().lookup(key)
+            if entry is None and not getattr(self, "leader_done", False):
+                self.leader_done = True
+                await self.save(key, Entry(orjson.dumps(CHAT)))
+                await cache_flight.release(self, key)
+            return entry
+
+    cache = LeaderInBetween(MemoryStore(), ttl_s=60, max_entry_bytes=1 << 20)
+    assert await cache_flight.claim(cache, "k", wait_s=5, lock_s=5) == (True, None)  # the other process leads
+    locked, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)
+    assert not locked and entry is not None and entry.answer()["id"] == CHAT["id"]
