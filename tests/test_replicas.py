@@ -39,7 +39,9 @@ def _policy(up_url: str, redis_url: str | None = None, **extra: Any) -> dict[str
         "admin": {"key_sha256": [_sha(ADMIN)]},
     }
     if redis_url:
-        p["store"] = {"url": redis_url}
+        # 10 ms (the default) makes a slow store a miss; on a loaded CI machine a replica's Redis
+        # reply can take longer, and single flight across replicas then fails open (two misses).
+        p["store"] = {"url": redis_url, "timeout_ms": 500}
     p.update(extra)
     return p
 
