@@ -111,7 +111,7 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    # Read only to refuse them: a 135M model can neither call tools nor follow a JSON schema.
+    # Read only to refuse them: a 135M model can neither call tools nor promise JSON output.
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: Any = None
@@ -129,12 +129,22 @@ class ChatRequest(_Sampling):
         for param in ("tool_choice", "function_call"):
             if getattr(self, param) not in (None, "none"):
                 return _unsupported(param, f"{param}: the local model cannot call tools; send this request to a model that can")
-        kind = (self.response_format or {}).get("type")
+        return self._unsupported_format()
+
+    def _unsupported_format(self) -> ApiError | None:
+        """Only plain text is honoured: answering prose to a JSON request would break the caller's parser."""
+        if self.response_format is None:
+            return None
+        kind = self.response_format.get("type")
+        if kind == "text":
+            return None
         if kind == "json_schema":
-            return _unsupported(
-                "response_format", "response_format: the local model cannot follow a json_schema; send this request to a model that can"
-            )
-        return None
+            what = "cannot follow a json_schema"
+        elif kind == "json_object":
+            what = "cannot guarantee JSON output (json_object)"
+        else:
+            what = f"cannot honour type {kind!r} (only {{\"type\": \"text\"}})"
+        return _unsupported("response_format", f"response_format: the local model {what}; send this request to a model that can")
 
 
 def _unsupported(param: str, message: str) -> ApiError:

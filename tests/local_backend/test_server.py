@@ -133,9 +133,11 @@ _TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
         ({"tool_choice": "required"}, "tool_choice"),
         ({"functions": [_TOOL["function"]]}, "functions"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
     ],
 )
-def test_tools_and_json_schema_are_refused_with_400(server: RunningServer, extra: dict[str, object], param: str) -> None:
+def test_tools_and_json_response_formats_are_refused_with_400(server: RunningServer, extra: dict[str, object], param: str) -> None:
     client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=3, **extra)  # type: ignore[arg-type]
