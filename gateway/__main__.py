@@ -107,11 +107,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (PolicyError, ValueError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 1
-    from .serve import run_worker, supervise_workers
+    from .serve import listen_problem, run_worker, supervise_workers
 
+    # Before anything starts (launched models, workers): a taken port is one line, not a traceback.
+    problem = listen_problem(args.host, args.port, reuse_port=args.workers > 1)
+    if problem is not None:
+        print(f"gateway: {problem}", file=sys.stderr)
+        return 1
     if args.workers <= 1:
-        run_worker(policy, args.host, args.port, False, args.access_log)
-        return 0
+        return run_worker(policy, args.host, args.port, False, args.access_log)
     if loaded.store.url is None and any(t.quota is not None and t.quota.any() for t in loaded.tenants.values()):
         print(
             f"gateway: {policy}: quotas live in each worker's memory (no `store.url`): every limit applies "

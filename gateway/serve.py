@@ -18,6 +18,8 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +27,66 @@ from typing import Any
 
 from .workers import WorkerInfo, worker_socket
 
-__all__ = ["run_worker", "setup_logging", "supervise_workers"]
+__all__ = ["ListenError", "listen_problem", "run_worker", "setup_logging", "supervise_workers"]
 
 log = logging.getLogger("gateway")
 
 _CRASH_WINDOW_S = 5.0  # a worker dying this soon after its start counts as a crash loop
 _MAX_QUICK_CRASHES = 5
 _FANOUT_TIMEOUT_S = 10.0  # a worker's reload (policy parse, classifier load) well within this
+
+
+class ListenError(RuntimeError):
+    """The port could not be opened (taken, not permitted, an unknown host): one line says why."""
+
+
+def _where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _why(exc: OSError) -> str:
+    """The system's words for the error: asyncio rewraps a bind error with the address in its text."""
+    if isinstance(exc, socket.gaierror) or not exc.errno or exc.errno < 0:
+        text = exc.strerror or str(exc)
+    else:
+        text = os.strerror(exc.errno)
+    return text[:1].lower() + text[1:]
+
+
+def listen_problem(host: str, port: int, *, reuse_port: bool) -> str | None:
+    """Why `host:port` cannot be listened on right now (e.g. another process holds it), or None.
+
+    Binds and closes a socket per address, with the options asyncio's create_server sets, so a
+    port held by another process is found before anything starts (launched models, workers)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {_where(host, port)}: {_why(exc)}"
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(addr)
+        except OSError as exc:
+            return f"cannot listen on {_where(host, port)}: {_why(exc)}"
+        # SO_REUSEPORT binds beside another process of ours that set it too (another gateway
+        # with --workers): the kernel would then split the connections between the two.
+        if reuse_port and _answers(family, addr):
+            return f"cannot listen on {_where(host, port)}: address already in use (another process listens there)"
+    return None
+
+
+def _answers(family: int, addr: tuple[Any, ...]) -> bool:
+    """Whether something accepts connections at `addr` (a wildcard address: on loopback)."""
+    wildcard = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    target = (wildcard.get(addr[0], addr[0]), *addr[1:])
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(target) == 0
 
 
 async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log: bool, worker: WorkerInfo | None) -> None:
@@ -47,7 +102,11 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=2048)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:  # taken since `listen_problem` looked: one line, not a traceback
+        await runner.cleanup()
+        raise ListenError(f"cannot listen on {_where(host, port)}: {_why(exc)}") from None
     log.info("gateway (pid %d) serving on http://%s:%d with policy %s", os.getpid(), host, port, policy)
     stop = asyncio.Event()
     how: list[int] = []
@@ -84,15 +143,26 @@ def setup_logging() -> None:
 
 def run_worker(
     policy: str, host: str, port: int, reuse_port: bool, access_log: bool, worker: WorkerInfo | None = None
-) -> None:
-    """Serve until SIGTERM/SIGINT, on uvloop when it is installed."""
+) -> int:
+    """Serve until SIGTERM/SIGINT, on uvloop when it is installed. Returns the exit code: 0, or 1
+    when the port could not be opened (said in one line on stderr)."""
     setup_logging()
     try:
-        import uvloop
+        try:
+            import uvloop
+        except ImportError:  # uvloop is an optional extra
+            asyncio.run(_serve(policy, host, port, reuse_port, access_log, worker))
+        else:
+            uvloop.run(_serve(policy, host, port, reuse_port, access_log, worker))
+    except ListenError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
-        uvloop.run(_serve(policy, host, port, reuse_port, access_log, worker))
-    except ImportError:  # uvloop is an optional extra
-        asyncio.run(_serve(policy, host, port, reuse_port, access_log, worker))
+
+def _worker_process(policy: str, host: str, port: int, access_log: bool, info: WorkerInfo) -> None:
+    """A worker's process: its exit code tells the supervisor how it ended."""
+    sys.exit(run_worker(policy, host, port, True, access_log, info))
 
 
 def supervise_workers(policy: str, host: str, port: int, workers: int, access_log: bool) -> int:
@@ -167,7 +237,7 @@ class _Supervisor:
 
     def _spawn(self, index: int) -> None:
         info = WorkerInfo(index, self.count, self.control_dir)
-        p = self.ctx.Process(target=run_worker, args=(str(self.path), self.host, self.port, True, self.access_log, info))
+        p = self.ctx.Process(target=_worker_process, args=(str(self.path), self.host, self.port, self.access_log, info))
         p.start()
         self.procs[index] = (p, time.monotonic())
 

@@ -12,6 +12,7 @@ import ctypes
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -109,7 +110,16 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as exc:  # e.g. the port is taken: one line (the launcher shows it as the reason)
+        await runner.cleanup()
+        where = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
+        # asyncio rewraps a bind error with the address in its text: the system's words are enough.
+        plain = exc.errno is not None and exc.errno > 0 and not isinstance(exc, socket.gaierror)
+        why = os.strerror(exc.errno) if plain else (exc.strerror or str(exc))
+        print(f"local_backend: cannot listen on {where}: {why[:1].lower()}{why[1:]}", file=sys.stderr)
+        return 1
     log.info("listening on http://%s:%d/v1 (model %s loading)", args.host, args.port, args.model)
 
     loop = asyncio.get_running_loop()
