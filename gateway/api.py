@@ -212,14 +212,18 @@ async def readyz(request: web.Request) -> web.Response:
         for model, route in rt.routes.items()
         if not (usable(route.simple.candidates) and usable(route.complex.candidates))
     ]
-    body = {
+    # Launched models not up yet, each with why: starting, or a failed launch and when it is retried.
+    not_ready = {b.name: b.health.starting_reason() for b in rt.backends.values() if not b.health.ready}
+    body: dict[str, object] = {
         "status": "not ready" if unserved else "ready",
         "policy_generation": rt.generation,
         "healthy_backends": healthy,
         "models_without_backend": unserved,
+        "backends_not_ready": not_ready,
     }
     if unserved:
-        body["detail"] = "no usable backend (starting, or none configured) for: " + ", ".join(unserved)
+        why = "".join(f"; {name}: {reason}" for name, reason in not_ready.items())
+        body["detail"] = "no usable backend (starting, or none configured) for: " + ", ".join(unserved) + why
     return _json(body, status=503 if unserved else 200)
 
 
@@ -264,6 +268,7 @@ def backends_view(app: web.Application) -> dict[str, object]:
             "available_in_s": round(min(h.available_in(), 1e9), 3),
             "consecutive_failures": max(h.consecutive_failures, b.health.consecutive_failures),
             "cooling_s": round(h.cooling_for(), 3),
+            **({} if b.health.ready else {"not_ready": b.health.starting_reason()}),
             # Per upstream model: a provider's 429 or errors on one model leave the others alone.
             "models": {
                 m: {"health": h.state(), "consecutive_failures": h.consecutive_failures,

@@ -18,7 +18,8 @@ from .backends import BackendState
 from .admission import Admission, reserve_slots
 from .drain import Drain
 from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, RELAY, RELOADER, WORKER
-from .launcher import Children, watch_launched
+from .health import Health
+from .launcher import Children, LaunchState, watch_launched
 from .metrics import Metrics, refresh_gauges
 from .observe import Observer
 from .peers import Peers
@@ -36,6 +37,7 @@ __all__ = ["create_app"]
 log = logging.getLogger("gateway.app")
 
 _GAUGES_EVERY_S = 1.0  # a worker's per-backend gauges, for scrapes served by any worker
+_LAUNCHED_TIMEOUT_S = 2.0  # the supervisor answers from memory
 
 
 def create_app(
@@ -82,12 +84,12 @@ def create_app(
 
     live = Live(build(loaded, 1))
 
-    def set_ready(name: str, ready: bool) -> None:
+    def set_state(name: str, state: LaunchState) -> None:
         b = live.runtime.backends.get(name)
         if b is not None:
-            b.health.ready = ready
+            _apply(b.health, state)
 
-    children = Children(set_ready)
+    children = Children(set_state)
 
     async def on_swap(rt: Runtime) -> None:
         if worker is None:  # a worker's supervisor launches the models
@@ -116,6 +118,13 @@ def create_app(
     app.cleanup_ctx.append(_probes)
     app.cleanup_ctx.append(_observer)
     return app
+
+
+def _apply(health: Health, state: LaunchState) -> None:
+    """A launched backend's state as its routing health: ready or not, and why not."""
+    health.ready = state.ready
+    health.start_failure = "" if state.ready or state.failure is None else state.failure
+    health.start_retry_at = health.clock() + state.retry_in_s()
 
 
 def _launch_specs(rt: Runtime) -> list[tuple[str, str, LaunchPolicy]]:
@@ -172,19 +181,28 @@ async def _worker_side(app: web.Application) -> AsyncIterator[None]:
     app[PEERS] = None
     server = await control.serve_unix(worker.socket, {("POST", "/reload"): reload, ("GET", "/backends"): view})
 
-    def launched() -> list[tuple[str, str, Callable[[bool], None]]]:
+    def launched() -> list[tuple[str, str, Callable[[LaunchState], None]]]:
         out = []
         for name, b in live.runtime.backends.items():
             if b.policy.launch is not None:
-                out.append((name, b.base_url, functools.partial(setattr, b.health, "ready")))
+                out.append((name, b.base_url, functools.partial(_apply, b.health)))
         return out
+
+    async def launch_states() -> dict[str, LaunchState]:
+        """The supervisor's word on why a launched model is not ready (none when it cannot say)."""
+        try:
+            answer = await control.ask(worker.supervisor_socket, "GET", "/launched", _LAUNCHED_TIMEOUT_S)
+        except control.ControlError as exc:
+            log.debug("worker %d: the supervisor did not say how its launched models are: %s", worker.index, exc)
+            return {}
+        return {name: LaunchState.from_json(st) for name, st in answer.items() if isinstance(st, dict)}
 
     async def gauges() -> None:
         while True:
             refresh_gauges(app[METRICS], live.runtime, app[ADMISSION])
             await asyncio.sleep(_GAUGES_EVERY_S)
 
-    tasks = [asyncio.create_task(watch_launched(launched)), asyncio.create_task(gauges())]
+    tasks = [asyncio.create_task(watch_launched(launched, launch_states)), asyncio.create_task(gauges())]
     yield
     for task in tasks:
         task.cancel()

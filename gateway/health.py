@@ -2,7 +2,8 @@
 
 The relay reports outcomes (and the prober reports probe results); this object decides. States:
 
-- ``starting``: a launched backend is not ready yet (`ready` is False);
+- ``starting``: a launched backend is not ready yet (`ready` is False); when its launch failed,
+  `start_failure` says why and `start_retry_at` when the launcher tries again;
 - ``ejected``: `failures_to_eject` consecutive failures (errors or timeouts) took it out for a
   back-off of ``eject_s * 2**(n-1)`` (n: ejections in a row without a success), capped at
   `max_eject_s`, shortened by up to `jitter` at random so replicas do not all retry at once;
@@ -106,6 +107,24 @@ class Health:
     cooldown_until: float = 0.0  # from an upstream Retry-After
     ready: bool = True  # False while a launched backend starts
     parent: "Health | None" = None  # the backend's own health, for a model's
+    # While not ready: why the last launch failed (one line; "" while it simply starts) and when
+    # the launcher tries again (on `clock`), so a 503 and /readyz say more than "starting".
+    start_failure: str = ""
+    start_retry_at: float = 0.0
+
+    def starting_reason(self) -> str:
+        """Why a backend that is not ready cannot answer: starting, or its failed launch and retry."""
+        if not self.start_failure:
+            return "the backend is starting"
+        wait = self.start_retry_at - self.clock()
+        when = f"retrying in {wait:.0f} s" if wait >= 0.5 else "retrying now"
+        return f"the backend could not be launched: {self.start_failure}; {when}"
+
+    def starting_retry_s(self) -> float | None:
+        """Seconds until the launcher's next try after a failed launch (at least 1), else None."""
+        if not self.start_failure:
+            return None
+        return max(1.0, self.start_retry_at - self.clock())
 
     def report_success(self) -> None:
         """A request (not a probe) was answered: the backend is fully healthy again."""

@@ -9,21 +9,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from .policy import LaunchPolicy
 
-__all__ = ["ChildBackend", "Children", "LaunchError", "LaunchSpec", "watch_launched"]
+__all__ = ["ChildBackend", "Children", "LaunchError", "LaunchSpec", "LaunchState", "watch_launched"]
 
 log = logging.getLogger("gateway.launcher")
 
@@ -36,7 +39,57 @@ _TAIL_LINES = 20
 
 
 class LaunchError(RuntimeError):
-    """The child exited or did not become healthy in time."""
+    """The child exited or did not become healthy in time. `summary`: why, in one line (the
+    message itself adds the command and the child's last stderr lines)."""
+
+    def __init__(self, message: str, summary: str | None = None) -> None:
+        super().__init__(message)
+        self.summary = summary or message.splitlines()[0]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchState:
+    """Where one launched backend stands: ready, starting, or failed and waiting to try again.
+
+    `failure`: why the last start failed or the child exited (one line; None while it simply
+    starts or is ready); `retry_at`: when the next try starts (time.monotonic()); `failures`:
+    failed starts and exits in a row."""
+
+    ready: bool
+    failure: str | None = None
+    retry_at: float = 0.0
+    failures: int = 0
+
+    def retry_in_s(self) -> float:
+        return max(0.0, self.retry_at - time.monotonic())
+
+    def describe(self) -> str:
+        """One line: ready, starting, or `could not be launched: <why>; retrying in N s`."""
+        if self.ready:
+            return "ready"
+        if self.failure is None:
+            return "starting"
+        wait = self.retry_in_s()
+        return f"could not be launched: {self.failure}; " + (f"retrying in {wait:.0f} s" if wait >= 0.5 else "retrying now")
+
+    def to_json(self) -> dict[str, Any]:
+        """For the control socket (the supervisor tells its workers): times relative, so no clock is shared."""
+        return {"ready": self.ready, "failure": self.failure, "retry_in_s": round(self.retry_in_s(), 3), "failures": self.failures}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "LaunchState":
+        failure = data.get("failure")
+        retry_in = data.get("retry_in_s")
+        return cls(
+            ready=bool(data.get("ready")),
+            failure=str(failure) if failure else None,
+            retry_at=time.monotonic() + (float(retry_in) if isinstance(retry_in, (int, float)) else 0.0),
+            failures=int(data.get("failures") or 0),
+        )
+
+
+def _ignore(_state: LaunchState) -> None:
+    pass
 
 
 class ChildBackend:
@@ -116,26 +169,39 @@ class ChildBackend:
             raise
         log.info("%s healthy after %.1f s", self._prefix, time.monotonic() - self._started_at)
 
-    async def supervise(self) -> None:
-        """Run until cancelled: whenever the child dies, back off (exponentially, capped) and restart it."""
+    async def supervise(self, on_change: Callable[[LaunchState], None] = _ignore) -> None:
+        """Run until cancelled or stopped: start the child unless it runs, and whenever a start
+        fails or the child dies, back off (exponentially, capped) and start it again, so a
+        backend whose port was taken comes up once it is free. `on_change` hears each change
+        (ready; or failed, why, and when the next try is)."""
         backoff = _BACKOFF_START_S
-        while True:
+        failures = 0
+        while not self._stopping:
+            if not self.running:
+                try:
+                    await self.start()
+                except LaunchError as exc:
+                    failures += 1
+                    log.error("%s could not be launched (try %d; next in %.1f s): %s", self._prefix, failures, backoff, exc)
+                    on_change(LaunchState(False, exc.summary, time.monotonic() + backoff, failures))
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                    continue
+            on_change(LaunchState(True))
             proc = self._proc
-            if proc is not None:
-                code = await proc.wait()
-                if self._stopping:
-                    return
-                if time.monotonic() - self._started_at >= _STABLE_AFTER_S:
-                    backoff = _BACKOFF_START_S
-                log.warning("%s exited with code %s; restarting in %.1f s", self._prefix, code, backoff)
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            assert proc is not None
+            code = await proc.wait()
             if self._stopping:
                 return
-            try:
-                await self.start()
-            except LaunchError as exc:
-                log.error("%s restart failed: %s", self._prefix, exc)
+            if self._pump is not None:  # its last lines explain the exit
+                await asyncio.wait({self._pump}, timeout=1.0)
+            if time.monotonic() - self._started_at >= _STABLE_AFTER_S:
+                backoff, failures = _BACKOFF_START_S, 0
+            failures += 1
+            log.warning("%s exited with code %s; restarting in %.1f s", self._prefix, code, backoff)
+            on_change(LaunchState(False, self._summary(f"exited with code {code}"), time.monotonic() + backoff, failures))
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def stop(self) -> None:
         """SIGTERM, wait a few seconds, then SIGKILL. Safe to call more than once."""
@@ -160,7 +226,8 @@ class ChildBackend:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.settimeout(0.5)
             if probe.connect_ex((self.host, self.port)) == 0:
-                raise LaunchError(f"backend {self.name!r}: {self.host}:{self.port} is already in use")
+                where = f"{self.host}:{self.port} is already in use (another process listens there)"
+                raise LaunchError(f"backend {self.name!r}: {where}", where)
 
     async def _forward_stderr(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
@@ -189,7 +256,13 @@ class ChildBackend:
 
     def _error(self, what: str) -> LaunchError:
         tail = "\n  ".join(self._tail) or "(no output)"
-        return LaunchError(f"backend {self.name!r} {what}\n command: {' '.join(self.command)}\n last stderr lines:\n  {tail}")
+        message = f"backend {self.name!r} {what}\n command: {' '.join(self.command)}\n last stderr lines:\n  {tail}"
+        return LaunchError(message, self._summary(what))
+
+    def _summary(self, what: str) -> str:
+        """`what` and the child's last stderr line, which usually says why (a taken port, an unknown model)."""
+        last = self._tail[-1] if self._tail else ""
+        return f"{what}: {last}" if last else what
 
     async def _terminate(self) -> None:
         proc = self._proc
@@ -216,14 +289,20 @@ LaunchSpec = tuple[str, str, LaunchPolicy]
 class Children:
     """The launched backends of one policy: started, supervised, restarted on change, stopped.
 
-    `on_ready(name, ready)` hears when one became healthy or went away (in a single process, the
-    backend's routing readiness; in a supervisor, a log line). Owned by whoever launches: the one
-    gateway process, or the supervisor of `--workers N` (its workers only watch, see
-    `watch_launched`)."""
+    `on_change(name, state)` hears when one became ready, went away, or failed to start and
+    when it is retried (in a single process: the backend's routing readiness and the reason its
+    503s and /readyz give; in a supervisor: nothing, its workers ask `states()` through the
+    control socket). Owned by whoever launches: the one gateway process, or the supervisor of
+    `--workers N` (its workers only watch, see `watch_launched`)."""
 
-    def __init__(self, on_ready: Callable[[str, bool], None]) -> None:
+    def __init__(self, on_change: Callable[[str, LaunchState], None]) -> None:
         self._tasks: dict[str, tuple[tuple[str, LaunchPolicy], asyncio.Task[None]]] = {}
-        self._on_ready = on_ready
+        self._states: dict[str, LaunchState] = {}
+        self._on_change = on_change
+
+    def states(self) -> dict[str, LaunchState]:
+        """Each launched backend's current state, by name."""
+        return dict(self._states)
 
     async def reconcile(self, specs: Iterable[LaunchSpec]) -> None:
         """Start children new to this policy; stop those that left it or changed."""
@@ -232,7 +311,7 @@ class Children:
         await self.stop(stale)
         for name, spec in wanted.items():
             if name not in self._tasks:
-                self._on_ready(name, False)  # not routed to until its /healthz answers
+                self._set(name, LaunchState(False))  # not routed to until its /healthz answers
                 task = asyncio.create_task(self._run(name, *spec), name=f"launch-{name}")
                 self._tasks[name] = (spec, task)
 
@@ -243,46 +322,68 @@ class Children:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _set(self, name: str, state: LaunchState) -> None:
+        self._states[name] = state
+        self._on_change(name, state)
+
     async def _run(self, name: str, url: str, lp: LaunchPolicy) -> None:
         child = ChildBackend(
             name, url, lp.model, quantize=lp.quantize, device=lp.device, threads=lp.threads,
             startup_timeout_s=lp.startup_timeout_s, extra_args=lp.extra_args,
         )  # fmt: skip
+
+        def changed(state: LaunchState) -> None:
+            if state.ready:
+                log.info("backend %s: local model %s is ready at %s", name, lp.model, url)
+            self._set(name, state)
+
         try:
-            await child.start()
-            self._on_ready(name, True)
-            log.info("backend %s: local model %s is ready at %s", name, lp.model, url)
-            await child.supervise()
-        except LaunchError as exc:
-            log.error("backend %s could not be launched: %s", name, exc)
+            await child.supervise(changed)
         finally:
-            self._on_ready(name, False)
+            self._states.pop(name, None)
+            self._on_change(name, LaunchState(False))
             await asyncio.shield(child.stop())
 
 
 _WATCH_READY_S = 1.0  # between polls of a ready launched backend
 _WATCH_STARTING_S = 0.2  # between polls while it starts: traffic waits for this
 _WATCH_FAILURES = 3  # failed polls in a row before a ready backend counts as gone
+_WATCH_REASON_S = 1.0  # between questions to the launching process while one is not ready
+
+# What the launching process says about its children (the supervisor, through the control socket).
+LaunchStates = Callable[[], Awaitable[Mapping[str, LaunchState]]]
 
 
-async def watch_launched(backends: Callable[[], Iterable[tuple[str, str, Callable[[bool], None]]]]) -> None:
+async def watch_launched(
+    backends: Callable[[], Iterable[tuple[str, str, Callable[[LaunchState], None]]]],
+    launch_states: LaunchStates | None = None,
+) -> None:
     """In a worker: follow the readiness of the backends another process launched, by polling
     their /healthz (`backends()` yields name, base URL and a setter, read anew each round so it
-    follows reloads). Runs until cancelled."""
+    follows reloads). While one is not ready, `launch_states()` (the launching process's
+    `Children.states()`, at most once a second; empty when it cannot answer) says why, e.g. a
+    failed start and its retry. Runs until cancelled."""
     failures: dict[str, int] = {}
     ready: dict[str, bool] = {}
+    known: Mapping[str, LaunchState] = {}
+    asked_at = -math.inf
     timeout = aiohttp.ClientTimeout(total=2.0)
     async with aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()) as http:
         while True:
             current = list(backends())
             results = await asyncio.gather(*(_healthy(http, url) for _, url, _ in current))
-            for (name, _, set_ready), ok in zip(current, results, strict=True):
+            down = [name for (name, _, _), ok in zip(current, results, strict=True) if not ok]
+            if down and launch_states is not None and time.monotonic() - asked_at >= _WATCH_REASON_S:
+                asked_at = time.monotonic()
+                known = await launch_states()
+            for (name, _, set_state), ok in zip(current, results, strict=True):
                 failures[name] = 0 if ok else failures.get(name, 0) + 1
                 now = ok or (ready.get(name, False) and failures[name] < _WATCH_FAILURES)
                 if now != ready.get(name):
                     log.info("backend %s: launched model %s", name, "ready" if now else "not ready")
                 ready[name] = now
-                set_ready(now)
+                theirs = known.get(name)
+                set_state(LaunchState(True) if now else (theirs if theirs is not None and not theirs.ready else LaunchState(False)))
             starting = any(not ready.get(name, False) for name, _, _ in current)
             await asyncio.sleep(_WATCH_STARTING_S if starting else _WATCH_READY_S)
 

@@ -46,8 +46,9 @@ def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> l
         h = pool.candidates[r.index].health  # this model's health on that backend
         if r.skipped is None or b in order:
             continue
-        if r.skipped == "starting":
-            failures.append((b.name, Unavailable("the backend is starting", retry_after_s=5)))
+        if r.skipped == "starting":  # the launcher's reason when its launch failed, else "starting"
+            wait = b.health.starting_retry_s()
+            failures.append((b.name, Unavailable(b.health.starting_reason(), retry_after_s=5 if wait is None else wait)))
         elif r.skipped == "cooling":
             wait = h.cooling_for()
             failures.append((b.name, RateLimited(f"asked us to back off for {wait:.1f}s more", retry_after_s=wait)))

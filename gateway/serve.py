@@ -190,7 +190,8 @@ class _Supervisor:
         self.control_dir = control_dir
         self.policy = load_policy(policy)
         self.generation = 1
-        self.children = Children(lambda name, ready: None)  # the launcher logs; workers watch /healthz
+        # The launcher logs; workers watch /healthz and ask `/launched` why one is not ready.
+        self.children = Children(lambda name, state: None)
         self.ctx = multiprocessing.get_context("spawn")
         self.procs: dict[int, tuple[Any, float]] = {}  # index -> (process, started)
         self.stopping = asyncio.Event()
@@ -208,7 +209,11 @@ class _Supervisor:
         loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload_all("SIGHUP")))
         server = await control.serve_unix(
             self.control_dir / "supervisor.sock",
-            {("POST", "/reload"): lambda: self.reload_everywhere("admin"), ("GET", "/backends"): self.views},
+            {
+                ("POST", "/reload"): lambda: self.reload_everywhere("admin"),
+                ("GET", "/backends"): self.views,
+                ("GET", "/launched"): self.launched,
+            },
         )
         await self.children.reconcile(self._launch_specs())
         for i in range(self.count):
@@ -311,6 +316,10 @@ class _Supervisor:
         out = await self.reload_all(trigger)
         out["replicas"] = await self.peers.announce()
         return out
+
+    async def launched(self) -> dict[str, Any]:
+        """Each launched model's state (ready, or why not and when it is retried), for the workers."""
+        return {name: state.to_json() for name, state in self.children.states().items()}
 
     async def views(self) -> dict[str, Any]:
         from . import control

@@ -88,6 +88,80 @@ async def test_requests_while_the_local_backend_starts_get_a_clear_503(gateway):
     await _wait_ready(gw, 90)
 
 
+async def _readyz(url: str) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.get(url + "/readyz") as r:
+        return r.status, await r.json()
+
+
+async def test_a_launch_blocked_by_a_taken_port_says_why_and_comes_up_once_it_is_free(gateway):
+    import openai
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        gw = await gateway(_policy(port, "tiny-random", "tiny-random"))
+        taken = f"could not be launched: 127.0.0.1:{port} is already in use (another process listens there); retrying"
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10
+        while taken not in (await _readyz(gw.url))[1]["backends_not_ready"].get("local", ""):
+            assert loop.time() < end, "readyz never said why the backend is not ready"
+            await asyncio.sleep(0.1)
+        status, body = await _readyz(gw.url)
+        assert status == 503 and sorted(body["models_without_backend"]) == ["auto", "tiny-random"]
+        assert body["backends_not_ready"]["local"].startswith(f"the backend {taken}")
+        assert f"local: the backend {taken}" in body["detail"]
+        with pytest.raises(openai.APIStatusError) as exc:
+            await gw.client().chat.completions.create(model="auto", messages=[{"role": "user", "content": "Hi"}])
+        assert exc.value.status_code == 503 and taken in exc.value.message
+        assert 1 <= float(exc.value.response.headers["retry-after"]) <= 30  # when the launcher tries again
+    finally:
+        holder.close()
+    await _wait_ready(gw, 90)  # the next try finds the port free
+    status, body = await _readyz(gw.url)
+    assert status == 200 and body["backends_not_ready"] == {}
+    r = await gw.client().chat.completions.create(model="auto", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    assert r.usage.completion_tokens <= 2
+
+
+async def test_with_workers_readyz_and_503s_carry_the_supervisors_launch_failure(tmp_path):
+    """With --workers N the supervisor launches and the workers only watch: they ask it, through
+    the control socket, why a launched model is not ready."""
+    from tests.procs import serve
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    taken = f"could not be launched: 127.0.0.1:{port} is already in use (another process listens there); retrying"
+    try:
+        async with serve(_policy(port, "tiny-random", "tiny-random"), tmp_path, "--workers", "2") as gw:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + 20
+            async with aiohttp.ClientSession() as http:
+                # Every worker's own view (loopback open mode: /admin needs no key), through the supervisor.
+                while True:
+                    async with http.get(gw.url + "/admin/backends") as r:
+                        views = (await r.json())["workers"]
+                    reasons = [w.get("backends", {}).get("local", {}).get("not_ready", "") for w in views]
+                    if len(reasons) == 2 and all(taken in why for why in reasons):
+                        break
+                    assert loop.time() < end, f"the workers never said why: {views}"
+                    await asyncio.sleep(0.2)
+                status, body = await _readyz(gw.url)
+                assert status == 503 and taken in body["backends_not_ready"]["local"]
+                chat = {"model": "auto", "messages": [{"role": "user", "content": "Hi"}]}
+                async with http.post(gw.url + "/v1/chat/completions", json=chat) as r:
+                    assert r.status == 503 and taken in (await r.json())["error"]["message"]
+            holder.close()
+            await _wait_ready(gw, 90)
+            status, body = await _readyz(gw.url)
+            assert status == 200 and body["backends_not_ready"] == {}
+    finally:
+        holder.close()
+
+
 @pytest.mark.slow
 async def test_smollm2_answers_paris_through_the_gateway_stream_and_not(gateway):
     port = _free_port()

@@ -12,7 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from gateway.launcher import ChildBackend, LaunchError
+from gateway.launcher import ChildBackend, Children, LaunchError, LaunchState
+from gateway.policy import LaunchPolicy
 
 
 def _free_port() -> int:
@@ -109,3 +110,51 @@ def test_launcher_does_not_import_torch_or_local_backend() -> None:
     code = "import sys, gateway.launcher; print(any(m == 'torch' or m.startswith('local_backend') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+async def test_a_child_that_cannot_bind_says_why_in_one_line() -> None:
+    """A socket bound but not listening passes the launcher's look (nothing answers) and makes the
+    child's own bind fail: its one line on stderr becomes the launch error's summary."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        child = _child(holder.getsockname()[1])
+        with pytest.raises(LaunchError) as info:
+            await child.start()
+    summary = info.value.summary
+    assert "\n" not in summary
+    assert summary.startswith("exited with code 1 before becoming healthy: local_backend: cannot listen on 127.0.0.1:")
+    assert summary.endswith("address already in use")
+
+
+async def _until(check, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.1)
+
+
+async def test_a_launch_blocked_by_a_taken_port_is_retried_and_comes_up_once_it_is_free() -> None:
+    heard: list[tuple[str, LaunchState]] = []
+    children = Children(lambda name, state: heard.append((name, state)))
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    lp = LaunchPolicy(model="tiny-random", quantize="none", device="cpu", threads=1, startup_timeout_s=60)
+    try:
+        await children.reconcile([("local", f"http://127.0.0.1:{port}/v1", lp)])
+        assert heard[0] == ("local", LaunchState(False))  # starting: not routed to yet
+        await _until(lambda: children.states()["local"].failures >= 2, 10, "the launch was not retried")
+        state = children.states()["local"]
+        assert not state.ready and state.failure == f"127.0.0.1:{port} is already in use (another process listens there)"
+        assert state.describe().startswith(f"could not be launched: {state.failure}; retrying")
+        assert 0 < state.retry_in_s() <= 30
+        holder.close()  # the port frees: the next try starts the model
+        await _until(lambda: children.states()["local"].ready, 90, "the backend never came up after the port freed")
+        assert heard[-1] == ("local", LaunchState(True))
+        assert await _healthy(port)
+    finally:
+        holder.close()
+        await children.stop()
+    assert heard[-1] == ("local", LaunchState(False)) and children.states() == {}
+    assert not await _healthy(port)
