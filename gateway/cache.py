@@ -69,11 +69,19 @@ def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any]
     return _KEY_PREFIX + hashlib.sha256(canonical).hexdigest()
 
 
-def cacheable_request(body: Mapping[str, Any], *, require_deterministic: bool = True) -> str | None:
+def cacheable_request(
+    body: Mapping[str, Any],
+    *,
+    require_deterministic: bool = True,
+    default_temperatures: Mapping[str, float] | None = None,
+) -> str | None:
     """None when the request may be answered from (and stored in) the cache, else the reason why not.
 
     One choice only; no logprobs (a streamed replay could not carry them). With
     `require_deterministic`, also temperature 0 or a seed (the policy may drop this per model/tenant).
+    A request without temperature is sampled at each backend's default: `default_temperatures`
+    (backend name -> its default, for every backend that may answer it) makes it count as
+    temperature 0 when all of them decode greedily; None means OpenAI's default of 1.
     """
     n = body.get("n")
     if n is not None and n != 1:
@@ -84,10 +92,22 @@ def cacheable_request(body: Mapping[str, Any], *, require_deterministic: bool = 
     if require_deterministic and body.get("seed") is None:
         t = body.get("temperature")
         if t is None:
-            return "no temperature 0 or seed (default temperature is 1)"
+            if default_temperatures is None:
+                return "no temperature 0 or seed (default temperature is 1)"
+            return _sampled_by_default(default_temperatures)
         if t != 0:
             return "temperature > 0 without seed"
     return None
+
+
+def _sampled_by_default(defaults: Mapping[str, float]) -> str | None:
+    """Why a request without temperature or seed is not deterministic: the backends that sample by default."""
+    sampled = {name: t for name, t in defaults.items() if t != 0}
+    if not sampled:
+        return None
+    named = ", ".join(f"{name!r} ({t:g})" for name, t in sampled.items())
+    which = f"backend {named} samples" if len(sampled) == 1 else f"backends {named} sample"
+    return f"no temperature 0 or seed, and {which} by default (default_temperature)"
 
 
 def cache_control(header: str | None) -> tuple[bool, bool]:

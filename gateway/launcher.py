@@ -105,6 +105,7 @@ class ChildBackend:
         quantize: str = "auto",
         device: str = "auto",
         threads: int | None = None,
+        default_temperature: float | None = None,
         startup_timeout_s: float = 300.0,
         extra_args: Sequence[str] = (),
         python: str = sys.executable,
@@ -126,6 +127,8 @@ class ChildBackend:
             "--quantize", quantize,
             "--device", device,
             *(["--threads", str(threads)] if threads else []),
+            # The gateway's cache decides by this value: the server must not pick its own.
+            *(["--default-temperature", str(default_temperature)] if default_temperature is not None else []),
             *extra_args,
         ]  # fmt: skip
         self._prefix = log_prefix or f"[{name}]"
@@ -329,7 +332,7 @@ class Children:
     async def _run(self, name: str, url: str, lp: LaunchPolicy) -> None:
         child = ChildBackend(
             name, url, lp.model, quantize=lp.quantize, device=lp.device, threads=lp.threads,
-            startup_timeout_s=lp.startup_timeout_s, extra_args=lp.extra_args,
+            default_temperature=lp.default_temperature, startup_timeout_s=lp.startup_timeout_s, extra_args=lp.extra_args,
         )  # fmt: skip
 
         def changed(state: LaunchState) -> None:

@@ -58,7 +58,17 @@ class LaunchPolicy(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: int | None = Field(None, gt=0)
     startup_timeout_s: float = Field(300.0, gt=0)
+    # The temperature the model server samples at when a request names none (0: greedy). Passed
+    # to it as --default-temperature, so the server and the gateway's cache read one value.
+    default_temperature: float = Field(0.0, ge=0, le=2)
     extra_args: tuple[str, ...] = ()
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_default_temperature(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(a == "--default-temperature" or a.startswith("--default-temperature=") for a in v):
+            raise ValueError("set `default_temperature` in `launch` instead: the gateway's cache must know it too")
+        return v
 
 
 class PricePolicy(_Section):
@@ -90,6 +100,10 @@ class BackendPolicy(_Section):
     # new turn: how a stream cut elsewhere is continued here. None: the default for its kind (true
     # for a launched local backend, false otherwise: OpenAI's own API starts a new message).
     prefill: bool | None = None
+    # The temperature this backend samples at when a request names none: a request without
+    # temperature or seed is cached only when every backend that may answer it says 0 (greedy).
+    # None: OpenAI's 1.0, or for a launched backend its `launch.default_temperature` (default 0).
+    default_temperature: float | None = Field(None, ge=0, le=2)
 
     @field_validator("url")
     @classmethod
@@ -110,6 +124,23 @@ class BackendPolicy(_Section):
         if self.launch is not None and "endpoints" not in self.model_fields_set:
             object.__setattr__(self, "endpoints", ("chat", "completions"))
         return self
+
+    @model_validator(mode="after")
+    def _one_default_temperature(self) -> "BackendPolicy":
+        lt = None if self.launch is None else self.launch.default_temperature
+        if lt is not None and self.default_temperature is not None and self.default_temperature != lt:
+            raise ValueError(
+                f"default_temperature {self.default_temperature:g} differs from launch.default_temperature {lt:g}: "
+                "set it in `launch` only (the launcher passes that one to the model server)"
+            )
+        return self
+
+    @property
+    def sampling_default_temperature(self) -> float:
+        """The temperature this backend answers a request without one at (see `default_temperature`)."""
+        if self.default_temperature is not None:
+            return self.default_temperature
+        return 1.0 if self.launch is None else self.launch.default_temperature
 
     @property
     def model_map(self) -> dict[str, str]:

@@ -190,7 +190,7 @@ class Runtime:
             return _NO_CACHE
         if call.no_cache:
             return CachePlan(None, "cache-control: no-cache")
-        why = cacheable_request(call.body, require_deterministic=not include_sampled)
+        why = cacheable_request(call.body, require_deterministic=not include_sampled, default_temperatures=_defaults(call, route))
         if why is None and call.endpoint.name == "responses":
             why = stateful_reason(call.body)
         if why is not None:
@@ -255,6 +255,13 @@ class Runtime:
         if route is None:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
         return route
+
+
+def _defaults(call: Call, route: Route) -> dict[str, float]:
+    """The default temperature of every backend that may answer `call`: its class's pool on this
+    endpoint (failover, retries, hedges and rescues stay in it) and the route's context fallbacks."""
+    backends = (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
+    return {b.name: b.policy.sampling_default_temperature for b in backends}
 
 
 def _cost(bp: BackendPolicy) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -20,7 +21,7 @@ from pathlib import Path
 from aiohttp import web
 
 from .models import ModelNotFound, check_model_name
-from .server import BackendState, create_app
+from .server import BackendState, create_app, sampling_defaults
 
 log = logging.getLogger("local_backend")
 
@@ -54,8 +55,50 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     serve.add_argument("--served-name", default=None, help="the model id clients send (default: the model name)")
     serve.add_argument("--default-max-tokens", type=int, default=512, help="chat max_tokens when the request sets none")
-    serve.add_argument("--default-temperature", type=float, default=0.0, help="temperature when the request sets none (0: greedy)")
+    serve.add_argument(
+        "--default-temperature",
+        type=_temperature,
+        default=None,
+        help="temperature when the request sets none (default: the model's generation config's when it samples, else 0: greedy)",
+    )
+    serve.add_argument(
+        "--default-top-p",
+        type=_top_p,
+        default=None,
+        help="top_p when the request sets none (default: the model's generation config's when it samples, else 1)",
+    )
     return parser
+
+
+def _temperature(text: str) -> float:
+    """argparse type: a temperature the API accepts (0 to 2)."""
+    value = float(text)
+    if not 0.0 <= value <= 2.0:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 2, not {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    """argparse type: a top_p the API accepts (above 0, at most 1)."""
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be above 0 and at most 1, not {text}")
+    return value
+
+
+def _generation_config(model: str) -> dict[str, object] | None:
+    """The model folder's generation_config.json (read as JSON: torch is not imported yet), or None.
+
+    Registry names and .gguf files carry none here: they decode greedily unless told otherwise."""
+    path = Path(model).expanduser() / "generation_config.json"
+    if not (path.parent / "config.json").is_file() or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring %s (sampling defaults from the command line or greedy): %s", path, exc)
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _die_with_parent() -> None:
@@ -103,10 +146,12 @@ def _load_in_thread(settings: object, loop: asyncio.AbstractEventLoop) -> asynci
 async def _serve(args: argparse.Namespace) -> int:
     from .boot import EngineSettings
 
+    defaults = sampling_defaults(args.default_temperature, args.default_top_p, _generation_config(args.model))
     state = BackendState(
         served_name=args.served_name or _served_name(args.model),
         default_max_tokens=args.default_max_tokens,
-        default_temperature=args.default_temperature,
+        default_temperature=defaults.temperature,
+        default_top_p=defaults.top_p,
     )
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -121,6 +166,7 @@ async def _serve(args: argparse.Namespace) -> int:
         print(f"local_backend: cannot listen on {where}: {why[:1].lower()}{why[1:]}", file=sys.stderr)
         return 1
     log.info("listening on http://%s:%d/v1 (model %s loading)", args.host, args.port, args.model)
+    log.info("a request without temperature / top_p is decoded with %s", defaults.describe())
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

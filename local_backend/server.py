@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,7 @@ from .wire import (
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["STATE", "BackendState", "create_app"]
+__all__ = ["STATE", "BackendState", "SamplingDefaults", "create_app", "sampling_defaults"]
 
 log = logging.getLogger("local_backend.server")
 
@@ -45,9 +45,47 @@ class BackendState:
     engine: Engine | None = None
     load_error: str | None = None
     default_max_tokens: int = 512
-    default_temperature: float = 0.0
+    default_temperature: float = 0.0  # for a request without temperature: see sampling_defaults()
+    default_top_p: float = 1.0
     body_limit_bytes: int = 1 << 20
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request that names no temperature / top_p is decoded with, and where each came from."""
+
+    temperature: float
+    top_p: float
+    temperature_from: str
+    top_p_from: str
+
+    def describe(self) -> str:
+        greedy = " (greedy)" if self.temperature == 0 else ""
+        return f"temperature {self.temperature:g}{greedy} from {self.temperature_from}, top_p {self.top_p:g} from {self.top_p_from}"
+
+
+def sampling_defaults(
+    temperature: float | None, top_p: float | None, generation_config: Mapping[str, Any] | None
+) -> SamplingDefaults:
+    """Each default: the command line's when given; else the model's generation config's when it
+    samples (`do_sample: true`, as vLLM's `--generation-config auto` reads it); else greedy
+    (temperature 0) and top_p 1. A gateway that launches the server always passes the temperature,
+    so its cache and the server agree."""
+    config = generation_config or {}
+    samples = config.get("do_sample") is True
+
+    def pick(flag: float | None, key: str, low: float, fallback: float) -> tuple[float, str]:
+        if flag is not None:
+            return flag, f"--default-{key.replace('_', '-')}"
+        value = config.get(key)
+        if samples and isinstance(value, (int, float)) and not isinstance(value, bool) and low <= value <= (2.0 if key == "temperature" else 1.0):
+            return float(value), "the model's generation config (do_sample: true)"
+        return fallback, "the built-in default" if not samples else f"the built-in default (the generation config sets no usable {key})"
+
+    t, t_from = pick(temperature, "temperature", 0.0, 0.0)
+    p, p_from = pick(top_p, "top_p", 1e-9, 1.0)
+    return SamplingDefaults(t, p, t_from, p_from)
 
 
 STATE = web.AppKey("state", BackendState)
@@ -111,7 +149,8 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
             code="context_length_exceeded",
         )
     temperature = state.default_temperature if req.temperature is None else req.temperature
-    sampling = SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed)
+    top_p = state.default_top_p if req.top_p is None else req.top_p
+    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=req.seed)
     limit = req.token_limit() or state.default_max_tokens
     try:
         return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos))

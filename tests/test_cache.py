@@ -126,6 +126,24 @@ def test_cacheable_request_rules(extra: dict[str, Any], reason: str | None) -> N
     assert cacheable_request(body) == reason
 
 
+def test_a_request_without_temperature_counts_as_its_backends_default() -> None:
+    """Cacheable when every backend that may answer it decodes greedily by default; the reason
+    names those that sample."""
+    body = {k: v for k, v in BASE.items() if k != "temperature"}
+    assert cacheable_request(body, default_temperatures={"local": 0.0}) is None
+    assert cacheable_request(body, default_temperatures={"local": 0.0, "b": 0.0}) is None
+    assert cacheable_request(body, default_temperatures={"local": 0.0, "openai": 1.0}) == (
+        "no temperature 0 or seed, and backend 'openai' (1) samples by default (default_temperature)"
+    )
+    assert cacheable_request(body, default_temperatures={"a": 0.7, "b": 1.0}) == (
+        "no temperature 0 or seed, and backends 'a' (0.7), 'b' (1) sample by default (default_temperature)"
+    )
+    # An explicit temperature or a seed decides as before, whatever the defaults.
+    assert cacheable_request({**body, "temperature": 0.5}, default_temperatures={"local": 0.0}) == "temperature > 0 without seed"
+    assert cacheable_request({**body, "seed": 3}, default_temperatures={"openai": 1.0}) is None
+    assert cacheable_request(body, require_deterministic=False, default_temperatures={"openai": 1.0}) is None
+
+
 def test_policy_may_cache_sampled_requests_but_never_several_choices() -> None:
     assert cacheable_request({**BASE, "temperature": 1.0}, require_deterministic=False) is None
     assert cacheable_request({**BASE, "temperature": 1.0, "n": 2}, require_deterministic=False) == "n > 1"

@@ -263,3 +263,44 @@ async def test_redis_stopped_mid_test_fails_open_and_recovers(upstream, gateway,
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait()
+
+
+def _defaults_policy(greedy, sampler) -> dict:
+    """`greedy` says it decodes greedily without a temperature; `sampler` is OpenAI-like (1.0)."""
+    return {
+        "backends": {
+            "greedy": {"url": greedy.url, "models": ["solo", "mixed", "fallback"], "default_temperature": 0},
+            "sampler": {"url": sampler.url, "models": ["mixed", "fallback", "openai-like"]},
+        },
+        "models": {
+            "solo": {"backends": ["greedy"]},
+            "mixed": {"backends": ["greedy", "sampler"], "strategy": "ordered"},
+            "fallback": {"backends": ["greedy"], "context_fallbacks": ["sampler"]},
+            "openai-like": {"backends": ["sampler"]},
+        },
+    }
+
+
+async def test_a_request_without_temperature_is_cached_when_every_candidate_defaults_to_greedy(upstream, gateway):
+    greedy, sampler = await upstream("greedy", tokens=3), await upstream("sampler", tokens=3)
+    gw = await gateway(_defaults_policy(greedy, sampler))
+    c = gw.client()
+
+    async def ask(model: str) -> tuple[str, dict]:
+        raw = await c.chat.completions.with_raw_response.create(model=model, messages=MSG)  # no temperature, no seed
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/v1/route/explain", json={"model": model, "messages": MSG}) as r:
+                explained = await r.json()
+        return raw.headers["x-gateway-cache"], explained
+
+    cache, explained = await ask("solo")
+    assert cache == "miss"
+    assert explained["cache"] == "hit" and explained["cache_reason"] is None  # what the next request gets
+    cache, _ = await ask("solo")
+    assert cache == "hit"
+    for model, blocker in (("mixed", "'sampler' (1)"), ("fallback", "'sampler' (1)"), ("openai-like", "'sampler' (1)")):
+        for _ in range(2):
+            cache, explained = await ask(model)
+            assert cache == "bypass", model
+            assert explained["cache"] == "bypass"
+            assert explained["cache_reason"] == f"no temperature 0 or seed, and backend {blocker} samples by default (default_temperature)"

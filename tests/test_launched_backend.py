@@ -60,6 +60,13 @@ async def test_the_gateway_launches_routes_to_and_stops_the_local_backend(gatewa
     )
     r = raw.parse()
     assert raw.headers["x-gateway-backend"] == "local" and r.usage.completion_tokens <= 4
+    # No temperature: the launched model decodes it greedily (launch.default_temperature 0, passed
+    # to it as --default-temperature), so the gateway caches it.
+    assert raw.headers["x-gateway-cache"] == "miss"
+    again = await c.chat.completions.with_raw_response.create(
+        model="auto", messages=[{"role": "user", "content": "Hi"}], max_tokens=4
+    )
+    assert again.headers["x-gateway-cache"] == "hit" and again.parse().choices[0].message.content == r.choices[0].message.content
     s = await c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True)
     chunks = [ch async for ch in s]
     assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")

@@ -198,3 +198,28 @@ def test_tenant_quotas_are_validated_with_their_cross_references():
     assert any("quota.concurency: unknown field; did you mean `concurrency`" in x for x in _problems(GOOD + tenant % ("c" * 64, "{concurency: 5}")))
     assert any("quota.models.nope: unknown model" in x for x in _problems(GOOD + tenant % ("c" * 64, "{models: {nope: {rpm: 1}}}")))
     assert any("needs a `price` on every backend" in x for x in _problems(GOOD + tenant % ("c" * 64, "{spend_per_day_usd: 5}")))
+
+
+def test_each_backend_has_a_default_temperature_for_the_cache():
+    """OpenAI's 1.0 unless said; a launched backend's is its launch's (0: greedy), one value for both sides."""
+    p = parse_policy(GOOD)
+    assert p.backends["fast-a"].default_temperature is None and p.backends["fast-a"].sampling_default_temperature == 1.0
+    p = parse_policy(GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    default_temperature: 0\n", 1))
+    assert p.backends["fast-a"].sampling_default_temperature == 0.0
+    launched = GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    launch: {model: tiny-random}\n", 1)
+    p = parse_policy(launched)
+    assert p.backends["fast-a"].launch.default_temperature == 0.0 and p.backends["fast-a"].sampling_default_temperature == 0.0
+    p = parse_policy(launched.replace("launch: {model: tiny-random}", "launch: {model: tiny-random, default_temperature: 0.7}"))
+    assert p.backends["fast-a"].sampling_default_temperature == 0.7
+    same = launched.replace("launch: {model: tiny-random}", "launch: {model: tiny-random}\n    default_temperature: 0")
+    assert parse_policy(same).backends["fast-a"].sampling_default_temperature == 0.0
+
+
+def test_a_default_temperature_is_set_once_and_in_range():
+    launched = GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    launch: {model: tiny-random}\n", 1)
+    problems = _problems(launched.replace("launch: {model: tiny-random}", "launch: {model: tiny-random}\n    default_temperature: 1"))
+    assert any(p.startswith("backends.fast-a: default_temperature 1 differs from launch.default_temperature 0: set it in `launch` only") for p in problems), problems
+    problems = _problems(launched.replace("launch: {model: tiny-random}", "launch: {model: tiny-random, extra_args: [--default-temperature, '0.5']}"))
+    assert any(p.startswith("backends.fast-a.launch.extra_args: set `default_temperature` in `launch` instead") for p in problems), problems
+    problems = _problems(GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    default_temperature: 3\n", 1))
+    assert any(p.startswith("backends.fast-a.default_temperature:") for p in problems), problems

@@ -99,6 +99,13 @@ async def test_port_in_use_is_refused_before_spawning() -> None:
     assert child.pid is None
 
 
+def test_the_default_temperature_is_passed_to_the_child() -> None:
+    """The gateway's cache decides by launch.default_temperature: the server must use that one."""
+    command = _child(_free_port(), default_temperature=0.0).command
+    assert command[command.index("--default-temperature") + 1] == "0.0"
+    assert "--default-temperature" not in _child(_free_port()).command  # unset: the server's own resolution
+
+
 def test_url_without_http_host_is_rejected() -> None:
     with pytest.raises(ValueError, match="http://host:port"):
         ChildBackend("x", "unix:///tmp/sock", "tiny-random")

@@ -233,3 +233,44 @@ async def test_metrics_expose_queue_batch_rate_and_ttft(server: RunningServer) -
         text = await resp.text()
     for name in ("local_backend_queue_depth", "local_backend_batch_size", "local_backend_tokens_per_second", "local_backend_ttft_seconds_bucket"):
         assert name in text
+
+
+def test_sampling_defaults_come_from_the_flag_then_a_sampling_generation_config_then_greedy() -> None:
+    from local_backend.server import sampling_defaults
+
+    sampling = {"do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    d = sampling_defaults(None, None, sampling)
+    assert (d.temperature, d.top_p) == (0.6, 0.95) and "generation config" in d.temperature_from
+    d = sampling_defaults(0.0, None, sampling)  # the flag wins (a launching gateway always passes it)
+    assert (d.temperature, d.top_p) == (0.0, 0.95) and d.temperature_from == "--default-temperature"
+    d = sampling_defaults(None, 0.5, sampling)
+    assert (d.temperature, d.top_p) == (0.6, 0.5) and d.top_p_from == "--default-top-p"
+    # Without do_sample: true the config's temperature is not what a model is meant to sample at.
+    for config in (None, {}, {"temperature": 0.6, "top_p": 0.9}, {"do_sample": False, "temperature": 0.6}):
+        d = sampling_defaults(None, None, config)
+        assert (d.temperature, d.top_p) == (0.0, 1.0), config
+        assert d.describe() == "temperature 0 (greedy) from the built-in default, top_p 1 from the built-in default"
+    # Sampling without a (usable) temperature: greedy stays the default.
+    d = sampling_defaults(None, None, {"do_sample": True, "temperature": "hot", "top_p": 0})
+    assert (d.temperature, d.top_p) == (0.0, 1.0) and "no usable temperature" in d.temperature_from
+
+
+async def test_a_request_without_sampling_fields_gets_the_servers_defaults(server: RunningServer) -> None:
+    """top_p near 0 keeps only the likeliest token: at a default temperature of 2 the server then
+    answers as greedy does, whatever the seed; with top_p 1 some seed strays from greedy."""
+
+    async def text(**extra: object) -> str:
+        body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "max_tokens": 12, **extra})
+        status, payload, _ = await _post(f"{server.base_url}/chat/completions", body)
+        assert status == 200, payload
+        return str(payload["choices"][0]["message"]["content"])  # type: ignore[index]
+
+    state = server.state
+    assert (state.default_temperature, state.default_top_p) == (0.0, 1.0)  # the built-in defaults: greedy
+    expected = await text()
+    assert await text(seed=1) == expected
+    state.default_temperature, state.default_top_p = 2.0, 1e-6
+    assert {await text(seed=s) for s in range(4)} == {expected}
+    state.default_top_p = 1.0
+    assert any([await text(seed=s) != expected for s in range(8)])
+    assert await text(seed=0, temperature=0) == expected  # the request's own fields win
