@@ -182,7 +182,7 @@ async def _worker_side(app: web.Application) -> AsyncIterator[None]:
     server = await control.serve_unix(worker.socket, {("POST", "/reload"): reload, ("GET", "/backends"): view})
 
     def launched() -> list[tuple[str, str, Callable[[LaunchState], None]]]:
-        out = []
+        out: list[tuple[str, str, Callable[[LaunchState], None]]] = []
         for name, b in live.runtime.backends.items():
             if b.policy.launch is not None:
                 out.append((name, b.base_url, functools.partial(_apply, b.health)))

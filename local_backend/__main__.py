@@ -161,8 +161,9 @@ async def _serve(args: argparse.Namespace) -> int:
         await runner.cleanup()
         where = f"[{args.host}]:{args.port}" if ":" in args.host else f"{args.host}:{args.port}"
         # asyncio rewraps a bind error with the address in its text: the system's words are enough.
-        plain = exc.errno is not None and exc.errno > 0 and not isinstance(exc, socket.gaierror)
-        why = os.strerror(exc.errno) if plain else (exc.strerror or str(exc))
+        code = exc.errno
+        plain = code is not None and code > 0 and not isinstance(exc, socket.gaierror)
+        why = os.strerror(code) if code is not None and plain else (exc.strerror or str(exc))
         print(f"local_backend: cannot listen on {where}: {why[:1].lower()}{why[1:]}", file=sys.stderr)
         return 1
     log.info("listening on http://%s:%d/v1 (model %s loading)", args.host, args.port, args.model)
