@@ -332,7 +332,8 @@ class Children:
     async def _run(self, name: str, url: str, lp: LaunchPolicy) -> None:
         child = ChildBackend(
             name, url, lp.model, quantize=lp.quantize, device=lp.device, threads=lp.threads,
-            default_temperature=lp.default_temperature, startup_timeout_s=lp.startup_timeout_s, extra_args=lp.extra_args,
+            default_temperature=lp.default_temperature, startup_timeout_s=lp.startup_timeout_s,
+            extra_args=(*lp.server_args(), *lp.extra_args),
         )  # fmt: skip
 
         def changed(state: LaunchState) -> None:

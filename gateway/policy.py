@@ -61,7 +61,22 @@ class LaunchPolicy(_Section):
     # The temperature the model server samples at when a request names none (0: greedy). Passed
     # to it as --default-temperature, so the server and the gateway's cache read one value.
     default_temperature: float = Field(0.0, ge=0, le=2)
+    # The local server's memory (None: its defaults, 1024 and 256 MB) and its int8 kernel build on CPU.
+    kv_cache_mb: int | None = Field(None, gt=0)
+    prefix_cache_mb: int | None = Field(None, ge=0)
+    kernel: Literal["auto", "avx512_vnni", "avx2"] = "auto"
     extra_args: tuple[str, ...] = ()
+
+    def server_args(self) -> tuple[str, ...]:
+        """The flags for the settings above that differ from the server's own defaults."""
+        out: list[str] = []
+        if self.kv_cache_mb is not None:
+            out += ["--kv-cache-mb", str(self.kv_cache_mb)]
+        if self.prefix_cache_mb is not None:
+            out += ["--prefix-cache-mb", str(self.prefix_cache_mb)]
+        if self.kernel != "auto":
+            out += ["--kernel", self.kernel]
+        return tuple(out)
 
     @field_validator("extra_args")
     @classmethod

@@ -26,6 +26,15 @@ from .server import BackendState, create_app, sampling_defaults
 log = logging.getLogger("local_backend")
 
 _QUANTIZE = ("auto", "none", "int8", "w8a16", "w8a8", "int4")  # quantize.QUANTIZE_CHOICES, without importing torch here
+_KERNELS = ("auto", "avx512_vnni", "avx2")  # llama.native.ISAS
+
+
+def _non_negative_int(text: str) -> int:
+    """argparse type for sizes where 0 means off."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -51,6 +60,17 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="CPU threads per forward pass (default: picked per pass among 1, 2, 4, ..., cores - 1 and cores by live timings)",
     )
+    serve.add_argument(
+        "--kernel",
+        choices=_KERNELS,
+        default="auto",
+        help="the int8 kernel build of w8a16/w8a8 on CPU (auto: the best this CPU runs; both give the same tokens)",
+    )
+    serve.add_argument("--kv-cache-mb", type=_positive_int, default=1024,
+                       help="the running sequences' KV cache, at most (requests wait while it is full)")
+    serve.add_argument("--prefix-cache-mb", type=_non_negative_int, default=256,
+                       help="K/V of recently seen prompt prefixes, reused by prompts that start alike (0: off)")
+    serve.add_argument("--prefix-block-tokens", type=_positive_int, default=16, help="the prefix cache's block, in tokens")
     serve.add_argument("--max-batch", type=int, default=16, help="sequences decoded together")
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     serve.add_argument("--served-name", default=None, help="the model id clients send (default: the model name)")
@@ -173,7 +193,11 @@ async def _serve(args: argparse.Namespace) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    settings = EngineSettings(args.model, args.quantize, args.device, args.threads, args.max_batch, args.max_queue)
+    settings = EngineSettings(
+        args.model, args.quantize, args.device, args.threads, args.max_batch, args.max_queue,
+        kernel=None if args.kernel == "auto" else args.kernel, kv_cache_mb=args.kv_cache_mb, prefix_cache_mb=args.prefix_cache_mb,
+        prefix_block_tokens=args.prefix_block_tokens,
+    )
     load = _load_in_thread(settings, loop)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)

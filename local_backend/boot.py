@@ -43,6 +43,10 @@ class EngineSettings:
     threads: int | None = None
     max_batch: int = 16
     max_queue: int = 64
+    kernel: str | None = None  # the int8 kernel build (avx512_vnni|avx2); None: the best this CPU runs
+    kv_cache_mb: int = 1024  # the running sequences' KV cache, at most
+    prefix_cache_mb: int = 256  # the prefix cache's pool (0: off)
+    prefix_block_tokens: int = 16
 
 
 def usable_cores(cgroup_root: Path = Path("/sys/fs/cgroup"), proc_cgroup: Path = Path("/proc/self/cgroup")) -> int:
@@ -148,16 +152,38 @@ def chat_template_prefix(tokenizer: Any) -> list[int]:
 
 
 def engine_from_loaded(
-    loaded: LoadedModel, plan: QuantPlan, *, max_batch: int = 16, max_queue: int = 64, threads: ThreadPicker | None = None
+    loaded: LoadedModel,
+    plan: QuantPlan,
+    *,
+    max_batch: int = 16,
+    max_queue: int = 64,
+    threads: ThreadPicker | None = None,
+    kv_cache_mb: int = 1024,
+    prefix_cache_mb: int = 256,
+    prefix_block_tokens: int = 16,
 ) -> Engine:
     """An (unstarted) Engine over ``loaded``'s weights in ``plan``'s format; ``threads`` picks each CPU pass's thread count."""
     from .engine import Engine
     from .quantize import build_lean
 
     lean = build_lean(loaded.model, plan)
-    return Engine(
-        lean, loaded.tokenizer, eos_token_ids=eos_token_ids(loaded.model), max_batch=max_batch, max_queue=max_queue, threads=threads
+    engine = Engine(
+        lean, loaded.tokenizer, eos_token_ids=eos_token_ids(loaded.model), max_batch=max_batch, max_queue=max_queue, threads=threads,
+        kv_cache_bytes=kv_cache_mb << 20, prefix_cache_bytes=prefix_cache_mb << 20, prefix_block_tokens=prefix_block_tokens,
     )
+    engine.plan = plan
+    return engine
+
+
+def _memory_line(engine: Engine, settings: EngineSettings, pinned: int) -> str:
+    """What the two caches may hold, in the start-up line."""
+    per_token = engine.model.kv_bytes_per_token()
+    kv = f"KV cache up to {settings.kv_cache_mb} MB ({(settings.kv_cache_mb << 20) // per_token} tokens over all sequences, {per_token // 1024} KiB a token)"
+    if engine.prefix is None:
+        return f"{kv}; prefix cache off"
+    p = engine.prefix
+    return (f"{kv}; prefix cache {settings.prefix_cache_mb} MB ({p.capacity} blocks of {p.block_tokens} tokens, "
+            f"the chat template's first {pinned} tokens pinned)")
 
 
 def build_engine(settings: EngineSettings, progress: Progress) -> Engine:
@@ -177,19 +203,20 @@ def build_engine(settings: EngineSettings, progress: Progress) -> Engine:
         # steps 10 ms instead of 4).
         torch.set_num_threads(1)
     threads = picker.describe() if picker is not None else "torch's default threads"
-    plan = plan_quantization(settings.quantize, device)
+    plan = plan_quantization(settings.quantize, device, settings.kernel)
     progress(f"device {device}, {threads}, quantization {plan.describe()}")
     loaded = load_model(settings.model, device=device, dtype=torch.float32, progress=progress)
     started = time.perf_counter()
-    engine = engine_from_loaded(loaded, plan, max_batch=settings.max_batch, max_queue=settings.max_queue, threads=picker)
+    engine = engine_from_loaded(
+        loaded, plan, max_batch=settings.max_batch, max_queue=settings.max_queue, threads=picker, kv_cache_mb=settings.kv_cache_mb,
+        prefix_cache_mb=settings.prefix_cache_mb, prefix_block_tokens=settings.prefix_block_tokens,
+    )
     del loaded  # transformers' copy of the weights: the engine holds its own (quantized) ones
     gc.collect()
     progress(f"weights ready ({plan.mode}, {engine.model.nbytes() / 1e6:.0f} MB read per decode step) in {time.perf_counter() - started:.1f} s")
     started = time.perf_counter()
     engine.warm_up(engine.tokenizer("Hello, how are you?").input_ids)
-    prefix = chat_template_prefix(engine.tokenizer)
-    if prefix:
-        engine.cache_prefix(prefix)
-    progress(f"warmed up in {time.perf_counter() - started:.2f} s (cached the chat template's first {len(prefix)} tokens)")
+    pinned = engine.cache_prefix(chat_template_prefix(engine.tokenizer))
+    progress(f"warmed up in {time.perf_counter() - started:.2f} s; {_memory_line(engine, settings, pinned)}")
     engine.start()
     return engine

@@ -1,11 +1,13 @@
 """The continuous-batching engine: one thread runs decode steps over every active sequence.
 
-Between steps it admits waiting requests (each prefilled alone into a free row of the
-preallocated KV cache) and drops finished or cancelled ones, so concurrent requests share each
-forward pass. Every kernel computes each row on its own, so a request's tokens do not depend on
-its batch-mates. Tokens reach asyncio through ``loop.call_soon_threadsafe``; nothing here
-blocks the loop. On CPU each forward pass runs on the thread count a ``ThreadPicker`` chooses
-from live timings (threads.py); the tokens are the same on any count.
+Between steps it admits waiting requests (each prefilled alone into a free row of the KV cache,
+while the cache's byte budget holds them) and drops finished or cancelled ones, so concurrent
+requests share each forward pass. Every kernel computes each row on its own, so a request's
+tokens do not depend on its batch-mates. A prompt that starts like one seen recently reuses
+that prefix's K/V from the prefix cache (llama/prefix.py) and computes only the rest, with the
+same tokens as a cold run. Tokens reach asyncio through ``loop.call_soon_threadsafe``; nothing
+here blocks the loop. On CPU each forward pass runs on the thread count a ``ThreadPicker``
+chooses from live timings (threads.py); the tokens are the same on any count.
 """
 
 from __future__ import annotations
@@ -17,18 +19,27 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .llama import LeanLlama
-from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, Sequence
+from .llama.prefix import PrefixCache
+from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, Sequence, TooLong
 from .sampling import choose_tokens, make_generator
-from .stats import EngineStats
+from .stats import EngineStats, render_load
 from .textstream import TextAssembler
 from .threads import ThreadPicker
 
+if TYPE_CHECKING:
+    from .quantize import QuantPlan
+
 __all__ = ["Engine"]
+
+# The torch modes' prefix blocks, which are also their prefill chunks (see _prefill_one): dense GEMMs
+# and torch's attention give a row bits that depend on the pass's shape, so a warm run must repeat
+# the cold run's chunks, and a chunk much smaller than this costs the cold run passes.
+_TORCH_PREFIX_BLOCK_TOKENS = 128
 
 
 @dataclass(eq=False)
@@ -39,6 +50,7 @@ class _Slot:
     assembler: TextAssembler
     generator: torch.Generator | None
     max_tokens: int
+    prompt_stored: bool = False  # the prompt's blocks went to the prefix cache
     last_token: int = -1
     generated: int = 0
     tokens: list[int] = field(default_factory=list)
@@ -58,6 +70,9 @@ class Engine:
         max_queue: int = 64,
         prefill_budget_tokens: int = 512,
         threads: ThreadPicker | None = None,
+        kv_cache_bytes: int | None = None,
+        prefix_cache_bytes: int = 256 << 20,
+        prefix_block_tokens: int = 16,
     ) -> None:
         self.model = model
         self.threads = threads  # CPU: each pass's thread count; None leaves torch's setting alone
@@ -69,16 +84,20 @@ class Engine:
         self.context_length = model.context_length
         self.stop_token_ids = self._stop_token_ids(eos_token_ids)
         self.stats = EngineStats()
+        self.plan: QuantPlan | None = None  # how the weights were built (boot.py sets it): /metrics names the path
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._active: list[_Slot] = []  # slot i owns cache row i
         if self.device.type == "cuda":  # a static cache, decode steps replayed as CUDA graphs
-            self._cache = model.new_cache(max_batch, capacity=model.context_length)
+            self._cache = model.new_cache(max_batch, static=True)
             model.use_cuda_graphs(self._cache)
         else:
-            self._cache = model.new_cache(max_batch)
-        self._prefix_ids: list[int] = []
-        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] = []
+            self._cache = model.new_cache(max_batch, max_bytes=kv_cache_bytes)
+        block = prefix_block_tokens if model.row_invariant else max(prefix_block_tokens, _TORCH_PREFIX_BLOCK_TOKENS)
+        self.prefix: PrefixCache | None = None
+        if prefix_cache_bytes > 0:
+            self.prefix = PrefixCache(layers=len(model.layers), kv_heads=model.kv_heads, head_dim=model.head_dim, dtype=model.kv_dtype,
+                                      device=self.device, block_tokens=block, max_bytes=prefix_cache_bytes)
         self._closing = False
         self._thread: threading.Thread | None = None
         self._torch_threads = 0  # what this engine last set on its own thread
@@ -100,18 +119,18 @@ class Engine:
             self.model.decode(torch.zeros(2, dtype=torch.long, device=self.device), self._cache)
             self._cache.clear()
 
-    def cache_prefix(self, ids: list[int]) -> None:
-        """Keep the K/V of ``ids`` (the chat template's opening, e.g. its default system prompt) for
-        prompts that start with them: prefill then computes only the rest. Call before ``start()``.
-
-        The prefix is computed once, so every request that uses it gets the same K/V whatever else runs.
-        """
+    def cache_prefix(self, ids: list[int]) -> int:
+        """Pin the K/V of ``ids`` (the chat template's opening, e.g. its default system prompt) in the
+        prefix cache, whole blocks of it: every prompt that starts with them skips that much prefill.
+        Call before ``start()``. Returns the tokens pinned."""
+        if self.prefix is None or len(ids) < self.prefix.block_tokens:
+            return 0
         with torch.inference_mode():
             row = self._cache.add_row(len(ids))
-            self.model.prefill(torch.tensor(ids, dtype=torch.long, device=self.device), self._cache, row)
-            self._prefix_kv = self._cache.snapshot(row, len(ids))
-            self._prefix_ids = list(ids)
+            self._run_prefill(ids, row, 0)
+            stored = self.prefix.store(ids, len(ids), self._cache, row, pinned=True)
             self._cache.clear()
+        return stored * self.prefix.block_tokens
 
     # ---- asyncio side -------------------------------------------------------------------
 
@@ -136,6 +155,11 @@ class Engine:
         """Queue a request; raise QueueFull when the waiting queue is at its bound."""
         if not request.prompt_ids:
             raise ValueError("empty prompt")
+        limit = self._limit(request)
+        if not self._cache.alone_fits(limit):
+            budget = self._cache.budget_positions()
+            raise TooLong(f"the prompt ({len(request.prompt_ids)} tokens) and max_tokens ({request.max_tokens}) need up to {limit} "
+                          f"positions of KV cache; this server holds at most {min(budget, self.context_length)} for one sequence")
         seq = Sequence(request, loop or asyncio.get_running_loop())
         with self._cond:
             if self._closing:
@@ -181,9 +205,15 @@ class Engine:
         self._active = []
         self._cache.clear()
 
+    def _limit(self, request: GenerationRequest) -> int:
+        """The most positions a request's sequence may reach: its prompt and max_tokens, within the context."""
+        return min(self.context_length, len(request.prompt_ids) + max(0, request.max_tokens))
+
     def _take_waiting(self) -> list[Sequence]:
-        """Pop waiting requests that fit the batch and this step's prefill budget (at least one)."""
+        """Pop waiting requests, in order, that fit the batch, the KV cache's budget (with the running
+        ones at their limits) and this step's prefill budget (at least one prompt's worth)."""
         taken: list[Sequence] = []
+        limits: list[int] = []
         budget = self.prefill_budget_tokens
         while self._waiting and len(self._active) + len(taken) < self.max_batch:
             seq = self._waiting[0]
@@ -193,7 +223,11 @@ class Engine:
                 continue
             if taken and len(seq.request.prompt_ids) > budget:
                 break
+            limit = self._limit(seq.request)
+            if not self._cache.fits(*limits, limit):
+                break  # it waits for running sequences to finish (submit refused any that could never fit)
             budget -= len(seq.request.prompt_ids)
+            limits.append(limit)
             taken.append(self._waiting.popleft())
         return taken
 
@@ -224,30 +258,50 @@ class Engine:
         if seq.cancelled:
             self.stats.observe_finish("cancelled")
             return
-        room = self.context_length - len(req.prompt_ids)
+        prompt = req.prompt_ids
+        room = self.context_length - len(prompt)
         slot = _Slot(
             seq=seq,
             assembler=TextAssembler(self.tokenizer, req.stop),
             generator=make_generator(req.sampling, self.device),
             max_tokens=max(0, min(req.max_tokens, room)),
         )
-        ids = torch.tensor(req.prompt_ids, dtype=torch.long, device=self.device)
         # Join the batch (cache row len(_active)) before the first token goes out, so a client that
         # sees a token sees a slot; a sequence that is already done leaves again in _drop_done.
-        row = self._cache.add_row(len(req.prompt_ids))
-        start = len(self._prefix_ids)
-        if start and len(req.prompt_ids) > start and req.prompt_ids[:start] == self._prefix_ids:
-            self._cache.restore(row, self._prefix_kv)
-        else:
-            start = 0
-        key = ("prefill", (len(req.prompt_ids) - start).bit_length())
-        with self._timed(key, len(req.prompt_ids) - start):
-            logits = self.model.prefill(ids, self._cache, row, start)
+        row = self._cache.add_row(len(prompt), self._limit(req))
+        start = 0
+        if self.prefix is not None:  # at least the last token is computed: its logits pick the first token
+            start = self.prefix.load(self.prefix.match(prompt, len(prompt) - 1), self._cache, row)
+        logits = self._run_prefill(prompt, row, start)
         self._active.append(slot)
         token = choose_tokens(logits[None], [req.sampling], [slot.generator])[0]
-        self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(req.prompt_ids))
+        self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(prompt))
         self.stats.observe_tokens(1, decode_step=False)
         self._emit(slot, token)
+        if self.prefix is not None:  # after the first token went out: the copy does not delay it
+            self.prefix.store(prompt, len(prompt), self._cache, row)
+            slot.prompt_stored = True
+
+    def _run_prefill(self, ids: list[int], row: int, start: int) -> torch.Tensor:
+        """Compute ``ids[start:]`` into ``row`` (which holds the K/V of ``ids[:start]``); the last logits.
+
+        The kernel modes compute any split of a prompt to the same bits, so it is one pass. The torch
+        modes' passes give bits that depend on their shape, so their prefill runs in chunks that end
+        on prefix-block boundaries: a warm run (starting at a cached block) then repeats exactly the
+        chunks a cold run computed, and the blocks it stores are those chunks.
+        """
+        tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
+        bounds = [len(ids)]
+        if self.prefix is not None and not self.model.row_invariant:
+            b = self.prefix.block_tokens
+            bounds = [*range((start // b + 1) * b, len(ids), b), len(ids)]
+        logits = None
+        for end in bounds:
+            with self._timed(("prefill", (end - start).bit_length()), end - start):
+                logits = self.model.prefill(tensor[:end], self._cache, row, start)
+            start = end
+        assert logits is not None
+        return logits
 
     def _decode_step(self) -> None:
         ids = torch.tensor([s.last_token for s in self._active], dtype=torch.long, device=self.device)
@@ -309,17 +363,48 @@ class Engine:
 
     def _drop_done(self) -> None:
         # From the end, so the row that moves into a freed one has already been looked at.
+        removed = False
         for i in range(len(self._active) - 1, -1, -1):
             slot = self._active[i]
             if slot.seq.cancelled and not slot.done:
                 slot.done = True
                 self.stats.observe_finish("cancelled")
             if slot.done:
+                self._keep_conversation(slot, i)
                 self._cache.remove(i)
                 self._active[i] = self._active[-1]
                 self._active.pop()
+                removed = True
+        if removed:
+            self._cache.trim()  # a long sequence's memory goes back once it is gone
+
+    def _keep_conversation(self, slot: _Slot, row: int) -> None:
+        """Store a finished sequence's blocks (prompt and answer) for the conversation's next turn. The
+        kernel modes only: there a token's K/V are the same bits from a decode step as from a prefill,
+        so the next turn continues exactly as a cold prompt would. The row holds the K/V of the prompt
+        and of every generated token but the last (sampled, never fed back)."""
+        if self.prefix is None or not self.model.row_invariant or not slot.prompt_stored:
+            return
+        ids = slot.seq.request.prompt_ids + slot.tokens
+        self.prefix.store(ids, self._cache.lengths[row], self._cache, row)
 
     def snapshot(self) -> dict[str, Any]:
-        """Queue depth and batch size right now."""
+        """Queue depth, batch size and the KV cache's use right now (any thread)."""
         with self._cond:
-            return {"queue_depth": len(self._waiting), "batch_size": len(self._active)}
+            waiting, running = len(self._waiting), len(self._active)
+        cache = self._cache
+        return {
+            "queue_depth": waiting,
+            "batch_size": running,
+            "kv_cache_usage": min(1.0, sum(list(cache.lengths)) / max(1, cache.budget_positions())),
+            "kv_cache_bytes": cache.nbytes(),
+        }
+
+    def metrics_text(self, model: str) -> str:
+        """Everything /metrics shows of this engine, in Prometheus text (any thread)."""
+        passes = self.threads.passes() if self.threads is not None else None
+        info = {"device": self.device.type}
+        if self.plan is not None:
+            info.update(mode=self.plan.mode, path=self.plan.path)
+        prefix = self.prefix.stats() if self.prefix is not None else None
+        return self.stats.render(model, passes) + render_load(model, self.snapshot(), prefix, info)

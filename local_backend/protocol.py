@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-__all__ = ["Delta", "EngineClosed", "GenerationRequest", "QueueFull", "SamplingParams", "Sequence"]
+__all__ = ["Delta", "EngineClosed", "GenerationRequest", "QueueFull", "SamplingParams", "Sequence", "TooLong"]
 
 
 class QueueFull(RuntimeError):
@@ -20,6 +20,10 @@ class QueueFull(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine stopped before the request finished."""
+
+
+class TooLong(ValueError):
+    """The request's prompt and max_tokens need more KV cache than the engine may ever hold for one sequence."""
 
 
 @dataclass(frozen=True)

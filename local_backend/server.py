@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from .prompts import encode_chat, encode_completion
-from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, SamplingParams, Sequence
+from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, SamplingParams, Sequence, TooLong
 from .wire import (
     SSE_DONE,
     ApiError,
@@ -156,6 +156,8 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
         return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos))
     except QueueFull as exc:
         raise ApiError(429, f"the local model is busy: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except TooLong as exc:  # prompt + max_tokens beyond what the KV cache may hold for one sequence
+        raise ApiError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
     except EngineClosed as exc:
         raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
 
@@ -294,8 +296,7 @@ async def metrics(request: web.Request) -> web.Response:
     ready = 1 if state.engine is not None else 0
     text = f"# TYPE local_backend_ready gauge\nlocal_backend_ready {ready}\n"
     if state.engine is not None:
-        picker = state.engine.threads
-        text += state.engine.stats.render(state.served_name, picker.passes() if picker is not None else None)
+        text += state.engine.metrics_text(state.served_name)
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
 

@@ -5,8 +5,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-__all__ = ["EngineStats"]
+if TYPE_CHECKING:
+    from .llama.prefix import PrefixStats
+
+__all__ = ["EngineStats", "render_load"]
 
 _TTFT_BUCKETS_S = (0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _RATE_WINDOW_S = 10.0
@@ -98,3 +103,52 @@ class EngineStats:
                 for (kind, n), count in sorted(passes.items())
             ]
         return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_load(model: str, load: Mapping[str, float], prefix: PrefixStats | None, info: Mapping[str, str]) -> str:
+    """vLLM's load and cache series (so a router that reads vLLM's /metrics reads ours alike), the prefix
+    cache's own counters, and ``local_backend_info`` naming the compute path (mode, kernel build, device).
+
+    vLLM names: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+    (the KV positions running sequences hold over the cache's budget, 0..1), ``vllm:prefix_cache_queries_total``
+    and ``vllm:prefix_cache_hits_total`` (prompt tokens looked up, and found, as vLLM's V1 engine counts them).
+    """
+    label = f'model_name="{_escape(model)}"'
+    lines = [
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        "# TYPE vllm:num_requests_running gauge",
+        f"vllm:num_requests_running{{{label}}} {float(load['batch_size'])}",
+        "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+        "# TYPE vllm:num_requests_waiting gauge",
+        f"vllm:num_requests_waiting{{{label}}} {float(load['queue_depth'])}",
+        "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+        "# TYPE vllm:kv_cache_usage_perc gauge",
+        f"vllm:kv_cache_usage_perc{{{label}}} {float(load['kv_cache_usage']):.6f}",
+        "# TYPE local_backend_kv_cache_bytes gauge",
+        f"local_backend_kv_cache_bytes{{{label}}} {int(load['kv_cache_bytes'])}",
+    ]
+    if prefix is not None:
+        lines += [
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{label}}} {float(prefix.queries_tokens)}",
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of cached tokens.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{label}}} {float(prefix.hits_tokens)}",
+            "# TYPE local_backend_prefix_cache_blocks gauge",
+            f"local_backend_prefix_cache_blocks{{{label}}} {prefix.blocks}",
+            "# TYPE local_backend_prefix_cache_capacity_blocks gauge",
+            f"local_backend_prefix_cache_capacity_blocks{{{label},block_tokens=\"{prefix.block_tokens}\"}} {prefix.capacity_blocks}",
+            "# TYPE local_backend_prefix_cache_stored_blocks_total counter",
+            f"local_backend_prefix_cache_stored_blocks_total{{{label}}} {prefix.stored_blocks}",
+            "# TYPE local_backend_prefix_cache_evicted_blocks_total counter",
+            f"local_backend_prefix_cache_evicted_blocks_total{{{label}}} {prefix.evicted_blocks}",
+        ]
+    if info:
+        pairs = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(info.items()))
+        lines += ["# TYPE local_backend_info gauge", f"local_backend_info{{{label},{pairs}}} 1"]
+    return "\n".join(lines) + "\n"

@@ -1,11 +1,15 @@
 """A Llama forward for serving: prefill one sequence into a cache row, decode one token for every row.
 
-Per layer a decode step is about twenty tensor ops: RMSNorm, one fused QKV matmul, RoPE on Q and K
-together, two in-place K/V writes, attention over the cache slice (two small matmuls, the mask
-added, softmax), the output projection, RMSNorm, one fused gate/up matmul, SiLU-and-multiply, the
-down projection. The residual stream, RoPE, attention and the KV cache stay fp32; matmul inputs
-are cast to the activation dtype (bf16 for the quantized modes on CPU, their kernels' fast path).
-The attention scale 1/sqrt(head_dim) is folded into the Q weights (exact for head_dim 64).
+Per layer a decode step is about twenty tensor ops in the torch modes: RMSNorm, one fused QKV
+matmul, RoPE on Q and K together, two in-place K/V writes, attention over the cache slice (two
+small matmuls, the mask added, softmax), the output projection, RMSNorm, one fused gate/up matmul,
+SiLU-and-multiply, the down projection. In the kernel modes (w8a16/w8a8 on CPU) it is three kernel
+calls and attention: the norms, SiLU and residual adds run inside the linears, and RoPE, the K/V
+write and attention are one more call, for prefill as for decode (one query row at a time, so a
+token's K/V and output are the same bits whichever pass computed them). The residual stream, RoPE,
+attention and the KV cache stay fp32; torch's quantized modes cast matmul inputs to bf16 on CPU
+(their kernels' fast path). The attention scale 1/sqrt(head_dim) is folded into the Q weights
+(exact for head_dim 64).
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
-from .weights import EmbeddingTable, Linear, VnniLinear, dequantized, make_embedding, make_linear
+from .native import Kernel
+from .weights import EmbeddingTable, Linear, Q8Linear, dequantized, make_embedding, make_linear
 
 if TYPE_CHECKING:
     from .graphs import CudaGraphs
@@ -81,20 +86,31 @@ class LeanLlama:
         self.intermediate = int(config.intermediate_size)
         self.context_length = int(self.cos.shape[0])
         self._qk = (self.heads + self.kv_heads) * self.head_dim
-        # The VNNI modes decode attention in the kernel too (RoPE, K/V write, attention per row in one
-        # call), for head sizes it vectorizes (multiples of 16 up to 256: every Llama we know of).
-        vnni = isinstance(head, VnniLinear) and self.head_dim % 16 == 0 and self.head_dim <= 256
-        self.native = _native_kernel() if vnni else None
+        # The kernel modes run attention in the kernel too (RoPE, K/V write, attention per row in one
+        # call, prefill and decode alike), for head sizes it vectorizes (multiples of 16 up to 256:
+        # every Llama we know of).
+        fits = self.head_dim % 16 == 0 and self.head_dim <= 256
+        self.native: Kernel | None = head.kernel if isinstance(head, Q8Linear) and fits else None
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether every token's K/V and logits are the same bits whichever pass computed them (a prefill
+        of any length from any start, or a decode step of any batch): the kernel modes, where each row
+        is computed on its own in a fixed order. Then a cached prefix may end at any position."""
+        return self.native is not None
 
     @classmethod
-    def from_hf(cls, hf: Any, *, mode: str, act_dtype: torch.dtype, group_size: int = 32, dense_prefill: bool = False) -> LeanLlama:
-        """Take a transformers LlamaForCausalLM's weights: fuse, quantize (``mode`` none|int8|w8a16|w8a8|int4), build."""
+    def from_hf(cls, hf: Any, *, mode: str, act_dtype: torch.dtype, group_size: int = 32, dense_prefill: bool = False,
+                isa: str | None = None) -> LeanLlama:
+        """Take a transformers LlamaForCausalLM's weights: fuse, quantize (``mode`` none|int8|w8a16|w8a8|int4), build.
+
+        ``isa`` picks the kernel build of the w8a16/w8a8 modes (default: the best this CPU runs)."""
         config = hf.config
         _check_config(config)
         device = next(hf.parameters()).device
 
         def linear(w: torch.Tensor, role: str = "") -> Linear:
-            return make_linear(w, mode, act_dtype, group_size, role)
+            return make_linear(w, mode, act_dtype, group_size, role, isa)
 
         def prefill_copy(w: torch.Tensor, decode: Linear) -> Linear:
             return dequantized(w, mode, act_dtype, group_size) if dense_prefill and mode != "none" else decode
@@ -123,7 +139,7 @@ class LeanLlama:
             embed_w = hf.model.embed_tokens.weight.float()
             # SmolLM2's GGUF keeps its embedding at 8 bits; 4-bit groups on it lost answers ("the capital
             # of France is L'Etoile"), so the int4 mode keeps the tied embedding/LM head at int8.
-            embed = make_embedding(embed_w, mode, act_dtype)
+            embed = make_embedding(embed_w, mode, act_dtype, isa)
             tied = hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
             head = embed.head if tied else linear(hf.lm_head.weight.float(), "head")
             rope = _rope_tables(hf, int(getattr(config, "max_position_embeddings", 2048)), act_dtype, device)
@@ -142,8 +158,9 @@ class LeanLlama:
         head = 0 if self.head is self.embed.head else self.head.nbytes()
         return per_layer + self.embed.nbytes() + head
 
-    def new_cache(self, slots: int, capacity: int = 256) -> KVCache:
-        """An empty cache with ``slots`` rows."""
+    def new_cache(self, slots: int, capacity: int = 256, *, max_bytes: int | None = None, static: bool = False) -> KVCache:
+        """An empty cache for up to ``slots`` rows; ``max_bytes`` bounds its allocation, ``static``
+        allocates every row at full context once (CUDA graphs need fixed addresses)."""
         return KVCache(
             layers=len(self.layers),
             slots=slots,
@@ -153,7 +170,13 @@ class LeanLlama:
             device=self.device,
             capacity=capacity,
             max_capacity=self.context_length,
+            max_bytes=max_bytes,
+            static=static,
         )
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V one token holds over every layer."""
+        return 2 * len(self.layers) * self.kv_heads * self.head_dim * torch.tensor([], dtype=self.kv_dtype).element_size()
 
     # ---- building blocks ---------------------------------------------------------------
 
@@ -195,33 +218,43 @@ class LeanLlama:
         t = int(ids.shape[0])
         n = t - start
         hd, nh, nkv = self.head_dim, self.heads, self.kv_heads
-        cos, sin = self.cos[start:t, None, :], self.sin[start:t, None, :]
-        # New tokens see every earlier position: a plain causal mask when there is no prefix.
-        mask = None if start == 0 else torch.arange(t, device=ids.device)[None, :] <= torch.arange(start, t, device=ids.device)[:, None]
+        if self.native is not None:
+            slots = torch.full((n,), row, dtype=torch.long)
+            positions = torch.arange(start, t, dtype=torch.long)
+        else:
+            cos, sin = self.cos[start:t, None, :], self.sin[start:t, None, :]
+            # New tokens see every earlier position: a plain causal mask when there is no prefix.
+            mask = None if start == 0 else torch.arange(t, device=ids.device)[None, :] <= torch.arange(start, t, device=ids.device)[:, None]
         h = self.embed.lookup(ids[start:]).float()
         for i, lay in enumerate(self.layers):
             qkv = self._norm_linear(h, lay.attn_norm, lay.qkv_p).float()
-            qk = self._rope(qkv[:, : self._qk].view(n, nh + nkv, hd), cos, sin)
-            q = qk[:, :nh].transpose(0, 1)
-            keys, values = cache.keys[i], cache.values[i]
-            keys[row, :, start:t] = qk[:, nh:].transpose(0, 1)
-            values[row, :, start:t] = qkv[:, self._qk :].view(n, nkv, hd).transpose(0, 1)
-            k, v = keys[row : row + 1, :, :t], values[row : row + 1, :, :t]
-            attn = F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=1.0, enable_gqa=True)
-            h = self._add_linear(h, attn[0].transpose(0, 1).reshape(n, nh * hd), lay.o_p)
+            if self.native is not None:
+                attn = self._native_attention(qkv, cache, i, slots, positions)
+            else:
+                qk = self._rope(qkv[:, : self._qk].view(n, nh + nkv, hd), cos, sin)
+                q = qk[:, :nh].transpose(0, 1)
+                keys, values = cache.keys[i], cache.values[i]
+                keys[row, :, start:t] = qk[:, nh:].transpose(0, 1)
+                values[row, :, start:t] = qkv[:, self._qk :].view(n, nkv, hd).transpose(0, 1)
+                k, v = keys[row : row + 1, :, :t], values[row : row + 1, :, :t]
+                sdpa = F.scaled_dot_product_attention(q[None], k, v, attn_mask=mask, is_causal=mask is None, scale=1.0, enable_gqa=True)
+                attn = sdpa[0].transpose(0, 1).reshape(n, nh * hd)
+            h = self._add_linear(h, attn, lay.o_p)
             h = self._add_mlp_down(h, self._norm_linear(h, lay.mlp_norm, lay.gate_up_p), lay.down_p)
         return self._logits(h[-1:])[0]
 
-    def _native_attention(self, qkv: torch.Tensor, cache: KVCache, layer: int, pos: torch.Tensor) -> torch.Tensor:
-        """RoPE, the K/V write at ``pos`` and attention over each row's own length, in one kernel call (VNNI modes)."""
+    def _native_attention(self, qkv: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """RoPE, the K/V write at ``pos`` of cache row ``slots`` and attention over each query row's own
+        length, in one kernel call (kernel modes; decode: one row per slot, prefill: rows of one slot)."""
+        assert self.native is not None
         b = int(qkv.shape[0])
         keys, values = cache.keys[layer], cache.values[layer]
         out = torch.empty((b, self.heads * self.head_dim), dtype=torch.float32)
-        rc = self.native.attend(qkv.data_ptr(), qkv.stride(0), b, self.heads, self.kv_heads, self.head_dim, pos.data_ptr(),
+        rc = self.native.attend(qkv.data_ptr(), qkv.stride(0), b, self.heads, self.kv_heads, self.head_dim, slots.data_ptr(), pos.data_ptr(),
                                 self.cos.data_ptr(), self.sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2],
                                 out.data_ptr(), out.stride(0), torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"the VNNI attention kernel failed for {b} rows (head_dim {self.head_dim}, out of memory?)")
+            raise RuntimeError(f"the {self.native.isa} attention kernel failed for {b} rows (head_dim {self.head_dim}, out of memory?)")
         return out
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -246,7 +279,7 @@ class LeanLlama:
         for i, lay in enumerate(self.layers):
             qkv = self._norm_linear(h, lay.attn_norm, lay.qkv).float()
             if self.native is not None:
-                attn = self._native_attention(qkv, cache, i, pos)
+                attn = self._native_attention(qkv, cache, i, rows, pos)
             else:
                 qk = self._rope(qkv[:, : self._qk].view(b, nh + nkv, hd), cos, sin)
                 keys, values = cache.keys[i], cache.values[i]
@@ -260,15 +293,6 @@ class LeanLlama:
             h = self._add_mlp_down(h, self._norm_linear(h, lay.mlp_norm, lay.gate_up), lay.down)
         pos += 1  # in place: these are the cache's positions
         return self._logits(h)
-
-
-def _native_kernel() -> Any:
-    from .native import kernel, unavailable_reason
-
-    lib = kernel()
-    if lib is None:
-        raise RuntimeError(unavailable_reason())
-    return lib
 
 
 def _rope_tables(hf: Any, positions: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

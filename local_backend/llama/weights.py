@@ -10,10 +10,10 @@ tests/local_backend/test_weights.py checks it).
   own scale (per token, never per batch), multiplied int8 x int8 with exact int32 sums (oneDNN's
   packed int8 matmul, or ``torch._int_mm``): a row's result is bit-identical whatever its
   batch-mates, and the kernel's cost grows far less with the rows than the weight-only one's.
-- w8a16 / w8a8 on our own AVX-512 VNNI kernel (``VnniLinear``, ``q8kernel.c`` built by
-  ``native.py``): the same int8 weights times activations carried as two int8 digits per value
-  (w8a16, ~15 bits) or one (w8a8; its MLP down projection and LM head keep two), each row with
-  its own scale; exact int32 sums, so a row's bits never depend on its batch-mates.
+- w8a16 / w8a8 on our own int8 kernel (``Q8Linear``, ``q8kernel.c`` built by ``native.py`` for
+  AVX-512 VNNI or AVX2, the same bits on both): the same int8 weights times activations
+  quantized per row to ~16 bits (w8a16) or 8 (w8a8; its MLP down projection and LM head keep 16);
+  exact integer sums, so a row's bits never depend on its batch-mates.
 - int4: asymmetric, one scale and zero per group of ``group_size`` input features,
   ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (CPU) or ``_weight_int4pack_mm`` (CUDA).
   SmolLM2's GGUF stores its layers as Q4_1 (groups of 32, scale and minimum), which int4 with
@@ -33,8 +33,8 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "Linear",
-    "VnniLinear",
-    "W8A8Linear",
+    "Q8Linear",
+        "W8A8Linear",
     "dequantized",
     "make_embedding",
     "make_linear",
@@ -193,36 +193,36 @@ def _onednn_int8() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
-class VnniLinear:
-    """int8 weights (one scale per output channel) times fp32 activations carried as int8 digits.
+class Q8Linear:
+    """int8 weights (one scale per output channel) times fp32 activations quantized per row, on our kernel.
 
-    Our own AVX-512 VNNI kernel (``q8kernel.c``, built by ``native.py``). Each activation row is
-    quantized on its own inside the kernel: hi = round(x / s) with s = max|x| / 127 and, with
-    ``digits=2``, lo = round((x / s - hi) * 254) (~15 bits per value); y = (q . hi + q . lo / 254)
-    * channel_scale * s. The int32 sums are exact, so a row's output is bit-identical whatever the
-    batch. A tile streams the packed weight once for up to 8 digit rows and keeps pace with
-    memory, so 8 rows of one digit cost little more than one (torch's int8 weight-only kernel
-    costs 3.7x at 8 rows here). The RMSNorm or gated SiLU before a linear and the residual add
-    after it run inside the same call (``norm_linear``, ``add_into``): fewer tensor ops per step.
+    ``q8kernel.c`` (built by ``native.py`` for AVX-512 VNNI or AVX2; the same bits on both). Each
+    activation row is quantized on its own inside the kernel: a = round(x / s) with s = max|x| / 127
+    (``digits=1``) or max|x| / 32639 (``digits=2``, ~16 bits); y = (q . a) * channel_scale * s with
+    exact integer sums, so a row's output is bit-identical whatever the batch. A tile streams the
+    packed weight once for several rows. The RMSNorm or gated SiLU before a linear and the residual
+    add after it run inside the same call (``norm_linear``, ``add_into``): fewer tensor ops per step.
+    ``isa`` picks a build (default: the best this CPU runs).
     """
 
     def __init__(self, weight: torch.Tensor | None = None, *, quantized: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 digits: int = 2) -> None:
+                 digits: int = 2, isa: str | None = None) -> None:
         from .native import kernel, unavailable_reason
 
-        lib = kernel()
+        lib = kernel(isa)
         if lib is None:
-            raise RuntimeError(unavailable_reason())
+            raise RuntimeError(unavailable_reason(isa))
         if digits not in (1, 2):
             raise ValueError(f"digits must be 1 or 2, not {digits}")
         if quantized is None:
             if weight is None:
-                raise ValueError("VnniLinear needs a weight or its quantized (q, scales)")
+                raise ValueError("Q8Linear needs a weight or its quantized (q, scales)")
             quantized = quantize_int8(weight)
         q, scales = quantized
         n, k = (int(d) for d in q.shape)
+        self.kernel = lib
         self.out_features, self.in_features, self.digits = n, k, digits
-        self._np, self._kp = -(-n // 32) * 32, -(-k // 4) * 4
+        self._np, self._kp = -(-n // lib.block) * lib.block, -(-k // 4) * 4
         q = q.contiguous()
         self.packed = torch.empty(self._np * self._kp, dtype=torch.uint8)
         lib.pack(q.data_ptr(), n, k, self._np, self._kp, self.packed.data_ptr())
@@ -240,7 +240,7 @@ class VnniLinear:
                           None if norm is None else norm.data_ptr(), eps, int(glu), self.digits, y.data_ptr(), y.stride(0), int(accumulate),
                           torch.get_num_threads())
         if rc != 0:
-            raise MemoryError(f"the int8 VNNI kernel could not allocate its buffers for {m} rows x {self.in_features}")
+            raise MemoryError(f"the {self.kernel.isa} int8 kernel could not allocate its buffers for {m} rows x {self.in_features}")
         return y
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
@@ -292,21 +292,22 @@ class Int4Linear:
         return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
 
 
-# w8a8 on the VNNI kernel keeps two activation digits where one lost answers fp32 gets: the MLP's
+# w8a8 on our kernel keeps two activation digits where one lost answers fp32 gets: the MLP's
 # down projection, whose input (silu(gate) * up) carries the outlier channels, and the LM head
 # (the tied one is built by EmbeddingTable; an untied one comes here as "head").
 W8A8_TWO_DIGITS = frozenset({"down", "head"})
 
 
-def make_linear(weight: torch.Tensor, mode: str, dtype: torch.dtype, group_size: int, role: str = "") -> Linear:
+def make_linear(weight: torch.Tensor, mode: str, dtype: torch.dtype, group_size: int, role: str = "", isa: str | None = None) -> Linear:
     """A linear layer for ``mode`` (none|int8|w8a8|w8a16|int4) with activations in ``dtype``.
 
-    ``role`` names the layer's place (qkv, o, gate_up, down, head) where a mode treats them differently.
+    ``role`` names the layer's place (qkv, o, gate_up, down, head) where a mode treats them differently;
+    ``isa`` the kernel build of the w8a16/w8a8 modes (default: the best this CPU runs).
     """
     if mode == "w8a16":
-        return VnniLinear(weight, digits=2)
-    if mode == "w8a8" and dtype == torch.float32:  # fp32 activations: the VNNI kernel's plan (quantize.py)
-        return VnniLinear(weight, digits=2 if role in W8A8_TWO_DIGITS else 1)
+        return Q8Linear(weight, digits=2, isa=isa)
+    if mode == "w8a8" and dtype == torch.float32:  # fp32 activations: the kernel's plan (quantize.py)
+        return Q8Linear(weight, digits=2 if role in W8A8_TWO_DIGITS else 1, isa=isa)
     if mode == "w8a8":
         return W8A8Linear(weight)
     if mode == "int8":
@@ -345,18 +346,18 @@ class EmbeddingTable:
     answers fp32 gets right.)
     """
 
-    def __init__(self, weight: torch.Tensor, mode: str, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor, mode: str, dtype: torch.dtype, isa: str | None = None) -> None:
         if mode not in ("none", "int8", "w8a8", "w8a16"):
             raise ValueError(f"the embedding table is dense, int8, w8a8 or w8a16, not {mode!r}")
         self.mode, self.dtype = mode, dtype
-        self.head: Int8Linear | W8A8Linear | VnniLinear | DenseLinear
+        self.head: Int8Linear | W8A8Linear | Q8Linear | DenseLinear
         if mode == "int8":
             self.head = Int8Linear(weight, dtype)
             self._rows, self._scales = self.head.qweight, self.head.scales
         elif mode in ("w8a8", "w8a16") and dtype == torch.float32:
             # Two digits for the head in both: one 8-bit pass flipped near-tied top tokens ("Paris").
             q, scales = quantize_int8(weight)
-            self.head = VnniLinear(quantized=(q, scales), digits=2)
+            self.head = Q8Linear(quantized=(q, scales), digits=2, isa=isa)
             self._rows, self._scales = q, scales
         elif mode == "w8a8":
             q, scales = quantize_int8(weight)
@@ -376,6 +377,6 @@ class EmbeddingTable:
         return self.head.nbytes()
 
 
-def make_embedding(weight: torch.Tensor, mode: str, dtype: torch.dtype) -> EmbeddingTable:
+def make_embedding(weight: torch.Tensor, mode: str, dtype: torch.dtype, isa: str | None = None) -> EmbeddingTable:
     """The tied embedding / LM head table: dense for ``none``, its own kind for ``w8a8``/``w8a16``, else int8 (int4's too)."""
-    return EmbeddingTable(weight, mode if mode in ("none", "w8a8", "w8a16") else "int8", dtype)
+    return EmbeddingTable(weight, mode if mode in ("none", "w8a8", "w8a16") else "int8", dtype, isa)

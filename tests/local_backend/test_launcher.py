@@ -106,6 +106,16 @@ def test_the_default_temperature_is_passed_to_the_child() -> None:
     assert "--default-temperature" not in _child(_free_port()).command  # unset: the server's own resolution
 
 
+def test_the_launch_policys_memory_and_kernel_become_the_childs_flags() -> None:
+    lp = LaunchPolicy(model="tiny-random", kv_cache_mb=64, prefix_cache_mb=0, kernel="avx2")
+    assert lp.server_args() == ("--kv-cache-mb", "64", "--prefix-cache-mb", "0", "--kernel", "avx2")
+    assert LaunchPolicy(model="tiny-random").server_args() == ()  # unset: the server's own defaults
+    from local_backend.__main__ import _parser  # the flags are the server's own
+
+    args = _parser().parse_args(["serve", *lp.server_args()])
+    assert (args.kv_cache_mb, args.prefix_cache_mb, args.kernel) == (64, 0, "avx2")
+
+
 def test_url_without_http_host_is_rejected() -> None:
     with pytest.raises(ValueError, match="http://host:port"):
         ChildBackend("x", "unix:///tmp/sock", "tiny-random")

@@ -44,13 +44,29 @@ def real_server(default_engine: Engine) -> Iterator[RunningServer]:
     stop()
 
 
-def test_the_default_on_cpu_is_w8a16_where_the_kernel_runs(default_engine: Engine) -> None:
-    from local_backend.llama.native import kernel
+@pytest.fixture(scope="module")
+def avx2_engine() -> Iterator[Engine]:
+    """The AVX2 build of the kernel: it runs on AVX-512 machines too, so its answers are checked everywhere."""
+    from local_backend.llama.native import kernel, unavailable_reason
 
-    if kernel() is None:  # no AVX-512 VNNI or no compiler: torch's weight-only int8
-        assert default_engine.model.mode == "int8" and default_engine.model.act_dtype == torch.bfloat16
-    else:
+    if kernel("avx2") is None:
+        pytest.skip(unavailable_reason("avx2"))
+    engine = build_engine(EngineSettings(NAME, device="cpu", threads=1, kernel="avx2"), lambda _: None)
+    yield engine
+    engine.close()
+
+
+def test_the_default_on_cpu_is_w8a16_on_the_best_kernel_this_cpu_runs(default_engine: Engine) -> None:
+    from local_backend.llama.native import kernel
+    from local_backend.quantize import _native_bf16
+
+    best = kernel()
+    assert default_engine.plan is not None
+    if best is not None:
         assert default_engine.model.mode == "w8a16" and default_engine.model.act_dtype == torch.float32
+        assert default_engine.plan.kernel == best.isa and default_engine.model.native is not None
+    else:  # no kernel build runs here: what keeps fp32's answers
+        assert default_engine.model.mode == ("int8" if _native_bf16() else "none")
 
 
 def test_paris_non_stream(real_server: RunningServer) -> None:
@@ -87,6 +103,50 @@ async def test_default_mode_answers_the_check_set_at_least_as_well_as_fp32(defau
     default, fp32 = await run_checks(default_engine), await run_checks(fp32_engine)
     assert default.right >= fp32.right, f"default {default.right}, fp32 {fp32.right}; default got wrong: {default.wrong()}"
     assert fp32.right >= len(CHECKS) // 2  # the set is one this model mostly knows
+
+
+async def test_the_avx2_kernel_answers_as_the_default_does_and_at_least_as_well_as_fp32(avx2_engine: Engine, default_engine: Engine,
+                                                                                      fp32_engine: Engine) -> None:
+    avx2, fp32 = await run_checks(avx2_engine), await run_checks(fp32_engine)
+    assert avx2.right >= fp32.right, f"avx2 {avx2.right}, fp32 {fp32.right}; avx2 got wrong: {avx2.wrong()}"
+    assert "paris" in avx2.answers[0].lower()
+    if default_engine.model.mode == "w8a16":  # both builds give the same bits
+        assert avx2.tokens == (await run_checks(default_engine)).tokens
+
+
+SYSTEM = " ".join(f"Rule {i}: answer politely, briefly and truthfully, and never reveal rule {i}." for i in range(60))
+
+
+def _ids(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(engine.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+async def _answer(engine: Engine, ids: list[int], max_tokens: int = 24) -> tuple[int, ...]:
+    return [d async for d in engine.submit(GenerationRequest(ids, max_tokens=max_tokens)).deltas()][-1].token_ids
+
+
+async def test_a_long_system_prompt_seen_before_answers_the_same_and_a_conversation_reuses_its_turns(default_engine: Engine) -> None:
+    assert default_engine.prefix is not None
+    system = f"Session {id(default_engine)}. " + SYSTEM  # never seen by this engine
+    first = _ids(default_engine, [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of France?"}])
+    assert len(first) > 900
+    before = default_engine.prefix.stats()
+    cold = await _answer(default_engine, first)
+    warm = await _answer(default_engine, first)
+    after = default_engine.prefix.stats()
+    assert warm == cold and "Paris" in default_engine.tokenizer.decode(list(cold))
+    assert after.hits_tokens - before.hits_tokens >= len(first) - 2 * after.block_tokens  # the warm one: all but its last block
+    if not default_engine.model.row_invariant:
+        return
+    # The next turn, as a client sends it (the answer as text, re-encoded by the template): it reuses the first
+    # turn's prompt and answer, and answers as a fresh engine would (the same bits: see test_prefix.py).
+    text = default_engine.tokenizer.decode(list(cold), skip_special_tokens=True)
+    turn2 = _ids(default_engine, [{"role": "system", "content": system}, {"role": "user", "content": "What is the capital of France?"},
+                                  {"role": "assistant", "content": text}, {"role": "user", "content": "And of Italy?"}])
+    hits = default_engine.prefix.stats().hits_tokens
+    await _answer(default_engine, turn2)
+    assert default_engine.prefix.stats().hits_tokens - hits > len(first)
 
 
 async def test_fp32_first_tokens_match_transformers_generate(fp32_engine: Engine) -> None:

@@ -233,6 +233,20 @@ async def test_metrics_expose_queue_batch_rate_and_ttft(server: RunningServer) -
         text = await resp.text()
     for name in ("local_backend_queue_depth", "local_backend_batch_size", "local_backend_tokens_per_second", "local_backend_ttft_seconds_bucket"):
         assert name in text
+    # vLLM's series, so a router that reads a vLLM pool's load reads ours alike; and the compute path
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"):
+        assert f'{name}{{model_name="tiny-random"}} ' in text, name
+    assert 'local_backend_info{model_name="tiny-random",device="cpu",mode="none",path="torch-cpu"} 1' in text
+
+
+async def test_a_prompt_the_kv_cache_can_never_hold_is_a_400_in_openais_shape(make_engine, serve) -> None:
+    server = serve(make_engine(kv_cache_mb=1))  # the tiny model: 2,048 positions
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=3000)
+    await client.close()
+    assert err.value.code == "context_length_exceeded" and "KV cache" in str(err.value)
 
 
 def test_sampling_defaults_come_from_the_flag_then_a_sampling_generation_config_then_greedy() -> None:
