@@ -36,7 +36,7 @@ class Rules:
 
     complex_over_prompt_tokens: int | None = 1500   # estimated prompt tokens above this
     tools_complex: bool = True                      # `tools` / `functions` present
-    response_format_complex: bool = True            # a json_schema response_format (local refuses it)
+    response_format_complex: bool = True            # a response_format other than text (local refuses it)
     complex_over_max_tokens: int | None = None      # requested max_tokens above this
 
 
@@ -213,7 +213,7 @@ def _forced(f: Mapping[str, Any], rules: Rules) -> str | None:
 
 _RULE_REASONS = {
     "tools": "rule: tools present",
-    "response_format": "rule: json_schema response_format",
+    "response_format": "rule: response_format other than text",
     "prompt_tokens": "rule: long prompt",
     "max_tokens": "rule: large max_tokens",
 }

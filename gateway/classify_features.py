@@ -380,7 +380,8 @@ def extract(body: Mapping[str, Any]) -> Extracted:
 
     tools = body.get("tools") or body.get("functions")
     rf = body.get("response_format")
-    json_schema = isinstance(rf, Mapping) and rf.get("type") == "json_schema"
+    # any format but plain text (json_object, json_schema, ...): the local model refuses them
+    json_schema = isinstance(rf, Mapping) and rf.get("type", "text") != "text"
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     max_tokens = max_tokens if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) \
         else None

@@ -248,8 +248,8 @@ class ClassifierRulesPolicy(_Section):
 
     complex_over_prompt_tokens: int | None = Field(1500, gt=0)
     tools_complex: bool = True
-    # A json_schema response_format goes to `complex`: the local model refuses it (400), as it
-    # does json_object, which this rule does not catch (route such callers to a capable model).
+    # A response_format other than text (json_object, json_schema) goes to `complex`: the local
+    # model refuses it (400 unsupported_parameter).
     response_format_complex: bool = True
     complex_over_max_tokens: int | None = Field(None, gt=0)
 

@@ -210,13 +210,13 @@ def test_prompt_token_limit_is_configurable(clf: Classifier) -> None:
 
 
 def test_response_format_rule_is_on_by_default(clf: Classifier) -> None:
-    # The local model refuses json_schema with a 400, so under `auto` such requests must go `complex`.
-    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}
-    body = chat("hello", response_format=rf)
-    v = clf.classify(body)
-    assert (v.cls, v.rule) == ("complex", "response_format")
-    assert clf.classify(body, rules=Rules(response_format_complex=False)).rule is None
-    plain = chat("hello", response_format={"type": "json_object"})
+    # The local model refuses every format but text with a 400, so under `auto` such requests must go `complex`.
+    for rf in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, {"type": "json_object"}):
+        body = chat("hello", response_format=rf)
+        v = clf.classify(body)
+        assert (v.cls, v.rule) == ("complex", "response_format")
+        assert clf.classify(body, rules=Rules(response_format_complex=False)).rule is None
+    plain = chat("hello", response_format={"type": "text"})
     assert clf.classify(plain).rule is None
 
 
