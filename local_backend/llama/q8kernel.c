@@ -149,6 +149,40 @@ static inline float vf_reduce_add(vf v) {
     return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
 }
 
+/* 16 sums at once, each by vf_reduce_add's tree (the same pairs at each level, so the same bits):
+ * out[j] = reduce_add(a[j]). A transpose interleaved with the adds: ~2 operations a sum, not ~8. */
+static inline void vf_reduce_add16(const vf *a, float *out) {
+#ifdef Q8_AVX512
+    __m512 b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++) /* lanes l + l+8: [key 2i | key 2i+1], 8 lanes each */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* l + l+4: 128-bit lane k holds key 4i + k */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* l + l+2: lane k holds keys 8i + k (elements 0, 1) and 8i + 4 + k (2, 3) */
+        d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* l + l+1: element e of lane k holds key k + 4e */
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    _mm512_storeu_ps(out, _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), s));
+#else
+    __m256 b[16], c[8], d[4];
+    for (int i = 0; i < 16; i++) b[i] = _mm256_add_ps(a[i].lo, a[i].hi); /* l + l+8 */
+    for (int i = 0; i < 8; i++) /* l + l+4: 128-bit lane k holds key 2i + k */
+        c[i] = _mm256_add_ps(_mm256_permute2f128_ps(b[2 * i], b[2 * i + 1], 0x20), _mm256_permute2f128_ps(b[2 * i], b[2 * i + 1], 0x31));
+    for (int i = 0; i < 4; i++) /* l + l+2: lane k holds keys 4i + k (elements 0, 1) and 4i + 2 + k (2, 3) */
+        d[i] = _mm256_add_ps(_mm256_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(c[2 * i], c[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < 2; i++) { /* l + l+1: element e of lane k holds key 8i + k + 2e */
+        __m256 s = _mm256_add_ps(_mm256_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(d[2 * i], d[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm256_storeu_ps(out + 8 * i, _mm256_permutevar8x32_ps(s, order));
+    }
+#endif
+}
+
 /* max is exact whatever the order */
 static inline float vf_reduce_max(vf v) {
     __m256 a = _mm256_max_ps(vf_low8(v), vf_high8(v));
@@ -478,39 +512,78 @@ static void rope_head(const float *x, const float *cos, const float *sin, int64_
         vf_store(out + i, vf_fmadd(vf_load(x + i), vf_load(cos + i), vf_mul(vf_load(rot + i), vf_load(sin + i))));
 }
 
-/* One query head over positions 0..width-1 of one slot's keys/values: out[hd] = softmax(q K^T) V.
- * The same operations in the same order for a row of any pass (scores: one fma chain over the head's
- * 16-lane chunks, then the fixed tree; softmax sums per lane over 16-key chunks, then the tree; the
- * weighted values one fma per key, in key order). scores: room for width rounded up to 16. */
-static void attend_head(const float *q, const float *kbase, const float *vbase, int64_t width, int64_t hd, float *scores, float *out) {
-    const int64_t chunks = hd / 16;
-    vf qv[16];
-    for (int64_t ch = 0; ch < chunks; ch++) qv[ch] = vf_load(q + ch * 16);
-    for (int64_t j = 0; j < width; j++) {
+#define MAX_GROUP 4 /* query heads attended together over one pass of their K/V head */
+
+/* Query heads q[0..g-1] (g <= MAX_GROUP, hd apart) sharing one K/V head: over positions 0..width-1 of
+ * one slot's keys/values, out[h * hd..] = softmax(q_h K^T) V. Each key and value is read once for the
+ * g heads; each head's arithmetic is the same operations in the same order as for a row of any pass
+ * (scores: one fma chain over the head's 16-lane chunks, then the fixed tree; softmax sums per lane
+ * over 16-key chunks, then the tree; the weighted values one fma per key, in key order).
+ * scores: room for g x width rounded up to 16. */
+static inline __attribute__((always_inline)) void attend_group_n(const float *q, int64_t g, const float *kbase, const float *vbase,
+                                                                int64_t width, int64_t hd, float *scores, float *out, const int64_t chunks) {
+    const int64_t stride = (width + 15) / 16 * 16;
+    int64_t j0 = 0;
+    for (; j0 + 16 <= width; j0 += 16) /* 16 keys at a time: independent chains, then one transposed reduce */
+        for (int64_t h = 0; h < g; h++) {
+            const float *qh = q + h * hd;
+            vf acc[16];
+            for (int64_t j = 0; j < 16; j++) {
+                const float *kj = kbase + (j0 + j) * hd;
+                acc[j] = vf_mul(vf_load(qh), vf_load(kj));
+                for (int64_t ch = 1; ch < chunks; ch++) acc[j] = vf_fmadd(vf_load(qh + ch * 16), vf_load(kj + ch * 16), acc[j]);
+            }
+            vf_reduce_add16(acc, scores + h * stride + j0);
+        }
+    for (int64_t j = j0; j < width; j++) {
         const float *kj = kbase + j * hd;
-        vf acc = vf_mul(qv[0], vf_load(kj));
-        for (int64_t ch = 1; ch < chunks; ch++) acc = vf_fmadd(qv[ch], vf_load(kj + ch * 16), acc);
-        scores[j] = vf_reduce_add(acc);
+        for (int64_t h = 0; h < g; h++) {
+            const float *qh = q + h * hd;
+            vf acc = vf_mul(vf_load(qh), vf_load(kj));
+            for (int64_t ch = 1; ch < chunks; ch++) acc = vf_fmadd(vf_load(qh + ch * 16), vf_load(kj + ch * 16), acc);
+            scores[h * stride + j] = vf_reduce_add(acc);
+        }
     }
-    vf mx = vf_set1(-INFINITY);
-    for (int64_t j = 0; j < width; j += 16) mx = vf_max(mx, vf_loadn_or(scores + j, width - j, -INFINITY));
-    const vf m = vf_set1(vf_reduce_max(mx));
-    vf total = vf_zero();
-    for (int64_t j = 0; j < width; j += 16) {
-        /* lanes past the width load 0 - m and are cleared after the exp: they add nothing */
-        vf e = vf_keepn(exp_nonpositive(vf_sub(vf_loadn(scores + j, width - j), m)), width - j);
-        total = vf_add(total, e);
-        vf_storen(scores + j, e, width - j);
+    vf inv[MAX_GROUP];
+    for (int64_t h = 0; h < g; h++) {
+        float *sc = scores + h * stride;
+        vf mx = vf_set1(-INFINITY);
+        for (int64_t j = 0; j < width; j += 16) mx = vf_max(mx, vf_loadn_or(sc + j, width - j, -INFINITY));
+        const vf m = vf_set1(vf_reduce_max(mx));
+        vf total = vf_zero();
+        for (int64_t j = 0; j < width; j += 16) {
+            /* lanes past the width load 0 - m and are cleared after the exp: they add nothing */
+            vf e = vf_keepn(exp_nonpositive(vf_sub(vf_loadn(sc + j, width - j), m)), width - j);
+            total = vf_add(total, e);
+            vf_storen(sc + j, e, width - j);
+        }
+        inv[h] = vf_set1(1.0f / vf_reduce_add(total));
     }
-    const vf inv = vf_set1(1.0f / vf_reduce_add(total));
-    vf acc[16];
-    for (int64_t ch = 0; ch < chunks; ch++) acc[ch] = vf_zero();
+    vf acc[MAX_GROUP][16];
+    for (int64_t h = 0; h < g; h++)
+        for (int64_t ch = 0; ch < chunks; ch++) acc[h][ch] = vf_zero();
     for (int64_t j = 0; j < width; j++) {
-        const vf pj = vf_set1(scores[j]);
         const float *vj = vbase + j * hd;
-        for (int64_t ch = 0; ch < chunks; ch++) acc[ch] = vf_fmadd(pj, vf_load(vj + ch * 16), acc[ch]);
+        vf v[16];
+        for (int64_t ch = 0; ch < chunks; ch++) v[ch] = vf_load(vj + ch * 16);
+        for (int64_t h = 0; h < g; h++) {
+            const vf pj = vf_set1(scores[h * stride + j]);
+            for (int64_t ch = 0; ch < chunks; ch++) acc[h][ch] = vf_fmadd(pj, v[ch], acc[h][ch]);
+        }
     }
-    for (int64_t ch = 0; ch < chunks; ch++) vf_store(out + ch * 16, vf_mul(acc[ch], inv));
+    for (int64_t h = 0; h < g; h++)
+        for (int64_t ch = 0; ch < chunks; ch++) vf_store(out + h * hd + ch * 16, vf_mul(acc[h][ch], inv[h]));
+}
+
+/* The same code with the head's chunk count a constant (hd 64 and 128: SmolLM2, Llama 3), so the
+ * compiler keeps the chunk arrays in registers; any other hd takes the general one (same bits). */
+static void attend_group(const float *q, int64_t g, const float *kbase, const float *vbase, int64_t width, int64_t hd,
+                         float *scores, float *out) {
+    switch (hd / 16) {
+    case 4: attend_group_n(q, g, kbase, vbase, width, hd, scores, out, 4); break;
+    case 8: attend_group_n(q, g, kbase, vbase, width, hd, scores, out, 8); break;
+    default: attend_group_n(q, g, kbase, vbase, width, hd, scores, out, hd / 16); break;
+    }
 }
 
 /* For each of b query rows, with qkv [b, (nh + 2 nkv) * hd] (Q already scaled by 1/sqrt(hd)), its
@@ -544,7 +617,7 @@ int q8_attend(const float *qkv, int64_t ldqkv, int64_t b, int64_t nh, int64_t nk
     /* (row, kv head) pairs: decode's one row still splits over threads */
     #pragma omp parallel num_threads(threads) if (threads > 1 && b * nkv > 1)
     {
-        float *scores = (float *)malloc((size_t)((width_max + 15) / 16 * 16) * sizeof(float));
+        float *scores = (float *)malloc((size_t)(MAX_GROUP * ((width_max + 15) / 16 * 16)) * sizeof(float));
         if (!scores) {
             #pragma omp atomic write
             failed = 1;
@@ -554,9 +627,9 @@ int q8_attend(const float *qkv, int64_t ldqkv, int64_t b, int64_t nh, int64_t nk
             if (!scores) continue;
             const int64_t r = i / nkv, kv = i % nkv;
             const int64_t base = (slot[r] * nkv + kv) * cap * hd;
-            for (int64_t g = 0; g < group; g++) {
-                const int64_t h = kv * group + g;
-                attend_head(qrot + (r * nh + h) * hd, keys + base, values + base, pos[r] + 1, hd, scores, out + r * ldout + h * hd);
+            for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
+                const int64_t h = kv * group + g0, g = group - g0 < MAX_GROUP ? group - g0 : MAX_GROUP;
+                attend_group(qrot + (r * nh + h) * hd, g, keys + base, values + base, pos[r] + 1, hd, scores, out + r * ldout + h * hd);
             }
         }
         free(scores);

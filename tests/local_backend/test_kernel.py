@@ -155,7 +155,7 @@ def _attend(isa: str, qkv: torch.Tensor, slots: list[int], positions: list[int],
 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
-@pytest.mark.parametrize("hd", [32, 48])
+@pytest.mark.parametrize("hd", [32, 48, 64])
 def test_attention_matches_torch_for_decode_and_prefill_rows(isa: str, hd: int) -> None:
     g = torch.Generator().manual_seed(8)
     nh, nkv, cap = 6, 2, 40
@@ -185,19 +185,20 @@ def test_attention_matches_torch_for_decode_and_prefill_rows(isa: str, hd: int) 
 
 @pytest.mark.parametrize("isa", ISA_PARAMS)
 def test_a_rows_attention_is_the_same_bits_in_a_prefill_and_in_a_decode_step(isa: str) -> None:
-    # The prefix cache's premise: position 9 computed among a prefill of 0..11, or alone as a decode
-    # step over a cache that holds 0..8, on 1 or 2 threads, gives the same K/V and output bits.
+    # The prefix cache's premise: position 37 computed among a prefill of 0..39, or alone as a decode
+    # step over a cache that holds 0..36, on 1 or 2 threads, gives the same K/V and output bits
+    # (past 16 positions: scores are summed 16 keys at a time, the rest one by one).
     g = torch.Generator().manual_seed(9)
-    nh, nkv, hd, cap = 4, 2, 32, 16
-    cos, sin = _rope_tables(hd, 32)
-    qkv = torch.randn(12, (nh + 2 * nkv) * hd, generator=g)
+    nh, nkv, hd, cap, n, at = 6, 2, 64, 48, 40, 37
+    cos, sin = _rope_tables(hd, 64)
+    qkv = torch.randn(n, (nh + 2 * nkv) * hd, generator=g)
     keys, values = torch.zeros(2, nkv, cap, hd), torch.zeros(2, nkv, cap, hd)
-    full = _attend(isa, qkv, [1] * 12, list(range(12)), keys, values, nh, nkv, hd, cos, sin)
+    full = _attend(isa, qkv, [1] * n, list(range(n)), keys, values, nh, nkv, hd, cos, sin)
     k2, v2 = torch.zeros_like(keys), torch.zeros_like(values)
-    _attend(isa, qkv[:9], [0] * 9, list(range(9)), k2, v2, nh, nkv, hd, cos, sin, threads=2)
-    step = _attend(isa, qkv[9:10], [0], [9], k2, v2, nh, nkv, hd, cos, sin, threads=2)
-    assert torch.equal(step[0], full[9])
-    assert torch.equal(k2[0, :, :10], keys[1, :, :10]) and torch.equal(v2[0, :, :10], values[1, :, :10])
+    _attend(isa, qkv[:at], [0] * at, list(range(at)), k2, v2, nh, nkv, hd, cos, sin, threads=2)
+    step = _attend(isa, qkv[at : at + 1], [0], [at], k2, v2, nh, nkv, hd, cos, sin, threads=2)
+    assert torch.equal(step[0], full[at])
+    assert torch.equal(k2[0, :, : at + 1], keys[1, :, : at + 1]) and torch.equal(v2[0, :, : at + 1], values[1, :, : at + 1])
 
 
 @both
@@ -213,14 +214,14 @@ def test_both_builds_give_the_same_bits(weight: torch.Tensor, digits: int) -> No
     assert torch.equal(avx512.norm_linear(x, norm_w, 1e-5), avx2.norm_linear(x, norm_w, 1e-5))
     assert torch.equal(avx512.add_into(h.clone(), gu, glu=True), avx2.add_into(h.clone(), gu, glu=True))
 
-    nh, nkv, hd, cap = 6, 2, 64, 24
-    cos, sin = _rope_tables(hd, 32)
+    nh, nkv, hd, cap = 6, 2, 64, 48
+    cos, sin = _rope_tables(hd, 48)
     qkv = torch.randn(5, (nh + 2 * nkv) * hd, generator=g)
     kv = torch.randn(2, 3, nkv, cap, hd, generator=g)
     outs = []
     for isa in native.ISAS:
         keys, values = kv[0].clone(), kv[1].clone()
-        outs.append((_attend(isa, qkv, [0, 1, 2, 2, 2], [7, 20, 0, 1, 2], keys, values, nh, nkv, hd, cos, sin), keys, values))
+        outs.append((_attend(isa, qkv, [0, 1, 2, 2, 2], [7, 40, 0, 1, 2], keys, values, nh, nkv, hd, cos, sin), keys, values))
     assert all(torch.equal(a, b) for a, b in zip(outs[0], outs[1], strict=True))
 
 
