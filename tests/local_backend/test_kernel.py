@@ -263,6 +263,16 @@ def test_auto_picks_w8a16_on_the_best_kernel_and_the_environment_can_name_one(mo
         assert Q8Linear(torch.ones(8, 8)).kernel.isa == "avx2"
 
 
+@_needs("avx2")
+def test_on_an_avx2_only_cpu_auto_picks_the_avx2_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    load = native._load
+    monkeypatch.setattr(native, "_load", lambda isa: (None, "this CPU lacks avx512_vnni") if isa == "avx512_vnni" else load(isa))
+    plan = plan_quantization("auto", "cpu")
+    assert (plan.mode, plan.kernel, plan.act_dtype) == ("w8a16", "avx2", torch.float32) and "avx2 kernel" in plan.describe()
+    with pytest.raises(ValueError, match="avx512_vnni"):
+        plan_quantization("auto", "cpu", "avx512_vnni")  # named, it must run
+
+
 @pytest.mark.parametrize(("bf16", "fallback"), [(True, "int8"), (False, "none")])
 def test_without_a_kernel_auto_falls_back_to_what_keeps_fp32s_answers(monkeypatch: pytest.MonkeyPatch, bf16: bool, fallback: str) -> None:
     monkeypatch.setattr(native, "_load", lambda isa: (None, f"this CPU lacks what {isa} needs"))
