@@ -6,7 +6,12 @@ it when the TTL ends). Followers poll the cache key (and the lock): the stored a
 comes, or, once the lock is gone without an answer (an error, an answer that may not be stored),
 they go upstream themselves. A streamed follower gets the answer replayed as a stream when it is
 complete: what crosses processes is the stored entry, not the live stream (flight.py shares the
-live stream within one process). Every store failure fails open: the request goes upstream.
+live stream within one process). Store failures fail open: the request goes upstream (a waiting
+follower after a few failed reads in a row, so that one slow reply does not make a second call).
+
+The leader stores its answer before it lets go of the lock (pipeline.py does both in one shielded
+step, even when its own client has already left), and the lock alone cannot tell "nobody started"
+from "somebody finished": a process that wins the lock looks the answer up once more.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ __all__ = ["claim", "release", "shared"]
 
 _LOCK = "gwlock:"
 _POLL_S = 0.05
+_READ_FAILURES = 3  # failed lock reads in a row that make a follower stop waiting (the store is down)
 
 
 def shared(cache: Cache) -> bool:
@@ -31,27 +37,50 @@ def shared(cache: Cache) -> bool:
 
 async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float) -> tuple[bool, Entry | None]:
     """(True, None): this process leads, holding the lock (give it back with `release`).
-    (False, entry): another process stored the answer while we waited.
+    (False, entry): another process stored the answer (before we took the lock, or while we waited).
     (False, None): go upstream without the lock (the leader stored nothing, the wait ran out, or
     the store failed)."""
     try:
-        if await cache.store.add(_LOCK + key, b"1", lock_s):
-            return True, None
+        won = await cache.store.add(_LOCK + key, b"1", lock_s)
     except StoreError:
         return False, None
+    if won:
+        return await _recheck(cache, key)
     deadline = time.monotonic() + min(wait_s, lock_s)
+    failures = 0
     while time.monotonic() < deadline:
         await asyncio.sleep(_POLL_S)
         entry = await cache.lookup(key)
         if entry is not None:
             return False, entry
         try:
-            if await cache.store.get(_LOCK + key) is None:
-                # The leader may have stored the answer and let go between our two reads.
-                return False, await cache.lookup(key)
+            held = await cache.store.get(_LOCK + key) is not None
         except StoreError:
-            return False, None
+            # One slow reply on a busy store is no reason to call upstream a second time; a
+            # store that keeps failing is (the leader's answer could not be read anyway).
+            failures += 1
+            if failures >= _READ_FAILURES:
+                return False, None
+            continue
+        failures = 0
+        if not held:
+            # The leader may have stored the answer and let go between our two reads.
+            return False, await cache.lookup(key)
     return False, None
+
+
+async def _recheck(cache: Cache, key: str) -> tuple[bool, Entry | None]:
+    """We hold the lock, but our caller's lookup missed before it: a leader elsewhere may have
+    stored the answer and released the lock in between (it stores first, then releases)."""
+    try:
+        entry = await cache.lookup(key)
+    except BaseException:  # cancelled: the lock must not outlive us until its TTL
+        await asyncio.shield(release(cache, key))
+        raise
+    if entry is None:
+        return True, None
+    await release(cache, key)
+    return False, entry
 
 
 async def release(cache: Cache, key: str) -> None:

@@ -14,6 +14,7 @@ from . import cache_flight
 from .auth import Tenant
 from .admission import Admission, Ticket
 from .backends import Backend
+from .cache import Cache, Flight
 from .cache_entry import Entry, replay_json, replay_sse
 from .call import Call
 from .errors import AllBackendsFailed, GatewayError, InternalError
@@ -118,12 +119,13 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
                         sink.set_header("x-gateway-cache", "miss")
                         call.capture = rt.cache.max_entry_bytes
                         await _lead(call, route, ctx, tee)
-                        if call.entry is not None and plan.store:
-                            await rt.cache.save(plan.key, call.entry, ttl_s=plan.ttl_s)
-                            flight.publish(call.entry)
                     finally:
-                        if locked:
-                            await asyncio.shield(cache_flight.release(rt.cache, plan.key))
+                        # Also when _lead raised: a client that closes its connection as soon as it
+                        # has the last byte gets this handler cancelled (handler_cancellation) before
+                        # the store, and a lock let go without the answer stored sends the other
+                        # replicas' waiting requests upstream again.
+                        stored = call.entry if plan.store else None
+                        await asyncio.shield(_land(rt.cache, plan.key, stored, plan.ttl_s, flight, locked))
                     return
         await _replay(call, entry, sink)
         ctx.metrics.lookup["hit"].inc()
@@ -213,6 +215,19 @@ async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
     except ConnectionError:  # reset, or lost while a write waited on a slow reader
         raise ClientGone() from None
     call.finish = "ok"
+
+
+async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, flight: Flight, locked: bool) -> None:
+    """A flight leader's last step: store its complete answer (`entry`, None when there is none or
+    it may not be stored), hand it to this process's followers, and only then give back the
+    cross-process lock, so a follower elsewhere that sees the lock gone finds the answer."""
+    try:
+        if entry is not None:
+            await cache.save(key, entry, ttl_s=ttl_s)
+            flight.publish(entry)
+    finally:
+        if locked:
+            await cache_flight.release(cache, key)
 
 
 async def _lead(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None:

@@ -1,0 +1,233 @@
+"""Single flight across processes (cache_flight.py): the lock, the stored answer, and the leader
+that stores it, with a Store wrapper that delays chosen calls to force each interleaving.
+
+The units drive two claims in a chosen order on the in-memory store and on Redis (DB 13, keys of
+their own, deleted afterwards); the last test runs two gateways on one Redis in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import redis.asyncio as aredis
+from redis.exceptions import RedisError
+
+from gateway import cache_flight
+from gateway.cache import Cache, cache_key
+from gateway.cache_entry import Entry
+from gateway.keys import LIVE
+from gateway.quota_counters import Ask, Decision, Settle, Usage
+from gateway.store import MemoryStore, Store, StoreError
+from gateway.store_redis import RedisStore
+from tests.conftest import simple_policy
+
+REDIS_URL = "redis://127.0.0.1:6379/13"
+LOCK = "gwlock:"
+ANSWER = {
+    "id": "chatcmpl-1",
+    "object": "chat.completion",
+    "created": 1,
+    "model": "m",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
+}
+
+
+class Delayed:
+    """A Store over `inner` whose chosen calls take longer: `delay(op, prefix, s, times)` makes the
+    next `times` (None: all) calls of `op` on keys starting with `prefix` wait `s` seconds first.
+    Like RedisStore, a call that takes more than `timeout_s` raises StoreError."""
+
+    def __init__(self, inner: Store, *, timeout_s: float = 1.0) -> None:
+        self.inner = inner
+        self.timeout_s = timeout_s
+        self.rules: list[list[Any]] = []  # [op, prefix, seconds, times left or None]
+
+    def delay(self, op: str, prefix: str, s: float, times: int | None = None) -> None:
+        self.rules.append([op, prefix, s, times])
+
+    def pending(self) -> int:
+        """Delays still to come (counted rules only)."""
+        return sum(r[3] for r in self.rules if r[3] is not None)
+
+    async def _wait(self, op: str, key: str) -> None:
+        for rule in self.rules:
+            if rule[0] == op and key.startswith(rule[1]) and rule[3] != 0:
+                if rule[3] is not None:
+                    rule[3] -= 1
+                try:
+                    async with asyncio.timeout(self.timeout_s):
+                        await asyncio.sleep(rule[2])
+                except TimeoutError:
+                    raise StoreError(f"delayed {op} of {key!r}: timed out after {self.timeout_s} s") from None
+                return
+
+    async def get(self, key: str) -> bytes | None:
+        await self._wait("get", key)
+        return await self.inner.get(key)
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        await self._wait("set", key)
+        await self.inner.set(key, value, ttl_s)
+
+    async def delete(self, key: str) -> None:
+        await self._wait("delete", key)
+        await self.inner.delete(key)
+
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        await self._wait("add", key)
+        return await self.inner.add(key, value, ttl_s)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def quota_take(self, tenant: str, ask: Ask) -> Decision:
+        return await self.inner.quota_take(tenant, ask)
+
+    async def quota_settle(self, tenant: str, settle: Settle) -> None:
+        await self.inner.quota_settle(tenant, settle)
+
+    async def quota_usage(self, tenant: str, scope: str) -> Usage:
+        return await self.inner.quota_usage(tenant, scope)
+
+
+async def _delete_prefix(prefix: str) -> None:
+    raw = aredis.Redis.from_url(REDIS_URL)
+    try:
+        keys = [k async for k in raw.scan_iter(match=prefix + "*", count=1000)]
+        if keys:
+            await raw.delete(*keys)
+    finally:
+        await raw.aclose()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def inner(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
+    if request.param == "memory":
+        yield MemoryStore()
+        return
+    prefix = f"test-flight-{secrets.token_hex(6)}:"
+    store = RedisStore(REDIS_URL, timeout_ms=500, prefix=prefix)
+    try:
+        await store.get("ping")
+    except StoreError:
+        await store.close()
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    yield store
+    await store.close()
+    await _delete_prefix(prefix)
+
+
+def _cache(store: Store) -> Cache:
+    return Cache(store, ttl_s=60, max_entry_bytes=1 << 20)
+
+
+async def _until(cond: Any, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+async def test_a_lock_won_after_another_leader_stored_and_let_go_gives_its_answer(inner: Store) -> None:
+    """Our lookup misses; then another process claims, stores its answer and releases the lock;
+    then our claim wins the free lock. It must answer from the store, not lead a second call."""
+    cache = _cache(inner)
+    assert await cache.lookup("k") is None  # ours (pipeline.run), before the claim
+    assert await cache_flight.claim(cache, "k", wait_s=5, lock_s=5) == (True, None)  # the other process
+    await cache.save("k", Entry(orjson.dumps(ANSWER)))
+    await cache_flight.release(cache, "k")
+    locked, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)  # ours
+    assert not locked and entry is not None and entry.answer()["id"] == "chatcmpl-1"
+    assert await inner.get(LOCK + "k") is None  # the lock it took is given back at once
+
+
+async def test_a_follower_keeps_waiting_through_slow_lock_reads(inner: Store) -> None:
+    """Two lock reads that time out (a busy store) while the leader works: the follower still
+    gets the stored answer, instead of calling upstream a second time."""
+    store = Delayed(inner, timeout_s=0.02)
+    cache = _cache(store)
+    assert await cache_flight.claim(cache, "k", wait_s=5, lock_s=5) == (True, None)  # the other process
+    store.delay("get", LOCK, 1.0, times=2)
+    follower = asyncio.create_task(cache_flight.claim(cache, "k", wait_s=5, lock_s=5))
+    await _until(lambda: store.pending() == 0)
+    await cache.save("k", Entry(orjson.dumps(ANSWER)))
+    await cache_flight.release(cache, "k")
+    locked, entry = await asyncio.wait_for(follower, 5)
+    assert not locked and entry is not None and entry.answer()["id"] == "chatcmpl-1"
+
+
+async def test_a_follower_stops_waiting_when_the_store_keeps_failing() -> None:
+    store = Delayed(MemoryStore(), timeout_s=0.01)
+    cache = _cache(store)
+    assert await cache_flight.claim(cache, "k", wait_s=30, lock_s=30) == (True, None)  # the other process
+    store.delay("get", "", 1.0)  # every read times out: the lock's holder cannot be seen, nor its answer
+    t0 = time.monotonic()
+    assert await cache_flight.claim(cache, "k", wait_s=30, lock_s=30) == (False, None)  # upstream, at once
+    assert time.monotonic() - t0 < 1.0
+
+
+async def test_a_claim_cancelled_after_winning_the_lock_gives_it_back() -> None:
+    mem = MemoryStore()
+    store = Delayed(mem)
+    cache = _cache(store)
+    store.delay("get", "gwc:", 0.5)  # the lookup after the lock was won is slow
+    task = asyncio.create_task(cache_flight.claim(cache, "gwc:k", wait_s=5, lock_s=30))
+    await _until(lambda: len(mem) == 1)  # the lock is taken
+    await asyncio.sleep(0.01)
+    task.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await mem.get(LOCK + "gwc:k") is None  # not held for 30 s by nobody
+
+
+async def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes, str]:
+    """One request on a connection of its own, closed as soon as the whole answer is read (as
+    `Connection: close` clients do)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        async with http.post(url + "/v1/chat/completions", json=body) as r:
+            return r.status, await r.read(), r.headers["x-gateway-cache"]
+
+
+async def test_a_streamed_leader_whose_client_closes_at_the_end_still_stores_for_other_replicas(upstream, gateway):
+    """Replica A leads a streamed miss; replica B waits on A's Redis lock. A's client closes its
+    connection once it has [DONE], which cancels A's handler (handler_cancellation) while A's store
+    call is still on its way (delayed here). A must store the answer before it lets go of the lock,
+    or B sees the lock gone with nothing stored and calls upstream a second time."""
+    probe = aredis.Redis.from_url(REDIS_URL)
+    try:
+        await probe.ping()
+    except (OSError, RedisError):
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    up = await upstream("a", tokens=3, ttft_ms=300)
+    policy = simple_policy(
+        up,
+        store={"url": REDIS_URL, "timeout_ms": 500},
+        reload={"watch": False, "channel": "test-reload-" + secrets.token_hex(4)},
+    )
+    a = await gateway(policy, "a.yaml")
+    b = await gateway(policy, "b.yaml")
+    cache = a.app[LIVE].runtime.cache
+    assert cache is not None
+    slow = Delayed(cache.store)
+    slow.delay("set", "gwc:", 0.3)  # A's answer takes a while to reach Redis
+    cache.store = slow
+    body = {"model": "gpt-test", "messages": [{"role": "user", "content": "q " + secrets.token_hex(8)}], "temperature": 0}
+    key = cache_key("default", "chat", "gpt-test", body)  # the open-mode tenant's namespace
+    try:
+        leader = asyncio.create_task(_post(a.url, {**body, "stream": True}))
+        await _until(lambda: up.stats.requests == 1)  # A holds the lock and calls upstream
+        follower = await _post(b.url, body)
+        led = await leader
+        assert led[0] == 200 and led[1].rstrip().endswith(b"data: [DONE]") and led[2] == "miss"
+        assert follower[0] == 200 and follower[2] == "hit", follower
+        assert orjson.loads(follower[1])["choices"][0]["message"]["content"] == "w0 w1 w2 "
+        assert up.stats.requests == 1
+    finally:
+        await probe.delete(key, LOCK + key)
+        await probe.aclose()
