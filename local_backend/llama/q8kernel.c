@@ -26,8 +26,8 @@
  * block with the activation bytes as vpdpbusd's {1to16} memory operand.
  * AVX2 multiplies the int16 value directly (vpmaddwd: one multiply where the digits need two) with
  * signed int8 weights widened on the fly, packed [n/8][k/4][8][4]; a tile runs up to 4 rows over a
- * block of 8 channels, and the int32 lanes are widened to int64 every 1,024 inputs (before they can
- * overflow).
+ * block of 8 channels, and the int32 lanes are widened (to doubles, exact for these integers) every
+ * 1,024 inputs, before they can overflow.
  *
  * Attention (q8_attend): RoPE on Q and K, the K/V write, then softmax(Q K^T) V over positions 0..pos
  * of the row's own cache slot, one query row at a time in a fixed order. Prefill (many rows of one
@@ -372,8 +372,9 @@ static inline __m512 sums_to_float(__m512i hi, const __m512i *lo) {
                                                _mm256_castps_pd(_mm512_cvtpd_ps(b)), 1));
 }
 #else
-/* 8 channels (two int16 vectors of 4 channels x 4 inputs) x R rows; exact int64 sums to out [R][8].
- * Each int32 lane gains at most 2 * 127 * 32639 per step: 256 steps fit, then it is widened. */
+/* 8 channels (two int16 vectors of 4 channels x 4 inputs) x R rows; exact sums to out [R][8], as doubles
+ * (integers below 2^53 are exact there, and AVX2 converts doubles, not int64, to floats). Each int32
+ * lane gains at most 2 * 127 * 32639 per step: 256 steps fit, then it is widened. */
 #define A_ACC(r) __m256i c0_##r = _mm256_setzero_si256(), c1_##r = c0_##r;
 /* One row's step in asm: in C, GCC hoists every row's broadcast first and then spills an accumulator,
  * and the store-to-load round trip of that spill bounded the loop (measured: ~3x slower). */
@@ -391,8 +392,8 @@ static inline __m512 sums_to_float(__m512i hi, const __m512i *lo) {
     const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wp + k4 * 32 + 16)));
 #define A_FLUSH(r) { widen(c0_##r, out + (r) * BLOCK); widen(c1_##r, out + (r) * BLOCK + 4); }
 #define A_TILE(R, ACCS, STEPS, FLUSHES)                                                             \
-    static void tile_##R(const int16_t *a, int64_t kp, const uint8_t *wp, int64_t *out) {           \
-        for (int64_t i = 0; i < (R) * BLOCK; i++) out[i] = 0;                                        \
+    static void tile_##R(const int16_t *a, int64_t kp, const uint8_t *wp, double *out) {            \
+        for (int64_t i = 0; i < (R) * BLOCK; i++) out[i] = 0.0;                                      \
         for (int64_t c0 = 0; c0 < kp / 4; c0 += 256) {                                              \
             const int64_t c1 = c0 + 256 < kp / 4 ? c0 + 256 : kp / 4;                               \
             ACCS                                                                                    \
@@ -400,11 +401,11 @@ static inline __m512 sums_to_float(__m512i hi, const __m512i *lo) {
             FLUSHES                                                                                 \
         }                                                                                           \
     }
-/* lanes (2c, 2c + 1) hold channel c's two halves: add them, widened, into out[c] */
-static inline void widen(__m256i acc, int64_t *out) {
-    int32_t t[8];
-    _mm256_storeu_si256((__m256i *)t, acc);
-    for (int c = 0; c < 4; c++) out[c] += (int64_t)t[2 * c] + (int64_t)t[2 * c + 1];
+/* lanes (2c, 2c + 1) hold channel c's two halves: add them, widened (exactly), into out[c] */
+static inline void widen(__m256i acc, double *out) {
+    __m256d lo = _mm256_cvtepi32_pd(_mm256_castsi256_si128(acc)), hi = _mm256_cvtepi32_pd(_mm256_extracti128_si256(acc, 1));
+    __m256d pairs = _mm256_permute4x64_pd(_mm256_hadd_pd(lo, hi), 0xD8); /* hadd gives channels 0, 2, 1, 3 */
+    _mm256_storeu_pd(out, _mm256_add_pd(_mm256_loadu_pd(out), pairs));
 }
 A_TILE(1, A_ACC(0), A_STEP(0), A_FLUSH(0))
 A_TILE(2, A_ACC(0) A_ACC(1), A_STEP(0) A_STEP(1), A_FLUSH(0) A_FLUSH(1))
@@ -478,20 +479,21 @@ int q8_linear(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int
                 }
             }
 #else
-            int64_t sums[MAX_ROWS * BLOCK];
+            double sums[MAX_ROWS * BLOCK];
             int rows = left >= 4 ? 4 : left >= 2 ? 2 : 1;
             if (rows == 4) tile_4(act + e0 * kp, kp, wblock, sums);
             else if (rows == 2) tile_2(act + e0 * kp, kp, wblock, sums);
             else tile_1(act + e0 * kp, kp, wblock, sums);
+            const int64_t n0 = nb * BLOCK, live = n - n0 < BLOCK ? n - n0 : BLOCK;
+            const __m256 ws = _mm256_maskload_ps(wscale + n0, lanes8(live));
             for (int e = 0; e < rows; e++) {
                 const int64_t row = e0 + e;
-                float *dst = y + row * ldy;
-                for (int64_t c = 0; c < BLOCK; c++) {
-                    const int64_t ch = nb * BLOCK + c;
-                    if (ch >= n) break;
-                    float v = (float)sums[e * BLOCK + c] * wscale[ch] * rscale[row]; /* left to right, as the VNNI lanes */
-                    dst[ch] = accumulate ? dst[ch] + v : v;
-                }
+                float *dst = y + row * ldy + n0;
+                /* the exact sum rounded once, then x channel scale x row scale, as the VNNI lanes */
+                __m256 v = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(sums + e * BLOCK + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(sums + e * BLOCK)));
+                v = _mm256_mul_ps(_mm256_mul_ps(v, ws), _mm256_set1_ps(rscale[row]));
+                if (accumulate) v = _mm256_add_ps(v, _mm256_maskload_ps(dst, lanes8(live)));
+                _mm256_maskstore_ps(dst, lanes8(live), v);
             }
 #endif
             e0 += rows;
