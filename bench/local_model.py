@@ -2,7 +2,8 @@
 
 Each mode runs in its own subprocess (so its RSS is its own) with a fixed torch thread count:
 the check set's greedy answers (right, identical to fp32's, share of fp32's tokens reproduced
-before the first difference), TTFT p50 for a 50-token prompt, decode tokens/s for one stream,
+before the first difference), TTFT p50 for a 50-token prompt (a new question each time: cold but
+for the chat template's pinned opening), decode tokens/s for one stream,
 aggregate tokens/s for 1 and 8 concurrent streams of 64 tokens (TTFT included, as a client sees
 it) and their ratio, the prefix cache (TTFT of a prompt with a ~1,000-token system prompt never
 seen, then seen: the same prompt again), and the process's RSS. Speed figures are medians over
@@ -45,11 +46,13 @@ def _rss_mb() -> dict[str, float]:
     return {"rss_mb": fields.get("VmRSS", 0.0), "peak_rss_mb": fields.get("VmHWM", 0.0)}
 
 
-def _prompt_of(engine: Any, tokens: int) -> list[int]:
-    """A chat prompt of exactly ``tokens`` tokens (a question padded with filler words)."""
+def _prompt_of(engine: Any, tokens: int, variant: int = 0) -> list[int]:
+    """A chat prompt of exactly ``tokens`` tokens (a question padded with filler words); each ``variant``
+    differs from its first word on, so it shares only the chat template's opening with the others
+    (what a new question shares with earlier ones: its TTFT is a cold one, not the prefix cache's)."""
     from local_backend.checkset import chat_prompt_ids
 
-    words = ["Summarize", "in", "one", "sentence:", "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
+    words = [f"Round {variant}: summarize", "in", "one", "sentence:", "the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog"]
     n = len(words)
     while len(chat_prompt_ids(engine.tokenizer, " ".join(words[: n + 1]))) <= tokens and n < 200:
         words.append(words[4 + n % 9])
@@ -83,6 +86,7 @@ async def _measure(engine: Any, repeat: int) -> dict[str, Any]:
 
     checks = await run_checks(engine)
     ttft_ids = _prompt_of(engine, TTFT_PROMPT_TOKENS)
+    variant = 0
     stories = [chat_prompt_ids(engine.tokenizer, f"Write a short story about a robot number {i}.") for i in range(CONCURRENT)]
     ttfts, decode, agg1, agg8, cold, warm = [], [], [], [], [], []
     same = True
@@ -94,7 +98,8 @@ async def _measure(engine: Any, repeat: int) -> dict[str, Any]:
         warm.append(t_warm)
         same = same and await _greedy(engine, ids) == await _greedy(engine, ids)
         for _ in range(3):
-            ttfts.append((await _stream(engine, ttft_ids, 1))[0])
+            variant += 1
+            ttfts.append((await _stream(engine, _prompt_of(engine, TTFT_PROMPT_TOKENS, variant), 1))[0])
         _, span, n = await _stream(engine, stories[0], DECODE_TOKENS)
         decode.append((n - 1) / span)
         agg1.append(await _aggregate(engine, stories[:1]))
@@ -195,8 +200,8 @@ def _llama_cpp(threads: int, repeat: int) -> dict[str, Any] | None:
     story = chat_prompt_ids(tok.tokenizer, "Write a short story about a robot number 0.")
     ttfts, decode, agg1 = [], [], []
     for _ in range(repeat):
-        for _ in range(3):
-            ttfts.append(generate(ttft_ids, 1)[0])
+        for i in range(3):
+            ttfts.append(generate(_prompt_of(tok, TTFT_PROMPT_TOKENS, len(ttfts) + i + 1), 1)[0])
         t0 = time.perf_counter()
         first, span, out = generate(story, DECODE_TOKENS)
         decode.append((len(out) - 1) / span)
