@@ -142,11 +142,19 @@ class PrefixCache:
         missing = missing[: len(slots)]  # short of room: the leading ones, so the chain stays reachable
         if missing:
             b = self.block_tokens
-            at = torch.tensor(slots, dtype=torch.long, device=self._keys.device)
-            starts = [i * b for i, _, _, _ in missing]
-            for layer, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
-                for pool, src in ((self._keys, k), (self._values, v)):
-                    pool[at, layer] = torch.stack([src[row, :, s : s + b] for s in starts])
+            # runs of consecutive blocks: one strided copy per layer for each (usually one run per prompt)
+            runs: list[tuple[int, int, int]] = []  # (first block, blocks, first of `slots`)
+            for j, (i, _, _, _) in enumerate(missing):
+                if runs and runs[-1][0] + runs[-1][1] == i:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+                else:
+                    runs.append((i, 1, j))
+            for first, count, j in runs:
+                at = torch.tensor(slots[j : j + count], dtype=torch.long, device=self._keys.device)
+                for layer, (k, v) in enumerate(zip(cache.keys, cache.values, strict=True)):
+                    for pool, src in ((self._keys, k), (self._values, v)):
+                        part = src[row, :, first * b : (first + count) * b]  # [kv_heads, count * b, head_dim]
+                        pool[at, layer] = part.reshape(part.shape[0], count, b, part.shape[2]).transpose(0, 1)
             for index, (_, key, parent, tokens) in zip(slots, missing, strict=True):
                 self._blocks[key] = _Block(index, parent, tokens, pinned)
         for key, _, _ in reversed(chain):  # leaf first, as in match
