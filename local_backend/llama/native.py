@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,9 +62,9 @@ class Kernel:
     isa: str
     path: Path
     block: int
-    pack: ctypes._CFuncPtr
-    linear: ctypes._CFuncPtr
-    attend: ctypes._CFuncPtr
+    pack: Callable[..., None]
+    linear: Callable[..., int]
+    attend: Callable[..., int]
 
 
 @functools.cache
