@@ -9,20 +9,25 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 from decimal import Decimal, InvalidOperation
+from typing import TYPE_CHECKING
 
 import orjson
 from aiohttp import web
 
 from . import pipeline
+from .body import read_body
 from .cache import cache_control
 from .call import ENDPOINTS, Call
-from .errors import BadRequest, GatewayError, InternalError, NotFound, PayloadTooLarge, Unauthorized
+from .errors import BadRequest, GatewayError, InternalError, NotFound, Unauthorized
 from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, RELAY, RELOADER, WORKER
 from .metrics import refresh_gauges
 from .observe import parse_traceparent, server_timing
 from .routing import usable
 from .responses import ResponsesSink
 from .sink import HttpSink
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
 
 __all__ = ["LOOPBACK", "backends_view", "routes"]
 
@@ -53,19 +58,19 @@ def _api_key(request: web.Request) -> str | None:
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
-    length = request.content_length
-    if length is not None:
-        if length > limit:
-            raise PayloadTooLarge(f"the request body is {length} bytes; the limit is {limit}")
-        return await request.read()  # the common case: one read, the length is known and allowed
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The body, at most `limit` bytes as sent and as inflated, within `server.body_timeout_ms`
+    (body.read_body). Call it only once the caller is authenticated."""
+    return await read_body(request, limit, request.app[LIVE].runtime.server.body_timeout_ms / 1000)
+
+
+async def _body_if_authenticated(request: web.Request, rt: Runtime) -> bytes:
+    """The body when the key in the headers is valid; else nothing is read (b""), and the
+    pipeline, which authenticates first, answers (and records) the 401."""
+    try:
+        rt.tenants.authenticate(_api_key(request))
+    except Unauthorized:
+        return b""
+    return await _read_body(request, rt.server.max_body_bytes)
 
 
 def _request_id(request: web.Request) -> str:
@@ -125,7 +130,7 @@ def _new_call(request: web.Request, endpoint_name: str, raw: bytes, server_timeo
 async def _proxy(request: web.Request, endpoint_name: str) -> web.StreamResponse:
     rt = request.app[LIVE].runtime  # one snapshot for the whole request
     try:
-        raw = await _read_body(request, rt.server.max_body_bytes)
+        raw = await _body_if_authenticated(request, rt)
         call = _new_call(request, endpoint_name, raw, rt.server.request_timeout_ms)
     except GatewayError as err:
         return _error(err, {"x-request-id": _request_id(request)})
@@ -176,7 +181,7 @@ async def list_models(request: web.Request) -> web.Response:
 async def route_explain(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
     try:
-        raw = await _read_body(request, rt.server.max_body_bytes)
+        raw = await _body_if_authenticated(request, rt)
         call = _new_call(request, _explained_endpoint(raw), raw, rt.server.request_timeout_ms)
         return _json(await pipeline.explain(call, rt, request.app[ADMISSION]), headers={"x-request-id": call.request_id})
     except GatewayError as err:
@@ -229,8 +234,9 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
-    if not rt.tenants.may_scrape(_api_key(request)):
-        return _error(Unauthorized("/metrics needs a key from `metrics.key_sha256` or an admin key"))
+    # Tenant names, tokens and spend: closed beyond loopback unless the policy opens it (auth.Tenants.may_scrape).
+    if not rt.tenants.may_scrape(_api_key(request), loopback=request.app[LOOPBACK]):
+        return _error(Unauthorized(rt.tenants.scrape_refusal()))
     m = request.app[METRICS]
     refresh_gauges(m, rt, request.app[ADMISSION])
     return web.Response(body=m.exposition(), content_type="text/plain", charset="utf-8",

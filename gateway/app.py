@@ -17,6 +17,7 @@ from .auth import is_loopback, open_mode_problem
 from .backends import BackendState
 from .admission import Admission, reserve_slots
 from .drain import Drain
+from .edge import handler_args
 from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, RELAY, RELOADER, WORKER
 from .health import Health
 from .launcher import Children, LaunchState, watch_launched
@@ -53,7 +54,9 @@ def create_app(
     path = None if isinstance(policy, Policy) else Path(policy)
     loaded = load_policy(path) if path is not None else policy
     assert isinstance(loaded, Policy)
-    app = web.Application(client_max_size=1 << 30)  # the policy's own limit is enforced per request
+    # Bodies are read by body.read_body (bounded, inflated under the limit, after authentication);
+    # client_max_size only backs that up for a stray request.read(). The parser never inflates.
+    app = web.Application(client_max_size=loaded.server.max_body_bytes, handler_args=handler_args(loaded.server))
     metrics = Metrics()
     # What outlives a reload: backend measurements (by name) and cache stores (by settings).
     states: dict[str, BackendState] = {}

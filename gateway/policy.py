@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 __all__ = [
     "Policy",
@@ -293,7 +293,10 @@ class TenantPolicy(_Section):
     # The name of an environment variable holding more digests (comma- or space-separated), e.g.
     # from a Kubernetes Secret: the policy file then carries no key material at all.
     key_sha256_env: str | None = None
+    # A ceiling: the highest band a request may ask for (x-priority, service_tier); an ask above it
+    # is clamped, and a service_tier above it is not sent upstream (priority.py).
     priority: Priority = "default"
+    default_priority: Priority | None = None  # the band of a request that asks for none; None: `priority`
     models: tuple[str, ...] | None = None  # None: every public model
     cache_namespace: str | None = None  # tenants naming the same namespace share cached answers
     cache: CacheOverride | None = None
@@ -306,6 +309,15 @@ class TenantPolicy(_Section):
         for digest in v:
             if not re.fullmatch(r"[0-9a-f]{64}", digest):
                 raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
+        return v
+
+    @field_validator("default_priority")
+    @classmethod
+    def _within_ceiling(cls, v: str | None, info: ValidationInfo) -> str | None:
+        ceiling = info.data.get("priority")
+        order = typing.get_args(Priority)
+        if v is not None and ceiling in order and order.index(v) < order.index(ceiling):
+            raise ValueError(f"{v!r} is above the tenant's `priority` {ceiling!r}, the most its requests may ask for")
         return v
 
     @model_validator(mode="after")
@@ -326,10 +338,21 @@ class AdminPolicy(_Section):
 class MetricsPolicy(_Section):
     """Who may scrape /metrics, and what its labels reveal."""
 
-    key_sha256: tuple[str, ...] = ()  # empty: /metrics is open; else this key or an admin key
+    # Scrape keys: /metrics then needs one of these or an admin key. Without any, /metrics is open
+    # on a loopback address only; listening beyond loopback it needs an admin key unless `open`.
+    key_sha256: tuple[str, ...] = ()
+    key_sha256_env: str | None = None  # as in a tenant
+    open: bool = False  # no scrape key: serve /metrics (tenant names, tokens, spend) to anyone who reaches it
     tenant_label: bool = True  # False: tenant names never appear as label values
 
     _check = field_validator("key_sha256")(TenantPolicy._hex_digests.__func__)  # type: ignore[attr-defined]
+
+    @field_validator("open")
+    @classmethod
+    def _open_or_keys(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and (info.data.get("key_sha256") or info.data.get("key_sha256_env")):
+            raise ValueError("a /metrics with scrape keys is not open; remove `open` or the keys")
+        return v
 
 
 class ServerPolicy(_Section):
@@ -346,6 +369,16 @@ class ServerPolicy(_Section):
     # A policy without tenants serves anyone. That is allowed on a loopback address only, unless
     # this says so: the operator states that an open gateway on the network is intended.
     open_access: bool = False
+    # The HTTP edge (edge.py), read by each connection as it opens. A request head must be complete
+    # this long after the connection opens or after its first byte (else 408 and closed); an idle
+    # keep-alive connection is closed after `keepalive_timeout_ms` (above common load balancers' 60 s).
+    header_timeout_ms: int = Field(10_000, gt=0)
+    keepalive_timeout_ms: int = Field(75_000, gt=0)
+    body_timeout_ms: int = Field(60_000, gt=0)  # the whole body, from when the handler starts reading it: else 408
+    max_header_bytes: int = Field(32_768, ge=1024)  # request line + headers; more: 431 (each line also <= 8190)
+    # Open connections per client IP address and process; one more gets a 429 and is closed. Behind a
+    # load balancer or proxy every connection has its address: raise this there, or 0 (no cap).
+    max_connections_per_client: int = Field(1024, ge=0)
 
 
 class RoutingPolicy(_Section):
@@ -371,9 +404,14 @@ class RoutingPolicy(_Section):
 class HealthPolicy(_Section):
     failures_to_eject: int = Field(3, ge=1)  # consecutive failures or timeouts
     eject_ms: int = Field(10_000, gt=0)  # first ejection; doubles while it keeps failing
-    max_eject_ms: int = Field(30_000, gt=0)  # caps how long a recovered backend goes unnoticed
-    probe_interval_ms: int = Field(5_000, gt=0)  # probes to ejected and idle backends
-    probe_timeout_ms: int = Field(2_000, gt=0)
+    # Caps the back-off: how often a user request is the trial while a backend stays down, and how
+    # long a recovery goes unnoticed when request probes are off or inconclusive.
+    max_eject_ms: int = Field(30_000, gt=0)
+    probe_interval_ms: int = Field(5_000, gt=0)  # model-list probes to ejected and idle backends
+    probe_timeout_ms: int = Field(2_000, gt=0)  # both kinds of probe
+    # A one-token request to each ejected (backend, model) this often; a good one ends
+    # the ejection, so a recovery is seen within about this long. 0: off.
+    recovery_probe_interval_ms: int = Field(1_000, ge=0)
 
 
 class StorePolicy(_Section):
@@ -438,10 +476,18 @@ class AdmissionPolicy(_Section):
 
 
 class ResponsesPolicy(_Section):
-    """The Responses API (/v1/responses): how long the gateway remembers which backend holds a
-    response id (for `previous_response_id` follow-ups and GET/DELETE/cancel by id)."""
+    """The Responses API (/v1/responses, /v1/conversations): the record of which backend holds
+    each response and conversation id and whose it is (follow-ups and the by-id endpoints)."""
 
     affinity_ttl_s: float = Field(30 * 86400.0, gt=0)  # OpenAI keeps stored responses 30 days
+    # The record that makes an answer followable: each try of its write (and of a lookup) is
+    # bounded by this, not by store.timeout_ms (a slow cache is a miss; a lost record is an id
+    # nobody owns); after record_attempts tries the answer is not released (503).
+    record_timeout_ms: float = Field(250.0, gt=0)
+    record_attempts: int = Field(3, ge=1, le=10)
+    # The migration mode: an id the gateway has no record of is searched for on the backends and
+    # recorded as the first asking tenant's. Off: such ids are 404s, never adopted.
+    adopt_unknown_ids: bool = False
 
 
 class ReloadPolicy(_Section):

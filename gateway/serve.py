@@ -93,13 +93,15 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
     from aiohttp import web
 
     from .app import create_app
+    from .edge import EdgeRunner
     from .keys import DRAIN, LIVE, RELAY
 
     app = create_app(policy, host, worker=worker, access_log=access_log)
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
     # request is abandoned at once and every slot is returned. Shutdown waits for requests
-    # itself (below); what is left after that gets one more second.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    # itself (below); what is left after that gets one more second. EdgeRunner: the header
+    # timeout, the per-address connection cap and JSON for malformed requests (edge.py).
+    runner = EdgeRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=2048)
     try:

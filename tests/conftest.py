@@ -13,6 +13,7 @@ import yaml
 from aiohttp import web
 
 from gateway.app import create_app
+from gateway.edge import EdgeRunner
 from tests.fake_upstream import Behaviour, FakeUpstream
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,7 +72,8 @@ async def gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         path = tmp_path / name
         path.write_text(policy if isinstance(policy, str) else yaml.safe_dump(policy))
         app = create_app(path)
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # the runner `gateway serve` uses: the edge's header timeout, per-address cap and JSON parser errors
+        runner = EdgeRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

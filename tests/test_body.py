@@ -1,0 +1,79 @@
+"""body.Inflater without sockets: output bounded by the limit whatever the ratio, pieces of any
+size, gzip members, zlib and raw deflate, and malformed or cut streams as 400s."""
+
+from __future__ import annotations
+
+import gzip
+import time
+import zlib
+
+import pytest
+
+from gateway.body import Inflater, UnsupportedEncoding, _encoding
+from gateway.errors import BadRequest, PayloadTooLarge
+
+TEXT = b'{"model":"m","messages":[{"role":"user","content":"' + b"hello " * 500 + b'"}]}'
+
+
+def _inflate(encoding: str, data: bytes, limit: int, piece: int) -> bytes:
+    inf = Inflater(encoding, limit)
+    out: list[bytes] = []
+    for i in range(0, len(data), piece):
+        out += inf.feed(data[i : i + piece])
+    inf.end()
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1000, 1 << 20])
+def test_gzip_and_deflate_inflate_fed_in_pieces_of_any_size(piece):
+    raw = zlib.compressobj(6, zlib.DEFLATED, -15)
+    assert _inflate("gzip", gzip.compress(TEXT), 10_000, piece) == TEXT
+    assert _inflate("x-gzip", gzip.compress(TEXT[:100]) + gzip.compress(TEXT[100:]), 10_000, piece) == TEXT  # two members
+    assert _inflate("deflate", zlib.compress(TEXT), 10_000, piece) == TEXT
+    assert _inflate("deflate", raw.compress(TEXT) + raw.flush(), 10_000, piece) == TEXT
+
+
+def test_a_bomb_inflates_to_one_byte_past_the_limit_and_no_further():
+    block = zlib.compressobj(9, zlib.DEFLATED, 31)
+    bomb = block.compress(b"\0" * (200 << 20)) + block.flush()  # 200 MiB from ~200 KB
+    inf = Inflater("gzip", 1 << 20)
+    t0 = time.perf_counter()
+    with pytest.raises(PayloadTooLarge, match="inflates"):
+        for i in range(0, len(bomb), 1 << 16):
+            inf.feed(bomb[i : i + (1 << 16)])
+    assert inf.size == (1 << 20) + 1
+    assert time.perf_counter() - t0 < 0.5
+
+
+@pytest.mark.parametrize(
+    ("encoding", "data"),
+    [
+        ("gzip", b"\x1f\x8b" + b"\0" * 8),  # a gzip header with an unknown method
+        ("gzip", b"not gzip at all"),
+        ("deflate", b"\xff\xff\xff\xff"),
+        ("deflate", zlib.compress(TEXT) + b"tail"),  # data after the end of a deflate stream
+        ("gzip", gzip.compress(TEXT) + b"\x1f\x8b junk"),  # a second member that is not one
+    ],
+)
+def test_malformed_streams_are_400s(encoding, data):
+    with pytest.raises(BadRequest) as exc:
+        _inflate(encoding, data, 1 << 20, 64)
+    assert exc.value.code == "invalid_content_encoding"
+
+
+def test_a_cut_stream_is_a_400_at_its_end():
+    with pytest.raises(BadRequest, match="cut short"):
+        _inflate("gzip", gzip.compress(TEXT)[:-10], 1 << 20, 64)
+
+
+@pytest.mark.parametrize(("header", "want"), [(None, None), ("", None), (" Identity ", None), ("GZIP", "gzip"), ("x-gzip", "x-gzip"),
+                                              ("deflate", "deflate")])
+def test_accepted_encodings(header, want):
+    assert _encoding(header) == want
+
+
+@pytest.mark.parametrize("header", ["br", "zstd", "compress", "gzip, gzip", "gzip;q=1", "*"])
+def test_other_encodings_are_415(header):
+    with pytest.raises(UnsupportedEncoding) as exc:
+        _encoding(header)
+    assert exc.value.status == 415 and exc.value.param == "Content-Encoding"

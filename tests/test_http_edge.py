@@ -1,0 +1,381 @@
+"""The HTTP edge over real sockets (edge.py, body.py): compressed bodies inflate under the limit and
+only after authentication, big bodies are 413s before they are read, half-sent heads are closed
+within the header timeout, one address cannot hold every connection, and whatever the HTTP parser
+refuses is answered in OpenAI's JSON shape (or the connection closed), never a traceback.
+
+The memory and event-loop checks run `gateway serve` in a process of its own (its RSS is then the
+gateway's alone); the others serve the app on the test's loop through the same EdgeRunner, with the
+raw-socket client in a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from gateway.app import create_app
+from gateway.auth import hash_key
+from gateway.edge import EdgeRunner
+from tests.procs import serve
+from tests.rawhttp import Answer, Watch, exchange, get, json_error
+
+KEY = "sk-edge-test-key"
+CHAT = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+
+
+def _policy(up: Any, **server: Any) -> dict[str, Any]:
+    return {
+        "version": 1,
+        "server": server,
+        "health": {"probe_interval_ms": 600_000},
+        "backends": {"a": {"url": up.url, "models": ["gpt-test"]}},
+        "models": {"gpt-test": {"backends": ["a"]}},
+        "tenants": {"acme": {"key_sha256": [hash_key(KEY)]}},
+    }
+
+
+def _post(path: str, body: bytes, *, key: str | None = KEY, extra: str = "", length: bool = True) -> bytes:
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    size = f"Content-Length: {len(body)}\r\n" if length else ""
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{auth}{extra}{size}\r\n").encode() + body
+
+
+def _bomb(megabytes: int) -> bytes:
+    """gzip of a chat body whose content is `megabytes` MiB of 'a' (~1 KB of gzip per MiB): one
+    1 MiB block compressed after a full flush is the same bytes every time, so it is repeated."""
+    pre, suf, chunk = b'{"model":"gpt-test","messages":[{"role":"user","content":"', b'"}]}', b"a" * (1 << 20)
+    c = zlib.compressobj(9, zlib.DEFLATED, -15)
+    first = c.compress(pre) + c.flush(zlib.Z_FULL_FLUSH)
+    block = c.compress(chunk) + c.flush(zlib.Z_FULL_FLUSH)
+    last = c.compress(suf) + c.flush()
+    crc = zlib.crc32(pre)
+    for _ in range(megabytes):
+        crc = zlib.crc32(chunk, crc)
+    crc = zlib.crc32(suf, crc)
+    size = len(pre) + megabytes * len(chunk) + len(suf)
+    return b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\xff" + first + block * megabytes + last + struct.pack("<II", crc, size & 0xFFFFFFFF)
+
+
+def _json_answer(a: Answer, status: int) -> dict[str, Any]:
+    assert a.status == status, (a.status, a.raw[:300])
+    assert a.ctype.startswith("application/json"), (a.ctype, a.body[:200])
+    err = json_error(a.body)
+    assert err is not None, a.body[:300]
+    return err
+
+
+@pytest.fixture
+async def edge_gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    """Factory: `await edge_gateway(policy)` serves create_app's app through EdgeRunner (as
+    `gateway serve` does) on a free port; returns the port."""
+    runners: list[EdgeRunner] = []
+
+    async def make(policy: dict[str, Any]) -> int:
+        path = tmp_path / f"edge-{len(runners)}.yaml"
+        path.write_text(yaml.safe_dump(policy))
+        runner = EdgeRunner(create_app(path), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        from aiohttp import web
+
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        return int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    yield make
+    for runner in runners:
+        await runner.cleanup()
+
+
+# ---- 1. compressed bodies ---------------------------------------------------------------------------
+
+
+async def test_a_gzip_bomb_costs_no_memory_and_no_loop_time_with_or_without_a_key(upstream, tmp_path):
+    """~600 KB of gzip inflating to 600 MB: without a key a 401 before a byte is inflated, with one a
+    413 once the inflated bytes pass max_body_bytes; RSS grows < 100 MB and /healthz, polled all
+    along, answers within 200 ms."""
+    up = await upstream("a")
+    gz = _bomb(600)
+    async with serve(_policy(up), tmp_path) as gw:
+
+        def run() -> list[tuple[str, Answer, Watch]]:
+            out = []
+            for who, key in (("no key", None), ("tenant key", KEY)):
+                extra = f"Content-Encoding: gzip\r\nContent-Length: {len(gz)}\r\n"
+                head = _post("/v1/chat/completions", b"", key=key, extra=extra, length=False)
+                with Watch(gw.proc.pid, gw.port) as w:
+                    a = exchange(gw.port, head, (gz[i : i + (1 << 16)] for i in range(0, len(gz), 1 << 16)), timeout=30)
+                out.append((who, a, w))
+            return out
+
+        results = await asyncio.to_thread(run)
+        log = gw.log.read_text()
+    for who, a, w in results:
+        err = _json_answer(a, 401 if who == "no key" else 413)
+        assert a.seconds <= 1.0, (who, a.seconds)
+        assert w.growth_mb < 100, (who, f"RSS +{w.growth_mb:.0f} MB")
+        assert w.slowest_s <= 0.2, (who, f"slowest /healthz {w.slowest_s * 1000:.0f} ms of {len(w.latencies)}")
+        if who == "tenant key":
+            assert err["code"] == "request_too_large" and "inflates" in err["message"], err
+    assert "Traceback" not in log
+    assert up.stats.requests == 0
+
+
+async def test_gzip_and_deflate_bodies_are_inflated_and_other_encodings_are_415(upstream, edge_gateway):
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up, max_body_bytes=4096))
+    half = len(CHAT) // 2
+    members = gzip.compress(CHAT[:half]) + gzip.compress(CHAT[half:])  # two gzip members: one body (RFC 1952)
+    raw_deflate = zlib.compressobj(6, zlib.DEFLATED, -15)
+    cases: list[tuple[str, bytes, str, int, str | None]] = [
+        ("gzip", gzip.compress(CHAT), "gzip", 200, None),
+        ("x-gzip", gzip.compress(CHAT), "x-gzip", 200, None),
+        ("deflate (zlib)", zlib.compress(CHAT), "deflate", 200, None),
+        ("deflate (raw)", raw_deflate.compress(CHAT) + raw_deflate.flush(), "deflate", 200, None),
+        ("gzip members", members, "gzip", 200, None),
+        ("identity", CHAT, "identity", 200, None),
+        ("br", CHAT, "br", 415, "unsupported_content_encoding"),
+        ("zstd", CHAT, "zstd", 415, "unsupported_content_encoding"),
+        ("stacked", gzip.compress(gzip.compress(CHAT)), "gzip, gzip", 415, "unsupported_content_encoding"),
+        ("malformed gzip", b"\x1f\x8b" + b"\0" * 8, "gzip", 400, "invalid_content_encoding"),
+        ("cut gzip", gzip.compress(CHAT)[:-12], "gzip", 400, "invalid_content_encoding"),
+        ("inflates past the limit", gzip.compress(b" " * 5000 + CHAT), "gzip", 413, "request_too_large"),
+    ]
+
+    def run() -> list[tuple[str, Answer, int, str | None]]:
+        return [(name, exchange(port, _post("/v1/chat/completions", body, extra=f"Content-Encoding: {enc}\r\n")), status, code)
+                for name, body, enc, status, code in cases]
+
+    for name, a, status, code in await asyncio.to_thread(run):
+        assert a.status == status, (name, a.status, a.body[:200])
+        if code is not None:
+            assert _json_answer(a, status)["code"] == code, name
+    assert up.stats.requests == 6  # the inflatable ones reached the backend, nothing else
+
+
+async def test_nothing_is_read_or_inflated_before_authentication(upstream, edge_gateway):
+    """A malformed gzip body, a wrong key: a 401 (the body is never looked at), in JSON."""
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up))
+    bad_gz = b"\x1f\x8b" + b"\0" * 8
+    answers = await asyncio.to_thread(lambda: [
+        exchange(port, _post("/v1/chat/completions", bad_gz, key=None, extra="Content-Encoding: gzip\r\n")),
+        exchange(port, _post("/v1/chat/completions", bad_gz, key="sk-wrong", extra="Content-Encoding: gzip\r\n")),
+        exchange(port, _post("/v1/route/explain", bad_gz, key=None, extra="Content-Encoding: br\r\n")),
+    ])
+    for a in answers:
+        assert _json_answer(a, 401)["type"] == "authentication_error"
+
+
+# ---- 4. big bodies ----------------------------------------------------------------------------------
+
+
+def _pieces(total: int, chunked: bool) -> Iterator[bytes]:
+    piece = b"\0" * (1 << 18)
+    left = total
+    while left > 0:
+        k = min(left, len(piece))
+        yield (b"%x\r\n" % k + piece[:k] + b"\r\n") if chunked else piece[:k]
+        left -= k
+    if chunked:
+        yield b"0\r\n\r\n"
+
+
+async def test_a_200_mb_body_is_a_413_within_a_second_on_every_body_endpoint(upstream, tmp_path):
+    up = await upstream("a")
+    total = 200_000_000
+    async with serve(_policy(up), tmp_path) as gw:
+
+        def run() -> list[tuple[str, Answer, Watch]]:
+            out = []
+            for path in ("/v1/responses/resp_x/cancel", "/v1/chat/completions", "/v1/route/explain"):
+                for chunked in (False, True):
+                    framing = "Transfer-Encoding: chunked\r\n" if chunked else f"Content-Length: {total}\r\n"
+                    head = _post(path, b"", extra=framing, length=False)
+                    with Watch(gw.proc.pid) as w:
+                        a = exchange(gw.port, head, _pieces(total, chunked), timeout=30)
+                    out.append((f"{path} {'chunked' if chunked else 'Content-Length'}", a, w))
+            return out
+
+        results = await asyncio.to_thread(run)
+        log = gw.log.read_text()
+    for name, a, w in results:
+        assert _json_answer(a, 413)["code"] == "request_too_large", name
+        assert a.seconds <= 1.0, (name, f"{a.seconds:.2f} s, {a.sent / 1e6:.0f} MB sent")
+        assert w.growth_mb < 100, (name, f"RSS +{w.growth_mb:.0f} MB")
+    assert "Traceback" not in log
+    assert up.stats.requests == 0
+
+
+# ---- 6. slowloris -----------------------------------------------------------------------------------
+
+
+async def test_half_sent_heads_get_a_408_and_are_closed_within_the_header_timeout(upstream, tmp_path):
+    """30 connections from 127.0.0.2 sending a header line every 300 ms: each gets a 408 in JSON and
+    is closed within the header timeout (1 s, plus slack), while 127.0.0.1 is answered meanwhile."""
+    up = await upstream("a")
+    async with serve(_policy(up, header_timeout_ms=1000, keepalive_timeout_ms=3000), tmp_path) as gw:
+
+        def slow(i: int) -> Answer:
+            lines = [b"X-Slow-%d: x\r\n" % n for n in range(40)]
+            return exchange(gw.port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n", lines, timeout=8, source="127.0.0.2",
+                            pause_s=0.3, wait_close=True)
+
+        def normal() -> list[int]:
+            statuses = []
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                statuses.append(get(gw.port, "/healthz", timeout=5)[0])
+                time.sleep(0.1)
+            return statuses
+
+        results: list[Answer] = []
+        threads = [threading.Thread(target=lambda i=i: results.append(slow(i))) for i in range(30)]
+        for t in threads:
+            t.start()
+        served = await asyncio.to_thread(normal)
+        await asyncio.to_thread(lambda: [t.join(15) for t in threads])
+        log = gw.log.read_text()
+    assert len(results) == 30
+    for a in results:
+        assert a.closed, "a half-sent head was left open"
+        assert a.seconds <= 2.5, f"closed after {a.seconds:.1f} s"
+        assert _json_answer(a, 408)["code"] == "request_timeout"
+    assert served and all(s == 200 for s in served), served
+    assert "Traceback" not in log
+
+
+async def test_a_silent_connection_is_closed_and_an_idle_keep_alive_one_after_its_timeout(upstream, edge_gateway):
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up, header_timeout_ms=500, keepalive_timeout_ms=1500))
+
+    def silent() -> tuple[float, bytes]:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            t0 = time.monotonic()
+            data = s.recv(100)  # nothing sent: closed without an answer
+            return time.monotonic() - t0, data
+
+    def idle() -> tuple[float, bytes]:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while b'"ok"' not in got:
+                got += s.recv(4096)
+            t0 = time.monotonic()
+            data = s.recv(100)  # idle after an answer: kept past the header timeout, closed at the keep-alive one
+            return time.monotonic() - t0, data
+
+    (t_silent, d_silent), (t_idle, d_idle) = await asyncio.gather(asyncio.to_thread(silent), asyncio.to_thread(idle))
+    assert d_silent == b"" and 0.3 <= t_silent <= 1.5, t_silent
+    assert d_idle == b"" and 1.2 <= t_idle <= 2.5, t_idle
+
+
+async def test_connections_past_the_per_address_cap_get_a_429_and_other_addresses_are_served(upstream, edge_gateway):
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up, max_connections_per_client=3, header_timeout_ms=30_000))
+
+    def run() -> tuple[Answer, int, Answer]:
+        held = []
+        for _ in range(3):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.connect(("127.0.0.1", port))
+            held.append(s)
+        time.sleep(0.1)
+        # A client that waits for the server's word: the 429 arrives at once, then the close.
+        over = exchange(port, b"", source="127.0.0.2", timeout=5, wait_close=True)
+        other = get(port, "/healthz")[0]  # 127.0.0.1 is its own address
+        held.pop().close()
+        time.sleep(0.1)
+        again = exchange(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", source="127.0.0.2", timeout=5)
+        for s in held:
+            s.close()
+        return over, other, again
+
+    over, other, again = await asyncio.to_thread(run)
+    err = _json_answer(over, 429)
+    assert err["code"] == "too_many_connections" and over.closed and over.headers.get("retry-after") == "1"
+    assert other == 200
+    assert again.status == 200, again.raw[:200]
+
+
+# ---- 7. one error shape -----------------------------------------------------------------------------
+
+_HEAD = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+MALFORMED: dict[str, tuple[bytes, int]] = {
+    "two Content-Lengths": ((_HEAD + "Content-Length: 2\r\nContent-Length: 3\r\n\r\n{} ").encode(), 400),
+    "Transfer-Encoding and Content-Length": ((_HEAD + "Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n").encode(), 400),
+    "bare LF in a header": ((_HEAD + "X-Probe: a\nX-Other: b\r\nContent-Length: 2\r\n\r\n{}").encode(), 400),
+    "bare CR in a header": ((_HEAD + "X-Probe: a\rX-Other: b\r\nContent-Length: 2\r\n\r\n{}").encode(), 400),
+    "a NUL in a header": ((_HEAD + "X-Probe: a\0b\r\nContent-Length: 2\r\n\r\n{}").encode(), 400),
+    "a header line of 9000 bytes": ((_HEAD + "X-Big: " + "b" * 9000 + "\r\nContent-Length: 2\r\n\r\n{}").encode(), 431),
+    "200 headers": ((_HEAD + "".join(f"X-H{i}: v\r\n" for i in range(200)) + "Content-Length: 2\r\n\r\n{}").encode(), 431),
+    "a head over max_header_bytes": ((_HEAD + "".join(f"X-H{i}: {'v' * 1000}\r\n" for i in range(40)) + "\r\n").encode(), 431),
+    "a bad request line": (b"GET /a b c HTTP/1.1\r\nHost: x\r\n\r\n", 400),
+    "a bad chunk size": ((_HEAD + "Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n").encode(), 400),
+    "a negative Content-Length": ((_HEAD + "Content-Length: -5\r\n\r\n{}").encode(), 400),
+    "an unknown Expect": ((_HEAD + "Expect: 100-maybe\r\nContent-Length: 2\r\n\r\n{}").encode(), 417),
+    "Content-Encoding: br": ((_HEAD + f"Authorization: Bearer {KEY}\r\nContent-Encoding: br\r\nContent-Length: 2\r\n\r\n{{}}").encode(), 415),
+}
+
+
+@pytest.mark.parametrize("name", list(MALFORMED))
+async def test_malformed_requests_are_answered_in_json_without_a_traceback(upstream, edge_gateway, caplog, name):
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up))
+    data, status = MALFORMED[name]
+    with caplog.at_level(logging.DEBUG):
+        a = await asyncio.to_thread(exchange, port, data, (), timeout=5)
+    err = _json_answer(a, status)
+    assert "Traceback" not in err["message"]
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records if r.exc_info]
+    assert up.stats.requests == 0
+
+
+async def test_bad_chunk_framing_after_the_head_is_a_400_at_once(upstream, edge_gateway):
+    """The head arrives, then a malformed chunk: the handler reading the body gets a 400 now (not
+    after the body timeout), and nothing lingers on the connection."""
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up))
+    head = (_HEAD + f"Authorization: Bearer {KEY}\r\nTransfer-Encoding: chunked\r\n\r\n").encode()
+    a = await asyncio.to_thread(exchange, port, head, [b"5\r\n{\"mod\r\n", b"zz\r\nnot a chunk\r\n"], timeout=10, pause_s=0.2)
+    assert _json_answer(a, 400)["code"] == "malformed_request"
+    assert a.seconds < 2.0
+    assert up.stats.requests == 0
+
+
+async def test_a_body_that_never_arrives_is_a_408_after_the_body_timeout(upstream, edge_gateway):
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up, body_timeout_ms=500))
+    head = (_HEAD + f"Authorization: Bearer {KEY}\r\nContent-Length: 100\r\n\r\n").encode()
+    a = await asyncio.to_thread(exchange, port, head, [b"{"], timeout=5)
+    assert _json_answer(a, 408)["code"] == "request_timeout"
+    assert 0.4 <= a.seconds <= 2.0, a.seconds
+
+
+async def test_the_head_size_counts_the_head_only_even_when_its_blank_line_straddles_two_reads(upstream, edge_gateway):
+    """max_header_bytes 1024: a 900-byte head whose last CRLF comes with a 3000-byte body is fine
+    (the body is not the head); 1100 bytes of head still unfinished is a 431, then a close."""
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up, max_header_bytes=1024))
+    body = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "x" * 3000}]})
+    head = (_HEAD + f"Authorization: Bearer {KEY}\r\nX-Pad: {'p' * 750}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    assert 900 < len(head) < 1024
+    for cut in (1, 2, 3, 4):  # the blank line split anywhere between two reads
+        ok = await asyncio.to_thread(exchange, port, head[:-cut], [head[-cut:] + body], pause_s=0.1)
+        assert ok.status == 200, (cut, ok.raw[:300])
+    big = (_HEAD + f"X-Pad: {'p' * 1100}\r\n").encode()
+    a = await asyncio.to_thread(exchange, port, big, (), wait_close=True, timeout=5)
+    assert _json_answer(a, 431)["code"] == "request_header_fields_too_large" and a.closed
