@@ -131,7 +131,7 @@ class Metrics:
         self.stages = {s: self.stage.labels(s) for s in STAGES}
         self.affinity = Counter(
             "gateway_responses_affinity",
-            "Responses API id -> backend map: learn (ok, error) and lookup (hit, miss, error) operations",
+            "Responses API id -> (backend, owner) records: learn (ok, error, conflict), lookup (hit, miss, error), forget",
             ["op", "result"], registry=r,
         )
         # Bound once: labels() is slow on the hot path, and these label sets are fixed.

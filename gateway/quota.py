@@ -134,14 +134,8 @@ class Quota:
         reserved = call.prompt_tokens + self._completion_estimate(call, plan)
         lease = os.urandom(8).hex()
         ask = Ask(scopes, reserved, lease, int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
-        store = self.store
-        try:
-            decision = await store.quota_take(tenant.name, ask)
-        except StoreError as exc:
-            self._degraded(exc)
-            store = self.fallback
-            decision = await store.quota_take(tenant.name, ask)
-        _headers(sink, decision)
+        store, decision = await self._take(tenant.name, ask)
+        _headers(sink.set_header, decision)
         if not decision.ok:
             assert decision.limit is not None
             raise _exceeded(tenant.name, decision, scopes)
@@ -149,16 +143,50 @@ class Quota:
             _ask_for_usage(call)
         return Hold(tenant.name, tuple(s.name for s in scopes), store, decision, min(reserved, _cap(scopes)), lease)
 
+    async def reserve_request(self, tenant: Tenant, timeout_s: float, set_header: Callable[[str, str], None]) -> Hold | None:
+        """Take one request from the tenant's request limits (`rpm`, `concurrency`) for a call that
+        spends no tokens: the Responses by-id endpoints and the conversations endpoints, once per
+        upstream request they make (None: the tenant has none). Token limits are not checked (a
+        tenant over its tokens may still poll or delete what it made). Sets the x-ratelimit
+        headers through `set_header`; raises QuotaExceeded. Give the hold back with `release`."""
+        plan = self.plans.get(tenant.name)
+        if plan is None:
+            return None
+        t = plan.tenant
+        scopes = (Scope(t.name, rpm=t.rpm, concurrency=t.concurrency),)
+        lease = os.urandom(8).hex()
+        ask = Ask(scopes, 0, lease, int(timeout_s * 1000) + _LEASE_MARGIN_MS)
+        store, decision = await self._take(tenant.name, ask)
+        _headers(set_header, decision)
+        if not decision.ok:
+            raise _exceeded(tenant.name, decision, scopes)
+        return Hold(tenant.name, (t.name,), store, decision, 0, lease)
+
+    async def _take(self, tenant: str, ask: Ask) -> tuple[Store, Decision]:
+        """The shared store's decision, or this process's own while the shared one fails."""
+        try:
+            return self.store, await self.store.quota_take(tenant, ask)
+        except StoreError as exc:
+            self._degraded(exc)
+            return self.fallback, await self.fallback.quota_take(tenant, ask)
+
+    def release(self, hold: Hold | None) -> None:
+        """Settle a `reserve_request` hold: the request stays counted, its lease goes back."""
+        self._finish(hold, 0, 0.0)
+
     def settle(self, hold: Hold | None, call: Call, spend_usd: float) -> None:
         """Replace the reservation with what was used and release the lease (every path, once).
 
         In a task of its own: the answer is not held up by the round trip, and a cancelled
         handler (the client went away) still gives its lease back. `drain()` awaits them."""
+        self._finish(hold, _tokens_used(call), spend_usd)
+
+    def _finish(self, hold: Hold | None, used: int, spend_usd: float) -> None:
         if hold is None or hold.settled:
             return
         hold.settled = True
         d = hold.decision
-        settle = Settle(hold.scopes, d.bucket, d.day, _tokens_used(call) - hold.reserved, round(spend_usd * 1e6), hold.lease)
+        settle = Settle(hold.scopes, d.bucket, d.day, used - hold.reserved, round(spend_usd * 1e6), hold.lease)
         task = asyncio.get_running_loop().create_task(self._settle(hold, settle))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
@@ -243,15 +271,15 @@ def _ask_for_usage(call: Call) -> None:
     call.strip_usage = True
 
 
-def _headers(sink: Sink, d: Decision) -> None:
+def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
     if d.limit_requests >= 0:
-        sink.set_header("x-ratelimit-limit-requests", str(d.limit_requests))
-        sink.set_header("x-ratelimit-remaining-requests", str(d.remaining_requests))
-        sink.set_header("x-ratelimit-reset-requests", _duration(d.reset_requests_s))
+        set_header("x-ratelimit-limit-requests", str(d.limit_requests))
+        set_header("x-ratelimit-remaining-requests", str(d.remaining_requests))
+        set_header("x-ratelimit-reset-requests", _duration(d.reset_requests_s))
     if d.limit_tokens >= 0:
-        sink.set_header("x-ratelimit-limit-tokens", str(d.limit_tokens))
-        sink.set_header("x-ratelimit-remaining-tokens", str(d.remaining_tokens))
-        sink.set_header("x-ratelimit-reset-tokens", _duration(d.reset_tokens_s))
+        set_header("x-ratelimit-limit-tokens", str(d.limit_tokens))
+        set_header("x-ratelimit-remaining-tokens", str(d.remaining_tokens))
+        set_header("x-ratelimit-reset-tokens", _duration(d.reset_tokens_s))
 
 
 def _exceeded(tenant: str, d: Decision, scopes: tuple[Scope, ...]) -> QuotaExceeded:

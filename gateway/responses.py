@@ -9,10 +9,10 @@ responses_api.py.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from .errors import GatewayError
 from .sink import Sink, SinkWrapper
@@ -25,7 +25,8 @@ __all__ = [
     "held_ids",
     "stateful_reason",
     "usage_of",
-    "followup_id",
+    "stateful_refs",
+    "conversation_id",
     "ResponsesSink",
     "TERMINAL_OK",
     "TERMINAL_FAILED",
@@ -36,6 +37,16 @@ TERMINAL_OK = frozenset({"response.completed", "response.incomplete"})
 TERMINAL_FAILED = frozenset({"response.failed", "error"})
 
 
+def _conversation_ref(value: Any) -> Any:
+    """`conversation` is an id or an object with a string `id`: anything else is the caller's
+    mistake (a 400 naming the field), not something to send a backend. Returned as it came."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("id"), str) and value["id"]:
+        return value
+    raise ValueError('must be a conversation id (a non-empty string) or an object {"id": "<conversation id>"}')
+
+
 class ResponsesRequest(_Body):
     """POST /v1/responses: the fields the gateway itself relies on; everything else passes through."""
 
@@ -43,7 +54,7 @@ class ResponsesRequest(_Body):
     instructions: str | None = None
     max_output_tokens: JsonInt | None = Field(None, ge=1)
     previous_response_id: str | None = Field(None, min_length=1)
-    conversation: str | dict[str, Any] | None = None
+    conversation: Annotated[Any, BeforeValidator(_conversation_ref)] = None
     background: bool | None = Field(None, strict=True)
 
 
@@ -55,14 +66,17 @@ def conversation_id(body: Mapping[str, Any]) -> str | None:
     return conv if isinstance(conv, str) and conv else None
 
 
-def followup_id(body: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(field, id) of the server-side state a request builds on: `previous_response_id` or
-    `conversation`; None for a request that stands alone."""
+def stateful_refs(body: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every (field, id) of server-side state a request refers to: `previous_response_id`, then
+    `conversation`. Each one must belong to the caller (responses_route.pin)."""
+    out: list[tuple[str, str]] = []
     prev = body.get("previous_response_id")
     if isinstance(prev, str) and prev:
-        return "previous_response_id", prev
+        out.append(("previous_response_id", prev))
     conv = conversation_id(body)
-    return ("conversation", conv) if conv else None
+    if conv:
+        out.append(("conversation", conv))
+    return out
 
 
 def stateful_reason(body: Mapping[str, Any]) -> str | None:

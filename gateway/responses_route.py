@@ -1,16 +1,18 @@
 """Where a Responses request that builds on stored state goes: the backend that holds it.
 
 A request with `previous_response_id` (or `conversation`) can only be answered by the backend
-that made that response (extended that conversation). `pin()` finds it in the affinity map and
-narrows the request's candidates to it alone: no failover (no other backend has the state), and a
+that made that response (extended that conversation). `pin()` checks every such reference in the
+request against the affinity map (each must be the caller's) and narrows the request's
+candidates to the one backend holding them: no failover (no other backend has the state), and a
 clear error instead of a wrong backend's 404 when it cannot be reached. `holders_of()` does the
-same for the by-id endpoints (GET/DELETE/cancel/input_items).
+same for the by-id endpoints (responses and conversations).
 
-When the map does not know an id (created before the gateway was in front, expired, or the
-store lost it), the request is routed as usual: a backend without it answers 404, which fails
-over to the next candidate, and the one that has it answers (and is learned). When none of
-those tried has it, the client gets a 404 that says so. An id the map gives to another tenant
-is a 404 at once.
+An id the map has no record of (made before the gateway was in front, expired, or never
+answered through it) is nobody's: a 404, and no backend is asked. Only the policy's migration
+mode (`responses.adopt_unknown_ids`) searches for it: the request is routed as usual, a backend
+without it answers 404, which fails over to the next candidate, and the one that has it answers
+(and its record names the caller from then on). An id the map gives to another tenant is a 404
+at once, worded as for an unknown one.
 """
 
 from __future__ import annotations
@@ -18,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .affinity import Holder
 from .backends import Backend
 from .errors import AllBackendsFailed, BadRequest, GatewayError, NotFound, RateLimited, Unavailable, UpstreamError
-from .responses import followup_id
+from .responses import stateful_refs
 from .runtime import Route, Runtime
 
-__all__ = ["Pinned", "pin", "holders_of", "usable_or_raise"]
+__all__ = ["Pinned", "pin", "holders_of", "not_yours", "responses_backends", "serving", "usable_or_raise"]
 
 
 def _is_404(err: GatewayError) -> bool:
@@ -33,8 +36,8 @@ def _is_404(err: GatewayError) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Pinned:
-    """A follow-up and where it goes: the backend that holds its state, or (None) a search of the
-    route's candidates when the map does not know the id."""
+    """A follow-up and where it goes: the backend that holds its state, or (None, only in the
+    migration mode) a search of the route's candidates when the map has no record of the id."""
 
     field: str  # previous_response_id | conversation
     ref: str  # the id
@@ -50,11 +53,8 @@ class Pinned:
                 _is_404(e) or isinstance(e, (Unavailable, RateLimited)) for _, e in err.failures
             ):
                 tried = ", ".join(repr(name) for name, e in err.failures if _is_404(e))
-                return NotFound(
-                    f"{self.field} {self.ref!r} is not known to this gateway (not answered through it, expired after "
-                    f"responses.affinity_ttl_s, or its record was lost), and no backend tried ({tried}) has it",
-                    param=self.field, code=code,
-                )
+                return NotFound(f"{_unknown(self.field, self.ref)}, and no backend tried ({tried}) has it",
+                                param=self.field, code=code)
             return err
         for _, e in err.failures:
             if _is_404(e):  # the backend that held it no longer has it (deleted, or its retention ran out)
@@ -66,10 +66,23 @@ class Pinned:
 
 
 def _missing_code(field: str) -> str:
-    return "previous_response_not_found" if field == "previous_response_id" else "conversation_not_found"
+    return {"previous_response_id": "previous_response_not_found", "conversation": "conversation_not_found",
+            "conversation_id": "conversation_not_found"}.get(field, "response_not_found")
 
 
-def _serving(route: Route) -> list[Backend]:
+def _unknown(field: str, rid: str) -> str:
+    """The words for an id that is not the caller's: the same whether another tenant holds it or
+    nobody does, so a 404 tells nothing about other tenants' ids."""
+    return (f"{field} {rid[:80]!r} is not known to this gateway for this caller (not answered or created through it "
+            "by this tenant, or its record expired after responses.affinity_ttl_s)")
+
+
+def not_yours(field: str, rid: str) -> NotFound:
+    """The 404 for an id without a record, or another tenant's."""
+    return NotFound(_unknown(field, rid), param=field, code=_missing_code(field))
+
+
+def serving(route: Route) -> list[Backend]:
     """The backends of a route (either class) that serve /v1/responses."""
     out: list[Backend] = []
     for cls in ("simple", "complex"):
@@ -103,24 +116,37 @@ def usable_or_raise(backend: Backend, what: str, model: str | None = None) -> No
 
 
 async def pin(call_body: dict[str, object], model: str, owner: str, route: Route, rt: Runtime) -> Pinned | None:
-    """Where a follow-up goes (None for a request that builds on nothing stored). Raises NotFound,
-    BadRequest, Unavailable or RateLimited when it cannot be answered now, saying why."""
-    ref = followup_id(call_body)
-    if ref is None:
+    """Where a follow-up goes (None for a request that builds on nothing stored). Every stateful
+    reference (`previous_response_id`, `conversation`) must be `owner`'s, and all must be held by
+    one backend. Raises NotFound, BadRequest, Unavailable or RateLimited when it cannot be
+    answered now, saying why."""
+    refs = stateful_refs(call_body)
+    if not refs:
         return None
-    field, rid = ref
-    holder = await rt.affinity.lookup(rid)
-    if holder is None:
-        return Pinned(field, rid, None, route)  # search: see the module docstring
-    if holder.owner != owner:
-        raise NotFound(f"{field} {rid!r} is not known to this gateway", param=field, code=_missing_code(field))
-    serving = _serving(route)
+    held: list[tuple[str, str, Holder]] = []
+    for field, rid in refs:
+        holder = await rt.affinity.lookup(rid)
+        if holder is None and rt.affinity.adopt_unknown:
+            continue  # the migration mode: searched for below, and adopted by the answer (affinity.Learner)
+        if holder is None or holder.owner != owner:
+            raise not_yours(field, rid)
+        held.append((field, rid, holder))
+    if not held:
+        return Pinned(refs[0][0], refs[0][1], None, route)  # search: see the module docstring
+    field, rid, holder = held[0]
+    for other_field, other_id, other in held[1:]:
+        if other.backend != holder.backend:
+            raise BadRequest(
+                f"{field} {rid!r} is held by backend {holder.backend!r} and {other_field} {other_id!r} by "
+                f"{other.backend!r}: no backend holds both",
+                param=other_field, code="response_backend_mismatch",
+            )
     backend = rt.backends.get(holder.backend)
     what = f"{field} {rid!r}"
     if backend is None:
         raise NotFound(f"{what} is held by backend {holder.backend!r}, which is no longer in the policy",
                        param=field, code=_missing_code(field))
-    if backend not in serving:
+    if backend not in serving(route):
         raise BadRequest(
             f"{what} is held by backend {backend.name!r}, which does not serve model {model!r} on /v1/responses: "
             "send the follow-up with a model routed to that backend",
@@ -132,21 +158,31 @@ async def pin(call_body: dict[str, object], model: str, owner: str, route: Route
     return Pinned(field, rid, backend.name, pinned)
 
 
-async def holders_of(rid: str, owner: str, rt: Runtime) -> tuple[list[Backend], bool]:
-    """The backends to ask about response `rid` for `owner` (the by-id endpoints), and whether
-    that is a search (the map does not know it: every backend serving /v1/responses, in policy
-    order, until one does not answer 404). Raises NotFound for another tenant's id or a backend
-    gone from the policy, and the errors of usable_or_raise when the holder cannot take traffic."""
+def responses_backends(rt: Runtime) -> list[Backend]:
+    """Every backend serving /v1/responses that is not starting, in policy order (what the
+    migration mode searches)."""
+    return [b for b in rt.backends.values() if "responses" in b.policy.endpoints and b.health.state() != "starting"]
+
+
+async def holders_of(rid: str, owner: str, rt: Runtime, param: str = "response_id") -> tuple[list[Backend], bool]:
+    """The backends to ask about `rid` (a response, or with `param="conversation_id"` a
+    conversation) for `owner` (the by-id endpoints), and whether that is a search (only in the
+    migration mode, for an id without a record: every backend serving /v1/responses, in policy
+    order, until one does not answer 404). Raises NotFound for an id without a record (outside
+    the migration mode), another tenant's id or a backend gone from the policy; MapUnavailable
+    when the map cannot be read; the errors of usable_or_raise when the holder cannot take traffic."""
     holder = await rt.affinity.lookup(rid)
-    what = f"response {rid!r}"
+    what = f"{param.removesuffix('_id')} {rid!r}"
     if holder is None:
-        serving = [b for b in rt.backends.values() if "responses" in b.policy.endpoints and b.health.state() != "starting"]
-        if not serving:
-            raise NotFound(f"{what} is not known to this gateway", param="response_id", code="response_not_found")
-        return serving, True
+        searched = responses_backends(rt) if rt.affinity.adopt_unknown else []
+        if not searched:
+            raise not_yours(param, rid)
+        return searched, True
+    if holder.owner != owner:
+        raise not_yours(param, rid)
     backend = rt.backends.get(holder.backend)
-    if holder.owner != owner or backend is None:
-        gone = "" if backend is not None else f": it was held by backend {holder.backend!r}, which is no longer in the policy"
-        raise NotFound(f"{what} is not known to this gateway{gone}", param="response_id", code="response_not_found")
+    if backend is None:
+        raise NotFound(f"{what} was held by backend {holder.backend!r}, which is no longer in the policy",
+                       param=param, code=_missing_code(param))
     usable_or_raise(backend, what)
     return [backend], False

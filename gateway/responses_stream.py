@@ -8,8 +8,10 @@ the first output delta (`response.output_text.delta`, or any other `*.delta`). A
 stream that does not end with `response.completed` / `response.incomplete` (or the backend's own
 `response.failed` / `error`) ends with an `error` event and no `response.completed`.
 
-Every answer's ids are recorded (Call.affinity) before the client can see the answer complete:
-a whole body before it is sent, a stream's at its `response.created` event.
+Every answer's ids are recorded (Call.affinity) before the client can see any of it: a whole
+body before it is sent, a stream's at its `response.created` event (held back until then). When
+the record cannot be written (affinity.RecordFailed, OwnerConflict) the answer is not released:
+the request fails with that error, and the backend is not blamed (no failover, no health report).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 import orjson
 
 from .attempt import MAX_HELD_BYTES, AttemptFailed, Progress, RelayContext, caller_deadline, claim, client_write
-from .attempt import observe_content, parse_event
+from .attempt import failed, observe_content, parse_event
 from .backends import Backend
 from .cache_entry import Entry
 from .call import Call
@@ -220,7 +222,8 @@ async def _stream(
         cut, kind = f"backend {backend.name!r}: {exc}", "too_large"
     except UpstreamHTTPError as exc:
         if not first:
-            raise AttemptFailed(UpstreamError(f"connection lost before the first output: {exc}"), "disconnect") from None
+            detail = f"{type(exc).__name__}: {exc}"
+            raise failed(call, backend, f"{exc.summary} before the first output", "disconnect", detail) from None
         if not ended:
             cut, kind = "the backend's connection was lost mid-stream", "cut_mid_stream"
     else:

@@ -171,7 +171,7 @@ class Runtime:
         self.cache = cache
         self.quota = quota  # None: no tenant has limits
         # Which backend holds each Responses API id (affinity.py); in memory unless given a store.
-        self.affinity = affinity if affinity is not None else Affinity(MemoryStore(), policy.responses.affinity_ttl_s)
+        self.affinity = affinity if affinity is not None else _affinity(policy, MemoryStore(), None)
 
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.
@@ -326,8 +326,18 @@ def build_runtime(
     if any(t.quota is not None and t.quota.any() for t in policy.tenants.values()):
         # The fallback is this process's in-memory store: its counters live across reloads.
         quota = Quota(policy, store_of(policy.store), store_of(StorePolicy()), on_degraded=on_quota_degraded)
-    affinity = Affinity(store_of(policy.store), policy.responses.affinity_ttl_s, on_affinity)
+    # Its own connections with the record's timeout (a Redis store): the cache's few milliseconds
+    # would drop records under load, and an answer without its record is not released.
+    sp = policy.store
+    record_sp = sp if sp.url is None else sp.model_copy(update={"timeout_ms": max(sp.timeout_ms, policy.responses.record_timeout_ms)})
+    affinity = _affinity(policy, store_of(record_sp), on_affinity)
     return Runtime(policy, backends, classifier, generation, cache, quota, affinity)
+
+
+def _affinity(policy: Policy, store: Store, on_event: Callable[[str, str], None] | None) -> Affinity:
+    rp = policy.responses
+    return Affinity(store, rp.affinity_ttl_s, on_event, timeout_s=rp.record_timeout_ms / 1000,
+                    attempts=rp.record_attempts, adopt_unknown=rp.adopt_unknown_ids)
 
 
 def open_store(sp: StorePolicy) -> Store:

@@ -5,7 +5,9 @@ Responses API's shapes: a Response object, or its event stream. Every response i
 follow-ups and GET/DELETE/cancel/input_items work on the backend that made it, and only there
 (the latest 10,000):
 a `previous_response_id` this fake did not issue is a 404 (previous_response_not_found), as is a
-`conversation` whose id does not start with `conv_<name>`. `background: true` answers `queued`
+`conversation` whose id does not start with `conv_<name>`. POST /v1/conversations makes one
+(`conv_<name>_<n>`, the body kept), GET/DELETE /v1/conversations/{id} read and delete the ones it
+made. `background: true` answers `queued`
 at once; the response completes after the time its tokens would take (cancel stops it).
 Modes for streams, at `fail_after` deltas: stall_mid, disconnect, cut (the body ends without
 response.completed), error_event (a Responses `error` event), failed (`response.failed`),
@@ -45,6 +47,7 @@ class ResponsesFake:
     name: str
     kept: dict[str, _Kept] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    conversations: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> the body it was made with
 
     def _keep(self, rid: str, kept: _Kept) -> None:
         self.kept[rid] = kept
@@ -150,12 +153,34 @@ class ResponsesFake:
         return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
                                   "last_id": data[-1]["id"] if data else None, "has_more": False})
 
+    async def create_conversation(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read() or b"{}")
+        cid = f"conv_{self.name}_{next(self.ids)}"
+        self.conversations[cid] = body
+        return web.json_response({"id": cid, "object": "conversation", "created_at": int(time.time()),
+                                  "metadata": body.get("metadata") or {}})
+
+    async def get_conversation(self, request: web.Request) -> web.Response:
+        cid = request.match_info["id"]
+        if cid not in self.conversations:
+            return _error(404, f"Conversation with id '{cid}' not found.", None, "conversation_not_found")
+        return web.json_response({"id": cid, "object": "conversation", "created_at": 1, "metadata": {}})
+
+    async def delete_conversation(self, request: web.Request) -> web.Response:
+        cid = request.match_info["id"]
+        if self.conversations.pop(cid, None) is None:
+            return _error(404, f"Conversation with id '{cid}' not found.", None, "conversation_not_found")
+        return web.json_response({"id": cid, "object": "conversation.deleted", "deleted": True})
+
     def routes(self) -> list[web.RouteDef]:
         return [
             web.get("/v1/responses/{id}", self.get),
             web.delete("/v1/responses/{id}", self.delete),
             web.post("/v1/responses/{id}/cancel", self.cancel),
             web.get("/v1/responses/{id}/input_items", self.input_items),
+            web.post("/v1/conversations", self.create_conversation),
+            web.get("/v1/conversations/{id}", self.get_conversation),
+            web.delete("/v1/conversations/{id}", self.delete_conversation),
         ]
 
 

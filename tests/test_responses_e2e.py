@@ -51,7 +51,7 @@ def _policy(*ups, store=None, strategy="ordered", **extra):
         p["store"] = {k: v for k, v in store.items() if k != "_marks"}
         if marks is not None:  # on the shared Redis: short-lived entries (the affinity ones are also deleted)
             p["cache"] = {"ttl_s": 30}
-            p["responses"] = {"affinity_ttl_s": 60}
+            p["responses"] = {**p.get("responses", {}), "affinity_ttl_s": 60}
     return p
 
 
@@ -272,19 +272,28 @@ async def test_a_follow_up_whose_backend_is_down_fails_clearly(upstream, gateway
         await c.responses.create(model="gpt-test", input="more", previous_response_id=first.id)
     assert exc.value.status_code == 503 and "ejected" in exc.value.message
     assert exc.value.response.headers.get("Retry-After")
-    # An id the gateway never saw is searched for: each backend without it answers 404.
+    # An id the gateway never saw is nobody's: a 404 at once, no backend asked.
     with pytest.raises(openai.NotFoundError) as exc:
         await c.responses.create(model="gpt-test", input="more", previous_response_id="resp_nowhere_1")
     assert exc.value.body["code"] == "previous_response_not_found"
+    assert b.stats.requests == 0
 
 
-async def test_an_id_unknown_to_the_map_is_found_on_the_backend_that_has_it(upstream, gateway):
+async def test_an_id_unknown_to_the_map_is_a_404_and_found_only_in_the_migration_mode(upstream, gateway):
+    """Changed with issue 23: an id without a record used to be searched for and adopted by
+    whoever asked first; now it is nobody's unless `responses.adopt_unknown_ids` is on."""
     a = await upstream(_name("a"), tokens=3)
     b = await upstream(_name("b"), tokens=3)
     direct = openai.AsyncOpenAI(base_url=b.url, api_key="x", max_retries=0)
     made_elsewhere = await direct.responses.create(model="gpt-test", input="hi")  # not through the gateway
     await direct.close()
     gw = await gateway(_policy(a, b))
+    with pytest.raises(openai.NotFoundError):
+        await gw.client().responses.create(model="gpt-test", input="more", previous_response_id=made_elsewhere.id)
+    with pytest.raises(openai.NotFoundError):
+        await gw.client().responses.retrieve(made_elsewhere.id)
+    assert a.stats.requests == 0 and b.stats.requests == 1
+    gw = await gateway(_policy(a, b, responses={"adopt_unknown_ids": True}), "migrating.yaml")
     c = gw.client()
     raw = await c.responses.with_raw_response.create(model="gpt-test", input="more", previous_response_id=made_elsewhere.id)
     assert raw.headers["x-gateway-backend"] == b.name and raw.parse().output_text

@@ -3,6 +3,7 @@ the classifier's view of a Responses body, the error event, and the affinity map
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -15,15 +16,15 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway.affinity import Affinity, Holder
+from gateway.affinity import Affinity, Holder, MapUnavailable, OwnerConflict, RecordFailed
 from gateway.cache_entry import is_complete
-from gateway.errors import UpstreamError
-from gateway.responses import chat_view, error_event, followup_id, held_ids, stateful_reason, usage_of
+from gateway.errors import BadRequest, UpstreamError
+from gateway.responses import ResponsesRequest, chat_view, error_event, held_ids, stateful_reason, stateful_refs, usage_of
 from gateway.responses_replay import replay_events, replayable
 from gateway.responses_stream import CONTENT, END, FAILED, HELD, SKIP, Monitor
 from gateway.store import MemoryStore, Store, StoreError
 from gateway.store_redis import RedisStore
-from gateway.wire import SSEDecoder, event_data
+from gateway.wire import SSEDecoder, event_data, parse_body
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 TEXT = "The capital of France is Paris. " * 5
@@ -114,9 +115,12 @@ def test_the_classifier_reads_instructions_and_input_as_a_chat():
 
 
 def test_stateful_requests_bypass_the_cache_and_name_what_they_build_on():
-    assert followup_id({"previous_response_id": "resp_1"}) == ("previous_response_id", "resp_1")
-    assert followup_id({"conversation": {"id": "conv_1"}}) == ("conversation", "conv_1")
-    assert followup_id({"input": "hi"}) is None
+    assert stateful_refs({"previous_response_id": "resp_1"}) == [("previous_response_id", "resp_1")]
+    assert stateful_refs({"conversation": {"id": "conv_1"}}) == [("conversation", "conv_1")]
+    # Both at once: each is a reference to check (neither hides the other).
+    assert stateful_refs({"previous_response_id": "resp_1", "conversation": "conv_1"}) == [
+        ("previous_response_id", "resp_1"), ("conversation", "conv_1")]
+    assert stateful_refs({"input": "hi"}) == []
     assert stateful_reason({"previous_response_id": "resp_1"}).startswith("previous_response_id")
     assert stateful_reason({"conversation": "conv_1"}).startswith("conversation")
     assert stateful_reason({"background": True}).startswith("background")
@@ -170,23 +174,95 @@ async def test_affinity_remembers_forgets_and_expires(kind: str):
         await aff.forget("conv_y")
         assert await aff.lookup("conv_y") is None
         assert await aff.lookup("x" * 1000) is None  # nobody's id
-        import asyncio
-
         await asyncio.sleep(0.45)
         assert await aff.lookup("resp_x") is None  # expired with its TTL
     assert ("learn", "ok") in events and ("lookup", "hit") in events and ("lookup", "miss") in events
 
 
-async def test_affinity_fails_open_when_its_store_fails():
-    class Down(MemoryStore):
-        async def get(self, key: str) -> bytes | None:
-            raise StoreError("down")
+class _Down(MemoryStore):
+    """A store whose every call fails, counting the tries."""
 
-        async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-            raise StoreError("down")
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
 
+    async def get(self, key: str) -> bytes | None:
+        self.calls += 1
+        raise StoreError("down")
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        self.calls += 1
+        raise StoreError("down")
+
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        self.calls += 1
+        raise StoreError("down")
+
+
+async def test_affinity_fails_closed_when_its_store_fails():
+    """Changed with issue 23 (it used to fail open: a lost record made the id anyone's)."""
     events: list[tuple[str, str]] = []
-    aff = Affinity(Down(), ttl_s=60, on_event=lambda op, r: events.append((op, r)))
-    await aff.remember(["resp_1"], "b1", "t")  # no exception: reported
-    assert await aff.lookup("resp_1") is None
-    assert events == [("learn", "error"), ("lookup", "error")]
+    store = _Down()
+    aff = Affinity(store, ttl_s=60, on_event=lambda op, r: events.append((op, r)), timeout_s=0.05, attempts=3)
+    with pytest.raises(RecordFailed) as exc:
+        await aff.record(["resp_1"], "b1", "t")
+    assert exc.value.status == 503 and exc.value.code == "response_record_failed" and "down" not in exc.value.message
+    assert store.calls == 3  # every try, then the answer is refused
+    await aff.record(["resp_2"], "b1", "t", required=False)  # nobody can follow it up: one try, reported only
+    assert store.calls == 4
+    with pytest.raises(MapUnavailable):
+        await aff.lookup("resp_1")  # a store that cannot say is not "nobody has it"
+    assert events == [("learn", "error"), ("learn", "error"), ("lookup", "error")]
+    # store: false and no conversation: nothing can follow it, so its record is not required.
+    await aff.learner("t").learn({"id": "resp_3", "store": False}, "b1")
+    with pytest.raises(RecordFailed):
+        await aff.learner("t").learn({"id": "resp_4", "store": False, "conversation": {"id": "conv_1"}}, "b1")
+
+
+async def test_a_slow_record_write_gets_its_own_timeout_and_a_retry_that_finds_it_landed():
+    class LandsThenHangs(MemoryStore):
+        """The first add lands, then its answer never comes (a timeout after the write)."""
+
+        hung = False
+
+        async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+            stored = await super().add(key, value, ttl_s)
+            if not self.hung:
+                self.hung = True
+                await asyncio.sleep(10)
+            return stored
+
+    store = LandsThenHangs()
+    aff = Affinity(store, ttl_s=60, timeout_s=0.05, attempts=2)
+    await aff.record(["resp_1"], "b1", "tenant:a")  # the retry finds the record is its own
+    assert await aff.lookup("resp_1") == Holder("b1", "tenant:a")
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_record_is_never_overwritten_by_another_owner(kind: str):
+    async with _store(kind) as store:
+        aff = Affinity(store, ttl_s=60)
+        await aff.learner("tenant:a").learn({"id": "resp_a", "conversation": {"id": "conv_a"}}, "b1")
+        with pytest.raises(OwnerConflict) as exc:  # an answer naming a's conversation, for b
+            await aff.learner("tenant:b").learn({"id": "resp_b", "conversation": {"id": "conv_a"}}, "b2")
+        assert exc.value.status == 409
+        assert await aff.lookup("conv_a") == Holder("b1", "tenant:a")
+        # The owner's next turn refreshes its record (a conversation in use stays known).
+        await aff.learner("tenant:a").learn({"id": "resp_a2", "conversation": {"id": "conv_a"}}, "b1")
+        assert await aff.lookup("conv_a") == Holder("b1", "tenant:a")
+
+
+async def test_only_the_migration_mode_adopts_the_previous_response():
+    for adopt, expected in ((False, None), (True, Holder("b1", "tenant:a"))):
+        aff = Affinity(MemoryStore(), ttl_s=60, adopt_unknown=adopt)
+        await aff.learner("tenant:a").learn({"id": "resp_2", "previous_response_id": "resp_made_elsewhere"}, "b1")
+        assert await aff.lookup("resp_made_elsewhere") == expected
+
+
+@pytest.mark.parametrize("conversation", [{"id": 5}, {"id": ""}, {}, 5, "", ["conv_1"], True])
+def test_a_conversation_must_be_an_id_or_an_object_with_one(conversation: object):
+    with pytest.raises(BadRequest) as exc:
+        parse_body(orjson.dumps({"model": "m", "input": "hi", "conversation": conversation}), ResponsesRequest)
+    assert exc.value.param == "conversation"
+    for good in ("conv_1", {"id": "conv_1"}, None):
+        parse_body(orjson.dumps({"model": "m", "input": "hi", "conversation": good}), ResponsesRequest)
