@@ -36,6 +36,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     ]
     holders = [(f"tenants.{n}", t.key_sha256_env) for n, t in policy.tenants.items()]
     holders.append(("admin", policy.admin.key_sha256_env if policy.admin else None))
+    holders.append(("metrics", policy.metrics.key_sha256_env))
     missing += [
         f"{path}.key_sha256_env: environment variable {env} is not set here (the gateway refuses to start without it)"
         for path, env in holders

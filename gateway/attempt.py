@@ -39,7 +39,7 @@ from .wire import SSE_DONE, SSEDecoder, SSEEventTooLarge, event_data
 
 __all__ = [
     "AttemptFailed", "ClientGone", "Cut", "Lost", "Progress", "RelayContext",
-    "attempt", "caller_deadline", "claim", "client_write", "observe_content", "parse_event",
+    "attempt", "caller_deadline", "claim", "client_write", "failed", "observe_content", "parse_event",
 ]
 
 log = logging.getLogger("gateway.relay")
@@ -181,19 +181,21 @@ async def attempt(
             raise AttemptFailed(UpstreamTimeout(f"no response within {_ms(first_deadline - now)} ms"), "timeout") from None
         raise AttemptFailed(UpstreamTimeout("the answer did not complete in time"), "timeout") from None
     except UpstreamConnectError as exc:
-        raise AttemptFailed(UpstreamError(f"cannot connect to {url}: {exc}"), "connect") from None
+        raise failed(call, backend, exc.summary, "connect", f"{url}: {exc}") from None
     except UpstreamTooLarge as exc:
         if resp is not None:
             resp.close()
         raise AttemptFailed(UpstreamError(f"backend {backend.name!r}: {exc}"), "too_large") from None
     except (UpstreamHTTPError, OSError) as exc:
+        detail = f"{url}: {type(exc).__name__}: {exc}"
         if resp is not None:
             resp.close()
-            raise AttemptFailed(UpstreamError(f"connection lost while reading the answer: {exc}"), "disconnect") from None
+            raise failed(call, backend, "connection lost while reading the answer", "disconnect", detail) from None
         if isinstance(exc, UpstreamMaybeSent):
             # The request left and may have been processed (and billed): an attempt, never resent.
-            raise AttemptFailed(UpstreamError(f"connection lost after the request was sent: {exc}"), "reset_before_headers") from None
-        raise AttemptFailed(UpstreamError(f"request failed: {type(exc).__name__}: {exc}"), "connect") from None
+            raise failed(call, backend, exc.summary, "reset_before_headers", detail) from None
+        summary = exc.summary if isinstance(exc, UpstreamHTTPError) else "connect failed"
+        raise failed(call, backend, summary, "connect", detail) from None
     kind = "failed"
     try:
         if resp.status != 200:
@@ -219,6 +221,15 @@ async def attempt(
             resp.release()
         else:
             resp.close()  # never leave a half-read or cancelled upstream on the pool
+
+
+def failed(call: Call, backend: Backend, summary: str, kind: str, detail: str) -> AttemptFailed:
+    """A failure before the first byte, told two ways: the client's message has `summary`, the
+    kind of failure (`connect failed`, `HTTP 500`); the upstream's address, the OS error or its
+    body (`detail`) go to the log only, with the request id, so a caller learns nothing about
+    the network behind the gateway."""
+    log.info("request %s: backend %r failed (%s): %s", call.request_id, backend.name, kind, detail)
+    return AttemptFailed(UpstreamError(summary), kind)
 
 
 def caller_deadline(call: Call, backend: Backend) -> AttemptFailed:
@@ -279,7 +290,7 @@ async def _refuse(resp: UpstreamResponse, backend: Backend, call: Call, deadline
     if status >= 500 or status in (401, 403, 404, 405, 408):
         # Our key, our model name, the path, or the backend itself is wrong: another backend may
         # do better. Whether it counts against this one's health: health.OUTCOMES.
-        raise AttemptFailed(UpstreamError(f"HTTP {status}: {snippet}"), f"http_{status}")
+        raise failed(call, backend, f"HTTP {status}", f"http_{status}", f"HTTP {status}: {snippet}")
     raise UpstreamRejected(status, raw, backend.name, context_length=_context_length(status, raw))
 
 
@@ -422,7 +433,8 @@ async def _stream(
         cut, kind = f"backend {backend.name!r}: {exc}", "too_large"
     except UpstreamHTTPError as exc:
         if not first:
-            raise AttemptFailed(UpstreamError(f"connection lost before the first token: {exc}"), "disconnect") from None
+            detail = f"{type(exc).__name__}: {exc}"
+            raise failed(call, backend, f"{exc.summary} before the first token", "disconnect", detail) from None
         cut, kind = None if finished else f"backend {backend.name!r} lost its connection mid-stream", "cut_mid_stream"
     else:
         if cut is None and not saw_done and not finished:

@@ -97,16 +97,18 @@ def open_mode_problem(policy: Policy, host: str | None) -> str | None:
 @dataclass(frozen=True, slots=True)
 class Tenant:
     name: str
-    priority: str
+    priority: str  # the highest band its requests may ask for (a ceiling: priority.py)
     models: frozenset[str] | None  # None: every public model
     cache_namespace: str = "default"  # whose cached answers this tenant may receive
     cache: CacheOverride | None = None
+    default_priority: str | None = None  # the band of a request that asks for none; None: `priority`
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
 
 
-OPEN_TENANT = Tenant("default", "default", None)
+# Open mode has no one to tell apart: a caller may ask for any band, and gets `default` otherwise.
+OPEN_TENANT = Tenant("default", "priority", None, default_priority="default")
 
 
 def env_digests(digests: tuple[str, ...], env: str | None, path: str) -> tuple[str, ...]:
@@ -139,11 +141,13 @@ class Tenants:
                 frozenset(tp.models) if tp.models is not None else None,
                 cache_namespace=tp.cache_namespace or f"tenant:{name}",
                 cache=tp.cache,
+                default_priority=tp.default_priority,
             )
             for digest in env_digests(tp.key_sha256, tp.key_sha256_env, f"tenants.{name}"):
                 self._by_digest[digest] = tenant
         self._admin = set(env_digests(policy.admin.key_sha256, policy.admin.key_sha256_env, "admin")) if policy.admin else set()
-        self._metrics = set(policy.metrics.key_sha256)
+        self._metrics = set(env_digests(policy.metrics.key_sha256, policy.metrics.key_sha256_env, "metrics"))
+        self._metrics_open = policy.metrics.open
         self.open = not self._by_digest
         self.tenant_label = policy.metrics.tenant_label
         self._weights = {name: tp.weight for name, tp in policy.tenants.items()}
@@ -171,11 +175,24 @@ class Tenants:
             return _matches(api_key, self._admin)
         return self.open and loopback
 
-    def may_scrape(self, api_key: str | None) -> bool:
-        """/metrics: open unless `metrics.key_sha256` lists keys; then one of those or an admin key."""
-        if not self._metrics:
+    def may_scrape(self, api_key: str | None, *, loopback: bool = True) -> bool:
+        """/metrics (per-tenant names, tokens and spend): with scrape keys (`metrics.key_sha256`,
+        `metrics.key_sha256_env`), one of those or an admin key; without, open when the gateway
+        listens on a loopback address only or `metrics.open` says so, else an admin key."""
+        if self._metrics:
+            return _matches(api_key, self._metrics) or _matches(api_key, self._admin)
+        if loopback or self._metrics_open:
             return True
-        return _matches(api_key, self._metrics) or _matches(api_key, self._admin)
+        return _matches(api_key, self._admin)
+
+    def scrape_refusal(self) -> str:
+        """What a refused /metrics request is told: which key it needs, or how to open it."""
+        if self._metrics:
+            return "/metrics needs a key from `metrics.key_sha256` (or `metrics.key_sha256_env`) or an admin key"
+        return (
+            "/metrics needs an admin key: this gateway listens beyond loopback and its policy has no scrape "
+            "key; set `metrics.key_sha256` (a key for Prometheus) or, to serve it to anyone, `metrics.open: true`"
+        )
 
     def weight(self, tenant: str) -> float:
         """The tenant's share of dispatches among tenants waiting in the same band."""

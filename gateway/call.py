@@ -43,7 +43,7 @@ class Call:
     raw: bytes  # the client's body, forwarded as is when no field needs rewriting
     api_key: str | None
     deadline: float  # time.monotonic() by which the client must have an answer
-    priority: str | None = None  # asked for by the request; None: the tenant's default
+    priority: str | None = None  # the band asked for (x-priority); after _prepare, held to the tenant's ceiling
     no_cache: bool = False  # cache-control: no-cache
     no_store: bool = False  # cache-control: no-store
     deadline_asked: bool = False  # x-request-timeout-ms was sent (else a band's default may apply)

@@ -19,6 +19,7 @@ from .cache_entry import Entry, replay_json, replay_sse
 from .call import Call
 from .errors import AllBackendsFailed, GatewayError, InternalError
 from .flight import TeeSink, follow
+from .priority import asked_band, cap
 from .quota import Hold, QuotaExceeded
 from .relay import ClientGone, RelayContext, relay
 from .runtime import Route, Runtime
@@ -33,18 +34,16 @@ __all__ = ["run", "explain", "parse"]
 log = logging.getLogger("gateway.pipeline")
 
 _BODY_MODELS = {"chat": ChatRequest, "completions": CompletionRequest, "embeddings": EmbeddingRequest, "responses": ResponsesRequest}
-_TIERS = {"priority": "priority", "default": "default", "auto": "default", "flex": "flex"}
 
 
 def parse(call: Call) -> None:
-    """Validate the body and fill in the call's model, stream flag and priority."""
+    """Validate the body and fill in the call's model, stream flag and the band it asks for
+    (x-priority when sent, else its service_tier's; the tenant's ceiling applies later)."""
     typed, body = parse_body(call.raw, _BODY_MODELS[call.endpoint.name])
     call.body = body
     call.model = typed.model
     call.stream = bool(getattr(typed, "stream", False)) and call.endpoint.streams
-    tier = getattr(typed, "service_tier", None)
-    if tier in _TIERS:
-        call.priority = _TIERS[tier]
+    call.priority = asked_band(call.priority, body)
 
 
 def _prepare(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
@@ -52,7 +51,7 @@ def _prepare(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     call.tenant = tenant.name
     parse(call)
     rt.tenants.authorize(tenant, call.model)
-    call.priority = call.priority or tenant.priority
+    cap(call, tenant)  # the band at most the tenant's priority; a service_tier above it not sent upstream
     route = rt.route(call.model)
     call.prompt_tokens = len(call.raw) // 4  # cheap; the classifier's estimate replaces it when it runs
     if call.endpoint.name != "embeddings":
@@ -161,7 +160,8 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
 
 
 def _band(call: Call, rt: Runtime, tenant: Tenant) -> None:
-    """The call's place in the queues: its band, its band's default deadline, its token cost."""
+    """The call's place in the queues: its band (already held to the tenant's ceiling by
+    priority.cap), its band's default deadline, its token cost."""
     band = call.priority or "default"
     if not call.deadline_asked:
         band_ms = getattr(rt.policy.admission.deadline_ms, band)
@@ -325,6 +325,8 @@ async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, An
         "model": call.model,
         "tenant": call.tenant,
         "priority": call.priority,
+        "priority_ceiling": tenant.priority,  # the tenant's `priority`: the most a request may ask for
+        "service_tier_upstream": call.body.get("service_tier"),  # what a backend would be sent (None: none)
         "class": call.cls if v is None else v.cls,
         "score": None if v is None else round(v.score, 4),
         "threshold": None if v is None else round(v.threshold, 4),

@@ -19,6 +19,7 @@ from yarl import URL
 
 __all__ = [
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "UpstreamDisconnected",
     "UpstreamHTTPError",
     "UpstreamHeadersTooLarge",
@@ -37,11 +38,24 @@ _METHODS = frozenset({"POST", "GET", "DELETE"})  # `method=`: the Responses API'
 
 
 class UpstreamHTTPError(Exception):
-    """Base of every error this client raises."""
+    """Base of every error this client raises.
+
+    `summary`: the kind of failure in words a gateway's client may see; the message itself can name
+    the upstream's host and port and the OS error, which belong in the log only."""
+
+    summary = "request failed"
 
 
 class UpstreamConnectError(UpstreamHTTPError, OSError):
     """The connection could not be opened (refused, unreachable, TLS failure, connect timeout)."""
+
+    summary = "connect failed"
+
+
+class UpstreamConnectTimeout(UpstreamConnectError):
+    """The connection was not open within the connect timeout."""
+
+    summary = "connect timed out"
 
 
 class UpstreamDisconnected(UpstreamHTTPError, ConnectionError):
@@ -49,6 +63,8 @@ class UpstreamDisconnected(UpstreamHTTPError, ConnectionError):
 
     Raised by UpstreamPool.post() only as its subclass UpstreamMaybeSent, or (plain) when the request
     provably never left: the connection was already closed when it was about to be written."""
+
+    summary = "connection lost"
 
 
 class UpstreamMaybeSent(UpstreamDisconnected):
@@ -59,9 +75,13 @@ class UpstreamMaybeSent(UpstreamDisconnected):
     Only a request that provably never left (written to no socket, because the pooled connection
     was already closed) is resent, once, on a fresh connection."""
 
+    summary = "connection lost after the request was sent"
+
 
 class UpstreamProtocolError(UpstreamHTTPError):
     """The upstream sent something that is not a valid HTTP/1.x response."""
+
+    summary = "invalid HTTP response"
 
 
 class UpstreamTooLarge(UpstreamHTTPError):
@@ -69,6 +89,8 @@ class UpstreamTooLarge(UpstreamHTTPError):
 
     Raised by UpstreamResponse.read(max_bytes=...) for a body, and as UpstreamHeadersTooLarge by
     post() for the response headers."""
+
+    summary = "answer over the size limit"
 
     def __init__(self, message: str, limit: int) -> None:
         super().__init__(message)
@@ -78,6 +100,8 @@ class UpstreamTooLarge(UpstreamHTTPError):
 class UpstreamHeadersTooLarge(UpstreamTooLarge, UpstreamProtocolError):
     """post(): the response headers (status line and any interim responses included) exceed the
     pool's `max_header_bytes`, or their count exceeds `max_headers`."""
+
+    summary = "response headers over the size limit"
 
 
 class _NotSent(UpstreamDisconnected):
@@ -492,7 +516,7 @@ class UpstreamPool:
                     server_hostname=target.host if ctx is not None else None,
                 )
         except TimeoutError:
-            raise UpstreamConnectError(f"connect to {target.host}:{target.port} timed out after {timeout_s:g}s") from None
+            raise UpstreamConnectTimeout(f"connect to {target.host}:{target.port} timed out after {timeout_s:g}s") from None
         except OSError as exc:
             raise UpstreamConnectError(f"cannot connect to {target.host}:{target.port}: {exc}") from exc
         return conn

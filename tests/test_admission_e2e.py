@@ -46,13 +46,17 @@ BANDS = ("priority", "default", "flex")
 def make_policy(*ups: Any, admission: dict[str, Any] | None = None, max_concurrency: int | None = None,
                 tenants: dict[str, dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
     """Tenants acme / noisy / quiet and an admin key; no cache (identical prompts must each reach
-    the queue, not be coalesced) and no probes (they would add upstream requests)."""
+    the queue, not be coalesced) and no probes (they would add upstream requests). A tenant's
+    `priority` is a ceiling: acme may ask for every band (and gets `default` when it asks for
+    none); noisy and quiet are held to `default`."""
+    ceilings = {"acme": {"priority": "priority", "default_priority": "default"}}
     policy = simple_policy(
         *ups,
         admin={"key_sha256": [hash_key(ADMIN_KEY)]},
         cache={"enabled": False},
         health={"probe_interval_ms": 600_000},
-        tenants={name: {"key_sha256": [hash_key(key)], **(tenants or {}).get(name, {})} for name, key in KEYS.items()},
+        tenants={name: {"key_sha256": [hash_key(key)], **ceilings.get(name, {}), **(tenants or {}).get(name, {})}
+                 for name, key in KEYS.items()},
         **extra,
     )
     if admission is not None:
