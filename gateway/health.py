@@ -9,9 +9,19 @@ The relay reports outcomes (and the prober reports probe results); this object d
   `max_eject_s`, shortened by up to `jitter` at random so replicas do not all retry at once;
 - ``probing`` (half-open): the back-off ran out, or a probe succeeded, but no request has succeeded
   since; the next outcome decides: a success makes it ``healthy``, one failure ejects it again for
-  a longer back-off. The selector gives a probing backend one request at a time;
+  a longer back-off. The selector gives a probing backend one request at a time (and the relay
+  never retries it once it is ejected again: a trial costs one attempt);
 - ``cooling``: an upstream 429/503 asked for a pause (Retry-After); it is busy, not broken;
 - ``healthy``.
+
+What ends an ejection early: a good *request* probe (a one-token request to the model itself,
+probes.py) ends any ejection, so a recovery is seen within a probe interval whatever the back-off
+says; the back-off then only bounds how often a user request is the trial while the backend stays
+down. Two exceptions keep a half-working backend from costing a user request every probe interval:
+once a trial that a good request probe let through has failed (the backend answers a one-token
+probe while its real requests fail), its request probes end nothing until a real request succeeds;
+and a good *model-list* probe, which is no evidence that completions work, ends only a first
+ejection.
 
 "Never eject the last healthy backend" needs a view of all candidates: see `routing.usable()`.
 
@@ -104,6 +114,7 @@ class Health:
     consecutive_failures: int = 0
     ejections: int = 0  # ejections in a row without a success: drives the back-off
     ejected_until: float = 0.0
+    ejected_at: float = 0.0  # when the last ejection began (probes wait an interval after it)
     cooldown_until: float = 0.0  # from an upstream Retry-After
     ready: bool = True  # False while a launched backend starts
     parent: "Health | None" = None  # the backend's own health, for a model's
@@ -111,14 +122,23 @@ class Health:
     # the launcher tries again (on `clock`), so a 503 and /readyz say more than "starting".
     start_failure: str = ""
     start_retry_at: float = 0.0
+    # A good request probe ended the current ejection: the trial that follows was its doing.
+    probe_opened: bool = False
+    # A trial that a good request probe opened failed: this backend passes probes while its real
+    # requests fail, so its probes end no ejection until a real request succeeds.
+    probes_misled: bool = False
 
-    def starting_reason(self) -> str:
-        """Why a backend that is not ready cannot answer: starting, or its failed launch and retry."""
+    def starting_reason(self, *, detail: bool = True) -> str:
+        """Why a backend that is not ready cannot answer: starting, or its failed launch and retry.
+
+        `detail=False` leaves out the launch failure's own words (they may name an address or an OS
+        error): for tenants' 503s; /readyz and /admin/backends, the operator's views, keep them."""
         if not self.start_failure:
             return "the backend is starting"
         wait = self.start_retry_at - self.clock()
         when = f"retrying in {wait:.0f} s" if wait >= 0.5 else "retrying now"
-        return f"the backend could not be launched: {self.start_failure}; {when}"
+        why = f": {self.start_failure}" if detail else " (/readyz says why)"
+        return f"the backend could not be launched{why}; {when}"
 
     def starting_retry_s(self) -> float | None:
         """Seconds until the launcher's next try after a failed launch (at least 1), else None."""
@@ -131,31 +151,47 @@ class Health:
         self.consecutive_failures = 0
         self.ejections = 0
         self.ejected_until = 0.0
+        self.probe_opened = self.probes_misled = False
 
     def report_failure(self) -> None:
         """A request failed or timed out in a way that is the backend's fault."""
+        self._failure(trial=True)
+
+    def _failure(self, *, trial: bool) -> None:
         now = self.clock()
         if now < self.ejected_until:
             return  # started before the ejection: it tells us nothing new
         self.consecutive_failures += 1
         if self.ejections > 0 or self.consecutive_failures >= self.failures_to_eject:
+            if trial and self.probe_opened:
+                self.probes_misled = True  # the probe said "back", the real request said otherwise
             self._eject(now)  # a failed half-open trial re-ejects at once, for longer
 
-    def report_probe(self, ok: bool) -> None:
-        """An active probe's result. A good probe may end a first ejection early (half-open: the
-        next real request decides) and does nothing else: a model list that answers is no evidence
-        that completions work, so it never resets the count of real failures. A failed probe counts
-        as a failure unless the backend is already out."""
+    def report_probe(self, ok: bool, *, request: bool = False) -> None:
+        """An active probe's result; `request`: it was a minimal real request to this model (a
+        one-token completion), not the backend's model list.
+
+        A good request probe ends any ejection (half-open: the next real request decides; the
+        back-off is kept, so a failed trial re-ejects for longer), unless an earlier probe proved
+        misleading (see `probes_misled`). A good model-list probe ends only a first ejection: a
+        model list that answers is no evidence that completions work. Neither resets the count of
+        real failures. A failed probe counts as a failure unless the backend is already out."""
         if not ok:
-            self.report_failure()
-        elif self.clock() < self.ejected_until and self.ejections <= 1:
-            # Only a first ejection ends early: a backend whose cheap probe works while its real
-            # requests keep failing would otherwise get a trial request every probe interval,
-            # whatever its back-off says.
+            self._failure(trial=False)  # a probe failing in half-open re-ejects, but misleads nobody
+            return
+        if self.clock() >= self.ejected_until:
+            return
+        if (request and not self.probes_misled) or self.ejections <= 1:
+            # Only a first ejection ends early on weaker evidence: a backend whose cheap probe works
+            # while its real requests keep failing would otherwise get a trial request every probe
+            # interval, whatever its back-off says.
             self.ejected_until = 0.0
+            self.probe_opened = request
 
     def _eject(self, now: float) -> None:
         self.ejections += 1
+        self.ejected_at = now
+        self.probe_opened = False
         backoff = min(self.max_eject_s, self.eject_s * 2.0 ** min(self.ejections - 1, 30))
         self.ejected_until = now + backoff * (1.0 - self.jitter * self.rng.random())
 

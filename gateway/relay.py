@@ -48,7 +48,8 @@ def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> l
             continue
         if r.skipped == "starting":  # the launcher's reason when its launch failed, else "starting"
             wait = b.health.starting_retry_s()
-            failures.append((b.name, Unavailable(b.health.starting_reason(), retry_after_s=5 if wait is None else wait)))
+            # tenants hear that the launch failed, not its words (an address, an OS error): /readyz has them
+            failures.append((b.name, Unavailable(b.health.starting_reason(detail=False), retry_after_s=5 if wait is None else wait)))
         elif r.skipped == "cooling":
             wait = h.cooling_for()
             failures.append((b.name, RateLimited(f"asked us to back off for {wait:.1f}s more", retry_after_s=wait)))
@@ -181,10 +182,11 @@ async def _answer(
                                       live_deadline=None if last else route.routing, cold_s=cold_s)
             if answered or progress.owner is not None:
                 return  # once an attempt owns the client, nothing else starts for this request
+            health = backend.health_for(call.model)
             wait = retry_wait(
                 route.retry, tries.last_kind, tries_here=tries.on.get(backend.name, 0), tries_total=tries.count,
-                max_attempts=server.max_attempts, cooling_s=backend.health_for(call.model).cooling_for(),
-                remaining_s=call.remaining_s(),
+                max_attempts=server.max_attempts, cooling_s=health.cooling_for(),
+                remaining_s=call.remaining_s(), ejected=not health.healthy,  # health ejected it: fail over now
             )
             if wait is None or not backend.slots.free(ticket.band):
                 break

@@ -45,14 +45,18 @@ def retry_wait(
     cooling_s: float,
     remaining_s: float,
     rng: random.Random | None = None,
+    ejected: bool = False,
 ) -> float | None:
     """Seconds to wait before trying the same backend again, or None to fail over.
 
     `kind`: how its last attempt failed; `tries_here`: attempts on it so far; `cooling_s`: what
-    is left of the pause it asked for (its Retry-After). The pause is that Retry-After for
-    429/503, else `backoff_ms` doubled per retry with +-25 % jitter; never under 50 ms; None when
-    it is past `max_wait_ms` or the request's deadline, or the tries are used up."""
-    if rp is None or kind is None or tries_here >= rp.attempts or tries_total >= max_attempts:
+    is left of the pause it asked for (its Retry-After); `ejected`: health has taken it out (that
+    failure ejected it, or a half-open trial failed). The pause is that Retry-After for 429/503,
+    else `backoff_ms` doubled per retry with +-25 % jitter; never under 50 ms; None when it is
+    ejected, past `max_wait_ms` or the request's deadline, or the tries are used up."""
+    if rp is None or kind is None or ejected or tries_here >= rp.attempts or tries_total >= max_attempts:
+        # Ejected: health decided the backend is broken; a retry would only add an attempt that
+        # health has already written off (and a failed half-open trial would cost three).
         return None
     status = int(kind[5:]) if kind.startswith("http_") and kind[5:].isdigit() else None
     if not any(o == status if isinstance(o, int) else kind in _RETRY_NAMES[o] for o in rp.on):

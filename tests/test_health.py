@@ -197,3 +197,140 @@ def test_a_good_probe_does_not_cut_short_a_repeated_ejection():
     assert h.state() == "ejected"
     clock.t += 20.1
     assert h.state() == "probing"
+
+
+# -- recovery: request probes, their limits, and the flapping primary ---------------------------------
+
+
+def _eject_n_times(h: Health, clock: Clock, n: int) -> None:
+    """Eject `h` n times in a row: the first by a run of failures, the others by failed trials."""
+    h.report_failure()  # failures_to_eject=1 in the tests that use this
+    for _ in range(n - 1):
+        clock.t += h.available_in()
+        assert h.state() == "probing"
+        h.report_failure()
+
+
+def test_a_good_request_probe_ends_any_ejection_and_a_real_success_then_restores_it():
+    clock = Clock()
+    h = Health(failures_to_eject=1, eject_s=10, max_eject_s=300, jitter=0.0, clock=clock)
+    _eject_n_times(h, clock, 4)
+    assert h.state() == "ejected" and h.available_in() == pytest.approx(80)
+    h.report_probe(True)  # a model list: no evidence for a repeated ejection
+    assert h.state() == "ejected"
+    h.report_probe(True, request=True)  # the model answered a real (one-token) request
+    assert h.state() == "probing" and h.healthy and h.available_in() == 0
+    assert h.ejections == 4 and h.consecutive_failures == 4  # no count reset: the next request decides
+    h.report_success()
+    assert h.state() == "healthy" and h.ejections == 0 and h.consecutive_failures == 0
+
+
+def test_failed_request_probes_while_ejected_neither_extend_nor_end_it():
+    clock = Clock()
+    h = Health(failures_to_eject=1, eject_s=10, jitter=0.0, clock=clock)
+    h.report_failure()
+    for _ in range(5):
+        clock.t += 1
+        h.report_probe(False, request=True)
+    assert h.state() == "ejected" and h.available_in() == pytest.approx(5) and h.ejections == 1
+
+
+def test_a_request_probe_failing_in_half_open_re_ejects_before_a_user_request_pays_for_it():
+    clock = Clock()
+    h = Health(failures_to_eject=1, eject_s=10, jitter=0.0, clock=clock)
+    h.report_failure()
+    clock.t += 10
+    assert h.state() == "probing"
+    h.report_probe(False, request=True)
+    assert h.state() == "ejected" and h.available_in() == pytest.approx(20)
+    h.report_probe(True, request=True)  # a probe failing is no reason to distrust the next good one
+    assert h.state() == "probing"
+
+
+def test_a_trial_that_fails_after_a_good_request_probe_stops_probes_ending_ejections_until_a_real_success():
+    # The backend answers a one-token probe while its real requests fail (overloaded, long prompts):
+    # without this, every probe interval would cost a user request a failed attempt.
+    clock = Clock()
+    h = Health(failures_to_eject=1, eject_s=10, max_eject_s=30, jitter=0.0, clock=clock)
+    _eject_n_times(h, clock, 2)
+    h.report_probe(True, request=True)
+    assert h.state() == "probing" and h.probe_opened
+    h.report_failure()  # the trial the probe let through failed
+    assert h.state() == "ejected" and h.probes_misled and h.available_in() == pytest.approx(30)
+    h.report_probe(True, request=True)
+    assert h.state() == "ejected"  # the back-off decides now (capped at max_eject_s)
+    clock.t += 30
+    assert h.state() == "probing"
+    h.report_success()  # a real request answered: probes are trusted again
+    assert not h.probes_misled
+    _eject_n_times(h, clock, 3)
+    h.report_probe(True, request=True)
+    assert h.state() == "probing"
+
+
+def test_a_trial_opened_by_the_back_off_that_fails_does_not_distrust_probes():
+    clock = Clock()
+    h = Health(failures_to_eject=1, eject_s=10, jitter=0.0, clock=clock)
+    _eject_n_times(h, clock, 3)  # two trials after the back-off ran out, both failed
+    assert not h.probes_misled
+    h.report_probe(True, request=True)
+    assert h.state() == "probing"
+
+
+def test_the_back_off_is_capped_however_long_the_outage():
+    clock = Clock()
+    h = Health(failures_to_eject=1, eject_s=10, max_eject_s=30, jitter=0.0, clock=clock)
+    _eject_n_times(h, clock, 200)
+    assert h.available_in() == pytest.approx(30)
+
+
+def _flapping_primary(*, request_probes: bool) -> tuple[float, list[int]]:
+    """The fault suite's "primary down 60 s, then healthy", as plain calls: a user request every
+    0.25 s (the relay's rule: the selector lets one trial through while half-open; same-backend
+    retries up to 3 attempts while health has not ejected it), and a request probe every second
+    while it is ejected. Returns the seconds from recovery to the first request it answers, and
+    the primary's attempts for each request that reached it after the first ejection."""
+    from gateway.policy import RetryPolicy
+    from gateway.timing import retry_wait
+
+    clock = Clock()
+    h = Health(failures_to_eject=3, eject_s=10, max_eject_s=30, clock=clock, rng=random.Random(7))
+    rp = RetryPolicy(attempts=3, on=(500,), max_wait_ms=3000)
+    start, down_s = clock.t, 60.0
+    attempts_per_trial: list[int] = []
+    next_probe = clock.t + 1
+    while clock.t < start + 200:
+        up = clock.t >= start + down_s
+        if request_probes and clock.t >= next_probe:
+            next_probe += 1
+            if clock.t < h.ejected_until:  # probes.recovery_targets: ejected models only
+                h.report_probe(up, request=True)
+        if h.state() in ("healthy", "probing"):
+            was_ejected, tries = h.ejections > 0, 0
+            while True:
+                tries += 1
+                if up:
+                    h.report_success()
+                    break
+                h.report_failure()
+                if retry_wait(rp, "http_500", tries_here=tries, tries_total=tries, max_attempts=3, cooling_s=0,
+                              remaining_s=30, ejected=not h.healthy) is None:
+                    break
+            if was_ejected:
+                attempts_per_trial.append(tries)
+            if up:
+                return clock.t - (start + down_s), attempts_per_trial
+        clock.t += 0.25
+    return math.inf, attempts_per_trial
+
+
+def test_a_primary_down_60_s_is_used_again_within_seconds_of_recovery_with_one_attempt_per_trial():
+    recovered_after, trials = _flapping_primary(request_probes=True)
+    assert recovered_after <= 1.25  # the next probe after the recovery, then the next request
+    assert trials and all(n == 1 for n in trials), trials  # retries stop once health ejects it
+    assert len(trials) <= 5  # one trial per back-off (10, 20, 30, 30 s), never one per request
+
+
+def test_without_request_probes_the_capped_back_off_still_brings_it_back():
+    recovered_after, trials = _flapping_primary(request_probes=False)
+    assert recovered_after <= 30.25 and all(n == 1 for n in trials), (recovered_after, trials)
