@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import signal
@@ -197,14 +198,27 @@ def test_the_fake_upstream_runs_as_a_process_and_explains_every_knob():
         assert "--" + f.name.replace("_", "-") in out.stdout, f.name
 
 
-def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path):
-    """One line and exit 1, before anything starts, with one process or a supervisor over workers."""
+def _unreachable_policy(tmp_path):
     p = tmp_path / "p.yaml"
     p.write_text("backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\nreload: {watch: false}\n")
+    return p
+
+
+@contextlib.contextmanager
+def _held_port(*, reuse_port: bool = False):
+    """A loopback port another socket listens on, for as long as the block runs."""
     with socket.socket() as holder:
+        if reuse_port:
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         holder.bind(("127.0.0.1", 0))
         holder.listen()
-        port = holder.getsockname()[1]
+        yield holder.getsockname()[1]
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path):
+    """One line and exit 1, before anything starts, with one process or a supervisor over workers."""
+    p = _unreachable_policy(tmp_path)
+    with _held_port() as port:
         for workers in ("1", "2"):
             r = _gateway("serve", "--policy", str(p), "--port", str(port), "--workers", workers, timeout=30)
             assert r.returncode == 1, r.stderr
@@ -214,13 +228,8 @@ def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path):
 def test_serve_with_workers_beside_another_reuse_port_listener_refuses(tmp_path):
     """SO_REUSEPORT would let the workers bind beside another process that set it too (another
     gateway with --workers) and split its connections: refused like any taken port."""
-    p = tmp_path / "p.yaml"
-    p.write_text("backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\nreload: {watch: false}\n")
-    with socket.socket() as holder:
-        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
+    p = _unreachable_policy(tmp_path)
+    with _held_port(reuse_port=True) as port:
         r = _gateway("serve", "--policy", str(p), "--port", str(port), "--workers", "2", timeout=30)
     assert r.returncode == 1, r.stderr
     assert r.stderr.splitlines() == [
@@ -231,12 +240,8 @@ def test_serve_with_workers_beside_another_reuse_port_listener_refuses(tmp_path)
 def test_a_port_taken_after_the_check_still_ends_in_one_line(tmp_path):
     """The race `serve` cannot check for (taken between its look and the bind): the worker ends
     with the same line and exit code 1, not a traceback."""
-    p = tmp_path / "p.yaml"
-    p.write_text("backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\nreload: {watch: false}\n")
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
+    p = _unreachable_policy(tmp_path)
+    with _held_port() as port:
         code = f"import sys; from gateway.serve import run_worker; sys.exit(run_worker({str(p)!r}, '127.0.0.1', {port}, False, False))"
         r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr
