@@ -115,6 +115,15 @@ async def read_body(request: web.BaseRequest, limit: int, timeout_s: float) -> b
     length = request.content_length
     if length is not None and length > limit:
         raise PayloadTooLarge(f"the request body is {length} bytes; the limit is {limit}")
+    if encoding is None and request.content.is_eof():
+        # The whole body came with the head (the common case): no timer, no iteration.
+        try:
+            body = request.content.read_nowait()
+        except (web.RequestPayloadError, HttpProcessingError) as exc:
+            raise BadRequest(f"malformed request body: {str(exc)[:200]}", code="malformed_request") from None
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
+        return body
     inflater = Inflater(encoding, limit) if encoding is not None else None
     chunks: list[bytes] = []
     size = 0
