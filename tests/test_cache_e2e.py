@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +17,7 @@ from gateway.auth import hash_key
 from gateway.cache import cache_key
 from gateway.keys import LIVE
 from tests.conftest import simple_policy
+from tests.procs import needs_redis_server, redis_missing
 
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
 REDIS_DB = 14
@@ -32,7 +32,7 @@ def store_policy(request):
     try:
         client.ping()
     except redis.ConnectionError:
-        pytest.skip("no Redis at 127.0.0.1:6379")
+        redis_missing("no Redis at 127.0.0.1:6379")
     yield {"url": f"redis://127.0.0.1:6379/{REDIS_DB}", "timeout_ms": 200}
     client.flushdb()  # this DB is the tests' own
     client.close()
@@ -218,7 +218,7 @@ def _free_port() -> int:
 
 def _start_redis(port: int) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        [needs_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -233,7 +233,6 @@ def _start_redis(port: int) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 async def test_redis_stopped_mid_test_fails_open_and_recovers(upstream, gateway, caplog):
     port = _free_port()
     proc = _start_redis(port)

@@ -28,6 +28,7 @@ from gateway.store import MemoryStore, Store, StoreError
 from gateway.store_redis import RedisStore
 from tests.conftest import simple_policy
 from tests.test_store import REDIS_URL, _delete_prefix
+from tests.procs import redis_missing
 
 LOCK = "gwlock:"
 ANSWER = {
@@ -188,7 +189,7 @@ async def test_a_streamed_leader_whose_client_closes_at_the_end_still_stores_for
     try:
         await probe.ping()
     except (OSError, RedisError):
-        pytest.skip("no Redis at 127.0.0.1:6379")
+        redis_missing("no Redis at 127.0.0.1:6379")
     up = await upstream("a", tokens=3, ttft_ms=300)
     policy = simple_policy(
         up,

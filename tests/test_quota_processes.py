@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import hashlib
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,13 +19,13 @@ import pytest
 import yaml
 
 from tests.conftest import simple_policy
+from tests.procs import needs_redis_server
 from tests.test_cli import ROOT, _free_port
 
 KEY = "sk-q-" + secrets.token_hex(16)
 ADMIN = "sk-admin-" + secrets.token_hex(16)
 MSG = [{"role": "user", "content": "hello"}]
 
-pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on the PATH")
 
 
 def _digest(k: str) -> str:
@@ -37,7 +36,7 @@ def _digest(k: str) -> str:
 async def _redis() -> AsyncIterator[tuple[int, subprocess.Popen[bytes]]]:
     port = _free_port()
     proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        [needs_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     try:

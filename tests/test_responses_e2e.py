@@ -13,6 +13,7 @@ import redis
 
 from gateway.auth import hash_key
 from tests.conftest import simple_policy
+from tests.procs import redis_missing
 
 REDIS_DB = 13  # shared with the store tests: these use unique upstream names and delete their keys
 WORDS8 = "w0 w1 w2 w3 w4 w5 w6 w7 "
@@ -31,7 +32,7 @@ def store(request):
     try:
         client.ping()
     except redis.ConnectionError:
-        pytest.skip("no Redis at 127.0.0.1:6379")
+        redis_missing("no Redis at 127.0.0.1:6379")
     marks: list[str] = []
     yield {"url": f"redis://127.0.0.1:6379/{REDIS_DB}", "timeout_ms": 200, "_marks": marks}
     for mark in marks:  # this test's affinity records and cache entries

@@ -22,6 +22,7 @@ from gateway.auth import hash_key
 from gateway.keys import LIVE
 from tests.fake_upstream import FakeUpstream
 from tests.test_cache_flight import Delayed
+from tests.procs import redis_missing
 
 REDIS_DB = 13
 A, B = "sk-alice", "sk-bob"
@@ -41,7 +42,7 @@ def store(request):
     try:
         client.ping()
     except redis.ConnectionError:
-        pytest.skip("no Redis at 127.0.0.1:6379")
+        redis_missing("no Redis at 127.0.0.1:6379")
     marks: list[str] = []
     yield {"url": f"redis://127.0.0.1:6379/{REDIS_DB}", "_marks": marks}
     for mark in marks:

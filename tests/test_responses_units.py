@@ -25,6 +25,7 @@ from gateway.responses_stream import CONTENT, END, FAILED, HELD, SKIP, Monitor
 from gateway.store import MemoryStore, Store, StoreError
 from gateway.store_redis import RedisStore
 from gateway.wire import SSEDecoder, event_data, parse_body
+from tests.procs import redis_missing
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 TEXT = "The capital of France is Paris. " * 5
@@ -150,7 +151,7 @@ async def _store(kind: str) -> AsyncIterator[Store]:
     try:
         await store.get("ping")
     except StoreError:
-        pytest.skip("no Redis at 127.0.0.1:6379")
+        redis_missing("no Redis at 127.0.0.1:6379")
     try:
         yield store
     finally:

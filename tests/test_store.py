@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ import redis.asyncio as aredis
 
 from gateway.store import MemoryStore, Store, StoreError
 from gateway.store_redis import RedisStore
+from tests.procs import needs_redis_server
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 
@@ -215,8 +215,7 @@ class OwnRedis:
 
 @pytest.fixture
 def own_redis() -> Iterator[OwnRedis]:
-    if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+    needs_redis_server()
     server = OwnRedis(_free_port())
     server.start()
     try:

@@ -133,3 +133,15 @@ def test_a_backend_price_is_its_routing_cost_unless_a_cost_is_given():
     rt = build_runtime(policy, {}, generation=1)
     costs = {c.name: c.cost for c in rt.route("m").pool("none").candidates}
     assert costs == {"a": 2.0, "b": 3.0, "c": 0.0}
+
+
+def test_missing_redis_fails_under_ci_and_skips_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A green CI must not hide the store, quota and single-flight tests behind skips.
+    from tests.procs import redis_missing
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI is set"):
+        redis_missing("no Redis at 127.0.0.1:6379")
+    monkeypatch.delenv("CI")
+    with pytest.raises(pytest.skip.Exception):
+        redis_missing("no Redis at 127.0.0.1:6379")
