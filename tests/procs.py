@@ -45,7 +45,6 @@ async def wait_http(url: str, timeout_s: float, status: int = 200) -> None:
             await asyncio.sleep(0.1)
 
 
-@asynccontextmanager
 def redis_missing(why: str) -> NoReturn:
     """Redis (the service, or redis-server to start one) is not there: a skip on a developer's machine,
     a failure under CI (`CI` set), where a green run must not hide the store, quota and single-flight tests."""
@@ -62,6 +61,7 @@ def needs_redis_server() -> str:
     return exe
 
 
+@asynccontextmanager
 async def redis_server() -> AsyncIterator[str]:
     """A redis-server of our own on a free port (no persistence); yields its URL."""
     exe = needs_redis_server()
