@@ -19,7 +19,7 @@ WORKERS ?= 1
 # pip's own progress (Collecting / Downloading / Installing lines, bars on a terminal), not -q.
 PIPI   := $(PIP) install --progress-bar on
 
-.PHONY: install run test test-fast bench check clean
+.PHONY: install run test test-fast typecheck bench check clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo "==> [1/5] virtual environment in $(VENV)"
@@ -45,6 +45,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# mypy as configured in pyproject.toml ([tool.mypy]: gateway/, local_backend/, training/, strict).
+typecheck: $(STAMP)
+	$(PY) -m mypy
 
 check: $(STAMP)
 	$(PY) -m gateway check $(POLICY)

@@ -34,10 +34,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway import classify_fit as F  # noqa: E402
 from gateway.classify import DEFAULT_WEIGHTS, WEIGHTS_FORMAT, Classifier  # noqa: E402
-from gateway.classify_eval import metrics, pick_threshold  # noqa: E402
 from gateway.classify_features import MODEL_FEATURES  # noqa: E402
+from training import fit as F  # noqa: E402
+from training.evaluate import metrics, pick_threshold  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/eval"
 # The features added for issue 15 (row 3 of the ablation adds them).

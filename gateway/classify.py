@@ -2,7 +2,7 @@
 
 A small logistic-regression model over hand-made rubric features (code, math, reasoning,
 planning, long-form writing, small talk, size, ...) and hashed word n-grams of the instruction,
-trained offline by `gateway.classify_train` and shipped as `classify_weights.json`. Rules can
+trained offline by `training.classify_train` and shipped as `classify_weights.json`. Rules can
 force a class before the score is looked at (tools present, very long prompts, ...).
 
 Pure Python: loading reads one small JSON file, and a classification costs tens of
@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
@@ -129,7 +129,7 @@ class Classifier:
 
     @classmethod
     def from_dict(cls, doc: Any, *, source: str = "<dict>") -> Classifier:
-        """Build a classifier from a parsed weights document (see classify_train)."""
+        """Build a classifier from a parsed weights document (see training.classify_train)."""
         def bad(msg: str) -> ValueError:
             return ValueError(f"classifier weights {source}: {msg}")
 
@@ -192,7 +192,7 @@ class Classifier:
         return Verdict(cls, score, thr, rule, f, _reasons(cls, rule, contribs, term_contribs))
 
 
-def _is_number(x: Any) -> bool:
+def _is_number(x: Any) -> TypeGuard[float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 

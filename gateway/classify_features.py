@@ -6,7 +6,7 @@ tail of the final user message, code and math patterns from a bounded window, an
 length only enters as a number.
 
 The feature names here are the contract between the runtime (`gateway.classify`) and the
-training script (`gateway.classify_train`): both call `extract()`, so they cannot drift apart.
+training script (`training.classify_train`): both call `extract()`, so they cannot drift apart.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -288,11 +288,34 @@ class QuotaPolicy(LimitsPolicy):
         return super().any() or any(m.any() for m in self.models.values())
 
 
-class TenantPolicy(_Section):
+class _Keys(_Section):
+    """The keys a section admits (a tenant's, the admin's, the scrapers'), as sha256 digests."""
+
     key_sha256: tuple[str, ...] = ()
     # The name of an environment variable holding more digests (comma- or space-separated), e.g.
     # from a Kubernetes Secret: the policy file then carries no key material at all.
     key_sha256_env: str | None = None
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex_digests(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for digest in v:
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
+        return v
+
+
+class _KeysRequired(_Keys):
+    """Keys that must be given, in the list or through the variable."""
+
+    @model_validator(mode="after")
+    def _some_key(self) -> Self:
+        if not self.key_sha256 and not self.key_sha256_env:
+            raise ValueError("needs `key_sha256` (a list of digests) or `key_sha256_env` (a variable holding them)")
+        return self
+
+
+class TenantPolicy(_KeysRequired):
     # A ceiling: the highest band a request may ask for (x-priority, service_tier); an ask above it
     # is clamped, and a service_tier above it is not sent upstream (priority.py).
     priority: Priority = "default"
@@ -303,14 +326,6 @@ class TenantPolicy(_Section):
     quota: QuotaPolicy | None = None
     weight: float = Field(1.0, gt=0)  # share of dispatches among tenants waiting in the same band
 
-    @field_validator("key_sha256")
-    @classmethod
-    def _hex_digests(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for digest in v:
-            if not re.fullmatch(r"[0-9a-f]{64}", digest):
-                raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
-        return v
-
     @field_validator("default_priority")
     @classmethod
     def _within_ceiling(cls, v: str | None, info: ValidationInfo) -> str | None:
@@ -320,32 +335,20 @@ class TenantPolicy(_Section):
             raise ValueError(f"{v!r} is above the tenant's `priority` {ceiling!r}, the most its requests may ask for")
         return v
 
-    @model_validator(mode="after")
-    def _some_key(self) -> "TenantPolicy":
-        if not self.key_sha256 and not self.key_sha256_env:
-            raise ValueError("needs `key_sha256` (a list of digests) or `key_sha256_env` (a variable holding them)")
-        return self
+
+class AdminPolicy(_KeysRequired):
+    """Admin keys (key_sha256, key_sha256_env, as in a tenant): the admin endpoints need one."""
 
 
-class AdminPolicy(_Section):
-    key_sha256: tuple[str, ...] = ()
-    key_sha256_env: str | None = None  # as in a tenant
+class MetricsPolicy(_Keys):
+    """Who may scrape /metrics, and what its labels reveal.
 
-    _check = field_validator("key_sha256")(TenantPolicy._hex_digests.__func__)  # type: ignore[attr-defined]
-    _some = model_validator(mode="after")(TenantPolicy._some_key)
+    Scrape keys (key_sha256, key_sha256_env, as in a tenant): /metrics then needs one of these or
+    an admin key. Without any, /metrics is open on a loopback address only; listening beyond
+    loopback it needs an admin key unless `open`."""
 
-
-class MetricsPolicy(_Section):
-    """Who may scrape /metrics, and what its labels reveal."""
-
-    # Scrape keys: /metrics then needs one of these or an admin key. Without any, /metrics is open
-    # on a loopback address only; listening beyond loopback it needs an admin key unless `open`.
-    key_sha256: tuple[str, ...] = ()
-    key_sha256_env: str | None = None  # as in a tenant
     open: bool = False  # no scrape key: serve /metrics (tenant names, tokens, spend) to anyone who reaches it
     tenant_label: bool = True  # False: tenant names never appear as label values
-
-    _check = field_validator("key_sha256")(TenantPolicy._hex_digests.__func__)  # type: ignore[attr-defined]
 
     @field_validator("open")
     @classmethod

@@ -112,9 +112,14 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
     log.info("gateway (pid %d) serving on http://%s:%d with policy %s", os.getpid(), host, port, policy)
     stop = asyncio.Event()
     how: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        how.append(sig)
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (how.append(s), stop.set()))
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         await stop.wait()
         server = app[LIVE].runtime.server

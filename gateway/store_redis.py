@@ -9,6 +9,7 @@ about `timeout_ms` (a refused connect fails at once) rather than waiting seconds
 from __future__ import annotations
 
 import asyncio
+from typing import cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -57,8 +58,8 @@ class RedisStore:
     async def get(self, key: str) -> bytes | None:
         try:
             async with asyncio.timeout(self._timeout_s):
-                value: bytes | None = await self._redis.get(self.prefix + key)
-                return value
+                # the pool does not decode (no decode_responses): a value comes back as bytes
+                return cast("bytes | None", await self._redis.get(self.prefix + key))
         except (RedisError, OSError, TimeoutError) as exc:
             raise _error("get", exc) from None
 
@@ -107,7 +108,7 @@ class RedisStore:
         keys: list[str] = []
         for name in settle.scopes:
             keys += quota_lua.scope_keys(self.prefix, tenant, name)
-        args = [settle.bucket, settle.day, settle.token_delta, settle.spend_micro, settle.lease]
+        args: list[int | str] = [settle.bucket, settle.day, settle.token_delta, settle.spend_micro, settle.lease]
         try:
             async with asyncio.timeout(self._quota_timeout_s):
                 await self._settle(keys=keys, args=args)

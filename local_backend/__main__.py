@@ -17,11 +17,16 @@ import socket
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from .models import ModelNotFound, check_model_name
 from .server import BackendState, create_app, sampling_defaults
+
+if TYPE_CHECKING:  # both import torch: at run time, only once the port is open
+    from .boot import EngineSettings
+    from .engine import Engine
 
 log = logging.getLogger("local_backend")
 
@@ -138,26 +143,30 @@ def _served_name(model: str) -> str:
     return model if "/" not in model and not model.endswith(".gguf") else Path(model).name
 
 
-def _load_in_thread(settings: object, loop: asyncio.AbstractEventLoop) -> asyncio.Future[object]:
+def _load_in_thread(settings: EngineSettings, loop: asyncio.AbstractEventLoop) -> asyncio.Future[Engine]:
     """Build the engine on a daemon thread, so a SIGTERM during a load does not wait for it."""
     from .boot import build_engine  # imports torch: after the port is open
 
-    future: asyncio.Future[object] = loop.create_future()
+    future: asyncio.Future[Engine] = loop.create_future()
 
     def progress(line: str) -> None:
         log.info("%s", line)
 
-    def settle(result: object, error: BaseException | None) -> None:
+    def loaded(engine: Engine) -> None:
         if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
+            future.set_result(engine)
+
+    def failed(error: BaseException) -> None:
+        if not future.done():
+            future.set_exception(error)
 
     def work() -> None:
         try:
-            engine = build_engine(settings, progress)  # type: ignore[arg-type]
+            engine = build_engine(settings, progress)
         except BaseException as exc:  # noqa: BLE001 - reported to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, None, exc)
+            loop.call_soon_threadsafe(failed, exc)
         else:
-            loop.call_soon_threadsafe(settle, engine, None)
+            loop.call_soon_threadsafe(loaded, engine)
 
     threading.Thread(target=work, name="local-backend-load", daemon=True).start()
     return future
@@ -200,14 +209,15 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     load = _load_in_thread(settings, loop)
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    either: set[asyncio.Future[Any]] = {load, stopping}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     code = 0
     if load.done() and load.exception() is not None:
         state.load_error = f"{type(load.exception()).__name__}: {load.exception()}"
         log.error("loading %s failed: %s", args.model, state.load_error)
         code = 1
     elif load.done():
-        state.engine = load.result()  # type: ignore[assignment]
+        state.engine = load.result()
         log.info("ready: serving %r", state.served_name)
         await stopping
     stopping.cancel()

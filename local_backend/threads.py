@@ -79,11 +79,12 @@ class ThreadPicker:
                 # prefill of a new length on many cores need not pay a 1-thread pass first).
                 hint = self._nearest_best(key) if len(untried) == len(self.choices) else None
                 return hint if hint is not None else untried[0]
-            best = min(self.choices, key=lambda n: cost[n])  # type: ignore[arg-type,return-value]
-            spacing = self.explore_every * (len(self.choices) - 1) / max(cost[best], 1e-12)  # type: ignore[arg-type]
+            measured = {n: c for n in self.choices if (c := cost[n]) is not None}  # every count, by now
+            best = min(measured, key=measured.__getitem__)
+            spacing = self.explore_every * (len(self.choices) - 1) / max(measured[best], 1e-12)
             # How overdue each other count is: >= 1 means due a retry.
             overdue = {
-                n: (arms.picks - arms.last_tried[n]) / (spacing * cost[n])  # type: ignore[operator]
+                n: (arms.picks - arms.last_tried[n]) / (spacing * measured[n])
                 for n in self.choices
                 if n != best
             }

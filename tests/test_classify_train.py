@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway import classify_fit, classify_train
 from gateway.classify import Classifier
-from gateway.classify_eval import RECALL_GRID, pick_threshold
+from training import classify_train, fit
+from training.evaluate import RECALL_GRID, pick_threshold
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT.parent / "shared/eval/route-dev.jsonl"
@@ -45,7 +45,7 @@ def test_slice_training_reproduces_the_stored_figures(tmp_path: Path) -> None:
 
 def test_shipped_weights_were_trained_on_dev_and_train() -> None:
     t = json.loads(SHIPPED.read_text())["training"]
-    n_dev, n_train = (len(classify_fit.load_rows([p])) for p in (DEV, TRAIN))
+    n_dev, n_train = (len(fit.load_rows([p])) for p in (DEV, TRAIN))
     assert t["sets"] == {"route-dev": n_dev, "route-train": n_train}
     assert t["loso"]["n"] == t["cv"]["n"] == n_dev + n_train
     assert t["loso"]["complex_recall"] >= t["recall_target"] == classify_train.RECALL_TARGET
@@ -69,8 +69,8 @@ def test_threshold_is_the_highest_that_reaches_the_recall() -> None:
 
 
 def test_folds_are_grouped_and_deterministic() -> None:
-    data = classify_fit.vectorize(classify_fit.load_rows([DEV, TRAIN], 300))
-    a, b = classify_fit.folds_of(data, 5), classify_fit.folds_of(data, 5)
+    data = fit.vectorize(fit.load_rows([DEV, TRAIN], 300))
+    a, b = fit.folds_of(data, 5), fit.folds_of(data, 5)
     assert (a == b).all()
     fold_of: dict[str, int] = {}
     for g, f in zip(data.groups, a):
@@ -78,13 +78,13 @@ def test_folds_are_grouped_and_deterministic() -> None:
 
 
 def test_leave_one_source_out_never_trains_on_the_scored_source() -> None:
-    data = classify_fit.vectorize(classify_fit.load_rows([DEV, TRAIN], 250))
-    lam = classify_fit.penalties(10.0, 3.0)
-    loso = classify_fit.leave_one_source_out(data, lam)
+    data = fit.vectorize(fit.load_rows([DEV, TRAIN], 250))
+    lam = fit.penalties(10.0, 3.0)
+    loso = fit.leave_one_source_out(data, lam)
     # score one source by hand with a model fitted on the others: the same numbers
     src = np.array(data.sources)
     name = "oasst"
     held = src == name
-    w = classify_fit.fit(data.x[~held], data.y[~held], lam)
-    by_hand = np.where(data.forced[held], 1.0, classify_fit.sigmoid(data.x[held] @ w))
+    w = fit.fit(data.x[~held], data.y[~held], lam)
+    by_hand = np.where(data.forced[held], 1.0, fit.sigmoid(data.x[held] @ w))
     assert np.allclose(loso[held], by_hand, atol=1e-6)

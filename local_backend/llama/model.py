@@ -197,7 +197,8 @@ class LeanLlama:
         """h + linear(silu(gate) * up) for gu = [gate | up]: SiLU, product and add inside the call where fused."""
         fused = getattr(linear, "add_into", None)
         if fused is not None:
-            return fused(h, gu, glu=True)
+            out: torch.Tensor = fused(h, gu, glu=True)
+            return out
         return h + linear(F.silu(gu[:, : self.intermediate]) * gu[:, self.intermediate :])
 
     def _rope(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -119,7 +119,8 @@ class Int8Linear:
         self.out_features = int(weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scales)  # torch.ops: typed Any
+        return out
 
     def nbytes(self) -> int:
         return self.qweight.numel() + self.scales.numel() * self.scales.element_size()
@@ -163,9 +164,10 @@ class W8A8Linear:
     def _matmul(self, xq: torch.Tensor) -> torch.Tensor:
         """fp32 [M, N] = (xq @ q.T) * channel_scale for xq [M, K] from ``quantize_rows(offset=self.onednn)``."""
         if self.qweight_t is None:
-            return torch.ops.onednn.qlinear_pointwise(
+            out: torch.Tensor = torch.ops.onednn.qlinear_pointwise(  # torch.ops: typed Any
                 xq, 1.0, _ZERO_POINT, self.packed, self.scales, self._zeros, None, 1.0, 0, torch.float32, "none", [], ""
             )
+            return out
         return torch.mul(torch._int_mm(xq, self.qweight_t), self.scales)  # int32 * fp32 -> fp32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -275,6 +277,7 @@ class Int4Linear:
         self.out_features = int(weight.shape[0])
         self.in_features = int(weight.shape[1])
         self.cuda = weight.device.type == "cuda"
+        self.packed: torch.Tensor  # torch.ops: typed Any
         if self.cuda:
             packed = (q[:, ::2] << 4 | q[:, 1::2]).contiguous()
             self.packed = torch.ops.aten._convert_weight_to_int4pack(packed, _INT4_INNER_K_TILES)
@@ -284,9 +287,12 @@ class Int4Linear:
         self.scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor  # torch.ops: typed Any
         if self.cuda:
-            return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+            out = torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+        return out
 
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()

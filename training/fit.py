@@ -82,7 +82,8 @@ def load_rows(paths: Sequence[Path], limit: int | None = None) -> list[dict[str,
 
 def group_of(row: dict[str, Any]) -> str:
     """Items that share text or construction stay in one fold."""
-    rid, src = row["id"], row["source"]
+    rid: str = row["id"]
+    src: str = row["source"]
     if src == "mt_bench":
         return "mt_bench:" + rid.split(":")[1]                  # turn-1 and 2-turn items
     if src == "wikipedia_longctx":

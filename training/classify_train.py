@@ -1,11 +1,11 @@
 """Train the request classifier offline and write its weights file.
 
-    python -m gateway.classify_train \\
+    python -m training.classify_train \\
         --dev ../shared/eval/route-dev.jsonl --train ../shared/eval/route-train.jsonl \\
         --out gateway/classify_weights.json [--recall 0.97] [--limit N] [--folds 5]
 
 The model is an L2-regularised logistic regression over the rubric features and hashed
-n-grams, anchored to prior weights written from the rubric (see classify_fit). It is fitted on
+n-grams, anchored to prior weights written from the rubric (see training.fit). It is fitted on
 the union of the sets. Model selection and the threshold both come from leave-one-source-out
 (LOSO) scores, each source scored by a model that never saw it, because pooled CV flatters
 features that were read off errors of the sources it trains on: the penalties are the grid
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from gateway.classify import WEIGHTS_FORMAT
-from gateway.classify_eval import metrics, per_source, pick_threshold, recall_table
 from gateway.classify_features import MODEL_FEATURES
-from gateway.classify_fit import (
+from training.evaluate import metrics, per_source, pick_threshold, recall_table
+from training.fit import (
     HASH_DIM,
     Data,
     fit,
@@ -45,7 +45,7 @@ from gateway.classify_fit import (
 
 RECALL_TARGET = 0.97        # complex recall the shipped threshold is set for, on LOSO scores
 # (rubric features, each hashed n-gram bucket): the candidates LOSO chooses among. The rubric
-# features are pulled toward the prior weights written from the rubric (classify_fit.PRIORS):
+# features are pulled toward the prior weights written from the rubric (training.fit.PRIORS):
 # a heavy penalty keeps those weights, a light one lets the data move them. A heavy hash
 # penalty keeps the phrasing of a few sources out of the score.
 PENALTY_GRID: tuple[tuple[float, float], ...] = ((10.0, 3.0), (100.0, 3.0), (1000.0, 1.0),
