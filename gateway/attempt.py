@@ -21,9 +21,10 @@ from .admission import Admission
 from .backends import Backend
 from .cache import SingleFlight
 from .cache_entry import StreamAssembler, entry_from_response
-from .call import Call
+from .call import CacheResult, Call, Finish
 from .continuation import Mismatch, Resume
 from .errors import GatewayError, RateLimited, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+from .health import Kind
 from .metrics import BackendMetrics, Metrics
 from .policy import RoutingPolicy
 from .sink import Sink
@@ -68,10 +69,15 @@ class Cut(Exception):
 class AttemptFailed(Exception):
     """A backend failed before anything reached the client: the next candidate may take over."""
 
-    def __init__(self, err: GatewayError, kind: str) -> None:
+    def __init__(self, err: GatewayError, kind: str, status: int | None = None) -> None:
         super().__init__(err.message)
         self.err = err
-        self.kind = kind  # a key of health.OUTCOMES: how the failure is accounted
+        self.kind = Kind(kind)  # a key of health.OUTCOMES: how the failure is accounted
+        self.status = status  # the upstream's HTTP status, when it answered one
+
+    @property
+    def label(self) -> str:
+        return self.kind.label(self.status)
 
 
 @dataclass(slots=True)
@@ -223,13 +229,13 @@ async def attempt(
             resp.close()  # never leave a half-read or cancelled upstream on the pool
 
 
-def failed(call: Call, backend: Backend, summary: str, kind: str, detail: str) -> AttemptFailed:
+def failed(call: Call, backend: Backend, summary: str, kind: str, detail: str, status: int | None = None) -> AttemptFailed:
     """A failure before the first byte, told two ways: the client's message has `summary`, the
     kind of failure (`connect failed`, `HTTP 500`); the upstream's address, the OS error or its
     body (`detail`) go to the log only, with the request id, so a caller learns nothing about
     the network behind the gateway."""
     log.info("request %s: backend %r failed (%s): %s", call.request_id, backend.name, kind, detail)
-    return AttemptFailed(UpstreamError(summary), kind)
+    return AttemptFailed(UpstreamError(summary, upstream_status=status), kind, status)
 
 
 def caller_deadline(call: Call, backend: Backend) -> AttemptFailed:
@@ -286,11 +292,11 @@ async def _refuse(resp: UpstreamResponse, backend: Backend, call: Call, deadline
         cls = RateLimited if status == 429 else Unavailable
         err = cls(f"HTTP {status} (retry after {pause:g}s)", retry_after_s=retry_after)
         # A backend that asks for a pause is busy: it cools down (429 is not a failure, see health.OUTCOMES).
-        raise AttemptFailed(err, f"http_{status}")
+        raise AttemptFailed(err, Kind.http(status), status)
     if status >= 500 or status in (401, 403, 404, 405, 408):
         # Our key, our model name, the path, or the backend itself is wrong: another backend may
         # do better. Whether it counts against this one's health: health.OUTCOMES.
-        raise failed(call, backend, f"HTTP {status}", f"http_{status}", f"HTTP {status}: {snippet}")
+        raise failed(call, backend, f"HTTP {status}", Kind.http(status), f"HTTP {status}: {snippet}", status)
     raise UpstreamRejected(status, raw, backend.name, context_length=_context_length(status, raw))
 
 
@@ -308,7 +314,7 @@ async def _deliver(call: Call, backend: Backend, raw: bytes, sink: Sink, progres
     usage = obj.get("usage")
     if isinstance(usage, dict):
         call.usage = usage
-    call.finish = "ok"
+    call.finish = Finish.OK
     await client_write(sink.send(200, raw))
 
 
@@ -450,7 +456,7 @@ async def _stream(
         m.error("missing_done")  # completed by the gateway
     if assembler is not None:
         call.entry = assembler.entry()
-    call.finish = "ok"
+    call.finish = Finish.OK
     await client_write(sink.write(SSE_DONE))
     await client_write(sink.end())
     return "ok"

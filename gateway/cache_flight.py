@@ -21,7 +21,7 @@ import time
 
 from .cache import Cache
 from .cache_entry import Entry
-from .store import MemoryStore, StoreError
+from .store import StoreError
 
 __all__ = ["claim", "release", "shared"]
 
@@ -32,7 +32,7 @@ _READ_FAILURES = 3  # failed lock reads in a row that make a follower stop waiti
 
 def shared(cache: Cache) -> bool:
     """Whether other processes see this cache (a process's own store needs no lock: SingleFlight)."""
-    return not isinstance(cache.store, MemoryStore)
+    return cache.store.shared
 
 
 async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float) -> tuple[bool, Entry | None]:

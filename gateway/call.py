@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -16,7 +17,24 @@ from .continuation import Transcript
 if TYPE_CHECKING:
     from .affinity import Learner
 
-__all__ = ["Call", "Endpoint", "ENDPOINTS"]
+__all__ = ["CacheResult", "Call", "Endpoint", "ENDPOINTS", "Finish"]
+
+
+class Finish(StrEnum):
+    """How a request ended, for the access log and the metrics."""
+
+    OK = "ok"  # the client has its whole answer
+    ERROR = "error"  # answered with an error (a status, or the backend's own failure event)
+    CLIENT_DISCONNECT = "client_disconnect"  # the client left before its answer was whole
+    CUT = "cut"  # a stream that broke after content reached the client, ended with an error event
+
+
+class CacheResult(StrEnum):
+    """The cache's part in an answer: the x-gateway-cache header and the metric label."""
+
+    HIT = "hit"
+    MISS = "miss"
+    BYPASS = "bypass"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +81,7 @@ class Call:
     prompt_tokens: int = 0  # an estimate, the same number for routing and the trackers
     capture: int = 0  # > 0: keep the complete answer (up to this many bytes) in `entry` for the cache
     entry: Entry | None = None
-    cache: str = "bypass"
+    cache: CacheResult = CacheResult.BYPASS
     backend: str | None = None
     attempts: list[str] = field(default_factory=list)
     queue_ms: float = 0.0
@@ -79,7 +97,7 @@ class Call:
     affinity: Learner | None = None
     status: int = 200
     error: str | None = None
-    finish: str | None = None  # "ok" | "error" | "client_disconnect" | "cut"
+    finish: Finish | None = None
     _bodies: dict[str, bytes] = field(default_factory=dict)
 
     def body_for(self, upstream_model: str) -> bytes:

@@ -117,6 +117,12 @@ class UpstreamError(GatewayError):
     type = "api_error"
     code = "upstream_error"
 
+    def __init__(self, message: str, *, upstream_status: int | None = None, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        # The backend's own HTTP status when it answered one (a 404: it does not hold what was
+        # asked for); `status` stays what the gateway answers.
+        self.upstream_status = upstream_status
+
 
 class UpstreamTimeout(UpstreamError):
     status = 504

@@ -26,7 +26,7 @@ import asyncio
 
 import orjson
 
-from .call import Call
+from .call import CacheResult, Call, Finish
 from .errors import GatewayError, UpstreamError, UpstreamTimeout
 from .sink import Sink, SinkWrapper
 from .wire import SSE_HEARTBEAT, SSEDecoder, event_data
@@ -299,25 +299,25 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
                             continue
                         if not sent:
                             sent = True
-                            call.cache, call.backend = "hit", "cache"
-                            sink.set_header("x-gateway-cache", "hit")
+                            call.cache, call.backend = CacheResult.HIT, "cache"
+                            sink.set_header("x-gateway-cache", CacheResult.HIT)
                             sink.set_header("x-gateway-backend", bc.backend or "cache")
                         await sink.write(data)
                         continue
                     if tap.overflow:
                         if not sent:
                             return False
-                        call.finish = "cut"
+                        call.finish = Finish.CUT
                         await sink.fail(UpstreamError("this client fell too far behind the stream it shared"))
                         return True
                     if bc.state is _DONE:
-                        call.finish = "ok"
+                        call.finish = Finish.OK
                         await sink.end()
                         return True
                     if bc.state is not _OPEN:  # failed or abandoned
                         if not sent:
                             return False
-                        call.finish = "cut"
+                        call.finish = Finish.CUT
                         # The sink frames it: an SSE error event for chat, an `error` event on /v1/responses.
                         await sink.fail(bc.error or UpstreamError("the stream this request shared ended early"))
                         return True
@@ -325,11 +325,11 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
         except TimeoutError:
             if not sent:
                 return False  # the caller's own relay answers for the deadline (a 504)
-            call.finish = "cut"
+            call.finish = Finish.CUT
             await sink.fail(UpstreamTimeout("the request's deadline passed mid-stream"))
             return True
     except ConnectionError:  # reset, or lost while a write waited on a slow reader
-        call.finish = "client_disconnect"
+        call.finish = Finish.CLIENT_DISCONNECT
         return True
     finally:
         bc.leave(tap)

@@ -42,8 +42,52 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
-__all__ = ["Health", "Outcome", "OUTCOMES", "outcome"]
+__all__ = ["Health", "Kind", "Outcome", "OUTCOMES", "outcome"]
+
+
+class Kind(StrEnum):
+    """How one attempt ended: the keys of OUTCOMES. An upstream HTTP status becomes a kind with
+    `Kind.http(status)` (every 5xx but 503 is HTTP_5XX); its metric label keeps the status (`label`)."""
+
+    OK = "ok"
+    CONNECT = "connect"  # refused, reset, TLS failure
+    RESET_BEFORE_HEADERS = "reset_before_headers"  # the request left; no answer came
+    TIMEOUT = "timeout"  # the backend's own deadline (headers or whole answer)
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"  # the backend's own first-token deadline
+    HTTP_5XX = "http_5xx"
+    HTTP_503 = "http_503"  # also cools down for its Retry-After
+    HTTP_429 = "http_429"  # busy, not broken: a cool-down, not an ejection
+    HTTP_401 = "http_401"  # our key is wrong for it: unusable for us
+    HTTP_403 = "http_403"
+    HTTP_408 = "http_408"
+    HTTP_404 = "http_404"  # the path or model is not served there
+    HTTP_405 = "http_405"
+    MALFORMED = "malformed"  # 200 with a body that is no answer
+    TOO_LARGE = "too_large"  # past a cap on what we read from a backend
+    ERROR_EVENT = "error_event"  # an error event before the first token
+    CUT = "cut"  # the stream ended before its first token
+    DISCONNECT = "disconnect"  # the connection died before the first token
+    CUT_MID_STREAM = "cut_mid_stream"
+    ERROR_EVENT_MID_STREAM = "error_event_mid_stream"
+    REJECTED = "rejected"  # a 4xx about the request itself
+    CALLER_DEADLINE = "caller_deadline"  # the caller's own timeout
+    CLIENT_DISCONNECT = "client_disconnect"
+    LOST = "lost"  # a hedged rival answered first
+    MISMATCH = "mismatch"  # a restarted continuation whose answer began differently
+    CONTEXT_LENGTH = "context_length"  # the prompt does not fit its window
+
+    @classmethod
+    def http(cls, status: int) -> Kind:
+        """The kind of a failing upstream status (every 5xx but 503 is HTTP_5XX)."""
+        if status >= 500 and status != 503:
+            return cls.HTTP_5XX
+        return cls(f"http_{status}")
+
+    def label(self, status: int | None = None) -> str:
+        """The metric label and log word: the kind, with a 5xx's own status (`http_502`)."""
+        return f"http_{status}" if self is Kind.HTTP_5XX and status is not None else self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,44 +104,44 @@ class Outcome:
 # kind -> accounting. Only what the backend itself did wrong counts against it; what the caller
 # did (a short deadline, a disconnect, a bad request, an endpoint the backend does not serve)
 # says nothing about the backend and is neither a failure nor a latency sample.
-OUTCOMES: dict[str, Outcome] = {
-    "ok": Outcome(health=False, sample=True, failover=False),
-    "connect": Outcome(health=True, sample=True),  # refused, reset, TLS failure
-    "reset_before_headers": Outcome(health=True, sample=True),  # the request left; no answer came
-    "timeout": Outcome(health=True, sample=True),  # the backend's own deadline (headers or whole answer)
-    "first_token_timeout": Outcome(health=True, sample=True),  # the backend's own first-token deadline
-    "http_5xx": Outcome(health=True, sample=True),
-    "http_503": Outcome(health=True, sample=True),  # also cools down for its Retry-After
-    "http_429": Outcome(health=False, sample=False),  # busy, not broken: a cool-down, not an ejection
-    "http_401": Outcome(health=True, sample=True),  # our key is wrong for it: unusable for us
-    "http_403": Outcome(health=True, sample=True),
-    "http_408": Outcome(health=True, sample=True),
-    "http_404": Outcome(health=False, sample=False),  # the path or model is not served there
-    "http_405": Outcome(health=False, sample=False),
-    "malformed": Outcome(health=True, sample=True),  # 200 with a body that is no answer
-    "too_large": Outcome(health=True, sample=True),  # past a cap on what we read from a backend
-    "error_event": Outcome(health=True, sample=True),  # an error event before the first token
-    "cut": Outcome(health=True, sample=True),  # the stream ended before its first token
-    "disconnect": Outcome(health=True, sample=True),  # the connection died before the first token
-    "cut_mid_stream": Outcome(health=True, sample=True, failover=False),
-    "error_event_mid_stream": Outcome(health=True, sample=True, failover=False),
-    "rejected": Outcome(health=False, sample=False, failover=False),  # a 4xx about the request itself
-    "caller_deadline": Outcome(health=False, sample=False, failover=False),  # the caller's own timeout
-    "client_disconnect": Outcome(health=False, sample=False, failover=False),
-    "lost": Outcome(health=False, sample=False, failover=False),  # a hedged rival answered first
-    # A restarted continuation whose answer began differently: a sampled answer, not a fault.
-    "mismatch": Outcome(health=False, sample=False),
-    "context_length": Outcome(health=False, sample=False),  # the prompt does not fit its window
+OUTCOMES: dict[Kind, Outcome] = {
+    Kind.OK: Outcome(health=False, sample=True, failover=False),
+    Kind.CONNECT: Outcome(health=True, sample=True),
+    Kind.RESET_BEFORE_HEADERS: Outcome(health=True, sample=True),
+    Kind.TIMEOUT: Outcome(health=True, sample=True),
+    Kind.FIRST_TOKEN_TIMEOUT: Outcome(health=True, sample=True),
+    Kind.HTTP_5XX: Outcome(health=True, sample=True),
+    Kind.HTTP_503: Outcome(health=True, sample=True),
+    Kind.HTTP_429: Outcome(health=False, sample=False),
+    Kind.HTTP_401: Outcome(health=True, sample=True),
+    Kind.HTTP_403: Outcome(health=True, sample=True),
+    Kind.HTTP_408: Outcome(health=True, sample=True),
+    Kind.HTTP_404: Outcome(health=False, sample=False),
+    Kind.HTTP_405: Outcome(health=False, sample=False),
+    Kind.MALFORMED: Outcome(health=True, sample=True),
+    Kind.TOO_LARGE: Outcome(health=True, sample=True),
+    Kind.ERROR_EVENT: Outcome(health=True, sample=True),
+    Kind.CUT: Outcome(health=True, sample=True),
+    Kind.DISCONNECT: Outcome(health=True, sample=True),
+    Kind.CUT_MID_STREAM: Outcome(health=True, sample=True, failover=False),
+    Kind.ERROR_EVENT_MID_STREAM: Outcome(health=True, sample=True, failover=False),
+    Kind.REJECTED: Outcome(health=False, sample=False, failover=False),
+    Kind.CALLER_DEADLINE: Outcome(health=False, sample=False, failover=False),
+    Kind.CLIENT_DISCONNECT: Outcome(health=False, sample=False, failover=False),
+    Kind.LOST: Outcome(health=False, sample=False, failover=False),
+    # A sampled answer, not a fault.
+    Kind.MISMATCH: Outcome(health=False, sample=False),
+    Kind.CONTEXT_LENGTH: Outcome(health=False, sample=False),
 }
 
 
 def outcome(kind: str) -> Outcome:
-    """The accounting of an outcome kind (`http_5xx` stands for every 5xx but 503)."""
-    o = OUTCOMES.get(kind)
+    """The accounting of an outcome kind, or of its label (`http_502` stands for HTTP_5XX)."""
+    o = OUTCOMES.get(kind)  # type: ignore[call-overload]  # a Kind is its own value
     if o is None and kind.startswith("http_5"):
-        o = OUTCOMES["http_5xx"]
+        o = OUTCOMES[Kind.HTTP_5XX]
     if o is None:
-        raise KeyError(f"unknown attempt outcome {kind!r}: add it to health.OUTCOMES")
+        raise KeyError(f"unknown attempt outcome {kind!r}: add it to health.Kind and health.OUTCOMES")
     return o
 
 

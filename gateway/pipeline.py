@@ -16,7 +16,7 @@ from .admission import Admission, Ticket
 from .backends import Backend
 from .cache import Cache, Flight
 from .cache_entry import Entry, replay_json, replay_sse
-from .call import Call
+from .call import CacheResult, Call, Finish
 from .errors import AllBackendsFailed, GatewayError, InternalError
 from .flight import TeeSink, follow
 from .priority import asked_band, cap
@@ -84,9 +84,9 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
                 route = pinned.route
         plan = rt.cache_plan(call, route, tenant)
         if plan.key is None or rt.cache is None:
-            call.cache = "bypass"
-            ctx.metrics.lookup["bypass"].inc()
-            sink.set_header("x-gateway-cache", "bypass")
+            call.cache = CacheResult.BYPASS
+            ctx.metrics.lookup[CacheResult.BYPASS].inc()
+            sink.set_header("x-gateway-cache", CacheResult.BYPASS)
             try:
                 await relay(call, route, ctx, sink)
             except AllBackendsFailed as err:
@@ -99,7 +99,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
             async with ctx.flight.hold(plan.key, wait_s=call.remaining_s(), stream=call.stream, include_usage=usage) as flight:
                 entry = None if flight.leader else flight.entry
                 if not flight.leader and flight.stream is not None and await follow(flight.stream, call, sink):
-                    ctx.metrics.lookup["hit"].inc()  # a streamed follower, answered from its leader's live stream
+                    ctx.metrics.lookup[CacheResult.HIT].inc()  # a streamed follower, answered from its leader's live stream
                     return
                 if entry is None:  # the leader, or a follower whose leader stored (or streamed) nothing
                     tee = TeeSink(sink, flight.stream) if flight.leader and flight.stream is not None else sink
@@ -110,12 +110,12 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
                         if entry is not None:
                             flight.publish(entry)
                             await _replay(call, entry, tee)
-                            ctx.metrics.lookup["hit"].inc()
+                            ctx.metrics.lookup[CacheResult.HIT].inc()
                             return
                     try:
-                        call.cache = "miss"
-                        ctx.metrics.lookup["miss"].inc()
-                        sink.set_header("x-gateway-cache", "miss")
+                        call.cache = CacheResult.MISS
+                        ctx.metrics.lookup[CacheResult.MISS].inc()
+                        sink.set_header("x-gateway-cache", CacheResult.MISS)
                         call.capture = rt.cache.max_entry_bytes
                         await _lead(call, route, ctx, tee)
                     finally:
@@ -127,28 +127,28 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
                         await asyncio.shield(_land(rt.cache, plan.key, stored, plan.ttl_s, flight, locked))
                     return
         await _replay(call, entry, sink)
-        ctx.metrics.lookup["hit"].inc()
+        ctx.metrics.lookup[CacheResult.HIT].inc()
     except ClientGone:
-        call.finish = "client_disconnect"
+        call.finish = Finish.CLIENT_DISCONNECT
     except GatewayError as err:
         if isinstance(err, QuotaExceeded):
             ctx.metrics.quota_rejections.labels(rt.tenants.metric_label(call.tenant or "none"), err.limit).inc()
-        call.status, call.error, call.finish = err.status, err.message, "error"
+        call.status, call.error, call.finish = err.status, err.message, Finish.ERROR
         try:
             await sink.fail(err)
         except ConnectionError:  # reset, or lost while a write waited on a slow reader
-            call.finish = "client_disconnect"
+            call.finish = Finish.CLIENT_DISCONNECT
     except asyncio.CancelledError:
-        call.finish = "client_disconnect"  # aiohttp cancels the handler when the client goes away
+        call.finish = Finish.CLIENT_DISCONNECT  # aiohttp cancels the handler when the client goes away
         raise
     except Exception:  # a bug: still an answer in the contract, and the traceback in the log
         log.exception("request %s: internal error", call.request_id)
         err = InternalError(f"internal error in the gateway (request id {call.request_id})")
-        call.status, call.error, call.finish = err.status, err.message, "error"
+        call.status, call.error, call.finish = err.status, err.message, Finish.ERROR
         try:
             await sink.fail(err)
         except Exception:
-            call.finish = "client_disconnect"
+            call.finish = Finish.CLIENT_DISCONNECT
     finally:
         if hold is not None:
             assert rt.quota is not None
@@ -187,7 +187,7 @@ def _spend_usd(call: Call, rt: Runtime) -> float:
     """What the answer cost at its backend's `price` (0 without a price, a usage or a backend)."""
     backend = rt.backends.get(call.backend or "")
     usage = call.usage
-    if backend is None or backend.policy.price is None or not usage or call.cache == "hit":
+    if backend is None or backend.policy.price is None or not usage or call.cache is CacheResult.HIT:
         return 0.0
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
     return backend.policy.price.usd(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0)
@@ -195,8 +195,8 @@ def _spend_usd(call: Call, rt: Runtime) -> float:
 
 async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
     """Answer from the cache: the stored JSON, or the same answer replayed as an SSE stream."""
-    call.cache, call.backend = "hit", "cache"
-    sink.set_header("x-gateway-cache", "hit")
+    call.cache, call.backend = CacheResult.HIT, "cache"
+    sink.set_header("x-gateway-cache", CacheResult.HIT)
     sink.set_header("x-gateway-backend", "cache")
     try:
         if call.endpoint.name == "responses":  # the stored Response, or its events (responses_replay.py)
@@ -214,7 +214,7 @@ async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
             await sink.send(200, replay_json(entry))
     except ConnectionError:  # reset, or lost while a write waited on a slow reader
         raise ClientGone() from None
-    call.finish = "ok"
+    call.finish = Finish.OK
 
 
 async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, flight: Flight, locked: bool) -> None:
@@ -258,8 +258,8 @@ async def _lead(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> None
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise
-    if sink.detached and call.finish == "ok":  # a cut after it left stays a cut
-        call.finish = "client_disconnect"
+    if sink.detached and call.finish is Finish.OK:  # a cut after it left stays a cut
+        call.finish = Finish.CLIENT_DISCONNECT
 
 
 def _observe(call: Call, rt: Runtime, ctx: RelayContext) -> None:
@@ -269,7 +269,7 @@ def _observe(call: Call, rt: Runtime, ctx: RelayContext) -> None:
     model = call.model if call.model in rt.routes else "other"
     m.request_done(model, backend, call.cls, call.cache, call.status)
     m.duration_of(backend).observe(call.elapsed_s())
-    if call.finish == "client_disconnect":
+    if call.finish is Finish.CLIENT_DISCONNECT:
         m.client_disconnects.inc()
     usage = call.usage
     if usage and call.backend and call.backend != "cache":
@@ -293,7 +293,7 @@ async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, An
     assert ticket is not None
     plan = rt.cache_plan(call, route, tenant)
     if plan.key is not None and rt.cache is not None:
-        call.cache = "miss" if await rt.cache.lookup(plan.key) is None else "hit"
+        call.cache = CacheResult.MISS if await rt.cache.lookup(plan.key) is None else CacheResult.HIT
     pool = route.pool(call.cls, call.endpoint.name)
     ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
     candidates = []
@@ -317,7 +317,7 @@ async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, An
             }
         )
     chosen = None
-    if ranked and (ranked[0].skipped is None or (ranked[0].note or "").startswith("last resort")):
+    if ranked and (ranked[0].skipped is None or ranked[0].last_resort):
         chosen = pool.backends[ranked[0].index].name
     v = call.verdict
     return {

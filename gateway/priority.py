@@ -13,6 +13,7 @@ there. A tier within the ceiling goes upstream as sent; the gateway never adds o
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -21,28 +22,41 @@ from .admission import BANDS
 from .auth import Tenant
 from .call import Call
 
-__all__ = ["TIER_BANDS", "asked_band", "band_for", "cap", "without_tier"]
+__all__ = ["Band", "TIER_BANDS", "asked_band", "band_for", "cap", "without_tier"]
+
+
+class Band(StrEnum):
+    """A request's priority band, highest first (admission.BANDS: its queues' order)."""
+
+    PRIORITY = "priority"
+    DEFAULT = "default"
+    FLEX = "flex"
+
+
+assert tuple(Band) == BANDS
 
 # OpenAI's service tiers and the band each asks for (`scale`: reserved capacity, default processing).
-TIER_BANDS = {"priority": "priority", "default": "default", "auto": "default", "scale": "default", "flex": "flex"}
+TIER_BANDS = {"priority": Band.PRIORITY, "default": Band.DEFAULT, "auto": Band.DEFAULT, "scale": Band.DEFAULT,
+              "flex": Band.FLEX}
 
 
 def _above(band: str, ceiling: str) -> bool:
     return BANDS.index(band) < BANDS.index(ceiling)
 
 
-def asked_band(header: str | None, body: dict[str, Any]) -> str | None:
-    """The band a request asks for: `x-priority` when sent, else its `service_tier`'s, else None."""
+def asked_band(header: str | None, body: dict[str, Any]) -> Band | None:
+    """The band a request asks for: `x-priority` when sent (a band's name), else its
+    `service_tier`'s, else None."""
     if header is not None:
-        return header
+        return Band(header)
     tier = body.get("service_tier")
     return TIER_BANDS.get(tier) if isinstance(tier, str) else None
 
 
-def band_for(asked: str | None, tenant: Tenant) -> str:
+def band_for(asked: str | None, tenant: Tenant) -> Band:
     """The band a request gets: what it asked for (else the tenant's default), at most the ceiling."""
     band = asked or tenant.default_priority or tenant.priority
-    return tenant.priority if _above(band, tenant.priority) else band
+    return Band(tenant.priority if _above(band, tenant.priority) else band)
 
 
 def without_tier(body: dict[str, Any], tenant: Tenant) -> dict[str, Any] | None:

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from .admission import MAX_WAIT_SHARE, Shed, Ticket
 from .attempt import AttemptFailed, ClientGone, Cut, Lost, Progress, RelayContext, attempt, client_write
 from .backends import Backend
-from .call import Call
+from .call import CacheResult, Call, Finish
 from .continuation import Resume, Transcript
 from .errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
+from .health import Kind
 from .heartbeat import Heartbeat
 from .latency import quantile
 from .policy import RoutingPolicy
@@ -37,7 +38,7 @@ def _plan(call: Call, pool: Pool, failures: list[tuple[str, GatewayError]]) -> l
     """The backends to try, best first, from the pool's selector; skipped ones explain themselves."""
     ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
     order = [pool.backends[r.index] for r in ranked if r.skipped is None]
-    if not order and ranked and ranked[0].note and ranked[0].note.startswith("last resort"):
+    if not order and ranked and ranked[0].last_resort:
         last = pool.backends[ranked[0].index]
         if pool.candidates[ranked[0].index].health.cooling_for() <= 0:  # never call a backend that asked for a pause
             order.append(last)
@@ -306,7 +307,7 @@ async def _rescue(
                 notes.append(f"{backend.name} ({mode}): {why}")
                 ctx.metrics.relay_events.labels("continuation", f"{mode}_failed").inc()
                 break
-    call.finish = "cut"
+    call.finish = Finish.CUT
     err = original.err
     if notes:
         err = type(err)(f"{err.message}; the answer could not be continued ({'; '.join(notes)})")
@@ -428,22 +429,22 @@ async def _try(
             kind = await attempt(call, backend, ctx, sink, progress, started, live_deadline, cold_s=cold_s, resume=resume)
         except AttemptFailed as failed:
             tries.failures.append((backend.name, failed.err))
-            tries.last_kind = failed.kind
-            report(call, backend, ctx.metrics, m, failed.kind, time.perf_counter() - started)
+            tries.last_kind = failed.label
+            report(call, backend, ctx.metrics, m, failed.kind, time.perf_counter() - started, status=failed.status)
             log.info("request %s: backend %r failed before the first token (%s): %s",
                      call.request_id, backend.name, failed.kind, failed.err.message)
             return False
         except Cut as cut:
             progress.cut = cut
-            report(call, backend, ctx.metrics, m, cut.kind, time.perf_counter() - started)
+            report(call, backend, ctx.metrics, m, Kind(cut.kind), time.perf_counter() - started)
             return True
         except Lost:
             return False  # a hedged rival answered first: nothing about this backend is known
         except UpstreamRejected as rejected:
-            kind = "context_length" if rejected.context_length else "rejected"
+            kind = Kind.CONTEXT_LENGTH if rejected.context_length else Kind.REJECTED
             report(call, backend, ctx.metrics, m, kind, time.perf_counter() - started)
             raise
-        report(call, backend, ctx.metrics, m, kind, time.perf_counter() - started)
+        report(call, backend, ctx.metrics, m, Kind(kind), time.perf_counter() - started)
         return True
     finally:
         slots.release(_band(call))

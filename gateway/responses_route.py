@@ -30,8 +30,8 @@ __all__ = ["Pinned", "pin", "holders_of", "not_yours", "responses_backends", "se
 
 
 def _is_404(err: GatewayError) -> bool:
-    # attempt._refuse reports an upstream 404 (fails over) as UpstreamError("HTTP 404: ...")
-    return isinstance(err, UpstreamError) and err.message.startswith("HTTP 404")
+    """The backend answered 404 (it does not hold the id): a failover, not an answer."""
+    return isinstance(err, UpstreamError) and err.upstream_status == 404
 
 
 @dataclass(frozen=True, slots=True)

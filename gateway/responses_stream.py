@@ -28,7 +28,7 @@ from .attempt import MAX_HELD_BYTES, AttemptFailed, Progress, RelayContext, call
 from .attempt import failed, observe_content, parse_event
 from .backends import Backend
 from .cache_entry import Entry
-from .call import Call
+from .call import CacheResult, Call, Finish
 from .errors import GatewayError, UpstreamError, UpstreamTimeout
 from .responses import TERMINAL_FAILED, TERMINAL_OK, usage_of
 from .responses_replay import replayable
@@ -120,7 +120,7 @@ async def _deliver(call: Call, backend: Backend, raw: bytes, sink: Sink, progres
     if call.capture and len(raw) <= call.capture and replayable(obj):
         call.entry = Entry(raw)
     call.usage = usage_of(obj)
-    call.finish = "ok"
+    call.finish = Finish.OK
     await client_write(sink.send(200, raw))
     return "ok"
 
@@ -228,7 +228,7 @@ async def _stream(
             cut, kind = "the backend's connection was lost mid-stream", "cut_mid_stream"
     else:
         if failed:
-            call.finish = "error"
+            call.finish = Finish.ERROR
             await client_write(sink.end())
             return "error_event_mid_stream"
         if not ended:
@@ -237,7 +237,7 @@ async def _stream(
             cut, kind = "the backend's stream ended before response.completed", "cut_mid_stream"
     if cut is not None:
         # Never presented as a success: an `error` event, and no response.completed (ResponsesSink).
-        call.finish = "cut"
+        call.finish = Finish.CUT
         err: GatewayError = UpstreamTimeout(cut) if kind == "caller_deadline" else UpstreamError(cut)
         await client_write(sink.fail(err))
         return kind
@@ -246,7 +246,7 @@ async def _stream(
         body = orjson.dumps(final)
         if len(body) <= call.capture:
             call.entry = Entry(body)
-    call.finish = "ok"
+    call.finish = Finish.OK
     await client_write(sink.end())
     return "ok"
 

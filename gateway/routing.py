@@ -63,6 +63,7 @@ class Ranked(NamedTuple):
     score: float  # the strategy's sort key, lower ranks earlier; inf when skipped
     skipped: str | None = None  # why it is not eligible: starting, ejected, cooling, probing
     note: str | None = None  # why it is where it is: tie, p2c, explore, prior, last resort
+    last_resort: bool = False  # skipped, but the one to try when no candidate is available
 
 
 def skip_reason(c: Candidate) -> str | None:
@@ -160,7 +161,7 @@ class Selector:
         skipped.sort(key=lambda s: _least_bad_key(s[1]))
         for n, (i, c, pred, reason) in enumerate(skipped):
             last = not out and n == 0 and c.health.is_ready()
-            out.append(Ranked(c.name, i, pred, math.inf, reason, "last resort: no candidate is available" if last else None))
+            out.append(Ranked(c.name, i, pred, math.inf, reason, "last resort: no candidate is available" if last else None, last))
         return out
 
     # -- strategies ------------------------------------------------------------------------------

@@ -24,6 +24,10 @@ class StoreError(Exception):
 
 @runtime_checkable
 class Store(Protocol):
+    # Whether other processes see what this store holds (Redis): single flight then takes a lock
+    # across processes (cache_flight.py); a process's own store needs none.
+    shared: bool
+
     async def get(self, key: str) -> bytes | None:
         """The value under `key`, or None when absent or expired."""
         ...
@@ -67,6 +71,7 @@ class MemoryStore:
     """
 
     __slots__ = ("_items", "_bytes", "max_bytes", "max_items", "_clock", "quota")
+    shared = False  # this process's own
 
     def __init__(
         self,

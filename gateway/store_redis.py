@@ -28,6 +28,7 @@ class RedisStore:
     `prefix` is prepended to every key (a namespace per deployment or per test)."""
 
     __slots__ = ("_pool", "_redis", "_timeout_s", "prefix", "_qpool", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage")
+    shared = True  # every replica on this Redis sees it
 
     def __init__(
         self,

@@ -527,6 +527,8 @@ async def test_a_corrupt_entry_on_a_store_that_cannot_delete_is_still_a_miss() -
 
 
 class BrokenStore:
+    shared = True  # stands in for a Redis store
+
     def __init__(self) -> None:
         self.down = True
         self.inner = MemoryStore()

@@ -45,6 +45,8 @@ class Delayed:
     next `times` (None: all) calls of `op` on keys starting with `prefix` wait `s` seconds first.
     Like RedisStore, a call that takes more than `timeout_s` raises StoreError."""
 
+    shared = True  # stands in for a store other processes see
+
     def __init__(self, inner: Store, *, timeout_s: float = 1.0) -> None:
         self.inner = inner
         self.timeout_s = timeout_s

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.health import Health, outcome
+from gateway.health import OUTCOMES, Health, Kind, outcome
 
 
 class Clock:
@@ -159,6 +159,15 @@ def test_the_outcome_table_says_what_counts_against_health_and_what_is_a_latency
 def test_an_unknown_outcome_kind_is_a_loud_error():
     with pytest.raises(KeyError):
         outcome("something_new")
+
+
+def test_every_outcome_kind_has_its_accounting_and_an_http_status_maps_to_a_kind():
+    assert set(OUTCOMES) == set(Kind)
+    assert Kind.http(500) is Kind.HTTP_5XX and Kind.http(502) is Kind.HTTP_5XX
+    assert Kind.http(503) is Kind.HTTP_503 and Kind.http(429) is Kind.HTTP_429 and Kind.http(404) is Kind.HTTP_404
+    # Labels (metrics, retry `on`) keep a 5xx's own status.
+    assert Kind.HTTP_5XX.label(502) == "http_502" and Kind.HTTP_503.label(503) == "http_503"
+    assert Kind.CUT_MID_STREAM.label() == "cut_mid_stream"
 
 
 def test_retry_after_cools_a_backend_without_ejecting_it():

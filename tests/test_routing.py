@@ -91,6 +91,7 @@ def test_the_last_backend_is_never_taken_out_of_a_route():
     assert usable([a, b]) == [a]  # both ejected: the one back soonest stays usable
     ranked = _selector().rank([a, b])
     assert ranked[0].name == "a" and ranked[0].note and "last resort" in ranked[0].note
+    assert ranked[0].last_resort and not any(r.last_resort for r in ranked[1:])
     c = _cand(clock, "c", 0.1)
     assert usable([a, c, b]) == [c]  # any available one: the ejected ones are not kept
     a.health.ready = b.health.ready = False
