@@ -12,7 +12,8 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .api import LOOPBACK, routes
+from . import control
+from .api import LOOPBACK, backends_view, routes
 from .auth import is_loopback, open_mode_problem
 from .backends import BackendState
 from .admission import Admission, reserve_slots
@@ -25,7 +26,7 @@ from .metrics import Metrics, refresh_gauges
 from .observe import Observer
 from .peers import Peers
 from .policy import LaunchPolicy, Policy, StorePolicy, load_policy
-from .relay import RelayContext
+from .relay_context import RelayContext
 from .probes import run_probes
 from .reload import Live, Reloader
 from .runtime import Runtime, build_runtime
@@ -167,9 +168,6 @@ def _reload_result(app: web.Application, ok: bool, detail: str) -> dict[str, obj
 async def _worker_side(app: web.Application) -> AsyncIterator[None]:
     """In a worker: the control socket (reload, admin view), readiness of the launched models,
     and the per-backend gauges refreshed here too (every worker's view reaches /metrics)."""
-    from . import control
-    from .api import backends_view
-
     worker = app[WORKER]
     assert worker is not None
     live = app[LIVE]

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from yarl import URL
 
 from .admission import Gate
-from .call import ENDPOINTS
+from .endpoints import ENDPOINTS
 from .health import Health
 from .latency import Tracker
 from .policy import BackendPolicy
@@ -25,7 +25,7 @@ class Slots(Gate):
 
     The count lives in the backend's tracker (`tracker.inflight`): one number that the limit, the
     selector and /admin all read. Whoever acquires a slot releases it in the same `try/finally`
-    (see relay._try), so a task cancelled at any await point gives its slot back."""
+    (see relay_base.RelayBase.attempt), so a task cancelled at any await point gives its slot back."""
 
     def __init__(self, limit: int, tracker: Tracker | None = None) -> None:
         super().__init__(limit, tracker if tracker is not None else Tracker())
@@ -72,7 +72,7 @@ class Backend:
         self.slots: Slots = state.slots
         self.timeouts = policy.timeouts
         # Built once: URL parsing and timeout objects are measurable costs per request.
-        self.urls = {name: URL(self.base_url + ep.upstream_path) for name, ep in ENDPOINTS.items()}
+        self.urls = {name: URL(self.base_url + ep.path) for name, ep in ENDPOINTS.items()}
         # identity: the relay reads every event, and passes bytes on without re-encoding them.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
         if policy.api_key_env:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -102,7 +103,13 @@ def cacheable_request(
 
 def _sampled_by_default(defaults: Mapping[str, float]) -> str | None:
     """Why a request without temperature or seed is not deterministic: the backends that sample by default."""
-    sampled = {name: t for name, t in defaults.items() if t != 0}
+    return _sampled(tuple(defaults.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _sampled(defaults: tuple[tuple[str, float], ...]) -> str | None:
+    """_sampled_by_default, once per set of defaults (the same few, request after request)."""
+    sampled = {name: t for name, t in defaults if t != 0}
     if not sampled:
         return None
     named = ", ".join(f"{name!r} ({t:g})" for name, t in sampled.items())

@@ -12,12 +12,13 @@ import orjson
 from .admission import Ticket
 from .cache_entry import Entry
 from .classify import Verdict
+from .codec import Endpoint
 from .continuation import Transcript
 
 if TYPE_CHECKING:
     from .affinity import Learner
 
-__all__ = ["CacheResult", "Call", "Endpoint", "ENDPOINTS", "Finish"]
+__all__ = ["CacheResult", "Call", "Finish"]
 
 
 class Finish(StrEnum):
@@ -37,27 +38,12 @@ class CacheResult(StrEnum):
     BYPASS = "bypass"
 
 
-@dataclass(frozen=True, slots=True)
-class Endpoint:
-    name: str  # "chat" | "completions" | "embeddings" | "responses"
-    upstream_path: str  # appended to a backend's base URL
-    streams: bool
-
-
-ENDPOINTS = {
-    "chat": Endpoint("chat", "/chat/completions", True),
-    "completions": Endpoint("completions", "/completions", True),
-    "embeddings": Endpoint("embeddings", "/embeddings", False),
-    "responses": Endpoint("responses", "/responses", True),  # OpenAI's Responses API (responses*.py)
-}
-
-
 @dataclass(slots=True)
 class Call:
     """Everything known about one request, from parse to metrics."""
 
     request_id: str
-    endpoint: Endpoint
+    endpoint: Endpoint  # the API endpoint's codec (endpoints.py)
     raw: bytes  # the client's body, forwarded as is when no field needs rewriting
     api_key: str | None
     deadline: float  # time.monotonic() by which the client must have an answer

@@ -18,11 +18,14 @@ which backends answered and how; usage counts the delivered tokens too.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
 
-__all__ = ["Transcript", "Resume", "Mismatch"]
+__all__ = ["Transcript", "Resume", "Mismatch", "Prefill"]
+
+Prefill = Callable[[Mapping[str, Any], str], dict[str, Any]]  # codec.Endpoint.prefill
 
 
 class Mismatch(Exception):
@@ -94,15 +97,12 @@ class Resume:
         self._pending = transcript.text if mode == "restart" else ""  # delivered text not yet matched
         self._delivered_tokens = transcript.tokens
 
-    def body(self, body: dict[str, Any], upstream_model: str, endpoint: str) -> bytes:
-        """The request to send: the original, for `upstream_model`, plus the prefill if any."""
+    def body(self, body: dict[str, Any], upstream_model: str, prefill: Prefill) -> bytes:
+        """The request to send: the original, for `upstream_model`, plus the prefill if any
+        (`prefill(body, text)`: the endpoint's way to ask a backend to go on from `text`)."""
         out = {**body, "model": upstream_model}
         if self.mode == "prefill":
-            text = self.transcript.text
-            if endpoint == "chat":
-                out["messages"] = [*body.get("messages", []), {"role": "assistant", "content": text}]
-            else:
-                out["prompt"] = str(body.get("prompt", "")) + text
+            out = prefill(out, self.transcript.text)
         return orjson.dumps(out)
 
     def rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:

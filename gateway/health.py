@@ -137,12 +137,12 @@ OUTCOMES: dict[Kind, Outcome] = {
 
 def outcome(kind: str) -> Outcome:
     """The accounting of an outcome kind, or of its label (`http_502` stands for HTTP_5XX)."""
-    o = OUTCOMES.get(kind)  # type: ignore[call-overload]  # a Kind is its own value
-    if o is None and kind.startswith("http_5"):
-        o = OUTCOMES[Kind.HTTP_5XX]
-    if o is None:
-        raise KeyError(f"unknown attempt outcome {kind!r}: add it to health.Kind and health.OUTCOMES")
-    return o
+    try:
+        return OUTCOMES[Kind(kind)]
+    except ValueError:
+        if kind.startswith("http_5"):
+            return OUTCOMES[Kind.HTTP_5XX]
+        raise KeyError(f"unknown attempt outcome {kind!r}: add it to health.Kind and health.OUTCOMES") from None
 
 
 @dataclass

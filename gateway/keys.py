@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from .peers import Peers
     from .workers import WorkerInfo
     from .metrics import Metrics
-    from .relay import RelayContext
+    from .relay_context import RelayContext
     from .reload import Live, Reloader
 
 __all__ = ["ADMISSION", "DRAIN", "LIVE", "METRICS", "OBSERVER", "PEERS", "RELAY", "RELOADER", "WORKER"]

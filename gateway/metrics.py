@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
+from .admission import BANDS
+
 if TYPE_CHECKING:
     from .admission import Admission
     from .runtime import Runtime
@@ -141,6 +143,7 @@ class Metrics:
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
         self._affinity: dict[tuple[str, str], Any] = {}
+        self._tokens: dict[tuple[str, str, str], Any] = {}
 
     def affinity_event(self, op: str, result: str) -> None:
         """Count one operation on the Responses affinity map (children bound once: labels() is slow)."""
@@ -152,8 +155,6 @@ class Metrics:
     def zero_series(self, tenants: list[str]) -> None:
         """Create the refusal series at 0 (sheds; quota rejections per tenant label): a rate over
         a series that does not exist yet is "no data" on a dashboard, not 0."""
-        from .admission import BANDS
-
         for reason in _SHED_REASONS:
             for band in BANDS:
                 self.shed.labels(reason, band)
@@ -168,6 +169,14 @@ class Metrics:
         if child is None:
             child = self._requests[key] = self.requests.labels(model, backend, cls, cache, str(code))
         child.inc()
+
+    def tokens_of(self, tenant: str, backend: str, kind: str) -> Any:
+        """The token counter child of (tenant, backend, prompt | completion), bound once."""
+        key = (tenant, backend, kind)
+        child = self._tokens.get(key)
+        if child is None:
+            child = self._tokens[key] = self.tokens.labels(tenant, backend, kind)
+        return child
 
     def duration_of(self, backend: str) -> Any:
         """The request-duration child of a backend, or of the pseudo backends `cache` and `none`

@@ -91,6 +91,7 @@ class Observer:
         self._listener: logging.handlers.QueueListener | None = None
         self._tracer: Any = None
         self._provider: Any = None
+        self._otel: Any = None  # the otel module, once tracing started
 
     def start(self, policy: Policy) -> None:
         """Start the access log's writer thread and the tracer the policy asks for."""
@@ -139,24 +140,15 @@ class Observer:
 
     def _start_tracing(self, tp: TracingPolicy) -> None:
         try:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.sdk.resources import Resource
-            from opentelemetry.sdk.trace import TracerProvider
-            from opentelemetry.sdk.trace.export import BatchSpanProcessor
-            from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+            from . import otel  # the optional `otel` extra
         except ImportError:
             logging.getLogger("gateway").error(
                 "tracing: the policy asks for OpenTelemetry export, but it is not installed: pip install 'llm-routing-gateway[otel]'"
             )
             return
-        provider = TracerProvider(
-            # A caller's traceparent decides for its own trace (its sampled flag); sample_ratio for the rest.
-            resource=Resource.create({"service.name": tp.service_name}),
-            sampler=ParentBased(TraceIdRatioBased(tp.sample_ratio)),
-        )
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=tp.otlp_endpoint)))
-        self._provider = provider
-        self._tracer = provider.get_tracer("gateway")
+        self._otel = otel
+        self._provider = otel.provider(tp)
+        self._tracer = self._provider.get_tracer("gateway")
 
     def _span(self, call: Call, st: dict[str, float], end: float) -> None:
         now_ns = time.time_ns()
@@ -175,24 +167,12 @@ class Observer:
         for key in ("prompt_tokens", "completion_tokens"):
             if isinstance(usage.get(key), int):
                 attrs[f"gen_ai.usage.{key}"] = usage[key]
-        span = self._tracer.start_span(
-            f"{call.endpoint.name} {call.model}", context=_parent_context(call), start_time=start_ns, attributes=attrs
-        )
+        # The caller's span (from its traceparent) as the parent of the gateway's, else a new trace.
+        context = None if call.trace_parent is None else self._otel.parent(*call.trace_parent)
+        span = self._tracer.start_span(f"{call.endpoint.name} {call.model}", context=context, start_time=start_ns, attributes=attrs)
         if call.status >= 500:
-            from opentelemetry.trace import Status, StatusCode
-
-            span.set_status(Status(StatusCode.ERROR, call.error or ""))
+            span.set_status(self._otel.error(call.error or ""))
         span.end(end_time=end_ns)
-
-
-def _parent_context(call: Call) -> Any:
-    """The caller's span (from its traceparent) as the parent of the gateway's, or None for a new trace."""
-    if call.trace_parent is None:
-        return None
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
-
-    trace_id, span_id, flags = call.trace_parent
-    return set_span_in_context(NonRecordingSpan(SpanContext(trace_id, span_id, is_remote=True, trace_flags=TraceFlags(flags & 1))))
 
 
 def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:

@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from .policy import Policy
 
@@ -53,8 +55,6 @@ class Peers:
         """Subscribe (in the background: a Redis that is down is retried, never fatal)."""
         if not self.enabled:
             return
-        from redis.asyncio import Redis
-
         self._redis = Redis.from_url(self.url, socket_connect_timeout=2.0)  # type: ignore[arg-type]
         self._task = asyncio.create_task(self._listen(), name="peers-listen")
         with contextlib.suppress(TimeoutError):
@@ -73,8 +73,6 @@ class Peers:
         """Ask every other replica to reload; their results (those that answered in time)."""
         if self._redis is None or self.channel is None:
             return []
-        from redis.exceptions import RedisError
-
         rid = os.urandom(8).hex()
         key = f"{self.channel}:{rid}"
         try:
@@ -94,8 +92,6 @@ class Peers:
         return out
 
     async def _listen(self) -> None:
-        from redis.exceptions import RedisError
-
         while True:
             pubsub = self._redis.pubsub()
             try:

@@ -15,7 +15,7 @@ from .auth import Tenant
 from .admission import Admission, Ticket
 from .backends import Backend
 from .cache import Cache, Flight
-from .cache_entry import Entry, replay_json, replay_sse
+from .cache_entry import Entry
 from .call import CacheResult, Call, Finish
 from .errors import AllBackendsFailed, GatewayError, InternalError
 from .flight import TeeSink, follow
@@ -24,22 +24,18 @@ from .quota import Hold, QuotaExceeded
 from .relay import ClientGone, RelayContext, relay
 from .runtime import Route, Runtime
 from .sink import Sink
-from .responses import ResponsesRequest
-from .responses_replay import replay_events
-from .responses_route import Pinned, pin
-from .wire import ChatRequest, CompletionRequest, EmbeddingRequest, parse_body
+from .pinning import Pinned, pin
+from .wire import parse_body
 
 __all__ = ["run", "explain", "parse"]
 
 log = logging.getLogger("gateway.pipeline")
 
-_BODY_MODELS = {"chat": ChatRequest, "completions": CompletionRequest, "embeddings": EmbeddingRequest, "responses": ResponsesRequest}
-
 
 def parse(call: Call) -> None:
     """Validate the body and fill in the call's model, stream flag and the band it asks for
     (x-priority when sent, else its service_tier's; the tenant's ceiling applies later)."""
-    typed, body = parse_body(call.raw, _BODY_MODELS[call.endpoint.name])
+    typed, body = parse_body(call.raw, call.endpoint.request)
     call.body = body
     call.model = typed.model
     call.stream = bool(getattr(typed, "stream", False)) and call.endpoint.streams
@@ -54,7 +50,7 @@ def _prepare(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     cap(call, tenant)  # the band at most the tenant's priority; a service_tier above it not sent upstream
     route = rt.route(call.model)
     call.prompt_tokens = len(call.raw) // 4  # cheap; the classifier's estimate replaces it when it runs
-    if call.endpoint.name != "embeddings":
+    if call.endpoint.classifies:
         call.verdict = verdict = rt.classify(call, route)
         if verdict.features:  # classified (an unclassified route keeps cls "none")
             call.cls, call.score, call.reasons = verdict.cls, verdict.score, verdict.reasons
@@ -76,12 +72,9 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
         if call.cls != "none":
             sink.set_header("x-gateway-class", call.cls)
             ctx.metrics.per_class[call.cls].inc()
-        pinned: Pinned | None = None
-        if call.endpoint.name == "responses":
-            call.affinity = rt.affinity.learner(tenant.cache_namespace)
-            pinned = await pin(call.body, call.model, tenant.cache_namespace, route, rt)
-            if pinned is not None:
-                route = pinned.route
+        pinned = await _pin(call, route, rt, tenant) if call.endpoint.stateful else None
+        if pinned is not None:
+            route = pinned.route
         plan = rt.cache_plan(call, route, tenant)
         if plan.key is None or rt.cache is None:
             call.cache = CacheResult.BYPASS
@@ -94,8 +87,7 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
             return
         entry = await rt.cache.lookup(plan.key)
         if entry is None:
-            opts = call.body.get("stream_options") if call.stream else None
-            usage = isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.strip_usage
+            usage = _wants_usage(call)
             async with ctx.flight.hold(plan.key, wait_s=call.remaining_s(), stream=call.stream, include_usage=usage) as flight:
                 entry = None if flight.leader else flight.entry
                 if not flight.leader and flight.stream is not None and await follow(flight.stream, call, sink):
@@ -133,30 +125,52 @@ async def run(call: Call, rt: Runtime, ctx: RelayContext, sink: Sink) -> None:
     except GatewayError as err:
         if isinstance(err, QuotaExceeded):
             ctx.metrics.quota_rejections.labels(rt.tenants.metric_label(call.tenant or "none"), err.limit).inc()
-        call.status, call.error, call.finish = err.status, err.message, Finish.ERROR
-        try:
-            await sink.fail(err)
-        except ConnectionError:  # reset, or lost while a write waited on a slow reader
-            call.finish = Finish.CLIENT_DISCONNECT
+        await _refuse(call, sink, err)
     except asyncio.CancelledError:
         call.finish = Finish.CLIENT_DISCONNECT  # aiohttp cancels the handler when the client goes away
         raise
     except Exception:  # a bug: still an answer in the contract, and the traceback in the log
         log.exception("request %s: internal error", call.request_id)
-        err = InternalError(f"internal error in the gateway (request id {call.request_id})")
-        call.status, call.error, call.finish = err.status, err.message, Finish.ERROR
-        try:
-            await sink.fail(err)
-        except Exception:
-            call.finish = Finish.CLIENT_DISCONNECT
+        await _refuse(call, sink, InternalError(f"internal error in the gateway (request id {call.request_id})"), bug=True)
     finally:
         if hold is not None:
-            assert rt.quota is not None
-            spend = _spend_usd(call, rt)
-            if spend:
-                ctx.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
-            rt.quota.settle(hold, call, spend)
+            _settle(call, rt, ctx, hold)
         _observe(call, rt, ctx)
+
+
+async def _pin(call: Call, route: Route, rt: Runtime, tenant: Tenant) -> Pinned | None:
+    """An endpoint whose answers leave state on a backend: record the ids each answer makes it
+    hold, and send a follow-up to the backend holding what it builds on (pinning.py)."""
+    call.affinity = rt.affinity.learner(tenant.cache_namespace)
+    return await pin(call, route, rt, tenant.cache_namespace)
+
+
+async def _refuse(call: Call, sink: Sink, err: GatewayError, *, bug: bool = False) -> None:
+    """Answer with `err` (a status, or an error event once streaming)."""
+    call.status, call.error, call.finish = err.status, err.message, Finish.ERROR
+    try:
+        await sink.fail(err)
+    except ConnectionError:  # reset, or lost while a write waited on a slow reader
+        call.finish = Finish.CLIENT_DISCONNECT
+    except Exception:
+        if not bug:
+            raise
+        call.finish = Finish.CLIENT_DISCONNECT
+
+
+def _settle(call: Call, rt: Runtime, ctx: RelayContext, hold: Hold) -> None:
+    """The quota's part after the answer: what it used (tokens, spend)."""
+    assert rt.quota is not None
+    spend = _spend_usd(call, rt)
+    if spend:
+        ctx.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
+    rt.quota.settle(hold, call, spend)
+
+
+def _wants_usage(call: Call) -> bool:
+    """Whether the client's stream carries a usage chunk (one it asked for)."""
+    opts = call.body.get("stream_options") if call.stream else None
+    return isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.strip_usage
 
 
 def _band(call: Call, rt: Runtime, tenant: Tenant) -> None:
@@ -194,24 +208,17 @@ def _spend_usd(call: Call, rt: Runtime) -> float:
 
 
 async def _replay(call: Call, entry: Entry, sink: Sink) -> None:
-    """Answer from the cache: the stored JSON, or the same answer replayed as an SSE stream."""
+    """Answer from the cache: the stored answer, or the same answer replayed as a stream."""
     call.cache, call.backend = CacheResult.HIT, "cache"
     sink.set_header("x-gateway-cache", CacheResult.HIT)
     sink.set_header("x-gateway-backend", "cache")
     try:
-        if call.endpoint.name == "responses":  # the stored Response, or its events (responses_replay.py)
-            if call.stream:
-                await sink.write(replay_events(entry.body))
-                await sink.end()
-            else:
-                await sink.send(200, entry.body)
-        elif call.stream:
-            opts = call.body.get("stream_options")
-            include_usage = isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.strip_usage
-            await sink.write(b"".join(replay_sse(entry, include_usage=include_usage)))
+        body = call.endpoint.replay(entry, stream=call.stream, include_usage=_wants_usage(call))
+        if call.stream:
+            await sink.write(body)
             await sink.end()
         else:
-            await sink.send(200, replay_json(entry))
+            await sink.send(200, body)
     except ConnectionError:  # reset, or lost while a write waited on a slow reader
         raise ClientGone() from None
     call.finish = Finish.OK
@@ -277,7 +284,7 @@ def _observe(call: Call, rt: Runtime, ctx: RelayContext) -> None:
         for kind, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
             n = usage.get(key)
             if isinstance(n, int) and n > 0:
-                m.tokens.labels(tenant, backend, kind).inc(n)
+                m.tokens_of(tenant, backend, kind).inc(n)
     if call.status >= 500:
         log.warning("request %s failed with %s: %s", call.request_id, call.status, call.error)
 
@@ -286,7 +293,7 @@ async def explain(call: Call, rt: Runtime, admission: Admission) -> dict[str, An
     """What the gateway would do with this request, calling no backend."""
     route, tenant = _prepare(call, rt)
     _band(call, rt, tenant)
-    pinned = await pin(call.body, call.model, tenant.cache_namespace, route, rt) if call.endpoint.name == "responses" else None
+    pinned = await pin(call, route, rt, tenant.cache_namespace) if call.endpoint.stateful else None
     if pinned is not None:
         route = pinned.route
     ticket = call.ticket

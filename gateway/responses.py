@@ -1,9 +1,9 @@
 """The Responses API (/v1/responses) on the wire: the request fields the gateway reads, and what it
 reads back out of answers (ids, usage), as pure functions.
 
-How a streamed answer is relayed: responses_stream.py. How a cached one is replayed:
-responses_replay.py. Which backend holds a response: affinity.py. The by-id endpoints:
-responses_api.py.
+The endpoint's codec: responses_codec.py (a stream's events: responses_monitor.py). How a cached
+answer is replayed: responses_replay.py. Which backend holds a response: affinity.py, pinning.py.
+The by-id endpoints: responses_api.py.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def conversation_id(body: Mapping[str, Any]) -> str | None:
 
 def stateful_refs(body: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Every (field, id) of server-side state a request refers to: `previous_response_id`, then
-    `conversation`. Each one must belong to the caller (responses_route.pin)."""
+    `conversation`. Each one must belong to the caller (pinning.pin)."""
     out: list[tuple[str, str]] = []
     prev = body.get("previous_response_id")
     if isinstance(prev, str) and prev:

@@ -58,7 +58,7 @@ class Ranked(NamedTuple):
     dataclass's __init__ costs ~3 us on the hot path where a tuple costs ~0.3 us."""
 
     name: str
-    index: int
+    index: int  # type: ignore[assignment]  # the field, not tuple.index
     predicted_ttft_s: float | None  # the tracker's prediction for this prompt (None: no samples)
     score: float  # the strategy's sort key, lower ranks earlier; inf when skipped
     skipped: str | None = None  # why it is not eligible: starting, ejected, cooling, probing

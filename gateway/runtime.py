@@ -14,7 +14,8 @@ from .admission import reserve_slots
 from .affinity import Affinity
 from .auth import Tenants
 from .backends import Backend, BackendState, Slots
-from .call import ENDPOINTS, Call
+from .call import Call
+from .endpoints import ENDPOINTS
 from .classify import Classifier, Rules, Verdict
 from .errors import BadRequest, ModelNotFound
 from .health import Health
@@ -33,7 +34,6 @@ from .policy import (
     StorePolicy,
 )
 from .quota import Quota
-from .responses import chat_view, stateful_reason
 from .store import MemoryStore, Store
 from .store_redis import RedisStore
 from .routing import Candidate, Selector
@@ -113,7 +113,7 @@ class Route:
         p = pair[0] if cls == "simple" else pair[1]
         if p is None:
             raise BadRequest(
-                f"the model {self.model!r} is not served on /v1/{ENDPOINTS[endpoint].upstream_path.lstrip('/')}: "
+                f"the model {self.model!r} is not served on /v1{ENDPOINTS[endpoint].path}: "
                 f"no backend of its route lists {endpoint!r} in its `endpoints`",
                 param="model",
                 code="unsupported_endpoint",
@@ -177,7 +177,7 @@ class Runtime:
         """Whether and under which key this call's answer is looked up and stored.
 
         Settings resolve tenant over model over the policy's `cache` section."""
-        if self.cache is None or call.endpoint.name == "embeddings":
+        if self.cache is None or not call.endpoint.cacheable:
             return _NO_CACHE
         cp = self.policy.cache
         enabled, include_sampled, ttl = cp.enabled, cp.include_sampled, cp.ttl_s
@@ -191,8 +191,8 @@ class Runtime:
         if call.no_cache:
             return CachePlan(None, "cache-control: no-cache")
         why = cacheable_request(call.body, require_deterministic=not include_sampled, default_temperatures=_defaults(call, route))
-        if why is None and call.endpoint.name == "responses":
-            why = stateful_reason(call.body)
+        if why is None:
+            why = call.endpoint.cache_reason(call.body)
         if why is not None:
             return CachePlan(None, why)
         key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body)
@@ -247,8 +247,7 @@ class Runtime:
         if not (route.split or self.classify_all):
             return _UNCLASSIFIED
         threshold = route.threshold if route.threshold is not None else self.threshold
-        body = chat_view(call.body) if call.endpoint.name == "responses" else call.body
-        return self.classifier.classify(body, threshold=threshold, rules=self.rules)
+        return self.classifier.classify(call.endpoint.classify_view(call.body), threshold=threshold, rules=self.rules)
 
     def route(self, model: str) -> Route:
         route = self.routes.get(model)

@@ -62,7 +62,7 @@ def retry_wait(
     if not any(o == status if isinstance(o, int) else kind in _RETRY_NAMES[o] for o in rp.on):
         return None
     jitter = (rng or random).uniform(0.75, 1.25)
-    wait = rp.backoff_ms / 1000 * 2 ** (max(1, tries_here) - 1) * jitter
+    wait = rp.backoff_ms / 1000 * 2.0 ** (max(1, tries_here) - 1) * jitter
     if kind in ("http_429", "http_503") and cooling_s > 0:
         wait = cooling_s
     wait = max(_MIN_RETRY_WAIT_S, wait)

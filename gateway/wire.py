@@ -15,6 +15,7 @@ from .errors import BadRequest
 
 __all__ = [
     "ChatRequest",
+    "RequestBody",
     "CompletionRequest",
     "JsonFloat",
     "JsonInt",
@@ -45,10 +46,15 @@ JsonInt = Annotated[int, BeforeValidator(_json_number)]
 JsonFloat = Annotated[float, BeforeValidator(_json_number)]
 
 
-class _Body(BaseModel):
+class RequestBody(BaseModel):
+    """What every request body has: a model. Other fields pass through to the backend."""
+
     model_config = ConfigDict(extra="allow", frozen=True)
 
     model: str = Field(min_length=1)
+
+
+class _Body(RequestBody):
     # strict: "yes", "1" or 1 are not booleans; the backend would read them differently than we do.
     stream: bool = Field(False, strict=True)
     stream_options: dict[str, Any] | None = None
@@ -82,10 +88,7 @@ class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
 
 
-class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="allow", frozen=True)
-
-    model: str = Field(min_length=1)
+class EmbeddingRequest(RequestBody):
     input: str | list[str] | list[int] | list[list[int]]
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.attempt import _context_length
+from gateway.codec_chat import CHAT, COMPLETIONS
+from gateway.refusal import context_length as _context_length
 from gateway.continuation import Mismatch, Resume, Transcript
 from gateway.health import Health
 from gateway.policy import PolicyError, parse_policy
@@ -53,7 +54,7 @@ def test_a_transcript_with_anything_but_one_texts_is_not_continuable(choice):
 def test_prefill_sends_the_delivered_text_as_an_assistant_turn_and_rewrites_the_continuation():
     t = _delivered("w0 ", "w1 ")
     r = Resume(t, "prefill", "s", "backend 'p' lost its connection mid-stream")
-    body = orjson.loads(r.body({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, "big", "chat"))
+    body = orjson.loads(r.body({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, "big", CHAT.prefill))
     assert body["model"] == "big" and body["messages"][-1] == {"role": "assistant", "content": "w0 w1 "}
     assert r.rewrite(_chunk("", role=True, cid="other", model="big")) is None  # the client had its role event
     out = r.rewrite(_chunk("w2 ", cid="other", model="big"))
@@ -69,14 +70,14 @@ def test_prefill_sends_the_delivered_text_as_an_assistant_turn_and_rewrites_the_
 def test_completions_prefill_appends_the_text_to_the_prompt():
     t = Transcript()
     t.note({"id": "x", "choices": [{"index": 0, "text": "Once upon"}]}, "p")
-    body = orjson.loads(Resume(t, "prefill", "s", "cut").body({"model": "m", "prompt": "Tell: "}, "m", "completions"))
+    body = orjson.loads(Resume(t, "prefill", "s", "cut").body({"model": "m", "prompt": "Tell: "}, "m", COMPLETIONS.prefill))
     assert body["prompt"] == "Tell: Once upon"
 
 
 def test_restart_skips_exactly_the_delivered_text_across_chunk_boundaries():
     t = _delivered("Hello ", "wor")
     r = Resume(t, "restart", "s", "cut")
-    body = orjson.loads(r.body({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "m", "chat"))
+    body = orjson.loads(r.body({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, "m", CHAT.prefill))
     assert body["messages"][-1]["role"] == "user"  # the original request, unchanged
     assert r.rewrite(_chunk("Hel")) is None
     assert r.rewrite(_chunk("lo w")) is None

@@ -21,7 +21,6 @@ from gateway.cache_entry import is_complete
 from gateway.errors import BadRequest, UpstreamError
 from gateway.responses import ResponsesRequest, chat_view, error_event, held_ids, stateful_reason, stateful_refs, usage_of
 from gateway.responses_replay import replay_events, replayable
-from gateway.responses_stream import CONTENT, END, FAILED, HELD, SKIP, Monitor
 from gateway.store import MemoryStore, Store, StoreError
 from gateway.store_redis import RedisStore
 from gateway.wire import SSEDecoder, event_data, parse_body
@@ -80,25 +79,6 @@ def test_only_completed_responses_with_replayable_items_are_cached():
     assert not replayable(_response(output=[{"type": "web_search_call", "id": "ws_1", "status": "completed"}]))
     assert not replayable(_response(output=[{"type": "message", "id": "m", "content": [{"type": "input_image"}]}]))
     assert not replayable({"object": "chat.completion"})
-
-
-def test_the_monitor_tells_deltas_ends_and_failures_apart():
-    mon = Monitor()
-    assert mon.feed({"type": "response.created", "response": {"id": "resp_9"}}) == HELD
-    assert mon.created == {"id": "resp_9"}
-    assert mon.feed({"type": "response.output_item.added", "item": {}}) == HELD
-    assert mon.feed({"type": "response.output_text.delta", "delta": "a"}) == CONTENT
-    assert mon.feed({"type": "response.function_call_arguments.delta", "delta": "{"}) == CONTENT
-    assert mon.feed({"type": "response.completed", "response": _response()}) == END
-    assert usage_of(mon.final) == {"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42}
-    assert mon.feed({"no": "type"}) == SKIP
-    failed = Monitor()
-    assert failed.feed({"type": "response.failed", "response": {"error": {"message": "overloaded"}}}) == FAILED
-    assert failed.failure == "overloaded"
-    err = Monitor()
-    assert err.feed({"type": "error", "code": "server_error", "message": "boom", "sequence_number": 3}) == FAILED
-    assert err.failure == "boom"
-    assert Monitor().feed({"error": {"message": "chat-style"}}) == FAILED
 
 
 def test_the_classifier_reads_instructions_and_input_as_a_chat():

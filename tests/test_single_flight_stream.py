@@ -18,7 +18,8 @@ import orjson
 import pytest
 
 from gateway.cache import SingleFlight
-from gateway.call import ENDPOINTS, Call
+from gateway.call import Call
+from gateway.endpoints import ENDPOINTS
 from gateway.errors import UpstreamError
 from gateway.flight import Broadcast, Budget, TeeSink, follow
 from gateway.keys import RELAY

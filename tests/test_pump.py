@@ -1,0 +1,190 @@
+"""The streaming pump (pump.py) over scripted upstream reads, without sockets: the same rules for
+every wire format (held bytes, the first-output claim, the stall deadline, the cut)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, Progress
+from gateway.backends import Backend, BackendState
+from gateway.call import Call, Finish
+from gateway.continuation import Transcript
+from gateway.endpoints import ENDPOINTS
+from gateway.errors import GatewayError
+from gateway.health import Kind
+from gateway.metrics import Metrics
+from gateway.policy import BackendPolicy, RoutingPolicy
+from gateway.pump import Pump
+from gateway.wire import SSE_DONE
+
+
+class Reads:
+    """An upstream body: each item is bytes to hand out, or seconds to wait before the next."""
+
+    status = 200
+
+    def __init__(self, *items: bytes | float) -> None:
+        self.items = list(items)
+
+    async def readany(self) -> bytes:
+        while self.items:
+            item = self.items.pop(0)
+            if isinstance(item, (int, float)):
+                await asyncio.sleep(item)
+                continue
+            return item
+        return b""
+
+
+class Sink:
+    committed = False
+
+    def __init__(self) -> None:
+        self.out: list[bytes] = []
+        self.ended = False
+        self.headers: dict[str, str] = {}
+
+    async def write(self, data: bytes) -> None:
+        self.committed = True
+        self.out.append(data)
+
+    async def end(self) -> None:
+        self.ended = True
+
+    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        raise AssertionError("a stream is never sent whole")
+
+    async def fail(self, err: GatewayError) -> None:
+        raise AssertionError("the pump writes no failure: the relay does")
+
+    def set_header(self, name: str, value: str) -> None:
+        self.headers[name] = value
+
+
+class Ctx:
+    def __init__(self) -> None:
+        self.metrics = Metrics()
+
+
+class Req:
+    """What an attempt shares with its request (attempt.Requester)."""
+
+    def __init__(self, endpoint: str, **call: Any) -> None:
+        now = time.monotonic()
+        self.call = Call("r1", ENDPOINTS[endpoint], b"{}", None, now + call.pop("timeout_s", 10), t0_monotonic=now,
+                         model="m", stream=True, **call)
+        self.ctx, self.sink, self.progress = Ctx(), Sink(), Progress()
+
+
+def _attempt(req: Req, live: RoutingPolicy | None = None, **timeouts: int) -> Attempt:
+    backend = Backend("b", BackendPolicy(url="http://127.0.0.1:9/v1", models=["m"], timeouts=timeouts or {}), BackendState())
+    return Attempt(req, backend, req.ctx.metrics.for_backend("b"), live=live)  # type: ignore[arg-type]
+
+
+def _chat(content: str | None = None, finish: str | None = None) -> bytes:
+    delta = {} if content is None else {"content": content}
+    return b"data: " + orjson.dumps({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + b"\n\n"
+
+
+def _resp(kind: str, **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+
+
+ROLE = b'data: {"id":"c","choices":[{"index":0,"delta":{"role":"assistant"}}]}\n\n'
+CREATED = _resp("response.created", response={"id": "resp_1"})
+DELTA = _resp("response.output_text.delta", delta="Hi")
+COMPLETED = _resp("response.completed", response={"id": "resp_1", "usage": {"input_tokens": 1, "output_tokens": 1}})
+
+
+async def test_a_chat_stream_is_held_until_its_first_token_then_passed_through_and_ended_with_done():
+    req = Req("chat")
+    att = _attempt(req)
+    kind = await Pump(att, Reads(b": keep-alive\n\n", ROLE, _chat("Hi"), _chat(None, "stop"), b"data: [DONE]\n\n")).run()  # type: ignore[arg-type]
+    assert kind is Kind.OK and req.call.finish is Finish.OK and req.sink.ended
+    # The keep-alive before the first token is dropped; the role event is released with the token.
+    assert req.sink.out == [ROLE + _chat("Hi"), _chat(None, "stop"), SSE_DONE]
+    assert req.progress.owner == "b" and req.progress.first_sent and req.call.streamed_tokens == 1
+    assert req.call.ttft_s is not None
+
+
+async def test_a_responses_stream_goes_through_the_same_pump():
+    req = Req("responses")
+    kind = await Pump(_attempt(req), Reads(CREATED, DELTA, COMPLETED)).run()  # type: ignore[arg-type]
+    assert kind is Kind.OK and req.sink.out == [CREATED + DELTA, COMPLETED]  # no [DONE] of its own
+    assert req.call.usage == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+
+
+@pytest.mark.parametrize("endpoint,before", [("chat", ROLE), ("responses", CREATED)])
+async def test_a_failure_before_the_first_output_fails_over_without_a_byte_sent(endpoint, before):
+    req = Req(endpoint)
+    with pytest.raises(AttemptFailed) as failed:
+        await Pump(_attempt(req), Reads(before, b'data: {"error": {"message": "boom"}}\n\n')).run()  # type: ignore[arg-type]
+    assert failed.value.kind is Kind.ERROR_EVENT and "boom" in failed.value.err.message
+    assert req.sink.out == [] and req.progress.owner is None
+
+
+@pytest.mark.parametrize("endpoint,first", [("chat", _chat("Hi")), ("responses", DELTA)])
+async def test_a_stream_that_ends_mid_answer_is_cut_after_its_output_was_written(endpoint, first):
+    req = Req(endpoint)
+    with pytest.raises(Cut) as cut:
+        await Pump(_attempt(req), Reads(first)).run()  # type: ignore[arg-type]
+    assert cut.value.kind is Kind.CUT_MID_STREAM and req.sink.out == [first] and not req.sink.ended
+
+
+async def test_an_error_event_mid_stream_cuts_a_chat_stream_after_what_came_with_it():
+    req = Req("chat")
+    with pytest.raises(Cut) as cut:
+        await Pump(_attempt(req), Reads(_chat("a") + _chat("b") + b'data: {"error": "gone"}\n\n')).run()  # type: ignore[arg-type]
+    assert cut.value.kind is Kind.ERROR_EVENT_MID_STREAM and req.sink.out == [_chat("a") + _chat("b")]
+
+
+async def test_the_responses_failure_event_mid_stream_is_passed_on_and_ends_the_stream():
+    req = Req("responses")
+    failed = _resp("response.failed", response={"error": {"message": "overloaded"}})
+    kind = await Pump(_attempt(req), Reads(DELTA, failed)).run()  # type: ignore[arg-type]
+    assert kind is Kind.ERROR_EVENT_MID_STREAM and req.call.finish is Finish.ERROR
+    assert req.sink.out == [DELTA, failed] and req.sink.ended
+
+
+async def test_too_much_before_the_first_output_fails_over():
+    req = Req("chat")
+    with pytest.raises(AttemptFailed) as failed:
+        await Pump(_attempt(req), Reads(*[ROLE] * (MAX_HELD_BYTES // len(ROLE) + 2))).run()  # type: ignore[arg-type]
+    assert failed.value.kind is Kind.TOO_LARGE and req.sink.out == []
+
+
+@pytest.mark.parametrize("endpoint,first", [("chat", _chat("Hi")), ("responses", DELTA)])
+async def test_a_stall_mid_stream_is_cut_at_the_backends_idle_timeout(endpoint, first):
+    req = Req(endpoint)
+    with pytest.raises(Cut) as cut:
+        await Pump(_attempt(req, idle_ms=50), Reads(first, 5.0)).run()  # type: ignore[arg-type]
+    assert cut.value.kind is Kind.CUT_MID_STREAM and "stalled for more than 50 ms" in cut.value.err.message
+
+
+@pytest.mark.parametrize("endpoint,first", [("chat", _chat("Hi")), ("responses", DELTA)])
+async def test_a_rescuable_stall_is_noticed_from_live_data_whatever_the_format(endpoint, first):
+    req = Req(endpoint, transcript=Transcript())  # a stall another backend could rescue
+    live = RoutingPolicy(idle_floor_ms=50, cold_idle_ms=60)
+    started = time.perf_counter()
+    with pytest.raises(Cut):
+        await Pump(_attempt(req, live, idle_ms=30_000), Reads(first, 5.0)).run()  # type: ignore[arg-type]
+    assert time.perf_counter() - started < 2  # the live deadline, not the 30 s idle timeout
+
+
+async def test_no_first_output_before_the_deadline_fails_over():
+    req = Req("responses")
+    with pytest.raises(AttemptFailed) as failed:
+        await Pump(_attempt(req, first_token_ms=50), Reads(CREATED, 5.0)).run()  # type: ignore[arg-type]
+    assert failed.value.kind is Kind.FIRST_TOKEN_TIMEOUT and "no first output within" in failed.value.err.message
+
+
+async def test_the_callers_deadline_mid_stream_is_the_callers_not_the_backends():
+    req = Req("chat", timeout_s=0.2)
+    with pytest.raises(Cut) as cut:
+        await Pump(_attempt(req), Reads(_chat("Hi"), 5.0)).run()  # type: ignore[arg-type]
+    assert cut.value.kind is Kind.CALLER_DEADLINE
