@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if problem is not None:
             print(f"gateway: {policy}: {problem}", file=sys.stderr)
             return 2
-        build_runtime(loaded, {}, generation=0)
+        build_runtime(loaded, {}, generation=0)  # to validate only: never activated, nothing is put in force
     except (PolicyError, ValueError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 1

@@ -10,13 +10,12 @@ from collections.abc import Awaitable, Callable
 import orjson
 from aiohttp import web
 
-from . import pipeline
 from .codec import Endpoint
 from .control import ControlError, ask
 from .endpoints import ENDPOINTS, explained
 from .errors import BadRequest, GatewayError, InternalError, NotFound, Unauthorized
 from .http_call import accounted, api_key, body_if_authenticated, error_response, json_response, new_call, request_id
-from .keys import ADMISSION, DRAIN, LIVE, METRICS, PEERS, RELAY, RELOADER, WORKER
+from .keys import ADMISSION, DRAIN, LIVE, METRICS, PEERS, PIPELINE, RELOADER, WORKER
 from .metrics import refresh_gauges
 from .observe import server_timing
 from .responses_api import routes as responses_by_id
@@ -47,7 +46,7 @@ def _proxy(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamRe
             return error_response(err, {"x-request-id": request_id(request)})
         sink = HttpSink(request, {"x-request-id": call.request_id, "x-gateway-queue-ms": "0"}, functools.partial(server_timing, call))
         with accounted(request, call, rt):
-            await pipeline.run(call, rt, request.app[RELAY], endpoint.wrap(sink))
+            await request.app[PIPELINE].run(call, rt, endpoint.wrap(sink))
         assert sink.response is not None
         return sink.response
 
@@ -75,7 +74,7 @@ async def route_explain(request: web.Request) -> web.Response:
     try:
         raw = await body_if_authenticated(request, rt)
         call = new_call(request, _explained(raw), raw, rt.server.request_timeout_ms)
-        return json_response(await pipeline.explain(call, rt, request.app[ADMISSION]), headers={"x-request-id": call.request_id})
+        return json_response(await request.app[PIPELINE].explain(call, rt), headers={"x-request-id": call.request_id})
     except GatewayError as err:
         return error_response(err, {"x-request-id": request_id(request)})
     except Exception:  # a bug: still an answer in the contract

@@ -16,16 +16,17 @@ from . import control
 from .api import LOOPBACK, backends_view, routes
 from .auth import is_loopback, open_mode_problem
 from .backends import BackendState
-from .admission import Admission, reserve_slots
+from .admission import Admission
 from .drain import Drain
 from .edge import handler_args
-from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, RELAY, RELOADER, WORKER
+from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, PIPELINE, RELAY, RELOADER, WORKER
 from .health import Health
 from .launcher import Children, LaunchState, watch_launched
 from .metrics import Metrics, refresh_gauges
 from .observe import Observer
 from .peers import Peers
 from .policy import LaunchPolicy, Policy, StorePolicy, load_policy
+from .pipeline import Pipeline
 from .relay_context import RelayContext
 from .probes import run_probes
 from .reload import Live, Reloader
@@ -59,34 +60,10 @@ def create_app(
     # client_max_size only backs that up for a stray request.read(). The parser never inflates.
     app = web.Application(client_max_size=loaded.server.max_body_bytes, handler_args=handler_args(loaded.server))
     metrics = Metrics()
-    # What outlives a reload: backend measurements (by name) and cache stores (by settings).
-    states: dict[str, BackendState] = {}
-    stores: dict[StorePolicy, Store] = {}
-
     # One admission gate for the app's life: a reload changes its limits, never drops its queue.
     admission = Admission(loaded.admission.max_inflight, loaded.admission.max_queue)
-
-    def build(p: Policy, generation: int) -> Runtime:
-        problem = open_mode_problem(p, host)
-        if problem is not None:  # e.g. a reload that drops every tenant must not open the doors
-            raise ValueError(problem)
-        rt = build_runtime(
-            p, states, generation, stores,
-            on_cache_error=lambda op: metrics.cache_errors.labels(op).inc(),
-            on_quota_degraded=metrics.quota_degraded.inc,
-            on_affinity=metrics.affinity_event,
-        )
-        a = p.admission
-        admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())
-        metrics.zero_series(sorted({rt.tenants.metric_label(t) for t in p.tenants}))
-        if worker is not None and worker.count > 1:
-            for b in rt.backends.values():  # max_concurrency holds across the workers: each its share
-                b.slots.limit = share(b.policy.max_concurrency, worker)
-                b.slots.reserve = reserve_slots(b.slots.limit, p.admission.priority_reserve_pct)
-                b.slots.dispatch()
-        return rt
-
-    live = Live(build(loaded, 1))
+    snapshots = _Snapshots(metrics, admission, host, worker)
+    live = Live(snapshots.build(loaded, 1), snapshots.activate)
 
     def set_state(name: str, state: LaunchState) -> None:
         b = live.runtime.backends.get(name)
@@ -106,8 +83,49 @@ def create_app(
     app[WORKER] = worker
     app[DRAIN] = Drain()
     app[OBSERVER] = Observer(metrics, force_access_log=access_log)
-    app[RELOADER] = Reloader(path, live, build, metrics, on_swap=on_swap)
+    app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap)
     app.add_routes(routes())
+    _lifecycle(app, children, live, snapshots.stores, worker)
+    return app
+
+
+class _Snapshots:
+    """Builds runtimes and puts them in force. What outlives a reload lives here: backend
+    measurements (by name) and stores (by settings), recorded by each runtime when it is put in
+    force (Runtime.activate), never while it is built."""
+
+    def __init__(self, metrics: Metrics, admission: Admission, host: str | None, worker: WorkerInfo | None) -> None:
+        self.metrics, self.admission, self.host, self.worker = metrics, admission, host, worker
+        self.states: dict[str, BackendState] = {}
+        self.stores: dict[StorePolicy, Store] = {}
+
+    def build(self, p: Policy, generation: int) -> Runtime:
+        """A complete runtime for `p`; nothing live changes until `activate`, at its swap."""
+        problem = open_mode_problem(p, self.host)
+        if problem is not None:  # e.g. a reload that drops every tenant must not open the doors
+            raise ValueError(problem)
+        metrics, worker = self.metrics, self.worker
+        return build_runtime(
+            p, self.states, generation, self.stores,
+            on_cache_error=lambda op: metrics.cache_errors.labels(op).inc(),
+            on_quota_degraded=metrics.quota_degraded.inc,
+            on_affinity=metrics.affinity_event,
+            # max_concurrency holds across the workers: each its share
+            slot_share=lambda limit: share(limit, worker),
+        )
+
+    def activate(self, rt: Runtime) -> None:
+        """A built runtime's limits in force, once, at its swap: the backends', the admission
+        gate's, and the series of its tenants."""
+        rt.activate(self.states, self.stores)
+        a = rt.policy.admission
+        self.admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())
+        self.metrics.zero_series(sorted({rt.tenants.metric_label(t) for t in rt.policy.tenants}))
+
+
+def _lifecycle(app: web.Application, children: Children, live: Live, stores: dict[StorePolicy, Store],
+               worker: WorkerInfo | None) -> None:
+    """What starts with the app and stops with it, in order."""
     app.cleanup_ctx.append(_upstream_pool)
     app.cleanup_ctx.append(lambda _app: _close_stores(stores, live))
     if worker is None:
@@ -121,7 +139,6 @@ def create_app(
     app.cleanup_ctx.append(_reload_watch)
     app.cleanup_ctx.append(_probes)
     app.cleanup_ctx.append(_observer)
-    return app
 
 
 def _apply(health: Health, state: LaunchState) -> None:
@@ -239,6 +256,7 @@ async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     """One keep-alive connection pool for every upstream call."""
     pool = UpstreamPool()
     app[RELAY] = RelayContext(pool, app[METRICS], admission=app[ADMISSION])
+    app[PIPELINE] = Pipeline(app[RELAY], app[OBSERVER])
     yield
     await pool.close()
 

@@ -124,11 +124,11 @@ class Attempt:
         headers = {**backend.headers, "X-Request-Id": call.request_id}
         resp: UpstreamResponse | None = None
         timer = asyncio.timeout_at(self.first_deadline)  # one timer per attempt, moved as the phases change
-        call.sent_at = time.perf_counter()  # Server-Timing's stages (observe.py)
+        call.timing.sent_at = time.perf_counter()  # Server-Timing's stages (observe.py)
         try:
             async with timer:
                 resp = await self.ctx.pool.post(url, body, headers, connect_timeout_s=t.connect_ms / 1000)
-                call.headers_at = time.perf_counter()
+                call.timing.headers_at = time.perf_counter()
                 if resp.status == 200 and not call.stream:
                     timer.reschedule(min(self.now + t.total_ms / 1000, self.call_deadline))
                     return resp, await resp.read(max_bytes=MAX_BODY_BYTES)
@@ -195,16 +195,16 @@ class Attempt:
         """A whole answer: check it is one (a 200 with garbage fails over), then pass its bytes on."""
         call = self.call
         try:
-            whole = call.endpoint.whole(raw, call.capture)
+            whole = call.endpoint.whole(raw, call.cache.capture)
         except NotAnAnswer as exc:
             raise AttemptFailed(UpstreamError(str(exc)), Kind.MALFORMED) from None
         self.claim()
         if whole.record is not None and call.affinity is not None:
             await call.affinity.learn(whole.record, self.backend.name)  # before the client sees its ids
-        call.entry = whole.entry
+        call.cache.entry = whole.entry
         if whole.usage is not None:
-            call.usage = whole.usage
-        call.finish = Finish.OK
+            call.out.usage = whole.usage
+        call.out.finish = Finish.OK
         await client_write(self.sink.send(200, raw))
         return Kind.OK
 
@@ -215,7 +215,7 @@ class Attempt:
         if progress.owner is not None and progress.owner != name:
             raise Lost()
         progress.owner = name
-        self.call.backend = name
+        self.call.out.backend = name
         self.sink.set_header("x-gateway-backend", name)
         if progress.rivals:
             me = asyncio.current_task()
@@ -235,8 +235,8 @@ class Attempt:
             call = self.call
             tracker.observe_ttft(now - self.started, prompt_tokens=call.prompt_tokens)
             if client:
-                call.ttft_s = now - call.t0
-                m.ttft.observe(call.ttft_s)
+                call.timing.ttft_s = now - call.timing.t0
+                m.ttft.observe(call.timing.ttft_s)
         return now
 
     def failed(self, summary: str, kind: Kind, detail: str, status: int | None = None) -> AttemptFailed:

@@ -46,6 +46,7 @@ class Endpoint:
     cacheable = True  # answers may be cached
     stateful = False  # answers make the backend hold state later requests build on (affinity.py, pinning.py)
     asks_usage = False  # a stream's usage comes only when asked for (stream_options.include_usage)
+    generates = True  # answers are generated tokens (a quota reserves for them; embeddings are not)
 
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """The body as the classifier reads it (a chat body)."""

@@ -58,7 +58,7 @@ class EmbeddingsEndpoint(Endpoint):
     """/v1/embeddings: passed through to a backend serving the model; no class, no cache."""
 
     name, path, request = "embeddings", "/embeddings", EmbeddingRequest
-    streams = classifies = cacheable = False
+    streams = classifies = cacheable = generates = False
 
     def whole(self, raw: bytes, capture: int) -> Whole:
         usage = _answer(raw).get("usage")

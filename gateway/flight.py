@@ -277,7 +277,7 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
     """Answer a streamed follower from its leader's live stream, within the follower's deadline.
 
     True when the follower was answered (its stream ended as the leader's did, or was cut with an
-    error event after content reached it; `call.finish` says which, "client_disconnect" included);
+    error event after content reached it; `call.out.finish` says which, "client_disconnect" included);
     False when nothing was sent and the follower must go upstream itself.
     """
     tap = bc.join()
@@ -299,7 +299,7 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
                             continue
                         if not sent:
                             sent = True
-                            call.cache, call.backend = CacheResult.HIT, "cache"
+                            call.cache.result, call.out.backend = CacheResult.HIT, "cache"
                             sink.set_header("x-gateway-cache", CacheResult.HIT)
                             sink.set_header("x-gateway-backend", bc.backend or "cache")
                         await sink.write(data)
@@ -307,17 +307,17 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
                     if tap.overflow:
                         if not sent:
                             return False
-                        call.finish = Finish.CUT
+                        call.out.finish = Finish.CUT
                         await sink.fail(UpstreamError("this client fell too far behind the stream it shared"))
                         return True
                     if bc.state is _DONE:
-                        call.finish = Finish.OK
+                        call.out.finish = Finish.OK
                         await sink.end()
                         return True
                     if bc.state is not _OPEN:  # failed or abandoned
                         if not sent:
                             return False
-                        call.finish = Finish.CUT
+                        call.out.finish = Finish.CUT
                         # The sink frames it: an SSE error event for chat, an `error` event on /v1/responses.
                         await sink.fail(bc.error or UpstreamError("the stream this request shared ended early"))
                         return True
@@ -325,11 +325,11 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
         except TimeoutError:
             if not sent:
                 return False  # the caller's own relay answers for the deadline (a 504)
-            call.finish = Finish.CUT
+            call.out.finish = Finish.CUT
             await sink.fail(UpstreamTimeout("the request's deadline passed mid-stream"))
             return True
     except ConnectionError:  # reset, or lost while a write waited on a slow reader
-        call.finish = Finish.CLIENT_DISCONNECT
+        call.out.finish = Finish.CLIENT_DISCONNECT
         return True
     finally:
         bc.leave(tap)

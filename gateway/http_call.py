@@ -15,7 +15,7 @@ from aiohttp import web
 
 from .body import read_body
 from .cache import cache_control
-from .call import Call
+from .call import Asked, Call, Timing
 from .codec import Endpoint
 from .errors import BadRequest, GatewayError, Unauthorized
 from .keys import DRAIN, LIVE, OBSERVER
@@ -110,12 +110,8 @@ def new_call(request: web.Request, endpoint: Endpoint, raw: bytes, server_timeou
         raw=raw,
         api_key=api_key(request),
         deadline=now + timeout_ms / 1000,
-        t0_monotonic=now,
-        priority=priority,
-        no_cache=no_cache,
-        no_store=no_store,
-        deadline_asked=bool(h.get("x-request-timeout-ms")),
-        trace_parent=parse_traceparent(h.get("traceparent")),
+        asked=Asked(priority, no_cache, no_store, bool(h.get("x-request-timeout-ms")), parse_traceparent(h.get("traceparent"))),
+        timing=Timing(t0_monotonic=now),
     )
 
 

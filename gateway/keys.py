@@ -11,16 +11,18 @@ if TYPE_CHECKING:
     from .drain import Drain
     from .observe import Observer
     from .peers import Peers
+    from .pipeline import Pipeline
     from .workers import WorkerInfo
     from .metrics import Metrics
     from .relay_context import RelayContext
     from .reload import Live, Reloader
 
-__all__ = ["ADMISSION", "DRAIN", "LIVE", "METRICS", "OBSERVER", "PEERS", "RELAY", "RELOADER", "WORKER"]
+__all__ = ["ADMISSION", "DRAIN", "LIVE", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "RELAY", "RELOADER", "WORKER"]
 
 LIVE: web.AppKey["Live"] = web.AppKey("live")
 METRICS: web.AppKey["Metrics"] = web.AppKey("metrics")
 RELAY: web.AppKey["RelayContext"] = web.AppKey("relay")
+PIPELINE: web.AppKey["Pipeline"] = web.AppKey("pipeline")
 RELOADER: web.AppKey["Reloader"] = web.AppKey("reloader")
 ADMISSION: web.AppKey["Admission"] = web.AppKey("admission")
 DRAIN: web.AppKey["Drain"] = web.AppKey("drain")

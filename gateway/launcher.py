@@ -153,6 +153,7 @@ class ChildBackend:
             return
         self._stopping = False
         self._check_port_free()
+        await self._end_pump(1.0)  # the last child's: done once its stderr closed
         self._tail.clear()
         self._proc = await asyncio.create_subprocess_exec(
             *self.command,
@@ -234,11 +235,32 @@ class ChildBackend:
 
     async def _forward_stderr(self, proc: asyncio.subprocess.Process) -> None:
         assert proc.stderr is not None
-        while line := await proc.stderr.readline():
+        while True:
+            try:
+                line = await proc.stderr.readline()
+            except ValueError:
+                # A line over the reader's limit (64 KiB), dropped. Read on: a pump that stopped
+                # here would leave the pipe to fill up, and the child would block on its next write.
+                log.info("%s (a stderr line too long to log, skipped)", self._prefix)
+                continue
+            if not line:
+                return
             text = line.decode(errors="replace").rstrip()
             if text:
                 self._tail.append(text)
                 log.info("%s %s", self._prefix, text)
+
+    async def _end_pump(self, wait_s: float) -> None:
+        """Give the stderr pump up to `wait_s` to read the child's last lines, then end it; a
+        failure of its own is logged, not lost."""
+        pump, self._pump = self._pump, None
+        if pump is None:
+            return
+        if not (await asyncio.wait({pump}, timeout=wait_s))[0]:
+            pump.cancel()
+            await asyncio.wait({pump})  # not `await pump`: a cancellation of ours must propagate
+        if not pump.cancelled() and (exc := pump.exception()) is not None:
+            log.error("%s stderr could not be read: %s", self._prefix, exc, exc_info=exc)
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
@@ -279,10 +301,7 @@ class ChildBackend:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
-        if self._pump is not None:
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(self._pump, 1.0)
-            self._pump = None
+        await self._end_pump(1.0)
 
 
 # (name, url, launch policy): what a launched backend is; a change of any part restarts it.
@@ -316,6 +335,7 @@ class Children:
             if name not in self._tasks:
                 self._set(name, LaunchState(False))  # not routed to until its /healthz answers
                 task = asyncio.create_task(self._run(name, *spec), name=f"launch-{name}")
+                task.add_done_callback(_log_failure)  # ends only when stopped, unless it fails
                 self._tasks[name] = (spec, task)
 
     async def stop(self, names: list[str] | None = None) -> None:
@@ -323,7 +343,7 @@ class Children:
         tasks = [self._tasks.pop(n)[1] for n in (list(self._tasks) if names is None else names) if n in self._tasks]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)  # a failure: logged by _log_failure
 
     def _set(self, name: str, state: LaunchState) -> None:
         self._states[name] = state
@@ -347,6 +367,11 @@ class Children:
             self._states.pop(name, None)
             self._on_change(name, LaunchState(False))
             await asyncio.shield(child.stop())
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("%s failed: %s", task.get_name(), exc, exc_info=exc)
 
 
 _WATCH_READY_S = 1.0  # between polls of a ready launched backend

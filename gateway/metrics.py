@@ -35,6 +35,25 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        # Declared by family, in this order (the order /metrics lists them in).
+        self._request_metrics(r)
+        self._admission_metrics(r)
+        self._relay_metrics(r)
+        self._backend_metrics(r)
+        self._cache_and_quota_metrics(r)
+        self._stage_and_affinity_metrics(r)
+        # Bound once: labels() is slow on the hot path, and these label sets are fixed.
+        self.stages = {s: self.stage.labels(s) for s in STAGES}
+        self.lookup = {res: self.cache_lookups.labels(res) for res in ("hit", "miss", "bypass")}
+        self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
+        self._requests: dict[tuple[str, str, str, str, int], Any] = {}
+        self._backends: dict[str, BackendMetrics] = {}
+        self._durations: dict[str, Any] = {}
+        self._affinity: dict[tuple[str, str], Any] = {}
+        self._tokens: dict[tuple[str, str, str], Any] = {}
+
+    def _request_metrics(self, r: CollectorRegistry) -> None:
+        """Answered requests, and how long they and their streams took."""
         self.requests = Counter(
             "gateway_requests", "Requests answered", ["model", "backend", "class", "cache", "code"], registry=r
         )
@@ -50,6 +69,9 @@ class Metrics:
             "gateway_inter_token_seconds", "Gaps between content chunks of a stream", ["backend"],
             buckets=_ITL_BUCKETS, registry=r,
         )
+
+    def _admission_metrics(self, r: CollectorRegistry) -> None:
+        """Queues, sheds and the admitted requests (admission.py)."""
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds", "Time spent queued (admission, a backend slot), per priority band", ["priority"],
             buckets=_QUEUE_BUCKETS, registry=r,
@@ -65,6 +87,10 @@ class Metrics:
         self.admission_inflight = Gauge(
             "gateway_admission_inflight", "Requests admitted and relaying", registry=r, multiprocess_mode="livesum",
         )
+
+    def _relay_metrics(self, r: CollectorRegistry) -> None:
+        """What happened while relaying: backend failures and what the relay did about them,
+        dropped chunks, clients that left, tokens used."""
         self.upstream_errors = Counter(
             "gateway_upstream_errors", "Backend failures by kind", ["backend", "kind"], registry=r
         )
@@ -86,6 +112,9 @@ class Metrics:
         self.tokens = Counter(
             "gateway_tokens", "Tokens reported by backends", ["tenant", "backend", "kind"], registry=r
         )
+
+    def _backend_metrics(self, r: CollectorRegistry) -> None:
+        """Backends' live state and health, and the routing decisions around them (reloads, classes, hedges)."""
         self.inflight = Gauge(
             "gateway_backend_inflight", "Requests in flight per backend", ["backend"], registry=r,
             multiprocess_mode="livesum",
@@ -112,6 +141,9 @@ class Metrics:
             "gateway_backend_ttft_p95_seconds", "Live TTFT P95 per backend (60 s window)", ["backend"], registry=r,
             multiprocess_mode="livemax",
         )
+
+    def _cache_and_quota_metrics(self, r: CollectorRegistry) -> None:
+        """The response cache's decisions and failures; tenant limits and spend."""
         self.cache_lookups = Counter(
             "gateway_cache_lookups", "Cache decisions per request: hit, miss, bypass", ["result"], registry=r
         )
@@ -126,24 +158,18 @@ class Metrics:
             "gateway_quota_degraded", "Quota operations answered by this replica's own counters (shared store failing)",
             registry=r,
         )
+
+    def _stage_and_affinity_metrics(self, r: CollectorRegistry) -> None:
+        """Where each request's time went (STAGES), and the Responses API's affinity records."""
         self.stage = Histogram(
             "gateway_stage_seconds", "Where each request's time went: " + ", ".join(STAGES), ["stage"],
             buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.stages = {s: self.stage.labels(s) for s in STAGES}
         self.affinity = Counter(
             "gateway_responses_affinity",
             "Responses API id -> (backend, owner) records: learn (ok, error, conflict), lookup (hit, miss, error), forget",
             ["op", "result"], registry=r,
         )
-        # Bound once: labels() is slow on the hot path, and these label sets are fixed.
-        self.lookup = {r: self.cache_lookups.labels(r) for r in ("hit", "miss", "bypass")}
-        self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
-        self._requests: dict[tuple[str, str, str, str, int], Any] = {}
-        self._backends: dict[str, BackendMetrics] = {}
-        self._durations: dict[str, Any] = {}
-        self._affinity: dict[tuple[str, str], Any] = {}
-        self._tokens: dict[tuple[str, str, str], Any] = {}
 
     def affinity_event(self, op: str, result: str) -> None:
         """Count one operation on the Responses affinity map (children bound once: labels() is slow)."""

@@ -8,26 +8,27 @@ upstream (`sent_at`), the upstream's headers (`headers_at`) and the first conten
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import logging.handlers
 import queue
+import threading
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
-from .call import Call
+from .call import Call, Finish
 from .metrics import Metrics
 from .policy import Policy, TracingPolicy
 
 if TYPE_CHECKING:
     from .runtime import Runtime
 
-__all__ = ["Observer", "parse_traceparent", "server_timing", "stages"]
+__all__ = ["AccessLog", "Observer", "parse_traceparent", "server_timing", "stages"]
 
-access_log = logging.getLogger("gateway.access")
+log = logging.getLogger("gateway.pipeline")
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 
@@ -48,20 +49,20 @@ def parse_traceparent(value: str | None) -> tuple[int, int, int] | None:
 def stages(call: Call, end: float) -> dict[str, float]:
     """Seconds per stage for a request that ended at `end` (perf_counter); stages it never
     reached are left out."""
-    queue_s = call.queue_ms / 1000
+    queue_s = call.timing.queue_ms / 1000
     out = {"queue": queue_s}
-    if not call.sent_at:  # answered without an upstream call (cache, refusal)
-        out["gateway"] = max(0.0, end - call.t0 - queue_s)
+    if not call.timing.sent_at:  # answered without an upstream call (cache, refusal)
+        out["gateway"] = max(0.0, end - call.timing.t0 - queue_s)
         return out
-    out["gateway"] = max(0.0, call.sent_at - call.t0 - queue_s)
-    if call.headers_at >= call.sent_at:
-        out["upstream_headers"] = call.headers_at - call.sent_at
-        if call.stream and call.ttft_s is not None:
-            first = call.t0 + call.ttft_s
-            out["first_token"] = max(0.0, first - call.headers_at)
+    out["gateway"] = max(0.0, call.timing.sent_at - call.timing.t0 - queue_s)
+    if call.timing.headers_at >= call.timing.sent_at:
+        out["upstream_headers"] = call.timing.headers_at - call.timing.sent_at
+        if call.stream and call.timing.ttft_s is not None:
+            first = call.timing.t0 + call.timing.ttft_s
+            out["first_token"] = max(0.0, first - call.timing.headers_at)
             out["decode"] = max(0.0, end - first)
         elif not call.stream:
-            out["decode"] = max(0.0, end - call.headers_at)
+            out["decode"] = max(0.0, end - call.timing.headers_at)
     return out
 
 
@@ -74,11 +75,11 @@ def server_timing(call: Call) -> str:
     parts = [f"gateway;dur={st['gateway'] * 1000:.2f}", f"queue;dur={st['queue'] * 1000:.2f}"]
     if "upstream_headers" in st:
         parts.append(f'upstream;desc="to headers";dur={st["upstream_headers"] * 1000:.2f}')
-    if call.stream and call.ttft_s is not None:
-        parts.append(f'ttft;desc="first token";dur={call.ttft_s * 1000:.2f}')
-    if call.cache == "hit":
+    if call.stream and call.timing.ttft_s is not None:
+        parts.append(f'ttft;desc="first token";dur={call.timing.ttft_s * 1000:.2f}')
+    if call.cache.result == "hit":
         parts.append('cache;desc="hit"')
-    parts.append(f"total;dur={(now - call.t0) * 1000:.2f}")
+    parts.append(f"total;dur={(now - call.timing.t0) * 1000:.2f}")
     return ", ".join(parts)
 
 
@@ -88,7 +89,7 @@ class Observer:
     def __init__(self, metrics: Metrics, *, force_access_log: bool = False) -> None:
         self.metrics = metrics
         self.force_access_log = force_access_log
-        self._listener: logging.handlers.QueueListener | None = None
+        self._access: AccessLog | None = None
         self._tracer: Any = None
         self._provider: Any = None
         self._otel: Any = None  # the otel module, once tracing started
@@ -101,12 +102,33 @@ class Observer:
             self._start_tracing(policy.tracing)
 
     def close(self) -> None:
-        if self._listener is not None:
-            self._listener.stop()  # writes what is queued
-            self._listener = None
+        if self._access is not None:
+            self._access.close()  # writes what is queued
+            self._access = None
         if self._provider is not None:
             self._provider.shutdown()  # exports what is batched
             self._provider = None
+
+    def count(self, call: Call, rt: "Runtime") -> None:
+        """Count one request the pipeline answered (however it ended): requests, durations,
+        disconnects, tokens. Labels only from the policy: a client-chosen model string would
+        grow the series without bound."""
+        m = self.metrics
+        backend = call.out.backend or "none"
+        model = call.model if call.model in rt.routes else "other"
+        m.request_done(model, backend, call.cls, call.cache.result, call.out.status)
+        m.duration_of(backend).observe(call.elapsed_s())
+        if call.out.finish is Finish.CLIENT_DISCONNECT:
+            m.client_disconnects.inc()
+        usage = call.out.usage
+        if usage and call.out.backend and call.out.backend != "cache":
+            tenant = rt.tenants.metric_label(call.tenant or "none")
+            for kind, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
+                n = usage.get(key)
+                if isinstance(n, int) and n > 0:
+                    m.tokens_of(tenant, backend, kind).inc(n)
+        if call.out.status >= 500:
+            log.warning("request %s failed with %s: %s", call.request_id, call.out.status, call.out.error)
 
     def done(self, call: Call, rt: "Runtime") -> None:
         """Record one finished request (however it ended)."""
@@ -116,25 +138,16 @@ class Observer:
         for name, seconds in st.items():
             hist[name].observe(seconds)
         if self.force_access_log or rt.policy.log.access:
-            if self._listener is None:
-                self._start_access_log()  # turned on by a reload
-            access_log.info("%s", _line(call, rt, st, end).decode())
+            access = self._access or self._start_access_log()  # a reload may have turned it on
+            access.write(_line(call, rt, st, end))
         if self._tracer is not None:
             self._span(call, st, end)
 
     # ---- access log -----------------------------------------------------------------------------
 
-    def _start_access_log(self) -> None:
-        """One JSON line per request on stdout, written by a thread: a slow pipe never stalls
-        the event loop (the queue is unbounded; a line is a few hundred bytes)."""
-        q: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-        out = logging.StreamHandler(sys.stdout)
-        out.setFormatter(logging.Formatter("%(message)s"))
-        access_log.handlers[:] = [logging.handlers.QueueHandler(q)]
-        access_log.propagate = False
-        access_log.setLevel(logging.INFO)
-        self._listener = logging.handlers.QueueListener(q, out)
-        self._listener.start()
+    def _start_access_log(self) -> AccessLog:
+        self._access = AccessLog(sys.stdout)
+        return self._access
 
     # ---- tracing --------------------------------------------------------------------------------
 
@@ -153,30 +166,71 @@ class Observer:
     def _span(self, call: Call, st: dict[str, float], end: float) -> None:
         now_ns = time.time_ns()
         end_ns = now_ns - int((time.perf_counter() - end) * 1e9)
-        start_ns = end_ns - int((end - call.t0) * 1e9)
+        start_ns = end_ns - int((end - call.timing.t0) * 1e9)
         attrs: dict[str, Any] = {
             "gateway.request_id": call.request_id, "gateway.tenant": call.tenant or "", "gen_ai.request.model": call.model,
-            "gateway.class": call.cls, "gateway.backend": call.backend or "", "gateway.cache": call.cache,
-            "http.response.status_code": call.status, "gateway.stream": call.stream,
+            "gateway.class": call.cls, "gateway.backend": call.out.backend or "", "gateway.cache": call.cache.result,
+            "http.response.status_code": call.out.status, "gateway.stream": call.stream,
         }  # fmt: skip
         for name, seconds in st.items():
             attrs[f"gateway.stage.{name}_ms"] = round(seconds * 1000, 3)
-        if call.ttft_s is not None:
-            attrs["gateway.ttft_ms"] = round(call.ttft_s * 1000, 3)
-        usage = call.usage or {}
+        if call.timing.ttft_s is not None:
+            attrs["gateway.ttft_ms"] = round(call.timing.ttft_s * 1000, 3)
+        usage = call.out.usage or {}
         for key in ("prompt_tokens", "completion_tokens"):
             if isinstance(usage.get(key), int):
                 attrs[f"gen_ai.usage.{key}"] = usage[key]
         # The caller's span (from its traceparent) as the parent of the gateway's, else a new trace.
-        context = None if call.trace_parent is None else self._otel.parent(*call.trace_parent)
+        context = None if call.asked.trace_parent is None else self._otel.parent(*call.asked.trace_parent)
         span = self._tracer.start_span(f"{call.endpoint.name} {call.model}", context=context, start_time=start_ns, attributes=attrs)
-        if call.status >= 500:
-            span.set_status(self._otel.error(call.error or ""))
+        if call.out.status >= 500:
+            span.set_status(self._otel.error(call.out.error or ""))
         span.end(end_time=end_ns)
 
 
+class AccessLog:
+    """One JSON line per request on `out`, written by a thread in batches: a slow pipe never
+    stalls the event loop, and a request costs a queue put, not a logging record and a thread
+    wake-up (the queue is unbounded; a line is a few hundred bytes)."""
+
+    _EVERY_S = 0.05  # how often the writer wakes up to write what came
+
+    def __init__(self, out: TextIO) -> None:
+        self._out = out
+        self._q: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gateway-access-log", daemon=True)
+        self._thread.start()
+
+    def write(self, line: bytes) -> None:
+        self._q.put(line)
+
+    def close(self) -> None:
+        """Write what is queued and stop the writer."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._EVERY_S):
+            self._flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        lines: list[bytes] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                lines.append(self._q.get_nowait())
+        if lines:
+            lines.append(b"")
+            try:
+                self._out.write(b"\n".join(lines).decode())
+                self._out.flush()
+            except (OSError, ValueError):  # stdout closed or gone: the lines are dropped, not the gateway
+                pass
+
+
 def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
-    usage = call.usage or {}
+    usage = call.out.usage or {}
     line: dict[str, Any] = {
         "ts": round(time.time(), 3),
         "request_id": call.request_id,
@@ -184,20 +238,20 @@ def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
         "endpoint": call.endpoint.name,
         "model": call.model,
         "class": call.cls,
-        "backend": call.backend,
-        "attempts": call.attempts,
-        "cache": call.cache,
+        "backend": call.out.backend,
+        "attempts": call.out.attempts,
+        "cache": call.cache.result,
         "stream": call.stream,
-        "status": call.status,
-        "finish": call.finish,
-        "ttft_ms": None if call.ttft_s is None else round(call.ttft_s * 1000, 2),
-        "duration_ms": round((end - call.t0) * 1000, 2),
+        "status": call.out.status,
+        "finish": call.out.finish,
+        "ttft_ms": None if call.timing.ttft_s is None else round(call.timing.ttft_s * 1000, 2),
+        "duration_ms": round((end - call.timing.t0) * 1000, 2),
         **{f"{name}_ms": round(s * 1000, 2) for name, s in st.items()},
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
     }
-    if call.error:
-        line["error"] = call.error[:300]
+    if call.out.error:
+        line["error"] = call.out.error[:300]
     if rt.policy.log.prompts:
         body = call.body
         line["prompt"] = body.get("messages", body.get("prompt", body.get("input")))

@@ -73,9 +73,9 @@ def without_tier(body: dict[str, Any], tenant: Tenant) -> dict[str, Any] | None:
 
 
 def cap(call: Call, tenant: Tenant) -> None:
-    """Hold the call to its tenant's ceiling: its band (`call.priority`), and the `service_tier`
+    """Hold the call to its tenant's ceiling: its band (`call.asked.priority`), and the `service_tier`
     its body sends upstream (removed above the ceiling; `call.raw` re-encoded then)."""
-    call.priority = band_for(call.priority, tenant)
+    call.asked.priority = band_for(call.asked.priority, tenant)
     body = without_tier(call.body, tenant)
     if body is not None:
         call.body, call.raw = body, orjson.dumps(body)

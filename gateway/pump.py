@@ -44,7 +44,7 @@ class Pump:
         call = att.call
         self.att, self.resp = att, resp
         rewrite = att.resume.rewrite if att.resume is not None else None
-        self.mon = call.endpoint.monitor(capture=call.capture, strip_usage=call.strip_usage, rewrite=rewrite)
+        self.mon = call.endpoint.monitor(capture=call.cache.capture, strip_usage=call.asked.strip_usage, rewrite=rewrite)
         self.timer = asyncio.timeout_at(att.first_deadline)
         self.idle_s = _idle_s(att)
         self.first = self.saw_done = self.failed = False  # first: the first output reached the client
@@ -80,7 +80,7 @@ class Pump:
             cut = self.broke or self._ended()
         finally:
             if self.mon.usage is not None:
-                att.call.usage = self.mon.usage
+                att.call.out.usage = self.mon.usage
         if cut is not None:
             # Nothing is written about it here: the relay continues the answer elsewhere, or ends the
             # stream with an error event (never [DONE]: a cut stream must not look like a success).
@@ -141,7 +141,7 @@ class Pump:
             if mon.out is not None:
                 ev = mon.out
             if v is _CONTENT:
-                att.call.streamed_tokens += 1
+                att.call.out.streamed_tokens += 1
                 if not self.first:
                     att.claim()
             transcript = att.call.transcript
@@ -194,13 +194,13 @@ class Pump:
         """A stream that ended as it should (or with the backend's own failure event, passed on)."""
         att, mon, call = self.att, self.mon, self.att.call
         if self.failed:
-            call.finish = Finish.ERROR
+            call.out.finish = Finish.ERROR
             await client_write(att.sink.end())
             return Kind.ERROR_EVENT_MID_STREAM
         if mon.ending and not self.saw_done:
             att.m.error("missing_done")  # completed by the gateway
-        call.entry = mon.entry()  # before the last write: a client that leaves at [DONE] still has it stored
-        call.finish = Finish.OK
+        call.cache.entry = mon.entry()  # before the last write: a client that leaves at [DONE] still has it stored
+        call.out.finish = Finish.OK
         if mon.ending:
             await client_write(att.sink.write(mon.ending))
         await client_write(att.sink.end())

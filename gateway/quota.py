@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import orjson
 
 from .auth import Tenant
-from .call import Call
+from .call import CacheResult, Call
 from .errors import RateLimited
 from .policy import LimitsPolicy, Policy, QuotaPolicy
 from .quota_counters import Ask, Decision, Scope, Settle, Usage
@@ -218,7 +218,7 @@ class Quota:
 
     @staticmethod
     def _completion_estimate(call: Call, plan: _Plan) -> int:
-        if call.endpoint.name == "embeddings":
+        if not call.endpoint.generates:
             return 0
         body = call.body
         for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
@@ -245,30 +245,30 @@ def _cap(scopes: tuple[Scope, ...]) -> int:
 def _tokens_used(call: Call) -> int:
     """What the request consumed: the backend's usage, else what was streamed (a client that left
     is charged what it got), else nothing (a cache hit, an error before any answer)."""
-    if call.cache == "hit":
+    if call.cache.result is CacheResult.HIT:
         return 0
-    usage = call.usage or {}
+    usage = call.out.usage or {}
     total = usage.get("total_tokens")
     if isinstance(total, int):
         return total
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if isinstance(p, int) or isinstance(c, int):
         return (p if isinstance(p, int) else 0) + (c if isinstance(c, int) else 0)
-    if call.streamed_tokens:
-        return call.prompt_tokens + call.streamed_tokens
+    if call.out.streamed_tokens:
+        return call.prompt_tokens + call.out.streamed_tokens
     return 0
 
 
 def _ask_for_usage(call: Call) -> None:
     """Streams: have the backend send its usage chunk; strip it for a client that did not ask."""
-    if not call.stream or call.endpoint.name in ("embeddings", "responses"):
-        return  # a Responses stream always ends with its usage (response.completed)
+    if not call.stream or not call.endpoint.asks_usage:
+        return  # a format whose streams always end with their usage (a Responses stream's response.completed)
     opts = call.body.get("stream_options")
     if isinstance(opts, dict) and opts.get("include_usage") is True:
         return
     call.body = {**call.body, "stream_options": {**(opts if isinstance(opts, dict) else {}), "include_usage": True}}
     call.raw = orjson.dumps(call.body)
-    call.strip_usage = True
+    call.asked.strip_usage = True
 
 
 def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:

@@ -12,91 +12,50 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
-from .admission import MAX_WAIT_SHARE, Shed
+from .admission import MAX_WAIT_SHARE
 from .attempt import ClientGone
 from .backends import Backend
 from .call import Call
 from .continuation import Transcript
 from .errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
 from .heartbeat import Heartbeat
-from .latency import quantile
 from .relay_context import RelayContext
 from .relay_hedge import Hedging
 from .relay_rescue import Rescue
 from .runtime import Route
 from .sink import Sink
+from .stage_admission import service_s
 from .timing import cold_first_token_s, retry_wait
 
-__all__ = ["ClientGone", "Relay", "RelayContext", "relay"]
+__all__ = ["ClientGone", "Relay", "RelayContext", "plan_view"]
 
 log = logging.getLogger("gateway.relay")
 
 
-def relay(call: Call, route: Route, ctx: RelayContext, sink: Sink) -> Coroutine[Any, Any, None]:
-    """Answer `call` from the best candidate that works, once admitted; raise a GatewayError
-    (AllBackendsFailed, or a shed) otherwise. (Its Relay's run(), without a frame of its own.)"""
-    return Relay(call, route, ctx, sink).run()
-
-
 class Relay(Rescue, Hedging):
+    """One request's way to an answer once admitted (the pipeline's last stage)."""
+
     __slots__ = ()
 
-    async def run(self) -> None:
-        # Started first: a stream waiting in a queue gets heartbeats too.
-        heartbeat = Heartbeat(self.sink, self.route.server, self.progress) if self.call.stream else None
-        admission = self.ctx.admission
+    @asynccontextmanager
+    async def heartbeat(self) -> AsyncIterator[None]:
+        """SSE comments while a stream waits for its first token, admission's queue included."""
+        beat = Heartbeat(self.sink, self.route.server, self.progress) if self.call.stream else None
         try:
-            if not admission.enabled:  # one band, one tenant (a first come, first served queue), no shedding
-                await self._relay(shed=False)
-                return
-            await self._admit()
-            held = time.monotonic()
-            try:
-                await self._relay(shed=True)
-            finally:
-                admission.leave(time.monotonic() - held, self.band)
+            yield
         finally:
-            if heartbeat is not None:
-                await heartbeat.stop()
+            if beat is not None:
+                await beat.stop()
 
-    async def _admit(self) -> None:
-        """The admission stage: a place among the process's `max_inflight`, or a quick refusal
-        when the predicted wait (here, and then at the best backend) cannot meet the deadline."""
-        call, pool, ticket, metrics = self.call, self.pool, self.ticket, self.ctx.metrics
-        downstream = None
-        usable = [b for b, c in zip(pool.backends, pool.candidates) if c.health.healthy] or list(pool.backends)
-        first_token_s = min((b.tracker.predict_ttft(call.prompt_tokens) or 0.0) for b in usable) if usable else 0.0
-        if usable and not any(b.slots.free(ticket.band) for b in usable):
-            # Every candidate is full: the wait continues at the one that frees up soonest. (Not the
-            # selector's pick: ranking has side effects, such as exploration, that belong to _answer.)
-            waits = [(b.slots.queue.position(ticket.band, ticket.tenant, ticket.weight), _service_s(b) / max(1, b.slots.limit))
-                     for b in usable]
-
-            def downstream(ahead: int) -> float:
-                return min((behind + ahead + 1) * per for behind, per in waits)
-
-        try:
-            waited = await self.ctx.admission.enter(ticket, call.remaining_s(), downstream, first_token_s)
-        except Shed as shed:
-            metrics.shed.labels(shed.reason, ticket.band).inc()
-            raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
-        except TimeoutError:
-            metrics.shed.labels("expired", ticket.band).inc()
-            raise UpstreamTimeout(
-                f"the request's deadline of {call.timeout_ms()} ms passed while it waited for admission: not sent"
-            ) from None
-        if waited:
-            call.queue_ms += waited * 1000
-            metrics.queue_wait.labels(ticket.band).observe(waited)
-            self.sink.set_header("x-gateway-queue-ms", f"{call.queue_ms:.1f}")
-
-    async def _relay(self, *, shed: bool) -> None:
+    async def run(self, *, shed: bool) -> None:
         """Answer from the candidates (failover, same-backend retries, context-window fallbacks),
-        then continue the answer elsewhere if its stream broke mid-way."""
+        then continue the answer elsewhere if its stream broke mid-way. `shed`: refuse a queue
+        wait that cannot meet the deadline (admission is on). Raises a GatewayError
+        (AllBackendsFailed, or a shed) when no backend answers."""
         call = self.call
         if call.stream and self.route.routing.continuation and len(self.pool.backends) > 1 and call.endpoint.continuable(call.body):
             call.transcript = Transcript()
@@ -118,7 +77,7 @@ class Relay(Rescue, Hedging):
         for i, backend in enumerate(order):
             if tries.count >= max_attempts or call.remaining_s() <= 0:
                 break
-            if backend.name in call.attempts:
+            if backend.name in call.out.attempts:
                 continue  # it already ran as a hedge
             if not backend.slots.free(self.band):
                 full.append(backend)
@@ -163,7 +122,7 @@ class Relay(Rescue, Hedging):
         backend = full[0]
         remaining = call.remaining_s()
         ttft = backend.tracker.predict_ttft(call.prompt_tokens) or 0.0
-        wait = backend.slots.predicted_wait_s(ticket.band, ticket.tenant, _service_s(backend), ticket.weight)
+        wait = backend.slots.predicted_wait_s(ticket.band, ticket.tenant, service_s(backend), ticket.weight)
         if shed and wait > MAX_WAIT_SHARE * (remaining - ttft):
             # Refused now, not after the deadline: the wait would use it up.
             self.ctx.metrics.shed.labels("deadline", ticket.band).inc()
@@ -211,11 +170,34 @@ class Relay(Rescue, Hedging):
         return order
 
 
-def _service_s(backend: Backend) -> float:
-    """How long one request holds a slot of this backend: its live median duration, else its
-    predicted TTFT, else 1 s."""
-    t = backend.tracker
-    median = quantile(t.duration.sorted(t.clock()), 0.5)
-    if median is not None:
-        return median
-    return t.predict_ttft() or 1.0
+
+def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]:
+    """The relay's part of /v1/route/explain: the candidates as the selector ranks them now, each
+    with its live figures and why it would be skipped, and the one it would try first."""
+    pool = route.pool(call.cls, call.endpoint.name)
+    ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
+    candidates = []
+    for r in ranked:
+        b = pool.backends[r.index]
+        snap = b.tracker.snapshot()
+        candidates.append(
+            {
+                "backend": b.name,
+                "upstream_model": b.upstream_model(call.model),
+                "health": b.health_for(call.model).state(),
+                "inflight": b.slots.used,
+                "max_concurrency": b.slots.limit,
+                "ttft_p50_ms": snap["ttft_p50_ms"],
+                "ttft_p95_ms": snap["ttft_p95_ms"],
+                "predicted_ttft_ms": None if r.predicted_ttft_s is None else round(r.predicted_ttft_s * 1000, 2),
+                "score": None if r.score == float("inf") else round(r.score, 6),
+                "error_rate": snap["error_rate"],
+                "skipped": r.skipped,
+                "note": r.note,
+            }
+        )
+    chosen = None
+    if ranked and (ranked[0].skipped is None or ranked[0].last_resort):
+        chosen = pool.backends[ranked[0].index].name
+    view = {"strategy": pool.selector.strategy, "hedge": route.hedge is not None, "candidates": candidates, "chosen": chosen}
+    return view, pool.backends[ranked[0].index] if ranked else None

@@ -124,21 +124,21 @@ class RelayBase:
             self.ctx.metrics.shed.labels(shed.reason, self.band).inc()
             raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
         waited = time.perf_counter() - queued
-        self.call.queue_ms += waited * 1000
+        self.call.timing.queue_ms += waited * 1000
         self.ctx.metrics.queue_wait.labels(ticket.band if ticket is not None else Band.DEFAULT).observe(waited)
-        self.sink.set_header("x-gateway-queue-ms", f"{self.call.queue_ms:.1f}")
+        self.sink.set_header("x-gateway-queue-ms", f"{self.call.timing.queue_ms:.1f}")
         return bool(got)
 
     def _started(self, backend: Backend, resume: Resume | None) -> None:
         """An attempt starts on `backend`: a failover when it follows another backend's failure."""
         call, tries = self.call, self.tries
-        if call.attempts and resume is None and call.attempts[-1] != backend.name and tries.last_kind is not Kind.CONTEXT_LENGTH:
+        if call.out.attempts and resume is None and call.out.attempts[-1] != backend.name and tries.last_kind is not Kind.CONTEXT_LENGTH:
             self.ctx.metrics.for_backend(backend.name).failovers.inc()
             self.ctx.metrics.relay_events.labels("failover", tries.last_label or "unknown").inc()
-            log.info("request %s: failing over from %r (%s) to %r", call.request_id, call.attempts[-1], tries.last_label, backend.name)
-        call.attempts.append(backend.name)
+            log.info("request %s: failing over from %r (%s) to %r", call.request_id, call.out.attempts[-1], tries.last_label, backend.name)
+        call.out.attempts.append(backend.name)
         tries.on[backend.name] = tries.on.get(backend.name, 0) + 1
-        call.backend = backend.name
+        call.out.backend = backend.name
         self.sink.set_header("x-gateway-backend", backend.name)
 
     def _report(self, att: Attempt, kind: Kind, status: int | None = None) -> None:

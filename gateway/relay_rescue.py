@@ -61,10 +61,10 @@ class Rescue(RelayBase):
         transcript = call.transcript
         notes: list[str] = []
         if transcript is not None and transcript.continuable and original.kind in _RESCUABLE:
-            call.capture, call.entry = 0, None  # an answer spliced from two backends is not cached
+            call.cache.capture, call.cache.entry = 0, None  # an answer spliced from two backends is not cached
             if await self._continue(transcript, notes):
                 return
-        call.finish = Finish.CUT
+        call.out.finish = Finish.CUT
         err = original.err
         if notes:
             err = type(err)(f"{err.message}; the answer could not be continued ({'; '.join(notes)})")
@@ -76,7 +76,7 @@ class Rescue(RelayBase):
         call, pool, progress, events = self.call, self.pool, self.progress, self.ctx.metrics.relay_events
         original = cut = progress.cut
         assert original is not None and cut is not None
-        broken = {call.backend}
+        broken = {call.out.backend}
         ranked = [r for r in pool.selector.rank(pool.candidates, call.prompt_tokens) if r.skipped is None]
         candidates = [pool.backends[r.index] for r in ranked if pool.backends[r.index].name not in broken]
         rescues = 0

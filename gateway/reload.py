@@ -1,7 +1,8 @@
 """Hot reload: on file change, on SIGHUP and on POST /admin/reload.
 
-A reload builds a complete new Runtime and swaps one reference; a policy that fails validation is
-rejected with a logged error and a metric, and the old one stays. Requests in flight keep the
+A reload builds a complete new Runtime and swaps one reference, applying its live limits at that
+moment (`Live.swap`); a policy that fails validation or its build is rejected with a logged error
+and a metric, and the old one stays with every limit as it was. Requests in flight keep the
 Runtime they started with.
 """
 
@@ -25,11 +26,23 @@ log = logging.getLogger("gateway.reload")
 
 
 class Live:
-    """Holds the Runtime in force. Read `.runtime` once per request."""
+    """Holds the Runtime in force. Read `.runtime` once per request.
 
-    __slots__ = ("runtime",)
+    `activate` puts a built runtime's limits in force on what outlives it (the backends' state,
+    the stores, the admission gate): called once per runtime, for the first here and for each
+    later one at its `swap`."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    __slots__ = ("runtime", "_activate")
+
+    def __init__(self, runtime: Runtime, activate: Callable[[Runtime], None]) -> None:
+        self._activate = activate
+        activate(runtime)
+        self.runtime = runtime
+
+    def swap(self, runtime: Runtime) -> None:
+        """Put a newly built runtime in force: its limits apply and the next request reads it, at
+        one moment (no await between)."""
+        self._activate(runtime)
         self.runtime = runtime
 
 
@@ -66,7 +79,7 @@ class Reloader:
                 log.error("policy reload (%s) rejected, keeping generation %d: %s", trigger, self.live.runtime.generation, exc)
                 return False, str(exc)
             self._digest = _digest(self.path)
-            self.live.runtime = runtime
+            self.live.swap(runtime)
             self.metrics.policy_reloads.labels("ok").inc()
             log.info("policy reloaded (%s): generation %d from %s", trigger, runtime.generation, self.path)
             if self.on_swap is not None:

@@ -32,7 +32,7 @@ def report(
     whether the attempt is a latency sample at all (a by-id call is not)."""
     o = OUTCOMES[kind]
     if o.sample and sample:
-        completion = (call.usage or {}).get("completion_tokens") if kind is Kind.OK else None
+        completion = (call.out.usage or {}).get("completion_tokens") if kind is Kind.OK else None
         backend.tracker.observe_done(
             seconds,
             ok=kind is Kind.OK,

@@ -21,7 +21,7 @@ from yarl import URL
 from .attempt import MAX_BODY_BYTES
 from .auth import Tenant
 from .backends import Backend
-from .call import Call, Finish
+from .call import Call, Finish, Timing
 from .codec import Endpoint
 from .errors import GatewayError, UpstreamError, UpstreamTimeout
 from .health import Kind
@@ -62,7 +62,7 @@ class Passthrough:
         self.request, self.rt = request, rt
         now = time.monotonic()
         self.call = Call(request_id(request), BY_ID[kind], b"", api_key(request),
-                         now + rt.server.request_timeout_ms / 1000, t0_monotonic=now)
+                         now + rt.server.request_timeout_ms / 1000, timing=Timing(t0_monotonic=now))
         self.headers = {"x-request-id": self.call.request_id}
         self.tenant: Tenant | None = None
         self.hold: Hold | None = None
@@ -92,14 +92,14 @@ class Passthrough:
 
     def answered(self, out: web.StreamResponse) -> web.StreamResponse:
         """The backend's answer, as it said it (a relayed stream may have been cut)."""
-        self.call.status = out.status
-        if self.call.finish is None:
-            self.call.finish = Finish.OK
+        self.call.out.status = out.status
+        if self.call.out.finish is None:
+            self.call.out.finish = Finish.OK
         return out
 
     def failed(self, err: GatewayError) -> web.Response:
         call = self.call
-        call.status, call.error, call.finish = err.status, err.message, Finish.ERROR
+        call.out.status, call.out.error, call.out.finish = err.status, err.message, Finish.ERROR
         return error_response(err, self.headers)
 
     async def send(
@@ -109,20 +109,20 @@ class Passthrough:
         to ask. `on_found` runs on a 200 before anything of it is released (a GatewayError it
         raises is the answer instead)."""
         call, t = self.call, backend.timeouts
-        self.headers["x-gateway-backend"] = call.backend = backend.name
-        call.attempts.append(backend.name)
+        self.headers["x-gateway-backend"] = call.out.backend = backend.name
+        call.out.attempts.append(backend.name)
         qs = self.request.rel_url.raw_query_string
         url = URL(backend.base_url + path + (f"?{qs}" if qs else ""), encoded=True)
         up_headers = {**backend.headers, "X-Request-Id": call.request_id}
         if not body:
             up_headers.pop("Content-Type", None)
         resp: UpstreamResponse | None = None
-        call.sent_at = time.perf_counter()
+        call.timing.sent_at = time.perf_counter()
         try:
             async with asyncio.timeout(t.first_token_ms / 1000):
                 resp = await self.request.app[RELAY].pool.post(url, body, up_headers, connect_timeout_s=t.connect_ms / 1000,
                                                                method=method)
-            call.headers_at = time.perf_counter()
+            call.timing.headers_at = time.perf_counter()
             if resp.status >= 500:
                 self._report(backend, Kind.http(resp.status), resp.status)
             elif resp.status != 429:
@@ -169,17 +169,17 @@ class Passthrough:
         except (TimeoutError, UpstreamHTTPError) as exc:
             # Cut: the client sees the stream stop without response.completed, which is the truth.
             log.warning("request %s: replayed stream from a backend cut: %s", self.call.request_id, exc)
-            self.call.finish = Finish.CUT
+            self.call.out.finish = Finish.CUT
             return out
         except ConnectionError:  # reset, or lost while a write waited on a slow reader
-            self.call.finish = Finish.CLIENT_DISCONNECT
+            self.call.out.finish = Finish.CLIENT_DISCONNECT
             return out
         await out.write_eof()
         return out
 
     def _report(self, backend: Backend, kind: Kind, status: int | None = None) -> None:
         metrics = self.request.app[METRICS]
-        seconds = time.perf_counter() - self.call.sent_at
+        seconds = time.perf_counter() - self.call.timing.sent_at
         report(self.call, backend, metrics, metrics.for_backend(backend.name), kind, seconds, status=status, sample=False)
 
 

@@ -1,13 +1,15 @@
 """A Runtime: everything built from one policy, swapped atomically on reload.
 
 Each request reads the current Runtime once and keeps it to the end, so a reload never mixes the
-old and the new policy within one request.
+old and the new policy within one request. Building one changes nothing live: its limits on the
+backends it shares with the running one (health thresholds, slots) apply once, at the swap
+(`Runtime.activate`), so a policy that fails to build leaves everything as it was.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .admission import reserve_slots
@@ -147,6 +149,8 @@ class Runtime:
         cache: Cache | None = None,
         quota: Quota | None = None,
         affinity: Affinity | None = None,
+        stores: dict[StorePolicy, Store] | None = None,
+        slot_limits: dict[str, int] | None = None,
     ) -> None:
         self.policy = policy
         self.generation = generation
@@ -155,6 +159,11 @@ class Runtime:
         self.tenants = Tenants(policy)
         self.server = policy.server
         self.routing = policy.routing
+        # Applied by `activate`, at the swap: nothing above touched the live backends.
+        self.stores = stores if stores is not None else {}  # the stores it uses, by settings
+        self.slot_limits = slot_limits if slot_limits is not None else {n: b.policy.max_concurrency for n, b in backends.items()}
+        self._new_models: dict[str, dict[str, Health]] = {}  # backend -> upstream model -> its health, made here
+        self._active = False
         routes: dict[str, Route] = {}
         for model, names in policy.served_models().items():
             routes[model] = self._route(model, ModelRoute(backends=names))
@@ -173,6 +182,38 @@ class Runtime:
         # Which backend holds each Responses API id (affinity.py); in memory unless given a store.
         self.affinity = affinity if affinity is not None else _affinity(policy, MemoryStore(), None)
 
+    def activate(self, states: dict[str, BackendState], stores: dict[StorePolicy, Store]) -> None:
+        """Put this runtime's limits in force on the live backends: once, at its swap, right after
+        its build (no await between: a model health first made between them would be made twice).
+
+        Until now the build only read the live state, so a policy that failed to build changed
+        nothing. Applies the health thresholds (each backend's and its models'), the slot limits
+        (`slot_limits`: a worker's share), reserves and queue settings, and lets waiters in under a
+        raised limit; records the backend states in `states` (measurements carry over by name)
+        and registers the stores it opened in `stores` (reused while their settings stay the same;
+        one no longer used stays registered, for requests in flight, and closes with the app)."""
+        if self._active:
+            raise RuntimeError(f"policy generation {self.generation} was activated twice")
+        self._active = True
+        hp, ap = self.policy.health, self.policy.admission
+        for name, backend in self.backends.items():
+            state = backend.state
+            for upstream, h in self._new_models.get(name, {}).items():
+                state.models.setdefault(upstream, h)
+            for h in (state.health, *state.models.values()):
+                h.failures_to_eject = hp.failures_to_eject
+                h.eject_s = hp.eject_ms / 1000
+                h.max_eject_s = hp.max_eject_ms / 1000
+            slots = backend.slots
+            slots.limit = self.slot_limits[name]
+            slots.reserve = reserve_slots(slots.limit, ap.priority_reserve_pct)
+            slots.queue.starvation_share = ap.starvation_share
+            slots.standing_target_s, slots.standing_interval_s = ap.standing()
+            slots.dispatch()  # a raised max_concurrency lets its waiters in now
+            states[name] = state
+        for sp, store in self.stores.items():
+            stores.setdefault(sp, store)
+
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.
 
@@ -188,7 +229,7 @@ class Runtime:
                 ttl = ttl if o.ttl_s is None else o.ttl_s
         if not enabled:
             return _NO_CACHE
-        if call.no_cache:
+        if call.asked.no_cache:
             return CachePlan(None, "cache-control: no-cache")
         why = cacheable_request(call.body, require_deterministic=not include_sampled, default_temperatures=_defaults(call, route))
         if why is None:
@@ -196,14 +237,29 @@ class Runtime:
         if why is not None:
             return CachePlan(None, why)
         key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body)
-        return CachePlan(key, None, ttl, not call.no_store)
+        return CachePlan(key, None, ttl, not call.asked.no_store)
 
     def _pool(self, model: str, names: tuple[str, ...], strategy: str) -> Pool:
         rp = self.routing
         picked = tuple(self.backends[b] for b in names)
-        cands = tuple(Candidate(b.name, b.tracker, b.health_for(model), b.policy.weight, _cost(b.policy)) for b in picked)
+        cands = tuple(Candidate(b.name, b.tracker, self._health_for(b, model), b.policy.weight, _cost(b.policy)) for b in picked)
         selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s)
         return Pool(picked, cands, selector)
+
+    def _health_for(self, b: Backend, model: str) -> Health:
+        """`b.health_for(model)`, but while building without touching the live state: a model
+        health the backend has not had yet is made here and joins its state at `activate`."""
+        if self._active:
+            return b.health_for(model)
+        upstream = b.upstream_model(model)
+        h = b.state.models.get(upstream)
+        if h is None:
+            new = self._new_models.setdefault(b.name, {})
+            h = new.get(upstream)
+            if h is None:
+                p = b.health  # as BackendState.model_health makes one
+                h = new[upstream] = Health(p.failures_to_eject, p.eject_s, p.clock, p.max_eject_s, p.jitter, p.rng, parent=p)
+        return h
 
     def single_pool(self, model: str, backend: str) -> Pool:
         """A pool of one backend (a follow-up pinned to the backend that holds its state)."""
@@ -273,47 +329,40 @@ def _cost(bp: BackendPolicy) -> float:
 
 def build_runtime(
     policy: Policy,
-    states: dict[str, BackendState],
+    states: Mapping[str, BackendState],
     generation: int,
-    stores: dict[StorePolicy, Store] | None = None,
+    stores: Mapping[StorePolicy, Store] | None = None,
     on_cache_error: Callable[[str], None] | None = None,
     on_quota_degraded: Callable[[], None] | None = None,
     on_affinity: Callable[[str, str], None] | None = None,
+    slot_share: Callable[[int], int] | None = None,
 ) -> Runtime:
-    """Build a Runtime; backend measurements carry over from `states`, and cache stores from
-    `stores` (both updated in place; a store is reused while its settings stay the same).
+    """Build a complete Runtime from `policy`, changing nothing live: backend measurements carry
+    over from `states` (by name) and stores from `stores` (a store is reused while its settings
+    stay the same), both only read here. `Runtime.activate`, at the swap, puts the new limits in
+    force and records the states and the stores it opened. `slot_share`: the part of each
+    backend's max_concurrency that this process holds (a worker's share; default all of it).
 
-    Raises ValueError (e.g. a missing API key variable) without touching the running one.
+    Raises ValueError (e.g. a missing API key variable) leaving the running one and every live
+    limit as they were.
     """
     backends: dict[str, Backend] = {}
-    hp = policy.health
     for name, bp in policy.backends.items():
-        if name in states:
-            state = states[name]
-        else:
+        state = states.get(name)
+        if state is None:
             tracker = Tracker()
             state = BackendState(tracker, Health(), Slots(bp.max_concurrency, tracker))
         backends[name] = Backend(name, bp, state)
     # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
     classifier = Classifier.load(policy.classifier.weights_file)
-    # Only now that everything built: apply the new limits to the live state.
-    for name, backend in backends.items():
-        for h in (backend.state.health, *backend.state.models.values()):
-            h.failures_to_eject = hp.failures_to_eject
-            h.eject_s = hp.eject_ms / 1000
-            h.max_eject_s = hp.max_eject_ms / 1000
-        backend.slots.limit = backend.policy.max_concurrency
-        backend.slots.reserve = reserve_slots(backend.slots.limit, policy.admission.priority_reserve_pct)
-        backend.slots.queue.starvation_share = policy.admission.starvation_share
-        backend.slots.standing_target_s, backend.slots.standing_interval_s = policy.admission.standing()
-        backend.slots.dispatch()  # a raised max_concurrency lets its waiters in now
-        states[name] = backend.state
-    registry = stores if stores is not None else {}
+    registry: Mapping[StorePolicy, Store] = stores if stores is not None else {}
+    used: dict[StorePolicy, Store] = {}
 
     def store_of(sp: StorePolicy) -> Store:
-        store = registry.get(sp)
+        store = used.get(sp)
         if store is None:
-            store = registry[sp] = open_store(sp)
+            store = registry.get(sp)
+            used[sp] = store = store if store is not None else open_store(sp)
         return store
 
     cache = None
@@ -330,7 +379,9 @@ def build_runtime(
     sp = policy.store
     record_sp = sp if sp.url is None else sp.model_copy(update={"timeout_ms": max(sp.timeout_ms, policy.responses.record_timeout_ms)})
     affinity = _affinity(policy, store_of(record_sp), on_affinity)
-    return Runtime(policy, backends, classifier, generation, cache, quota, affinity)
+    share = slot_share if slot_share is not None else (lambda n: n)
+    slot_limits = {name: share(bp.max_concurrency) for name, bp in policy.backends.items()}
+    return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits)
 
 
 def _affinity(policy: Policy, store: Store, on_event: Callable[[str, str], None] | None) -> Affinity:

@@ -22,9 +22,21 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
+from prometheus_client import multiprocess
+
+from . import control
+from .app import create_app
+from .edge import EdgeRunner
+from .keys import DRAIN, LIVE, RELAY
+from .launcher import Children
+from .peers import Peers
+from .policy import PolicyError, load_policy
+from .reload import _digest, _stat
 from .workers import WorkerInfo, worker_socket
 
 __all__ = ["ListenError", "listen_problem", "run_worker", "setup_logging", "supervise_workers"]
@@ -90,12 +102,6 @@ def _answers(family: int, addr: tuple[Any, ...]) -> bool:
 
 
 async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log: bool, worker: WorkerInfo | None) -> None:
-    from aiohttp import web
-
-    from .app import create_app
-    from .edge import EdgeRunner
-    from .keys import DRAIN, LIVE, RELAY
-
     app = create_app(policy, host, worker=worker, access_log=access_log)
     # handler_cancellation: a client that disconnects cancels its handler, so the upstream
     # request is abandoned at once and every slot is returned. Shutdown waits for requests
@@ -179,6 +185,8 @@ def supervise_workers(policy: str, host: str, port: int, workers: int, access_lo
     configuration cannot work. Returns the exit code."""
     metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
     control_dir = Path(tempfile.mkdtemp(prefix="gateway-control-"))  # mode 0700: ours alone
+    # Read by prometheus_client when a process first imports it (the workers: spawned, they import
+    # after this is set) and by mark_process_dead when called; the supervisor itself records no metric.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         return asyncio.run(_Supervisor(Path(policy), host, port, workers, access_log, control_dir).run())
@@ -189,9 +197,6 @@ def supervise_workers(policy: str, host: str, port: int, workers: int, access_lo
 
 class _Supervisor:
     def __init__(self, policy: Path, host: str, port: int, workers: int, access_log: bool, control_dir: Path) -> None:
-        from .launcher import Children
-        from .policy import load_policy
-
         self.path = policy
         self.host, self.port, self.count, self.access_log = host, port, workers, access_log
         self.control_dir = control_dir
@@ -203,17 +208,18 @@ class _Supervisor:
         self.procs: dict[int, tuple[Any, float]] = {}  # index -> (process, started)
         self.stopping = asyncio.Event()
         self._lock = asyncio.Lock()
+        # Here, not in run(): the control socket may ask for a reload (reload_everywhere) before
+        # the subscription is up. Started in run().
+        self.peers = Peers(self.policy, on_reload=self.reload_all)
+        self._tasks: set[asyncio.Task[Any]] = set()  # the policy watcher, SIGHUP reloads: see _background
 
     # ---- life ---------------------------------------------------------------------------------
 
     async def run(self) -> int:
-        from . import control
-        from .peers import Peers
-
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop, sig)
-        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(self.reload_all("SIGHUP")))
+        loop.add_signal_handler(signal.SIGHUP, lambda: self._background(self.reload_all("SIGHUP"), "reload-SIGHUP"))
         server = await control.serve_unix(
             self.control_dir / "supervisor.sock",
             {
@@ -225,20 +231,36 @@ class _Supervisor:
         await self.children.reconcile(self._launch_specs())
         for i in range(self.count):
             self._spawn(i)
-        peers = Peers(self.policy, on_reload=self.reload_all)
-        await peers.start()
-        self.peers = peers
-        watcher = loop.create_task(self._watch_file())
+        await self.peers.start()
+        self._background(self._watch_file(), "policy-watch")
         code = 0
         try:
             code = await self._monitor()
         finally:
-            watcher.cancel()
-            await peers.close()
+            await self._end_background()
+            await self.peers.close()
             await self._wait_workers()
             await self.children.stop()
             await server.cleanup()
         return code
+
+    def _background(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run `coro` in a task this supervisor owns: kept until it ends (a task nobody holds may
+        be collected mid-run), its failure logged, cancelled at shutdown (_end_background)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("supervisor: %s failed: %s", task.get_name(), exc, exc_info=exc)
+
+    async def _end_background(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # failures: logged by _ended
 
     def _stop(self, sig: int) -> None:
         if not self.stopping.is_set():
@@ -254,8 +276,6 @@ class _Supervisor:
         self.procs[index] = (p, time.monotonic())
 
     async def _monitor(self) -> int:
-        from prometheus_client import multiprocess
-
         quick_crashes = 0
         while not self.stopping.is_set():
             await asyncio.sleep(0.2)
@@ -275,8 +295,6 @@ class _Supervisor:
 
     async def _wait_workers(self) -> None:
         """Wait for the workers to drain and exit; kill those past every bound."""
-        from prometheus_client import multiprocess
-
         s = self.policy.server
         deadline = time.monotonic() + (s.drain_delay_ms + s.shutdown_timeout_ms) / 1000 + 5.0
         while any(p.exitcode is None for p, _ in self.procs.values()) and time.monotonic() < deadline:
@@ -295,8 +313,6 @@ class _Supervisor:
         return [(name, b.url, b.launch) for name, b in self.policy.backends.items() if b.launch is not None]
 
     async def _reload_self(self, trigger: str) -> dict[str, Any]:
-        from .policy import PolicyError, load_policy
-
         try:
             policy = await asyncio.to_thread(load_policy, self.path)
         except (PolicyError, ValueError) as exc:
@@ -309,8 +325,6 @@ class _Supervisor:
 
     async def reload_all(self, trigger: str) -> dict[str, Any]:
         """Reload here (the launched models follow the policy) and in every worker."""
-        from . import control
-
         async with self._lock:
             own = await self._reload_self(trigger)
             sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
@@ -329,15 +343,11 @@ class _Supervisor:
         return {name: state.to_json() for name, state in self.children.states().items()}
 
     async def views(self) -> dict[str, Any]:
-        from . import control
-
         sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
         return {"workers": await control.ask_all(sockets, "GET", "/backends", _FANOUT_TIMEOUT_S)}
 
     async def _watch_file(self) -> None:
         """Follow the policy file for the launched models (each worker watches it too)."""
-        from .reload import _digest, _stat
-
         last, digest = _stat(self.path), _digest(self.path)
         while True:
             await asyncio.sleep(self.policy.reload.interval_ms / 1000)

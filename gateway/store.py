@@ -45,6 +45,11 @@ class Store(Protocol):
         (a short lock: cache_flight.py)."""
         ...
 
+    async def delete_if(self, key: str, value: bytes) -> bool:
+        """Remove `key` only while it holds `value`, atomically; True when it was removed (a lock
+        given back by its owner alone, not after its TTL ended and another process took it)."""
+        ...
+
     async def close(self) -> None:
         """Release connections; the store is not used afterwards."""
         ...
@@ -126,6 +131,12 @@ class MemoryStore:
         if await self.get(key) is not None:
             return False
         await self.set(key, value, ttl_s)
+        return True
+
+    async def delete_if(self, key: str, value: bytes) -> bool:
+        if await self.get(key) != value:  # absent and expired included
+            return False
+        self._drop(key)
         return True
 
     async def close(self) -> None:

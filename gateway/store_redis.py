@@ -22,12 +22,23 @@ from .store import StoreError
 
 __all__ = ["RedisStore"]
 
+# delete_if: DEL only while the key holds the caller's value, in one step (no other client between).
+_DELETE_IF = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 
 class RedisStore:
     """A Store on Redis. `url` as redis-py reads it (redis://host:port/db, rediss://, unix://);
     `prefix` is prepended to every key (a namespace per deployment or per test)."""
 
-    __slots__ = ("_pool", "_redis", "_timeout_s", "prefix", "_qpool", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage")
+    __slots__ = (
+        "_pool", "_redis", "_timeout_s", "prefix", "_qpool", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage",
+        "_delete_if",
+    )  # fmt: skip
     shared = True  # every replica on this Redis sees it
 
     def __init__(
@@ -45,6 +56,7 @@ class RedisStore:
         self.prefix = prefix
         self._pool = _pool(url, max_connections, self._timeout_s)
         self._redis = Redis(connection_pool=self._pool)
+        self._delete_if = self._redis.register_script(_DELETE_IF)  # EVALSHA, as the quota scripts below
         # Quotas get their own pool and a longer bound: a cache lookup that is slow is a miss,
         # but a quota decision that gives up falls back to per-replica counters, which are not
         # exact across replicas. A Redis that is down still fails at once (connection refused).
@@ -87,6 +99,13 @@ class RedisStore:
                 await self._redis.delete(self.prefix + key)
         except (RedisError, OSError, TimeoutError) as exc:
             raise _error("delete", exc) from None
+
+    async def delete_if(self, key: str, value: bytes) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return bool(await self._delete_if(keys=[self.prefix + key], args=[value]))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("delete_if", exc) from None
 
     async def quota_take(self, tenant: str, ask: Ask) -> Decision:
         keys: list[str] = []

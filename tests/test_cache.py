@@ -704,15 +704,19 @@ async def test_a_cross_process_follower_gets_an_answer_stored_between_its_two_re
     class LeaderInBetween(Cache):
         """On the follower's first miss, the other process stores the answer and releases the lock."""
 
+        leader_token = ""  # the other process's lock
+
         async def lookup(self, key: str) -> Entry | None:
             entry = await super().lookup(key)
             if entry is None and not getattr(self, "leader_done", False):
                 self.leader_done = True
                 await self.save(key, Entry(orjson.dumps(CHAT)))
-                await cache_flight.release(self, key)
+                await cache_flight.release(self, key, self.leader_token)
             return entry
 
     cache = LeaderInBetween(MemoryStore(), ttl_s=60, max_entry_bytes=1 << 20)
-    assert await cache_flight.claim(cache, "k", wait_s=5, lock_s=5) == (True, None)  # the other process leads
-    locked, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)
-    assert not locked and entry is not None and entry.answer()["id"] == CHAT["id"]
+    token, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)  # the other process leads
+    assert token is not None and entry is None
+    cache.leader_token = token
+    token, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)
+    assert token is None and entry is not None and entry.answer()["id"] == CHAT["id"]

@@ -87,6 +87,10 @@ class Delayed:
         await self._wait("add", key)
         return await self.inner.add(key, value, ttl_s)
 
+    async def delete_if(self, key: str, value: bytes) -> bool:
+        await self._wait("delete_if", key)
+        return await self.inner.delete_if(key, value)
+
     async def close(self) -> None:
         await self.inner.close()
 
@@ -127,11 +131,12 @@ async def test_a_lock_won_after_another_leader_stored_and_let_go_gives_its_answe
     then our claim wins the free lock. It must answer from the store, not lead a second call."""
     cache = _cache(inner)
     assert await cache.lookup("k") is None  # ours (pipeline.run), before the claim
-    assert await cache_flight.claim(cache, "k", wait_s=5, lock_s=5) == (True, None)  # the other process
+    token, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)  # the other process
+    assert token is not None and entry is None
     await cache.save("k", Entry(orjson.dumps(ANSWER)))
-    await cache_flight.release(cache, "k")
-    locked, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)  # ours
-    assert not locked and entry is not None and entry.answer()["id"] == "chatcmpl-1"
+    await cache_flight.release(cache, "k", token)
+    token, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)  # ours
+    assert token is None and entry is not None and entry.answer()["id"] == "chatcmpl-1"
     assert await inner.get(LOCK + "k") is None  # the lock it took is given back at once
 
 
@@ -140,23 +145,25 @@ async def test_a_follower_keeps_waiting_through_slow_lock_reads(inner: Store) ->
     gets the stored answer, instead of calling upstream a second time."""
     store = Delayed(inner, timeout_s=0.02)
     cache = _cache(store)
-    assert await cache_flight.claim(cache, "k", wait_s=5, lock_s=5) == (True, None)  # the other process
+    token, _ = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)  # the other process
+    assert token is not None
     store.delay("get", LOCK, 1.0, times=2)
     follower = asyncio.create_task(cache_flight.claim(cache, "k", wait_s=5, lock_s=5))
     await _until(lambda: store.pending() == 0)
     await cache.save("k", Entry(orjson.dumps(ANSWER)))
-    await cache_flight.release(cache, "k")
-    locked, entry = await asyncio.wait_for(follower, 5)
-    assert not locked and entry is not None and entry.answer()["id"] == "chatcmpl-1"
+    await cache_flight.release(cache, "k", token)
+    theirs, entry = await asyncio.wait_for(follower, 5)
+    assert theirs is None and entry is not None and entry.answer()["id"] == "chatcmpl-1"
 
 
 async def test_a_follower_stops_waiting_when_the_store_keeps_failing() -> None:
     store = Delayed(MemoryStore(), timeout_s=0.01)
     cache = _cache(store)
-    assert await cache_flight.claim(cache, "k", wait_s=30, lock_s=30) == (True, None)  # the other process
+    token, _ = await cache_flight.claim(cache, "k", wait_s=30, lock_s=30)  # the other process
+    assert token is not None
     store.delay("get", "", 1.0)  # every read times out: the lock's holder cannot be seen, nor its answer
     t0 = time.monotonic()
-    assert await cache_flight.claim(cache, "k", wait_s=30, lock_s=30) == (False, None)  # upstream, at once
+    assert await cache_flight.claim(cache, "k", wait_s=30, lock_s=30) == (None, None)  # upstream, at once
     assert time.monotonic() - t0 < 1.0
 
 
@@ -172,6 +179,24 @@ async def test_a_claim_cancelled_after_winning_the_lock_gives_it_back() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert await mem.get(LOCK + "gwc:k") is None  # not held for 30 s by nobody
+
+
+async def test_a_lock_held_past_its_ttl_and_taken_by_another_leader_is_not_released_by_the_first(inner: Store) -> None:
+    """Leader A is slower than its lock's TTL; the lock expires and leader B takes it. A's release
+    must leave B's lock alone, or a third process would see no lock and call upstream a second
+    time while B is still answering. B's own release then gives it back."""
+    cache = _cache(inner)
+    first, _ = await cache_flight.claim(cache, "k", wait_s=5, lock_s=0.2)  # A
+    assert first is not None
+    await asyncio.sleep(0.3)  # A's lock expires
+    second, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=30)  # B
+    assert second is not None and second != first and entry is None
+    await cache_flight.release(cache, "k", first)  # A, done at last
+    assert await inner.get(LOCK + "k") == second.encode()  # still B's
+    token, entry = await cache_flight.claim(cache, "k", wait_s=0.2, lock_s=30)  # C: waits on B's lock
+    assert token is None and entry is None  # (its wait ran out: B stored nothing yet)
+    await cache_flight.release(cache, "k", second)  # B
+    assert await inner.get(LOCK + "k") is None
 
 
 async def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes, str]:

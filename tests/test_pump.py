@@ -12,7 +12,7 @@ import pytest
 
 from gateway.attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, Progress
 from gateway.backends import Backend, BackendState
-from gateway.call import Call, Finish
+from gateway.call import Call, Finish, Timing
 from gateway.continuation import Transcript
 from gateway.endpoints import ENDPOINTS
 from gateway.errors import GatewayError
@@ -76,7 +76,7 @@ class Req:
 
     def __init__(self, endpoint: str, **call: Any) -> None:
         now = time.monotonic()
-        self.call = Call("r1", ENDPOINTS[endpoint], b"{}", None, now + call.pop("timeout_s", 10), t0_monotonic=now,
+        self.call = Call("r1", ENDPOINTS[endpoint], b"{}", None, now + call.pop("timeout_s", 10), timing=Timing(t0_monotonic=now),
                          model="m", stream=True, **call)
         self.ctx, self.sink, self.progress = Ctx(), Sink(), Progress()
 
@@ -105,18 +105,18 @@ async def test_a_chat_stream_is_held_until_its_first_token_then_passed_through_a
     req = Req("chat")
     att = _attempt(req)
     kind = await Pump(att, Reads(b": keep-alive\n\n", ROLE, _chat("Hi"), _chat(None, "stop"), b"data: [DONE]\n\n")).run()  # type: ignore[arg-type]
-    assert kind is Kind.OK and req.call.finish is Finish.OK and req.sink.ended
+    assert kind is Kind.OK and req.call.out.finish is Finish.OK and req.sink.ended
     # The keep-alive before the first token is dropped; the role event is released with the token.
     assert req.sink.out == [ROLE + _chat("Hi"), _chat(None, "stop"), SSE_DONE]
-    assert req.progress.owner == "b" and req.progress.first_sent and req.call.streamed_tokens == 1
-    assert req.call.ttft_s is not None
+    assert req.progress.owner == "b" and req.progress.first_sent and req.call.out.streamed_tokens == 1
+    assert req.call.timing.ttft_s is not None
 
 
 async def test_a_responses_stream_goes_through_the_same_pump():
     req = Req("responses")
     kind = await Pump(_attempt(req), Reads(CREATED, DELTA, COMPLETED)).run()  # type: ignore[arg-type]
     assert kind is Kind.OK and req.sink.out == [CREATED + DELTA, COMPLETED]  # no [DONE] of its own
-    assert req.call.usage == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    assert req.call.out.usage == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
 
 
 @pytest.mark.parametrize("endpoint,before", [("chat", ROLE), ("responses", CREATED)])
@@ -147,7 +147,7 @@ async def test_the_responses_failure_event_mid_stream_is_passed_on_and_ends_the_
     req = Req("responses")
     failed = _resp("response.failed", response={"error": {"message": "overloaded"}})
     kind = await Pump(_attempt(req), Reads(DELTA, failed)).run()  # type: ignore[arg-type]
-    assert kind is Kind.ERROR_EVENT_MID_STREAM and req.call.finish is Finish.ERROR
+    assert kind is Kind.ERROR_EVENT_MID_STREAM and req.call.out.finish is Finish.ERROR
     assert req.sink.out == [DELTA, failed] and req.sink.ended
 
 

@@ -9,9 +9,12 @@ import signal
 import aiohttp
 import openai
 import pytest
+import yaml
 
+from gateway.app import create_app
 from gateway.auth import hash_key
-from gateway.keys import LIVE, RELOADER
+from gateway.keys import ADMISSION, LIVE, RELOADER
+from gateway.workers import WorkerInfo
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -131,3 +134,62 @@ async def test_a_reload_does_not_change_the_settings_of_a_request_in_flight(upst
     assert r.choices[0].message.content == "w0 w1 w2 "
     with pytest.raises(openai.APIStatusError):
         await client.chat.completions.create(model="gpt-test", messages=MSG)  # the new policy applies to new requests
+
+
+def _limits(gw) -> tuple[object, ...]:
+    rt = gw.app[LIVE].runtime
+    b = rt.backends["a"]
+    hs = (b.health, *b.state.models.values())
+    return (
+        b.slots.limit, b.slots.reserve, b.slots.queue.starvation_share, gw.app[ADMISSION].gate.limit,
+        {(h.failures_to_eject, h.eject_s, h.max_eject_s) for h in hs},
+    )  # fmt: skip
+
+
+def _stricter(up, **extra):
+    p = simple_policy(up, reload={"watch": False}, **extra)
+    p["backends"]["a"]["max_concurrency"] = 7
+    p["health"] = {"failures_to_eject": 9, "eject_ms": 1234, "max_eject_ms": 5678}
+    p["admission"] = {"max_inflight": 5, "starvation_share": 0.4, "priority_reserve_pct": 30}
+    return p
+
+
+async def test_a_policy_that_fails_late_in_its_build_leaves_every_live_limit(upstream, gateway, monkeypatch):
+    a = await upstream("a")
+    gw = await gateway(simple_policy(a, reload={"watch": False}))
+    await _backend_of(gw)  # a model health to carry, too
+    before, state = _limits(gw), gw.app[LIVE].runtime.backends["a"].state
+    monkeypatch.delenv("GATEWAY_TEST_KEYS_NOT_SET", raising=False)
+    # valid YAML with new limits; the build fails after the backends: a tenant's keys are missing
+    gw.write_policy(_stricter(a, tenants={"t": {"key_sha256_env": "GATEWAY_TEST_KEYS_NOT_SET"}}))
+    ok, why = await gw.app[RELOADER].reload("test")
+    assert not ok and "GATEWAY_TEST_KEYS_NOT_SET" in why
+    assert gw.app[LIVE].runtime.generation == 1
+    assert _limits(gw) == before and gw.app[LIVE].runtime.backends["a"].state is state
+    assert await _backend_of(gw) == "a"
+
+
+async def test_a_reload_puts_the_new_limits_in_force_at_the_swap(upstream, gateway):
+    a = await upstream("a")
+    gw = await gateway(simple_policy(a, reload={"watch": False}))
+    await _backend_of(gw)
+    state = gw.app[LIVE].runtime.backends["a"].state
+    gw.write_policy(_stricter(a))
+    ok, _ = await gw.app[RELOADER].reload("test")
+    assert ok and gw.app[LIVE].runtime.generation == 2
+    assert _limits(gw) == (7, 2, 0.4, 5, {(9, 1.234, 5.678)})
+    assert gw.app[LIVE].runtime.backends["a"].state is state  # measurements carry over by name
+    assert state.tracker.snapshot()["requests"] == 1  # with what was measured before
+
+
+async def test_a_worker_holds_its_share_of_max_concurrency_across_reloads(tmp_path):
+    path = tmp_path / "policy.yaml"
+    policy = {"backends": {"a": {"url": "http://127.0.0.1:9/v1", "models": ["m"], "max_concurrency": 5}}, "reload": {"watch": False}}
+    path.write_text(yaml.safe_dump(policy))
+    app = create_app(path, worker=WorkerInfo(1, 2, tmp_path))  # not started: no sockets needed
+    slots = app[LIVE].runtime.backends["a"].slots
+    assert slots.limit == 2  # 5 across 2 workers: 3 + 2
+    policy["backends"]["a"]["max_concurrency"] = 9
+    path.write_text(yaml.safe_dump(policy))
+    ok, _ = await app[RELOADER].reload("test")
+    assert ok and app[LIVE].runtime.backends["a"].slots is slots and slots.limit == 4

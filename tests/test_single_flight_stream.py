@@ -179,7 +179,7 @@ async def test_a_follower_whose_client_goes_away_does_not_disturb_the_leader() -
     await tee.write(SSE_DONE)
     await tee.end()
     assert await asyncio.gather(*tasks) == [True, True]
-    assert call.finish == "client_disconnect"
+    assert call.out.finish == "client_disconnect"
     assert leader.body == stays.body == b"".join(_chunk(str(i)) for i in range(3)) + SSE_DONE
 
 
@@ -208,7 +208,7 @@ async def test_the_history_is_bounded_and_a_follower_that_falls_behind_is_cut_of
     await tee.write(b"data: " + b"x" * 40 + b"\n\n")
     await asyncio.sleep(0.01)  # the follower takes it
     await tee.write(b"data: " + b"y" * 120 + b"\n\n")  # more than it may fall behind by, before it runs
-    assert await task is True and call.finish == "cut"
+    assert await task is True and call.out.finish == "cut"
     assert isinstance(slow.failed, UpstreamError)
     assert not bc.joinable  # the history passed max_bytes: later requests go upstream themselves
     assert await follow(bc, _call(), ListSink()) is False

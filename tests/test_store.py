@@ -113,6 +113,15 @@ async def test_add_stores_only_when_absent(store: Store) -> None:
     assert await store.add("lock", b"3", 30)
 
 
+async def test_delete_if_removes_only_while_the_value_is_there(store: Store) -> None:
+    await store.set("lock", b"theirs", 30)
+    assert not await store.delete_if("lock", b"mine")  # a lock taken by another since
+    assert await store.get("lock") == b"theirs"
+    assert not await store.delete_if("absent", b"mine")
+    assert await store.delete_if("lock", b"theirs")
+    assert await store.get("lock") is None
+
+
 def test_both_stores_satisfy_the_protocol() -> None:
     assert isinstance(MemoryStore(), Store)
     assert isinstance(RedisStore(REDIS_URL), Store)
