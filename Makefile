@@ -40,7 +40,8 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m gateway serve --policy $(POLICY) --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
-test: $(STAMP)
+# The suite, after the type check: a type error fails `make test` (and CI) before any test runs.
+test: $(STAMP) typecheck
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

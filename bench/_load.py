@@ -39,7 +39,7 @@ async def fixed_rate(url: str, rate: float, duration: float, body: bytes | str, 
 
     The client is the gateway's own lean HTTP/1.1 pool on uvloop (~50 us of CPU per request),
     so the harness adds as little as it can to what it measures."""
-    from gateway.upstream_http import UpstreamPool
+    from gateway.upstream.client import UpstreamPool
 
     data = body.encode() if isinstance(body, str) else body
     hdrs = {"Content-Type": "application/json", **(headers or {})}

@@ -34,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.classify import DEFAULT_WEIGHTS, WEIGHTS_FORMAT, Classifier  # noqa: E402
-from gateway.classify_features import MODEL_FEATURES  # noqa: E402
+from gateway.classify.classifier import DEFAULT_WEIGHTS, WEIGHTS_FORMAT, Classifier  # noqa: E402
+from gateway.classify.features import MODEL_FEATURES  # noqa: E402
 from training import fit as F  # noqa: E402
 from training.evaluate import metrics, pick_threshold  # noqa: E402
 

@@ -38,7 +38,7 @@ import yaml
 from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from gateway.app import create_app  # noqa: E402
+from gateway.web.app import create_app  # noqa: E402
 from tests.fake_upstream import Behaviour, FakeUpstream  # noqa: E402
 
 N = 24

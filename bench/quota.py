@@ -46,9 +46,9 @@ import uvloop
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import pct  # noqa: E402
 from bench._procs import free_port, start, stop, wait_http  # noqa: E402
-from gateway.quota_counters import Ask, Scope, Settle  # noqa: E402
-from gateway.store import MemoryStore, Store  # noqa: E402
-from gateway.store_redis import RedisStore  # noqa: E402
+from gateway.tenants.quota_counters import Ask, Scope, Settle  # noqa: E402
+from gateway.store.core import MemoryStore, Store  # noqa: E402
+from gateway.store.redis_store import RedisStore  # noqa: E402
 
 REDIS_URL = "redis://127.0.0.1:6379/15"
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
@@ -164,7 +164,7 @@ def _policy(path: Path, up_port: int, store_url: str, tenant: str, digest: str, 
 
 async def sequential(urls: dict[str, str], key: str, n: int) -> dict[str, list[float]]:
     """n sequential requests to each URL, alternating between them (drift hits both alike)."""
-    from gateway.upstream_http import UpstreamPool
+    from gateway.upstream.client import UpstreamPool
 
     hdrs = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
     lat: dict[str, list[float]] = {k: [] for k in urls}

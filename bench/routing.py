@@ -372,7 +372,7 @@ def analyze(run: dict) -> dict:
 def decision_cost(calls: int) -> dict[str, dict[str, float]]:
     """Selector.rank() over 4 candidates with realistic tracker state (bench/selection.py's setup)."""
     from bench.selection import _candidates, _time
-    from gateway.routing import Selector
+    from gateway.routing.selector import Selector
 
     rng = random.Random(1)
     out = {}

@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gateway.health import Health  # noqa: E402
-from gateway.latency import Tracker  # noqa: E402
-from gateway.routing import Candidate, Selector  # noqa: E402
+from gateway.routing.health import Health  # noqa: E402
+from gateway.routing.latency import Tracker  # noqa: E402
+from gateway.routing.selector import Candidate, Selector  # noqa: E402
 
 
 def _candidates(n: int, rng: random.Random) -> list[Candidate]:

@@ -1,4 +1,4 @@
-"""Upstream client cost: aiohttp's ClientSession against gateway.upstream_http.UpstreamPool.
+"""Upstream client cost: aiohttp's ClientSession against gateway.upstream.client.UpstreamPool.
 
 The same POST load (sequential, and `--concurrency` workers) from this one process against the fake
 upstream in its own process, for non-stream and stream answers, through both clients in alternating
@@ -25,7 +25,7 @@ import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script too
 from bench._procs import cpu_seconds, free_port, start, stop, wait_http  # noqa: E402
-from gateway.upstream_http import UpstreamPool  # noqa: E402
+from gateway.upstream.client import UpstreamPool  # noqa: E402
 
 Send = Callable[[bytes], Awaitable[int]]
 

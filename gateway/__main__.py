@@ -20,7 +20,7 @@ def _policy_path(arg: str | None) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from .policy import PolicyError, load_policy
+    from .config.policy import PolicyError, load_policy
 
     try:
         policy = load_policy(args.file)
@@ -42,11 +42,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         for path, env in holders
         if env and not os.environ.get(env)
     ]
-    from .auth import key_warnings
+    from .tenants.auth import key_warnings
 
     for line in [*missing, *key_warnings(policy)]:
         print(f"{args.file}: warning: {line}", file=sys.stderr)
-    from .classify import Classifier
+    from .classify.classifier import Classifier
 
     try:
         Classifier.load(policy.classifier.weights_file)
@@ -61,7 +61,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_hash_key(args: argparse.Namespace) -> int:
-    from .auth import hash_key
+    from .tenants.auth import hash_key
 
     if args.new:
         import secrets
@@ -90,11 +90,9 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     policy = _policy_path(args.policy)
-    from .policy import PolicyError, load_policy
-
-    from .runtime import build_runtime
-
-    from .auth import open_mode_problem
+    from .config.policy import PolicyError, load_policy
+    from .config.runtime import build_runtime
+    from .tenants.auth import open_mode_problem
 
     try:
         # Fail fast, with every error, before binding anything: the policy, then what it refers
@@ -108,7 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (PolicyError, ValueError) as exc:
         print(f"gateway: {exc}", file=sys.stderr)
         return 1
-    from .serve import listen_problem, run_worker, supervise_workers
+    from .process.serve import listen_problem, run_worker, supervise_workers
 
     # Before anything starts (launched models, workers): a taken port is one line, not a traceback.
     problem = listen_problem(args.host, args.port, reuse_port=args.workers > 1)
@@ -154,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     hk.add_argument("--new", action="store_true", help="make a new random key and print it with its digest")
     hk.set_defaults(func=cmd_hash_key)
     args = parser.parse_args(argv)
-    from .serve import setup_logging
+    from .process.serve import setup_logging
 
     setup_logging()
     return int(args.func(args))

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gateway.app import create_app
-from gateway.edge import EdgeRunner
+from gateway.web.app import create_app
+from gateway.web.edge import EdgeRunner
 from tests.fake_upstream import Behaviour, FakeUpstream
 
 ROOT = Path(__file__).resolve().parents[1]

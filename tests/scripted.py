@@ -18,8 +18,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from gateway.errors import GatewayError
-from gateway.upstream_http import UpstreamDisconnected, UpstreamTooLarge
-from gateway.wire import sse_event
+from gateway.upstream.client import UpstreamDisconnected, UpstreamTooLarge
+from gateway.wire.openai_wire import sse_event
 
 __all__ = ["Answer", "Posted", "RecordingSink", "ScriptedPool", "ScriptedResponse", "chat_answer", "chat_chunk"]
 

@@ -8,7 +8,7 @@ import collections
 
 import pytest
 
-from gateway.admission import Admission, FairQueue, Gate, Shed, Ticket
+from gateway.admission.gate import Admission, FairQueue, Gate, Shed, Ticket
 
 
 def _drain(q: FairQueue) -> list[Ticket]:

@@ -30,8 +30,8 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.auth import hash_key
-from gateway.keys import ADMISSION, LIVE
+from gateway.tenants.auth import hash_key
+from gateway.web.keys import ADMISSION, LIVE
 from tests.conftest import simple_policy
 
 ADMIN_KEY = "sk-admin-" + secrets.token_hex(16)

@@ -7,7 +7,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.auth import hash_key
+from gateway.tenants.auth import hash_key
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from gateway.body import Inflater, UnsupportedEncoding, _encoding
+from gateway.web.body import Inflater, UnsupportedEncoding, _encoding
 from gateway.errors import BadRequest, PayloadTooLarge
 
 TEXT = b'{"model":"m","messages":[{"role":"user","content":"' + b"hello " * 500 + b'"}]}'

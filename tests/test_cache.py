@@ -15,10 +15,10 @@ import pytest
 import redis.asyncio as aredis
 from aiohttp import web
 
-from gateway.cache import Cache, SingleFlight, cache_control, cache_key, cacheable_request
-from gateway.cache_entry import Entry, StreamAssembler, entry_from_response, replay_json, replay_sse
-from gateway.store import MemoryStore, Store, StoreError
-from gateway.store_redis import RedisStore
+from gateway.cache.core import Cache, SingleFlight, cache_control, cache_key, cacheable_request
+from gateway.cache.entry import Entry, StreamAssembler, entry_from_response, replay_json, replay_sse
+from gateway.store.core import MemoryStore, Store, StoreError
+from gateway.store.redis_store import RedisStore
 
 REDIS_URL = "redis://127.0.0.1:6379/13"
 BASE: dict[str, Any] = {
@@ -699,7 +699,7 @@ async def test_the_flight_map_is_bounded() -> None:
 async def test_a_cross_process_follower_gets_an_answer_stored_between_its_two_reads():
     """claim() polls the answer, then the lock; a leader that stores its answer and lets go of the
     lock between those two reads must still give a hit, not send the follower upstream."""
-    from gateway import cache_flight
+    from gateway.cache import shared_flight as cache_flight
 
     class LeaderInBetween(Cache):
         """On the follower's first miss, the other process stores the answer and releases the lock."""

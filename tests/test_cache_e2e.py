@@ -13,9 +13,9 @@ import openai
 import pytest
 import redis
 
-from gateway.auth import hash_key
-from gateway.cache import cache_key
-from gateway.keys import LIVE
+from gateway.tenants.auth import hash_key
+from gateway.cache.core import cache_key
+from gateway.web.keys import LIVE
 from tests.conftest import simple_policy
 from tests.procs import needs_redis_server, redis_missing
 

@@ -1,4 +1,4 @@
-"""Single flight across processes (cache_flight.py): the lock, the stored answer, and the leader
+"""Single flight across processes (cache/shared_flight.py): the lock, the stored answer, and the leader
 that stores it, with a Store wrapper that delays chosen calls to force each interleaving.
 
 The units drive two claims in a chosen order on the in-memory store and on Redis (DB 13, keys of
@@ -19,13 +19,13 @@ import pytest
 import redis.asyncio as aredis
 from redis.exceptions import RedisError
 
-from gateway import cache_flight
-from gateway.cache import Cache, cache_key
-from gateway.cache_entry import Entry
-from gateway.keys import LIVE
-from gateway.quota_counters import Ask, Decision, Settle, Usage
-from gateway.store import MemoryStore, Store, StoreError
-from gateway.store_redis import RedisStore
+from gateway.cache import shared_flight as cache_flight
+from gateway.cache.core import Cache, cache_key
+from gateway.cache.entry import Entry
+from gateway.web.keys import LIVE
+from gateway.tenants.quota_counters import Ask, Decision, Settle, Usage
+from gateway.store.core import MemoryStore, Store, StoreError
+from gateway.store.redis_store import RedisStore
 from tests.conftest import simple_policy
 from tests.test_store import REDIS_URL, _delete_prefix
 from tests.procs import redis_missing

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from gateway.classify import Classifier, Rules, Verdict
+from gateway.classify.classifier import Classifier, Rules, Verdict
 
 
 @pytest.fixture(scope="module")
@@ -308,8 +308,8 @@ def test_weights_without_a_recall_table_use_their_threshold() -> None:
 
 
 def test_policy_recall_target_sets_the_runtime_threshold(clf: Classifier) -> None:
-    from gateway.policy import parse_policy
-    from gateway.runtime import build_runtime
+    from gateway.config.policy import parse_policy
+    from gateway.config.runtime import build_runtime
 
     base = ("backends:\n  big: {url: 'http://127.0.0.1:1/v1', models: [m]}\n"
             "  small: {url: 'http://127.0.0.1:2/v1', models: [s]}\n"
@@ -325,7 +325,7 @@ def test_policy_recall_target_sets_the_runtime_threshold(clf: Classifier) -> Non
 
 
 def test_load_accepts_an_explicit_path(tmp_path: Path) -> None:
-    shipped = Path(__file__).resolve().parents[1] / "gateway" / "classify_weights.json"
+    shipped = Path(__file__).resolve().parents[1] / "gateway" / "classify" / "weights.json"
     copy = tmp_path / "w.json"
     copy.write_bytes(shipped.read_bytes())
     assert Classifier.load(copy).default_threshold == Classifier.load().default_threshold
@@ -333,7 +333,7 @@ def test_load_accepts_an_explicit_path(tmp_path: Path) -> None:
 
 
 def _good_doc() -> dict[str, Any]:
-    shipped = Path(__file__).resolve().parents[1] / "gateway" / "classify_weights.json"
+    shipped = Path(__file__).resolve().parents[1] / "gateway" / "classify" / "weights.json"
     doc: dict[str, Any] = json.loads(shipped.read_text())
     return doc
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gateway.classify import Classifier
+from gateway.classify.classifier import Classifier
 from training import classify_train, fit
 from training.evaluate import RECALL_GRID, pick_threshold
 
 ROOT = Path(__file__).resolve().parents[1]
 DEV = ROOT.parent / "shared/eval/route-dev.jsonl"
 TRAIN = ROOT.parent / "shared/eval/route-train.jsonl"
-SHIPPED = ROOT / "gateway" / "classify_weights.json"
+SHIPPED = ROOT / "gateway" / "classify" / "weights.json"
 
 pytestmark = pytest.mark.skipif(not (DEV.exists() and TRAIN.exists()),
                                 reason=f"labelled sets not found next to {DEV}")

@@ -242,7 +242,7 @@ def test_a_port_taken_after_the_check_still_ends_in_one_line(tmp_path):
     with the same line and exit code 1, not a traceback."""
     p = _unreachable_policy(tmp_path)
     with _held_port() as port:
-        code = f"import sys; from gateway.serve import run_worker; sys.exit(run_worker({str(p)!r}, '127.0.0.1', {port}, False, False))"
+        code = f"import sys; from gateway.process.serve import run_worker; sys.exit(run_worker({str(p)!r}, '127.0.0.1', {port}, False, False))"
         r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr

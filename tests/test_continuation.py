@@ -1,4 +1,4 @@
-"""Unit tests of the rescue parts without sockets: continuation.py, per-model health, the retry
+"""Unit tests of the rescue parts without sockets: relay/continuation.py, per-model health, the retry
 rule, context-length detection and the policy keys (`prefill`, `retry`, `context_fallbacks`)."""
 
 from __future__ import annotations
@@ -6,11 +6,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from gateway.codec_chat import CHAT, COMPLETIONS
-from gateway.refusal import context_length as _context_length
-from gateway.continuation import Mismatch, Resume, Transcript
-from gateway.health import Health
-from gateway.policy import PolicyError, parse_policy
+from gateway.wire.chat import CHAT, COMPLETIONS
+from gateway.relay.refusal import context_length as _context_length
+from gateway.relay.continuation import Mismatch, Resume, Transcript
+from gateway.routing.health import Health
+from gateway.config.policy import PolicyError, parse_policy
 
 
 def _chunk(text: str | None = None, *, role: bool = False, finish: str | None = None, usage: dict | None = None,
@@ -159,14 +159,14 @@ def test_bad_rescue_keys_name_their_path(route, problem):
 # -- timing.retry_wait: the pause before trying the same backend again -------------------------
 
 def _retry(**kw):
-    from gateway.policy import RetryPolicy
+    from gateway.config.policy import RetryPolicy
     return RetryPolicy.model_validate({"attempts": 3, "on": [429, 500, "reset"], "max_wait_ms": 3000, "backoff_ms": 200, **kw})
 
 
 def _wait(rp, kind, **kw):
     import random
 
-    from gateway.timing import retry_wait
+    from gateway.relay.timing import retry_wait
     args = {"tries_here": 1, "tries_total": 1, "max_attempts": 5, "cooling_s": 0.0, "remaining_s": 60.0, "rng": random.Random(1)}
     return retry_wait(rp, kind, **{**args, **kw})
 

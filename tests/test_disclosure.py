@@ -17,9 +17,9 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gateway.app import create_app
-from gateway.auth import Tenants, hash_key
-from gateway.policy import PolicyError, parse_policy
+from gateway.web.app import create_app
+from gateway.tenants.auth import Tenants, hash_key
+from gateway.config.policy import PolicyError, parse_policy
 from tests.conftest import simple_policy
 
 TENANT, ADMIN, SCRAPE = (f"sk-{n}-" + secrets.token_hex(12) for n in ("t", "admin", "prom"))

@@ -25,7 +25,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.auth import hash_key
+from gateway.tenants.auth import hash_key
 
 MSG = [{"role": "user", "content": "hi"}]
 ADMIN_KEY = "sk-admin-" + secrets.token_hex(16)

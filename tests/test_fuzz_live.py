@@ -27,8 +27,8 @@ import requests
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import hash_key
-from gateway.keys import LIVE, RELAY
+from gateway.tenants.auth import hash_key
+from gateway.web.keys import LIVE, RELAY
 
 ADMIN_KEY = "sk-admin-" + secrets.token_hex(16)
 ACME_KEY = "sk-acme-" + secrets.token_hex(16)

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.health import OUTCOMES, Health, Kind, outcome
+from gateway.routing.health import OUTCOMES, Health, Kind, outcome
 
 
 class Clock:
@@ -299,8 +299,8 @@ def _flapping_primary(*, request_probes: bool) -> tuple[float, list[int]]:
     retries up to 3 attempts while health has not ejected it), and a request probe every second
     while it is ejected. Returns the seconds from recovery to the first request it answers, and
     the primary's attempts for each request that reached it after the first ejection."""
-    from gateway.policy import RetryPolicy
-    from gateway.timing import retry_wait
+    from gateway.config.policy import RetryPolicy
+    from gateway.relay.timing import retry_wait
 
     clock = Clock()
     h = Health(failures_to_eject=3, eject_s=10, max_eject_s=30, clock=clock, rng=random.Random(7))

@@ -1,4 +1,4 @@
-"""The HTTP edge over real sockets (edge.py, body.py): compressed bodies inflate under the limit and
+"""The HTTP edge over real sockets (web/edge.py, web/body.py): compressed bodies inflate under the limit and
 only after authentication, big bodies are 413s before they are read, half-sent heads are closed
 within the header timeout, one address cannot hold every connection, and whatever the HTTP parser
 refuses is answered in OpenAI's JSON shape (or the connection closed), never a traceback.
@@ -25,9 +25,9 @@ import orjson
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.auth import hash_key
-from gateway.edge import EdgeRunner
+from gateway.web.app import create_app
+from gateway.tenants.auth import hash_key
+from gateway.web.edge import EdgeRunner
 from tests.procs import serve
 from tests.rawhttp import Answer, Watch, exchange, get, json_error
 

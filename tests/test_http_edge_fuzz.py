@@ -17,7 +17,7 @@ from typing import Any
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from gateway.auth import hash_key
+from gateway.tenants.auth import hash_key
 from tests.procs import serve
 from tests.rawhttp import Watch, exchange, get, json_error
 

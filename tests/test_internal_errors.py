@@ -8,8 +8,8 @@ import aiohttp
 import orjson
 import pytest
 
-from gateway.keys import RELAY
-from gateway.upstream_http import UpstreamPool
+from gateway.web.keys import RELAY
+from gateway.upstream.client import UpstreamPool
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]

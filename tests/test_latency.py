@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gateway.latency import Tracker, Window, quantile
+from gateway.routing.latency import Tracker, Window, quantile
 
 
 class Clock:

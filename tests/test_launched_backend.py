@@ -9,7 +9,7 @@ import socket
 import aiohttp
 import pytest
 
-from gateway.keys import LIVE
+from gateway.web.keys import LIVE
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""The stream monitors (monitor.py) fed scripted events, without sockets: what each event of a chat
+"""The stream monitors (wire/monitor.py) fed scripted events, without sockets: what each event of a chat
 or Responses stream means to the pump, and what the monitor keeps for afterwards."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.cache_entry import is_complete
-from gateway.codec_chat import CHAT, COMPLETIONS
-from gateway.continuation import Mismatch, Resume, Transcript
-from gateway.monitor import Verdict
-from gateway.monitor_chat import ChatMonitor
-from gateway.responses_codec import RESPONSES
-from gateway.responses_monitor import ResponsesMonitor
-from gateway.wire import SSE_DONE
+from gateway.cache.entry import is_complete
+from gateway.wire.chat import CHAT, COMPLETIONS
+from gateway.relay.continuation import Mismatch, Resume, Transcript
+from gateway.wire.monitor import Verdict
+from gateway.wire.chat_monitor import ChatMonitor
+from gateway.responses.codec import RESPONSES
+from gateway.responses.monitor import ResponsesMonitor
+from gateway.wire.openai_wire import SSE_DONE
 
 NOISE, DROP, MALFORMED, HELD, CONTENT, DONE, FAILED = (
     Verdict.NOISE, Verdict.DROP, Verdict.MALFORMED, Verdict.HELD, Verdict.CONTENT, Verdict.DONE, Verdict.FAILED,

@@ -15,10 +15,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from gateway.drain import Drain
-from gateway.keys import OBSERVER
-from gateway.observe import parse_traceparent
-from gateway.workers import WorkerInfo, share
+from gateway.web.drain import Drain
+from gateway.web.keys import OBSERVER
+from gateway.observe.observer import parse_traceparent
+from gateway.process.workers import WorkerInfo, share
 from tests.conftest import simple_policy
 
 

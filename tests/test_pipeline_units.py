@@ -15,22 +15,22 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.admission import Admission
-from gateway.backends import BackendState
-from gateway.call import CacheResult, Call, Finish
-from gateway.endpoints import ENDPOINTS
+from gateway.admission.gate import Admission
+from gateway.routing.backends import BackendState
+from gateway.pipeline.call import CacheResult, Call, Finish
+from gateway.wire.endpoints import ENDPOINTS
 from gateway.errors import AllBackendsFailed
-from gateway.metrics import Metrics
-from gateway.observe import Observer
-from gateway.pipeline import Pipeline
-from gateway.policy import StorePolicy, parse_policy
-from gateway.relay import Relay
-from gateway.relay_context import RelayContext
-from gateway.runtime import Runtime, build_runtime
-from gateway.stage_intake import intake
-from gateway.store import Store
-from gateway.upstream_http import UpstreamConnectError, UpstreamDisconnected
-from gateway.wire import SSE_DONE
+from gateway.observe.metrics import Metrics
+from gateway.observe.observer import Observer
+from gateway.pipeline.core import Pipeline
+from gateway.config.policy import StorePolicy, parse_policy
+from gateway.relay.core import Relay
+from gateway.relay.context import RelayContext
+from gateway.config.runtime import Runtime, build_runtime
+from gateway.pipeline.intake import intake
+from gateway.store.core import Store
+from gateway.upstream.client import UpstreamConnectError, UpstreamDisconnected
+from gateway.wire.openai_wire import SSE_DONE
 from tests.scripted import Answer, RecordingSink, ScriptedPool, chat_answer, chat_chunk
 
 KEY = "sk-unit-test-key"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.policy import PolicyError, parse_policy
+from gateway.config.policy import PolicyError, parse_policy
 
 GOOD = """
 version: 1
@@ -107,7 +107,7 @@ def test_launched_backends_need_a_loopback_url():
 def test_the_shipped_policies_are_valid():
     from pathlib import Path
 
-    from gateway.policy import load_policy
+    from gateway.config.policy import load_policy
 
     root = Path(__file__).resolve().parents[1]
     files = sorted([*(root / "policies").rglob("*.yaml"), *(root / "deploy" / "policies").rglob("*.yaml")])
@@ -172,7 +172,7 @@ def test_shipped_policies_are_safe_to_copy():
 
     import yaml
 
-    from gateway.auth import key_warnings
+    from gateway.tenants.auth import key_warnings
 
     root = Path(__file__).resolve().parents[1]
     texts = {f: f.read_text() for f in [*(root / "policies").rglob("*.yaml"), *(root / "deploy" / "policies").rglob("*.yaml")]}

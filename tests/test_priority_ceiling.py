@@ -15,10 +15,10 @@ import aiohttp
 import pytest
 import yaml
 
-from gateway.auth import OPEN_TENANT, Tenant, hash_key
-from gateway.keys import LIVE
-from gateway.policy import PolicyError, parse_policy
-from gateway.priority import asked_band, band_for, without_tier
+from gateway.tenants.auth import OPEN_TENANT, Tenant, hash_key
+from gateway.web.keys import LIVE
+from gateway.config.policy import PolicyError, parse_policy
+from gateway.tenants.priority import asked_band, band_for, without_tier
 from tests.conftest import simple_policy
 
 KEYS = {name: f"sk-{name}-" + secrets.token_hex(12) for name in ("flex", "std", "vip", "mixed")}

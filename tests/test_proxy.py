@@ -183,7 +183,7 @@ async def test_route_explain_calls_no_backend(upstream, gateway):
 
 
 def _sha(key: str) -> str:
-    from gateway.auth import hash_key
+    from gateway.tenants.auth import hash_key
 
     return hash_key(key)
 

@@ -1,4 +1,4 @@
-"""The streaming pump (pump.py) over scripted upstream reads, without sockets: the same rules for
+"""The streaming pump (relay/pump.py) over scripted upstream reads, without sockets: the same rules for
 every wire format (held bytes, the first-output claim, the stall deadline, the cut)."""
 
 from __future__ import annotations
@@ -10,17 +10,17 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, Progress
-from gateway.backends import Backend, BackendState
-from gateway.call import Call, Finish, Timing
-from gateway.continuation import Transcript
-from gateway.endpoints import ENDPOINTS
+from gateway.relay.attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, Progress
+from gateway.routing.backends import Backend, BackendState
+from gateway.pipeline.call import Call, Finish, Timing
+from gateway.relay.continuation import Transcript
+from gateway.wire.endpoints import ENDPOINTS
 from gateway.errors import GatewayError
-from gateway.health import Kind
-from gateway.metrics import Metrics
-from gateway.policy import BackendPolicy, RoutingPolicy
-from gateway.pump import Pump
-from gateway.wire import SSE_DONE
+from gateway.routing.health import Kind
+from gateway.observe.metrics import Metrics
+from gateway.config.policy import BackendPolicy, RoutingPolicy
+from gateway.relay.pump import Pump
+from gateway.wire.openai_wire import SSE_DONE
 
 
 class Reads:

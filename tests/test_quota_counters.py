@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.quota_counters import Ask, MemoryQuota, Scope, Settle
-from gateway.store import MemoryStore
-from gateway.store_redis import RedisStore
+from gateway.tenants.quota_counters import Ask, MemoryQuota, Scope, Settle
+from gateway.store.core import MemoryStore
+from gateway.store.redis_store import RedisStore
 from tests.test_store import REDIS_URL, _delete_prefix
 
 

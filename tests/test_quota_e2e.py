@@ -16,7 +16,7 @@ import openai
 import orjson
 import pytest
 
-from gateway.keys import LIVE
+from gateway.web.keys import LIVE
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]

@@ -12,10 +12,10 @@ import aiohttp
 import openai
 import pytest
 
-from gateway.backends import Backend, BackendState
-from gateway.policy import BackendPolicy, RetryPolicy
-from gateway.probes import probe_request, recovery_targets
-from gateway.timing import retry_wait
+from gateway.routing.backends import Backend, BackendState
+from gateway.config.policy import BackendPolicy, RetryPolicy
+from gateway.routing.probes import probe_request, recovery_targets
+from gateway.relay.timing import retry_wait
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]

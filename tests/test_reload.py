@@ -11,10 +11,10 @@ import openai
 import pytest
 import yaml
 
-from gateway.app import create_app
-from gateway.auth import hash_key
-from gateway.keys import ADMISSION, LIVE, RELOADER
-from gateway.workers import WorkerInfo
+from gateway.web.app import create_app
+from gateway.tenants.auth import hash_key
+from gateway.web.keys import ADMISSION, LIVE, RELOADER
+from gateway.process.workers import WorkerInfo
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]

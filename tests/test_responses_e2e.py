@@ -11,7 +11,7 @@ import openai
 import pytest
 import redis
 
-from gateway.auth import hash_key
+from gateway.tenants.auth import hash_key
 from tests.conftest import simple_policy
 from tests.procs import redis_missing
 

@@ -18,15 +18,15 @@ import openai
 import pytest
 import redis
 
-from gateway.auth import hash_key
-from gateway.keys import LIVE
+from gateway.tenants.auth import hash_key
+from gateway.web.keys import LIVE
 from tests.fake_upstream import FakeUpstream
 from tests.test_cache_flight import Delayed
 from tests.procs import redis_missing
 
 REDIS_DB = 13
 A, B = "sk-alice", "sk-bob"
-RECORD = "gwr:v1:"  # the affinity records' key prefix (affinity.py)
+RECORD = "gwr:v1:"  # the affinity records' key prefix (responses/affinity.py)
 
 
 def _name(base: str) -> str:

@@ -16,14 +16,14 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from gateway.affinity import Affinity, Holder, MapUnavailable, OwnerConflict, RecordFailed
-from gateway.cache_entry import is_complete
+from gateway.responses.affinity import Affinity, Holder, MapUnavailable, OwnerConflict, RecordFailed
+from gateway.cache.entry import is_complete
 from gateway.errors import BadRequest, UpstreamError
-from gateway.responses import ResponsesRequest, chat_view, error_event, held_ids, stateful_reason, stateful_refs, usage_of
-from gateway.responses_replay import replay_events, replayable
-from gateway.store import MemoryStore, Store, StoreError
-from gateway.store_redis import RedisStore
-from gateway.wire import SSEDecoder, event_data, parse_body
+from gateway.responses.wire import ResponsesRequest, chat_view, error_event, held_ids, stateful_reason, stateful_refs, usage_of
+from gateway.responses.replay import replay_events, replayable
+from gateway.store.core import MemoryStore, Store, StoreError
+from gateway.store.redis_store import RedisStore
+from gateway.wire.openai_wire import SSEDecoder, event_data, parse_body
 from tests.procs import redis_missing
 
 REDIS_URL = "redis://127.0.0.1:6379/13"

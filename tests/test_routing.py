@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 
-from gateway.health import Health
-from gateway.latency import Tracker
-from gateway.routing import Candidate, Selector, skip_reason, usable
+from gateway.routing.health import Health
+from gateway.routing.latency import Tracker
+from gateway.routing.selector import Candidate, Selector, skip_reason, usable
 
 
 class Clock:

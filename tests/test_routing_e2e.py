@@ -9,7 +9,7 @@ import time
 import aiohttp
 import openai
 
-from gateway.keys import LIVE
+from gateway.web.keys import LIVE
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
-from gateway.admission import reserve_slots
-from gateway.backends import BackendState
-from gateway.policy import Policy, StorePolicy, parse_policy
-from gateway.runtime import build_runtime
-from gateway.store import Store
+from gateway.admission.gate import reserve_slots
+from gateway.routing.backends import BackendState
+from gateway.config.policy import Policy, StorePolicy, parse_policy
+from gateway.config.runtime import build_runtime
+from gateway.store.core import Store
 
 UNSET = "GATEWAY_TEST_KEYS_NOT_SET"
 

@@ -13,9 +13,9 @@ import pytest
 import yaml
 from aiohttp import web
 
-from gateway.app import create_app
-from gateway.auth import hash_key, is_loopback
-from gateway.keys import LIVE
+from gateway.web.app import create_app
+from gateway.tenants.auth import hash_key, is_loopback
+from gateway.web.keys import LIVE
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]
@@ -251,7 +251,7 @@ async def test_sampled_answers_are_not_cached_by_default(upstream, gateway):
 
 
 def test_the_default_policy_does_not_cache_sampled_answers():
-    from gateway.policy import load_policy
+    from gateway.config.policy import load_policy
 
     policy = load_policy(Path(__file__).resolve().parents[1] / "policies" / "default.yaml")
     assert policy.cache.include_sampled is False

@@ -17,13 +17,13 @@ import openai
 import orjson
 import pytest
 
-from gateway.cache import SingleFlight
-from gateway.call import Call
-from gateway.endpoints import ENDPOINTS
+from gateway.cache.core import SingleFlight
+from gateway.pipeline.call import Call
+from gateway.wire.endpoints import ENDPOINTS
 from gateway.errors import UpstreamError
-from gateway.flight import Broadcast, Budget, TeeSink, follow
-from gateway.keys import RELAY
-from gateway.wire import SSE_DONE, SSE_HEARTBEAT, sse_event
+from gateway.cache.broadcast import Broadcast, Budget, TeeSink, follow
+from gateway.web.keys import RELAY
+from gateway.wire.openai_wire import SSE_DONE, SSE_HEARTBEAT, sse_event
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "Tell me a story about a tee."}]
@@ -461,7 +461,7 @@ async def test_a_shutdown_out_of_time_ends_the_relays_carried_for_followers(upst
     lead, (follower,), t0 = await _leader_that_leaves(gw, 1)
     await lead
     await _until(lambda: len(gw.app[RELAY].carried) == 1)  # going on for the follower alone
-    await gw.app[RELAY].cancel_carried()  # what serve.py does when the drain runs out of time
+    await gw.app[RELAY].cancel_carried()  # what process/serve.py does when the drain runs out of time
     f = await follower
     assert isinstance(f["error"], openai.APIError) and f["finish"] is None and f["text"] != _text(400)
     await _until(lambda: up.stats.cancelled == 1)

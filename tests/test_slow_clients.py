@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.auth import hash_key
+from gateway.tenants.auth import hash_key
 
 KEY = "sk-acme-" + secrets.token_hex(16)
 ADMIN_KEY = "sk-admin-" + secrets.token_hex(16)

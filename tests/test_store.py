@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aredis
 
-from gateway.store import MemoryStore, Store, StoreError
-from gateway.store_redis import RedisStore
+from gateway.store.core import MemoryStore, Store, StoreError
+from gateway.store.redis_store import RedisStore
 from tests.procs import needs_redis_server
 
 REDIS_URL = "redis://127.0.0.1:6379/13"

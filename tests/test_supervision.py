@@ -1,4 +1,4 @@
-"""The supervisor's and the launcher's own tasks (serve.py, launcher.py): each one kept while it
+"""The supervisor's and the launcher's own tasks (process/serve.py, process/launcher.py): each one kept while it
 runs, its failure logged rather than lost, and those still running ended at shutdown. No child
 process is started here (the launcher's real children: tests/local_backend/test_launcher.py)."""
 
@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from gateway.launcher import ChildBackend, Children
-from gateway.policy import LaunchPolicy
-from gateway.serve import _Supervisor
+from gateway.process.launcher import ChildBackend, Children
+from gateway.config.policy import LaunchPolicy
+from gateway.process.serve import _Supervisor
 
 DEFAULT_POLICY = Path(__file__).resolve().parent.parent / "policies" / "default.yaml"
 

@@ -7,12 +7,12 @@ import asyncio
 import orjson
 import pytest
 
-from gateway.auth import Tenants, hash_key
-from gateway.backends import Slots
+from gateway.tenants.auth import Tenants, hash_key
+from gateway.routing.backends import Slots
 from gateway.errors import AllBackendsFailed, BadRequest, RateLimited, UpstreamError, UpstreamRejected, UpstreamTimeout
-from gateway.health import Health
-from gateway.latency import Tracker, quantile
-from gateway.policy import parse_policy
+from gateway.routing.health import Health
+from gateway.routing.latency import Tracker, quantile
+from gateway.config.policy import parse_policy
 
 
 class Clock:
@@ -122,7 +122,7 @@ def test_tracker_window_and_quantiles():
 
 
 def test_a_backend_price_is_its_routing_cost_unless_a_cost_is_given():
-    from gateway.runtime import build_runtime
+    from gateway.config.runtime import build_runtime
 
     policy = parse_policy(
         "backends:\n"

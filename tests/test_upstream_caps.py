@@ -10,7 +10,7 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.attempt import MAX_BODY_BYTES, MAX_HELD_BYTES
+from gateway.relay.attempt import MAX_BODY_BYTES, MAX_HELD_BYTES
 from tests.conftest import simple_policy
 
 MSG = [{"role": "user", "content": "hi"}]

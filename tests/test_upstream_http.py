@@ -17,16 +17,8 @@ from aiohttp import web
 
 pytest.importorskip("httptools")
 
-from gateway.upstream_http import (
-    UpstreamConnectError,
-    UpstreamDisconnected,
-    UpstreamHeadersTooLarge,
-    UpstreamMaybeSent,
-    UpstreamPool,
-    UpstreamProtocolError,
-    UpstreamTooLarge,
-)
-from gateway.wire import SSEDecoder, SSEEventTooLarge
+from gateway.upstream.client import UpstreamConnectError, UpstreamDisconnected, UpstreamHeadersTooLarge, UpstreamMaybeSent, UpstreamPool, UpstreamProtocolError, UpstreamTooLarge
+from gateway.wire.openai_wire import SSEDecoder, SSEEventTooLarge
 
 BIG = bytes(range(256)) * 8192  # 2 MiB
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.errors import BadRequest
-from gateway.wire import ChatRequest, SSEDecoder, event_data, parse_body
+from gateway.wire.openai_wire import ChatRequest, SSEDecoder, event_data, parse_body
 
 
 def test_events_split_across_reads_come_out_whole_and_byte_exact():

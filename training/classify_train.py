@@ -2,7 +2,7 @@
 
     python -m training.classify_train \\
         --dev ../shared/eval/route-dev.jsonl --train ../shared/eval/route-train.jsonl \\
-        --out gateway/classify_weights.json [--recall 0.97] [--limit N] [--folds 5]
+        --out gateway/classify/weights.json [--recall 0.97] [--limit N] [--folds 5]
 
 The model is an L2-regularised logistic regression over the rubric features and hashed
 n-grams, anchored to prior weights written from the rubric (see training.fit). It is fitted on
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from gateway.classify import WEIGHTS_FORMAT
-from gateway.classify_features import MODEL_FEATURES
+from gateway.classify.classifier import WEIGHTS_FORMAT
+from gateway.classify.features import MODEL_FEATURES
 from training.evaluate import metrics, per_source, pick_threshold, recall_table
 from training.fit import (
     HASH_DIM,

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from gateway.classify import Rules
-from gateway.classify_features import MODEL_FEATURES, extract, hash_index
+from gateway.classify.classifier import Rules
+from gateway.classify.features import MODEL_FEATURES, extract, hash_index
 
 __all__ = ["Data", "HASH_DIM", "PRIORS", "load_rows", "group_of", "vectorize", "penalties",
            "fit", "folds_of", "out_of_fold", "leave_one_source_out", "sigmoid"]

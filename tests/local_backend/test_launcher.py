@@ -12,8 +12,8 @@ import time
 import aiohttp
 import pytest
 
-from gateway.launcher import ChildBackend, Children, LaunchError, LaunchState
-from gateway.policy import LaunchPolicy
+from gateway.process.launcher import ChildBackend, Children, LaunchError, LaunchState
+from gateway.config.policy import LaunchPolicy
 
 
 def _free_port() -> int:
@@ -124,7 +124,7 @@ def test_url_without_http_host_is_rejected() -> None:
 def test_launcher_does_not_import_torch_or_local_backend() -> None:
     import subprocess
 
-    code = "import sys, gateway.launcher; print(any(m == 'torch' or m.startswith('local_backend') for m in sys.modules))"
+    code = "import sys, gateway.process.launcher; print(any(m == 'torch' or m.startswith('local_backend') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -1,0 +1,103 @@
+"""The admission stage: a place among the process's `max_inflight` for a request that goes
+upstream (a cache hit takes none), or a quick refusal when the predicted wait cannot meet its
+deadline (gate.py holds the gate and its queues)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from ..config.runtime import Pool
+from ..errors import Unavailable, UpstreamTimeout
+from ..observe.metrics import Metrics
+from ..pipeline.call import Call
+from ..routing.backends import Backend
+from ..routing.latency import quantile
+from ..web.sink import Sink
+from .gate import Admission, Shed, Ticket
+
+__all__ = ["AdmissionStage", "queue_view", "service_s"]
+
+
+class AdmissionStage:
+    """One per process, over the process-wide gate (it outlives reloads)."""
+
+    __slots__ = ("admission", "metrics")
+
+    def __init__(self, admission: Admission, metrics: Metrics) -> None:
+        self.admission, self.metrics = admission, metrics
+
+    @asynccontextmanager
+    async def slot(self, call: Call, pool: Pool, ticket: Ticket, sink: Sink) -> AsyncIterator[bool]:
+        """Hold a place in the gate for the block; yields whether the relay may shed (False:
+        admission is off, one first come, first served queue). Raises Unavailable (shed) or
+        UpstreamTimeout (the deadline passed while it waited)."""
+        if not self.admission.enabled:
+            yield False
+            return
+        await self._enter(call, pool, ticket, sink)
+        held = time.monotonic()
+        try:
+            yield True
+        finally:
+            self.admission.leave(time.monotonic() - held, ticket.band)
+
+    async def _enter(self, call: Call, pool: Pool, ticket: Ticket, sink: Sink) -> None:
+        band = ticket.band
+        if any(c.health.healthy and b.slots.free(band) for b, c in zip(pool.backends, pool.candidates)) \
+                and self.admission.gate.try_acquire(band):
+            return  # the common case: room here and at a healthy backend, so no wait to predict
+        metrics = self.metrics
+        usable = [b for b, c in zip(pool.backends, pool.candidates) if c.health.healthy] or list(pool.backends)
+        first_token_s = min((b.tracker.predict_ttft(call.prompt_tokens) or 0.0) for b in usable) if usable else 0.0
+        try:
+            waited = await self.admission.enter(ticket, call.remaining_s(), _downstream(usable, ticket), first_token_s)
+        except Shed as shed:
+            metrics.shed.labels(shed.reason, ticket.band).inc()
+            raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
+        except TimeoutError:
+            metrics.shed.labels("expired", ticket.band).inc()
+            raise UpstreamTimeout(
+                f"the request's deadline of {call.timeout_ms()} ms passed while it waited for admission: not sent"
+            ) from None
+        if waited:
+            call.timing.queue_ms += waited * 1000
+            metrics.queue_wait.labels(ticket.band).observe(waited)
+            sink.set_header("x-gateway-queue-ms", f"{call.timing.queue_ms:.1f}")
+
+
+def _downstream(usable: list[Backend], ticket: Ticket) -> Callable[[int], float] | None:
+    """When every candidate is full, the wait goes on at the one that frees up soonest: the
+    predicted wait there for a request with `ahead` others before it in the gate. (Not the
+    selector's pick: ranking has side effects, such as exploration, that belong to the relay.)"""
+    if not usable or any(b.slots.free(ticket.band) for b in usable):
+        return None
+    waits = [(b.slots.queue.position(ticket.band, ticket.tenant, ticket.weight), service_s(b) / max(1, b.slots.limit))
+             for b in usable]
+
+    def downstream(ahead: int) -> float:
+        return min((behind + ahead + 1) * per for behind, per in waits)
+
+    return downstream
+
+
+def service_s(backend: Backend) -> float:
+    """How long one request holds a slot of this backend: its live median duration, else its
+    predicted TTFT, else 1 s."""
+    t = backend.tracker
+    median = quantile(t.duration.sorted(t.clock()), 0.5)
+    if median is not None:
+        return median
+    return t.predict_ttft() or 1.0
+
+
+def queue_view(admission: Admission, ticket: Ticket, backend: Backend | None) -> dict[str, Any]:
+    """Where a request of this band and tenant would wait now, and about how long (explain)."""
+    return {
+        "admission_position": admission.gate.position(ticket.band, ticket.tenant, ticket.weight),
+        "admission_predicted_wait_ms": round(admission.predicted_wait_s(ticket) * 1000, 2),
+        "backend": None if backend is None else backend.name,
+        "backend_position": None if backend is None else backend.slots.position(ticket.band, ticket.tenant, ticket.weight),
+    }

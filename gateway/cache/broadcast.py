@@ -1,0 +1,335 @@
+"""Live stream sharing for single flight: a streamed leader's bytes, teed to its streamed followers.
+
+The leader of a streamed flight answers through a TeeSink, which copies every byte its own client
+gets into the flight's Broadcast. A streamed follower reads that Broadcast with `follow()`: what
+was already sent first, then each write as it arrives, so its first token comes within a few ms
+of the leader's. The bytes are the leader's as they are (no re-encoding), [DONE] included.
+
+Outcomes, from a follower's point of view:
+- the leader ended its stream (`end()`): the follower got the same stream, and ends too;
+- the leader failed after content reached its client: the follower gets the same error event and
+  no [DONE] (nothing is ever retried after a byte reached a client);
+- the leader's client went away after content: the stream goes on for the followers (TeeSink
+  detaches from that client; pipeline._lead keeps the relay running) and ends as it would have;
+- the leader failed before any content (all backends failed, a rejected request, a non-streamed
+  answer, its client went away before any content, or the flight ended without a stream): the
+  follower, which has sent nothing yet, goes upstream itself (`follow()` returns False).
+
+Heartbeats the leader sends while it waits for its first token are not passed on: a follower
+commits its headers only with the first content, so that one which goes upstream itself can
+still answer with its own status and headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from ..errors import GatewayError, UpstreamError, UpstreamTimeout
+from ..pipeline.call import CacheResult, Call, Finish
+from ..web.sink import Sink, SinkWrapper
+from ..wire.openai_wire import SSE_HEARTBEAT, SSEDecoder, event_data
+
+__all__ = ["Broadcast", "Budget", "TeeSink", "follow", "DEFAULT_MAX_BYTES", "DEFAULT_BUDGET_BYTES"]
+
+# What one broadcast keeps for late joiners, and what one follower may fall behind by.
+DEFAULT_MAX_BYTES = 8 << 20
+# What all the broadcasts of a process keep for late joiners together.
+DEFAULT_BUDGET_BYTES = 64 << 20
+
+
+class Budget:
+    """Bytes of stream history held by every Broadcast that shares it (one per SingleFlight)."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int = DEFAULT_BUDGET_BYTES) -> None:
+        self.limit = limit
+        self.used = 0
+
+_OPEN, _DONE, _FAILED, _ABANDONED = "open", "done", "failed", "abandoned"
+
+
+class _Tap:
+    """One follower's place in a Broadcast: the bytes it has not written yet."""
+
+    __slots__ = ("pending", "size", "waiter", "overflow")
+
+    def __init__(self, history: list[bytes], size: int) -> None:
+        self.pending = history
+        self.size = size
+        self.waiter: asyncio.Future[None] | None = None
+        self.overflow = False
+
+    def take(self) -> bytes:
+        data = b"".join(self.pending)
+        self.pending = []
+        self.size = 0
+        return data
+
+    def wake(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def wait(self) -> None:
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+
+
+class Broadcast:
+    """The leader's stream, for followers: a history for late joiners, and one tap per follower.
+
+    Bounded: once the history passes `max_bytes`, or all histories together pass the `budget`, it
+    is dropped (later requests wait for the stored answer, or go upstream themselves); a follower
+    that falls `max_bytes` behind is cut off with an error event. The leader never waits for a
+    follower. `release()` gives the history back when the flight ends.
+    """
+
+    __slots__ = (
+        "state", "started", "backend", "include_usage", "max_bytes", "_budget", "_history", "_history_bytes", "_taps", "error",
+    )
+
+    def __init__(self, *, include_usage: bool = False, max_bytes: int = DEFAULT_MAX_BYTES, budget: Budget | None = None) -> None:
+        self.state = _OPEN
+        self.started = False  # content reached the leader's client
+        self.backend: str | None = None  # the leader's backend, for the followers' x-gateway-backend
+        self.include_usage = include_usage  # the leader asked for a usage chunk
+        self.max_bytes = max_bytes
+        self._budget = budget if budget is not None else Budget()
+        self._history: list[bytes] | None = []
+        self._history_bytes = 0
+        self._taps: set[_Tap] = set()
+        self.error: GatewayError | None = None  # what ends a failed stream (each follower's sink frames it)
+
+    def __len__(self) -> int:
+        """Followers attached now."""
+        return len(self._taps)
+
+    @property
+    def joinable(self) -> bool:
+        return self.state in (_OPEN, _DONE) and self._history is not None
+
+    def publish(self, data: bytes) -> None:
+        """Bytes the leader's client got."""
+        if self.state is not _OPEN or not data:
+            return
+        self.started = True
+        n = len(data)
+        if self._history is not None:
+            self._history.append(data)
+            self._history_bytes += n
+            self._budget.used += n
+            if self._history_bytes > self.max_bytes or self._budget.used > self._budget.limit:
+                self.release()
+        for tap in self._taps:
+            if tap.overflow:
+                continue
+            tap.pending.append(data)
+            tap.size += n
+            if tap.size > self.max_bytes:
+                tap.overflow = True
+                tap.pending, tap.size = [], 0
+            tap.wake()
+
+    def finish(self) -> None:
+        """The leader's stream ended (with [DONE], or after an error event it passed through)."""
+        if self.state is _OPEN:
+            self.state = _DONE if self.started else _ABANDONED
+            self._wake_all()
+
+    def fail(self, err: GatewayError) -> None:
+        """The leader's stream failed: followers that got content get `err` as an error event;
+        the others go upstream themselves."""
+        if self.state is _OPEN:
+            if self.started:
+                self.state, self.error = _FAILED, err
+            else:
+                self.state = _ABANDONED
+            self._wake_all()
+
+    def abandon(self) -> None:
+        """The leader answered without a stream (an error status, or a whole body)."""
+        self.fail(UpstreamError("the shared stream ended without an answer"))
+
+    def close(self) -> None:
+        """The flight is over (however it ended): nobody waits on an open stream after this."""
+        self.fail(UpstreamError("the stream this request shared ended early (the request streaming it failed or went away)"))
+
+    def release(self) -> None:
+        """Drop the history (nobody joins after this); the taps keep what they have not written."""
+        if self._history is not None:
+            self._budget.used -= self._history_bytes
+            self._history, self._history_bytes = None, 0
+
+    def join(self) -> _Tap | None:
+        """A tap that starts with everything sent so far; None when this stream cannot be shared."""
+        if not self.joinable:
+            return None
+        assert self._history is not None
+        tap = _Tap(list(self._history), self._history_bytes)
+        self._taps.add(tap)
+        return tap
+
+    def leave(self, tap: _Tap) -> None:
+        self._taps.discard(tap)
+
+    def _wake_all(self) -> None:
+        for tap in self._taps:
+            tap.wake()
+
+
+class TeeSink(SinkWrapper):
+    """The leader's Sink, copying what its client gets into a Broadcast (see the module docstring).
+
+    When the leader's client goes away after content reached followers, the sink detaches from
+    it (`detached`) and the stream goes on for the followers alone: one caller leaving must not
+    cut the answers of others (pipeline/core.py keeps the relay running for them)."""
+
+    __slots__ = ("_bc", "detached")
+
+    def __init__(self, inner: Sink, broadcast: Broadcast) -> None:
+        super().__init__(inner)
+        self._bc = broadcast
+        self.detached = False
+
+    def keeps_followers(self) -> bool:
+        """Whether the stream must go on without the leader's client: followers hold part of it."""
+        return self._bc.started and len(self._bc) > 0 and self._bc.state is _OPEN
+
+    def detach(self) -> None:
+        """The leader's client is gone: from now on only the followers get the stream."""
+        self.detached = True
+
+    def set_header(self, name: str, value: str) -> None:
+        if name == "x-gateway-backend" and not self._bc.started:
+            self._bc.backend = value  # the relay names the backend that owns the answer before its first byte
+        self._inner.set_header(name, value)
+
+    async def write(self, data: bytes) -> None:
+        if self._bc.started or data != SSE_HEARTBEAT:
+            self._bc.publish(data)  # followers first: the leader's client write may wait on a slow reader
+        if self.detached:
+            if not self.keeps_followers():  # the last follower left too: stop the upstream call
+                raise ConnectionResetError("the leader's client and every follower of its stream went away")
+            return
+        try:
+            await self._inner.write(data)
+        except ConnectionError:  # reset, or lost while the write waited on a slow reader
+            if not self.keeps_followers():
+                raise
+            self.detach()  # the leader's client left mid-stream; its followers read on
+
+    async def end(self) -> None:
+        followed = self.keeps_followers()
+        self._bc.finish()
+        if self.detached:
+            return
+        try:
+            await self._inner.end()
+        except ConnectionError:
+            if not followed:
+                raise
+            self.detach()  # gone at the very end: the answer is whole for the followers (and the cache)
+
+    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self._bc.abandon()
+        if not self.detached:
+            await self._inner.send(status, body, content_type)
+
+    async def fail(self, err: GatewayError) -> None:
+        self._bc.fail(err)
+        if not self.detached:
+            await self._inner.fail(err)
+
+
+class _DropUsage:
+    """Drops the usage-only chunk (empty choices) from a stream, for a follower that did not ask
+    for usage while its leader did (a client indexing choices[0] would break on it)."""
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self) -> None:
+        self._decoder = SSEDecoder()
+
+    def __call__(self, data: bytes) -> bytes:
+        if b'"usage"' not in data and not self._decoder.pending:
+            return data
+        out = []
+        for ev in self._decoder.feed(data):
+            payload = event_data(ev)
+            if payload is not None and b'"usage"' in payload and payload != b"[DONE]":
+                try:
+                    obj = orjson.loads(payload)
+                except orjson.JSONDecodeError:
+                    obj = None
+                if isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict):
+                    continue
+            out.append(ev)
+        return b"".join(out)
+
+
+async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
+    """Answer a streamed follower from its leader's live stream, within the follower's deadline.
+
+    True when the follower was answered (its stream ended as the leader's did, or was cut with an
+    error event after content reached it; `call.out.finish` says which, "client_disconnect" included);
+    False when nothing was sent and the follower must go upstream itself.
+    """
+    tap = bc.join()
+    if tap is None:
+        return False
+    opts = call.body.get("stream_options")
+    wants_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+    drop = _DropUsage() if bc.include_usage and not wants_usage else None
+    sent = False
+    try:
+        try:
+            async with asyncio.timeout(max(0.0, call.remaining_s())):
+                while True:
+                    if tap.pending and (sent or bc.state is not _FAILED):
+                        data = tap.take()
+                        if drop is not None:
+                            data = drop(data)
+                        if not data:
+                            continue
+                        if not sent:
+                            sent = True
+                            call.cache.result, call.out.backend = CacheResult.HIT, "cache"
+                            sink.set_header("x-gateway-cache", CacheResult.HIT)
+                            sink.set_header("x-gateway-backend", bc.backend or "cache")
+                        await sink.write(data)
+                        continue
+                    if tap.overflow:
+                        if not sent:
+                            return False
+                        call.out.finish = Finish.CUT
+                        await sink.fail(UpstreamError("this client fell too far behind the stream it shared"))
+                        return True
+                    if bc.state is _DONE:
+                        call.out.finish = Finish.OK
+                        await sink.end()
+                        return True
+                    if bc.state is not _OPEN:  # failed or abandoned
+                        if not sent:
+                            return False
+                        call.out.finish = Finish.CUT
+                        # The sink frames it: an SSE error event for chat, an `error` event on /v1/responses.
+                        await sink.fail(bc.error or UpstreamError("the stream this request shared ended early"))
+                        return True
+                    await tap.wait()
+        except TimeoutError:
+            if not sent:
+                return False  # the caller's own relay answers for the deadline (a 504)
+            call.out.finish = Finish.CUT
+            await sink.fail(UpstreamTimeout("the request's deadline passed mid-stream"))
+            return True
+    except ConnectionError:  # reset, or lost while a write waited on a slow reader
+        call.out.finish = Finish.CLIENT_DISCONNECT
+        return True
+    finally:
+        bc.leave(tap)

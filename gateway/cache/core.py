@@ -1,0 +1,301 @@
+"""Response cache: the canonical key, what may be cached, the fail-open Cache, and single flight.
+
+What an entry is, how a streamed answer becomes one and how one is replayed: entry.py.
+The key is versioned (CACHE_FORMAT): changing the entry format means bumping it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+import orjson
+
+from ..store.core import Store, StoreError
+from .broadcast import Broadcast, Budget
+from .entry import Entry, is_complete
+
+__all__ = [
+    "CACHE_FORMAT",
+    "TRANSPORT_FIELDS",
+    "cache_key",
+    "cacheable_request",
+    "cache_control",
+    "Cache",
+    "Flight",
+    "SingleFlight",
+    "MAX_FLIGHTS",
+]
+
+CACHE_FORMAT = "v1"
+_KEY_PREFIX = f"gwc:{CACHE_FORMAT}:"
+
+# Body fields that change how an answer travels or is accounted, never what it says: not in the key.
+# Everything else is in it, unknown vendor fields included (a needless miss beats a wrong answer).
+TRANSPORT_FIELDS = frozenset({
+    "model",  # the body's spelling is replaced by the public model passed to cache_key
+    "stream",  # streamed and non-streamed requests share one entry
+    "stream_options",  # include_usage only adds a usage chunk, which replay_sse emits on demand
+    "user",  # abuse-monitoring id, no effect on the answer
+    "safety_identifier",  # OpenAI's successor of `user`
+    "metadata",  # tags for the caller's own dashboards
+    "service_tier",  # priority / latency class, not content
+    "store",  # whether OpenAI keeps the completion for distillation
+    "prompt_cache_key",  # a routing hint for the provider's prompt cache
+})
+# 0 and 0.0 mean the same sampling: key them alike.
+_FLOAT_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
+_WARN_EVERY_S = 60.0
+MAX_FLIGHTS = 10_000  # concurrent single flights per process; beyond it, requests go on alone
+
+
+def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any]) -> str:
+    """`gwc:v1:<sha256 hex>` of the canonical JSON (sorted keys) of everything that changes the answer.
+
+    `namespace` isolates tenants (the tenant name, or a namespace the policy shares between tenants);
+    `endpoint` is "chat" or "completions"; `model` is the public model the client asked for.
+    """
+    fields = {k: v for k, v in body.items() if k not in TRANSPORT_FIELDS}
+    for name in _FLOAT_FIELDS:
+        v = fields.get(name)
+        if type(v) is int:
+            fields[name] = float(v)
+    canonical = orjson.dumps([CACHE_FORMAT, namespace, endpoint, model, fields], option=orjson.OPT_SORT_KEYS)
+    return _KEY_PREFIX + hashlib.sha256(canonical).hexdigest()
+
+
+def cacheable_request(
+    body: Mapping[str, Any],
+    *,
+    require_deterministic: bool = True,
+    default_temperatures: Mapping[str, float] | None = None,
+) -> str | None:
+    """None when the request may be answered from (and stored in) the cache, else the reason why not.
+
+    One choice only; no logprobs (a streamed replay could not carry them). With
+    `require_deterministic`, also temperature 0 or a seed (the policy may drop this per model/tenant).
+    A request without temperature is sampled at each backend's default: `default_temperatures`
+    (backend name -> its default, for every backend that may answer it) makes it count as
+    temperature 0 when all of them decode greedily; None means OpenAI's default of 1.
+    """
+    n = body.get("n")
+    if n is not None and n != 1:
+        return "n > 1"
+    logprobs = body.get("logprobs")
+    if logprobs is not None and logprobs is not False:
+        return "logprobs requested"
+    if require_deterministic and body.get("seed") is None:
+        t = body.get("temperature")
+        if t is None:
+            if default_temperatures is None:
+                return "no temperature 0 or seed (default temperature is 1)"
+            return _sampled_by_default(default_temperatures)
+        if t != 0:
+            return "temperature > 0 without seed"
+    return None
+
+
+def _sampled_by_default(defaults: Mapping[str, float]) -> str | None:
+    """Why a request without temperature or seed is not deterministic: the backends that sample by default."""
+    return _sampled(tuple(defaults.items()))
+
+
+@functools.lru_cache(maxsize=256)
+def _sampled(defaults: tuple[tuple[str, float], ...]) -> str | None:
+    """_sampled_by_default, once per set of defaults (the same few, request after request)."""
+    sampled = {name: t for name, t in defaults if t != 0}
+    if not sampled:
+        return None
+    named = ", ".join(f"{name!r} ({t:g})" for name, t in sampled.items())
+    which = f"backend {named} samples" if len(sampled) == 1 else f"backends {named} sample"
+    return f"no temperature 0 or seed, and {which} by default (default_temperature)"
+
+
+def cache_control(header: str | None) -> tuple[bool, bool]:
+    """(no_cache, no_store) from a request's Cache-Control header: skip the lookup / skip the store."""
+    if not header:
+        return False, False
+    tokens = {part.split("=", 1)[0].strip().lower() for part in header.split(",")}
+    return "no-cache" in tokens, "no-store" in tokens
+
+
+class Cache:
+    """A Store under the policy's knobs, failing open: a store error is a miss (lookup) or a no-op
+    (save), reported to `on_error(op)` every time and logged at most once a minute."""
+
+    __slots__ = ("store", "ttl_s", "max_entry_bytes", "_on_error", "_log", "_clock", "_last_warn", "_suppressed", "_failing")
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        ttl_s: float,
+        max_entry_bytes: int,
+        on_error: Callable[[str], None] | None = None,
+        log: logging.Logger | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self.max_entry_bytes = max_entry_bytes
+        self._on_error = on_error
+        self._log = log or logging.getLogger("gateway.cache")
+        self._clock = clock
+        self._last_warn: float | None = None
+        self._suppressed = 0
+        self._failing = False
+
+    async def lookup(self, key: str) -> Entry | None:
+        """The entry under `key`, or None on a miss or when the store fails.
+
+        An entry that is not a complete answer (bad JSON, truncated, a wrong shape: written by
+        another version, or damaged) is a miss: it is deleted and reported as `on_error("corrupt")`.
+        """
+        try:
+            raw = await self.store.get(key)
+        except StoreError as exc:
+            self._failed("get", exc)
+            return None
+        if self._failing:
+            self._recovered()
+        if raw is None:
+            return None
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            obj = None
+        if not is_complete(obj):
+            await self._corrupt(key, raw)
+            return None
+        return Entry(raw)
+
+    async def save(self, key: str, entry: Entry, *, ttl_s: float | None = None) -> bool:
+        """Store `entry` for `ttl_s` (default: the cache's); False when too big or the store failed."""
+        if len(entry.body) > self.max_entry_bytes:
+            return False
+        try:
+            await self.store.set(key, entry.body, self.ttl_s if ttl_s is None else ttl_s)
+        except StoreError as exc:
+            self._failed("set", exc)
+            return False
+        if self._failing:
+            self._recovered()
+        return True
+
+    async def _corrupt(self, key: str, raw: bytes) -> None:
+        if self._on_error is not None:
+            self._on_error("corrupt")
+        self._log.warning("cache entry %s is corrupt (%d bytes), deleted", key, len(raw))
+        try:
+            await self.store.delete(key)
+        except StoreError as exc:
+            self._failed("delete", exc)
+
+    def _failed(self, op: str, exc: StoreError) -> None:
+        self._failing = True
+        if self._on_error is not None:
+            self._on_error(op)
+        now = self._clock()
+        if self._last_warn is not None and now - self._last_warn < _WARN_EVERY_S:
+            self._suppressed += 1
+            return
+        more = f" ({self._suppressed} more failures since the last warning)" if self._suppressed else ""
+        self._log.warning("cache store failed, answering from upstream: %s%s", exc, more)
+        self._last_warn, self._suppressed = now, 0
+
+    def _recovered(self) -> None:
+        self._failing = False
+        self._log.info("cache store answers again")
+
+
+class Flight:
+    """One caller's place in a SingleFlight: the leader calls upstream and publishes what it
+    stored; a follower reads `entry` (None: the leader failed, stored nothing, or took too long).
+
+    `stream`: the leader's live stream (a flight led by a streamed request). The leader answers
+    through `TeeSink(sink, flight.stream)`; a streamed follower gets it at once, without waiting,
+    and reads it with `flight.follow(f.stream, call, sink)`.
+    """
+
+    __slots__ = ("leader", "entry", "stream", "_done")
+
+    def __init__(self, leader: bool, entry: Entry | None = None, stream: Broadcast | None = None) -> None:
+        self.leader = leader
+        self.entry = entry
+        self.stream = stream
+        self._done = asyncio.Event()
+
+    def publish(self, entry: Entry) -> None:
+        """Hand `entry` to the followers (call it inside the `hold` block, leader only)."""
+        self.entry = entry
+
+
+class SingleFlight:
+    """Per process: concurrent identical misses make one upstream call.
+
+        async with flight.hold(key, wait_s=call.remaining_s()) as f:
+            entry = None if f.leader else (f.entry or await cache.lookup(key))
+            if entry is None:
+                ...call upstream; on a cacheable answer: await cache.save(key, e); f.publish(e)
+
+    Followers wait until the leader's block exits (at most `wait_s`), then proceed on their own if
+    nothing was published. Cancelling a leader or a follower leaves nothing behind.
+
+    Streams: `hold(key, stream=True)` by a leader gives its flight a Broadcast (`f.stream`), which
+    the block must close (hold does, on exit). A follower that passes `stream=True` to a streamed
+    flight is let in at once with `f.stream` set, to follow the live stream (see broadcast.py);
+    any other follower waits as above. `include_usage`: whether the leader's stream carries a
+    usage chunk (followers that did not ask for one get it dropped).
+
+    At most `max_flights` keys are held at once (a client can send many distinct prompts): a miss
+    beyond that leads a flight of its own that nobody can join (`overflows` counts them). The
+    streams' histories (for followers that join mid-stream) share one byte budget (broadcast.py).
+    """
+
+    __slots__ = ("_flights", "max_flights", "overflows", "budget")
+
+    def __init__(self, max_flights: int = MAX_FLIGHTS, budget: Budget | None = None) -> None:
+        self._flights: dict[str, Flight] = {}
+        self.max_flights = max_flights
+        self.overflows = 0
+        self.budget = budget if budget is not None else Budget()
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    @contextlib.asynccontextmanager
+    async def hold(
+        self, key: str, *, wait_s: float, stream: bool = False, include_usage: bool = False
+    ) -> AsyncIterator[Flight]:
+        """Lead the flight for `key`, or follow the one in progress (see the class docstring)."""
+        current = self._flights.get(key)
+        if current is None:
+            if len(self._flights) >= self.max_flights:
+                self.overflows += 1
+                yield Flight(leader=True)  # alone: not registered, so nobody follows it
+                return
+            bc = Broadcast(include_usage=include_usage, budget=self.budget) if stream else None
+            flight = self._flights[key] = Flight(leader=True, stream=bc)
+            try:
+                yield flight
+            finally:
+                if self._flights.get(key) is flight:
+                    del self._flights[key]
+                if bc is not None:
+                    bc.close()
+                    bc.release()
+                flight._done.set()
+            return
+        if stream and current.stream is not None and current.stream.joinable:
+            yield Flight(leader=False, stream=current.stream)
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, wait_s)):
+                await current._done.wait()
+        yield Flight(leader=False, entry=current.entry)

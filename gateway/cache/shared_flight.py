@@ -1,0 +1,97 @@
+"""Single flight across processes: on a shared (Redis) store, one process calls upstream for a
+request, and the others wait for its stored answer.
+
+The leader takes a short lock next to the cache key (SET NX with a TTL: a leader that dies frees
+it when the TTL ends). The lock holds a random token of its leader's, and is given back only while
+it still holds that token: a leader slower than the TTL finds its lock taken by another and leaves
+that one alone. Followers poll the cache key (and the lock): the stored answer when it
+comes, or, once the lock is gone without an answer (an error, an answer that may not be stored),
+they go upstream themselves. A streamed follower gets the answer replayed as a stream when it is
+complete: what crosses processes is the stored entry, not the live stream (broadcast.py shares the
+live stream within one process). Store failures fail open: the request goes upstream (a waiting
+follower after a few failed reads in a row, so that one slow reply does not make a second call).
+
+The leader stores its answer before it lets go of the lock (pipeline/core.py does both in one shielded
+step, even when its own client has already left), and the lock alone cannot tell "nobody started"
+from "somebody finished": a process that wins the lock looks the answer up once more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+
+from ..store.core import StoreError
+from .core import Cache
+from .entry import Entry
+
+__all__ = ["claim", "release", "shared"]
+
+_LOCK = "gwlock:"
+_POLL_S = 0.05
+_READ_FAILURES = 3  # failed lock reads in a row that make a follower stop waiting (the store is down)
+
+
+def shared(cache: Cache) -> bool:
+    """Whether other processes see this cache (a process's own store needs no lock: SingleFlight)."""
+    return cache.store.shared
+
+
+async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float) -> tuple[str | None, Entry | None]:
+    """(token, None): this process leads, holding the lock (give it back with `release(cache,
+    key, token)`).
+    (None, entry): another process stored the answer (before we took the lock, or while we waited).
+    (None, None): go upstream without the lock (the leader stored nothing, the wait ran out, or
+    the store failed)."""
+    token = secrets.token_hex(16)
+    try:
+        won = await cache.store.add(_LOCK + key, token.encode(), lock_s)
+    except StoreError:
+        return None, None
+    if won:
+        return await _recheck(cache, key, token)
+    deadline = time.monotonic() + min(wait_s, lock_s)
+    failures = 0
+    while time.monotonic() < deadline:
+        await asyncio.sleep(_POLL_S)
+        entry = await cache.lookup(key)
+        if entry is not None:
+            return None, entry
+        try:
+            held = await cache.store.get(_LOCK + key) is not None
+        except StoreError:
+            # One slow reply on a busy store is no reason to call upstream a second time; a
+            # store that keeps failing is (the leader's answer could not be read anyway).
+            failures += 1
+            if failures >= _READ_FAILURES:
+                return None, None
+            continue
+        failures = 0
+        if not held:
+            # The leader may have stored the answer and let go between our two reads.
+            return None, await cache.lookup(key)
+    return None, None
+
+
+async def _recheck(cache: Cache, key: str, token: str) -> tuple[str | None, Entry | None]:
+    """We hold the lock, but our caller's lookup missed before it: a leader elsewhere may have
+    stored the answer and released the lock in between (it stores first, then releases)."""
+    try:
+        entry = await cache.lookup(key)
+    except BaseException:  # cancelled: the lock must not outlive us until its TTL
+        await asyncio.shield(release(cache, key, token))
+        raise
+    if entry is None:
+        return token, None
+    await release(cache, key, token)
+    return None, entry
+
+
+async def release(cache: Cache, key: str, token: str) -> None:
+    """Give the lock back (after the answer was stored, or not), if it is still ours: one held
+    past its TTL may have been taken by another leader since, whose lock it now is."""
+    try:
+        await cache.store.delete_if(_LOCK + key, token.encode())
+    except StoreError:
+        pass  # its TTL frees it

@@ -1,0 +1,171 @@
+"""The cache stage: answer from the cache, or have the relay answer and store what it answered.
+
+Single flight lives here, in both of its forms: identical misses in this process make one
+upstream call (cache.SingleFlight; a streamed answer is shared live, broadcast.py), and on a shared
+store identical misses in other processes wait for this one's stored answer (shared_flight.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from ..config.runtime import CachePlan, Route, Runtime
+from ..pipeline.call import CacheResult, Call, Finish
+from ..relay.attempt import ClientGone
+from ..relay.context import RelayContext
+from ..tenants.auth import Tenant
+from ..web.sink import Sink
+from . import shared_flight as cache_flight
+from .broadcast import TeeSink, follow
+from .core import Cache, Flight
+from .entry import Entry
+
+__all__ = ["CacheStage", "Produce", "wants_usage"]
+
+# The stage after the cache: answers the call into the sink it is given (the relay).
+Produce = Callable[[Sink], Coroutine[Any, Any, None]]
+
+
+def wants_usage(call: Call) -> bool:
+    """Whether the client's stream carries a usage chunk (one it asked for)."""
+    opts = call.body.get("stream_options") if call.stream else None
+    return isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.asked.strip_usage
+
+
+class CacheStage:
+    """One per process: the lookup, the flights, the store, and the `lookup` metric."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: RelayContext) -> None:
+        self.ctx = ctx
+
+    async def serve(self, rt: Runtime, call: Call, route: Route, tenant: Tenant, sink: Sink, produce: Produce) -> None:
+        """Answer `call` into `sink`: a cache hit, a flight's answer, or `produce`'s (stored)."""
+        plan = rt.cache_plan(call, route, tenant)
+        cache = rt.cache
+        if plan.key is None or cache is None:
+            self._count(call, sink, CacheResult.BYPASS)
+            await produce(sink)
+            return
+        entry = await cache.lookup(plan.key)
+        if entry is None:
+            entry = await self._miss(call, cache, plan, plan.key, rt.policy.cache.lock_ms / 1000, sink, produce)
+        if entry is not None:
+            await self._replay(call, entry, sink)
+
+    async def explain(self, rt: Runtime, call: Call, route: Route, tenant: Tenant) -> dict[str, Any]:
+        """The stage's part of /v1/route/explain: hit or miss now (nothing stored), and why not cached."""
+        plan = rt.cache_plan(call, route, tenant)
+        if plan.key is not None and rt.cache is not None:
+            call.cache.result = CacheResult.MISS if await rt.cache.lookup(plan.key) is None else CacheResult.HIT
+        return {"cache": call.cache.result, "cache_reason": plan.reason}
+
+    async def _miss(
+        self, call: Call, cache: Cache, plan: CachePlan, key: str, lock_s: float, sink: Sink, produce: Produce
+    ) -> Entry | None:
+        """Lead the flight for `key` or follow the one in progress. Returns an entry still to be
+        replayed to the client, or None once the client has its answer."""
+        async with self.ctx.flight.hold(key, wait_s=call.remaining_s(), stream=call.stream, include_usage=wants_usage(call)) as flight:
+            if not flight.leader:
+                if flight.stream is not None and await follow(flight.stream, call, sink):
+                    self.ctx.metrics.lookup[CacheResult.HIT].inc()  # answered from its leader's live stream
+                    return None
+                if flight.entry is not None:
+                    return flight.entry
+            # The leader, or a follower whose leader stored (or streamed) nothing.
+            tee = TeeSink(sink, flight.stream) if flight.leader and flight.stream is not None else sink
+            token = None
+            if flight.leader and cache_flight.shared(cache):  # another process may be answering it
+                token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s)
+                if entry is not None:
+                    flight.publish(entry)
+                    await self._replay(call, entry, tee)
+                    return None
+            try:
+                self._count(call, sink, CacheResult.MISS)
+                call.cache.capture = cache.max_entry_bytes
+                await self._lead(call, tee, produce)
+            finally:
+                # Also when _lead raised: a client that closes its connection as soon as it has
+                # the last byte gets this handler cancelled (handler_cancellation) before the
+                # store, and a lock let go without the answer stored sends the other replicas'
+                # waiting requests upstream again.
+                stored = call.cache.entry if plan.store else None
+                await asyncio.shield(_land(cache, key, stored, plan.ttl_s, flight, token))
+            return None
+
+    def _count(self, call: Call, sink: Sink, result: CacheResult) -> None:
+        call.cache.result = result
+        self.ctx.metrics.lookup[result].inc()
+        sink.set_header("x-gateway-cache", result)
+
+    async def _replay(self, call: Call, entry: Entry, sink: Sink) -> None:
+        """Answer from the cache: the stored answer, or the same answer replayed as a stream."""
+        call.cache.result, call.out.backend = CacheResult.HIT, "cache"
+        sink.set_header("x-gateway-cache", CacheResult.HIT)
+        sink.set_header("x-gateway-backend", "cache")
+        try:
+            body = call.endpoint.replay(entry, stream=call.stream, include_usage=wants_usage(call))
+            if call.stream:
+                await sink.write(body)
+                await sink.end()
+            else:
+                await sink.send(200, body)
+        except ConnectionError:  # reset, or lost while a write waited on a slow reader
+            raise ClientGone() from None
+        call.out.finish = Finish.OK
+        self.ctx.metrics.lookup[CacheResult.HIT].inc()
+
+    async def _lead(self, call: Call, sink: Sink, produce: Produce) -> None:
+        """The flight leader's answer. A streamed leader's answer is its followers' too (TeeSink):
+        if its own client leaves after content reached them, the relay goes on for them to the
+        end, in a task of its own so that the handler's cancellation does not end it. The leader
+        is then a client_disconnect, charged the whole answer (the upstream call was its own, and ran)."""
+        if not isinstance(sink, TeeSink):
+            await produce(sink)
+            return
+        task = asyncio.ensure_future(produce(sink))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done() or not sink.keeps_followers():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise
+            await self._carry(task, sink)
+        if sink.detached and call.out.finish is Finish.OK:  # a cut after it left stays a cut
+            call.out.finish = Finish.CLIENT_DISCONNECT
+
+    async def _carry(self, task: asyncio.Task[None], sink: TeeSink) -> None:
+        """The leader's client left while followers still read its stream: keep the relay going
+        for them (RelayContext.carried, which a shutdown cancels), detached from that client."""
+        sink.detach()
+        carried = self.ctx.carried
+        carried.add(task)
+        task.add_done_callback(carried.discard)
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # this handler's client is gone; the work it started is not
+        try:
+            await task
+        except asyncio.CancelledError:  # cancelled again (a shutdown): the followers' stream ends too
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise
+
+
+async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, flight: Flight, token: str | None) -> None:
+    """A flight leader's last step: store its complete answer (`entry`, None when there is none or
+    it may not be stored), hand it to this process's followers, and only then give back the
+    cross-process lock (`token`: ours, when we hold it), so a follower elsewhere that sees the
+    lock gone finds the answer."""
+    try:
+        if entry is not None:
+            await cache.save(key, entry, ttl_s=ttl_s)
+            flight.publish(entry)
+    finally:
+        if token is not None:
+            await cache_flight.release(cache, key, token)

@@ -1,0 +1,1 @@
+"""The simple/complex request classifier: features, cues, weights (trained offline by training/)."""

@@ -1,0 +1,1 @@
+"""Configuration: the policy file, the Runtime built from it, hot reload."""

@@ -1,0 +1,774 @@
+"""The policy file: one frozen pydantic model per section, loaded with cross-checks.
+
+Every error names its YAML path (and line, when known), e.g.
+`models.auto.complex[1]: unknown backend 'b9' (line 14)`, so `gateway check` can print all of them.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Self
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+__all__ = [
+    "Policy",
+    "PolicyError",
+    "BackendPolicy",
+    "ModelRoute",
+    "TenantPolicy",
+    "RetryPolicy",
+    "MetricsPolicy",
+    "load_policy",
+    "parse_policy",
+]
+
+Priority = Literal["priority", "default", "flex"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses"]
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TimeoutsPolicy(_Section):
+    """Per-backend deadlines. A first-token deadline fails over like an error: nothing reached
+    the client yet."""
+
+    connect_ms: int = Field(2_000, gt=0)
+    first_token_ms: int = Field(30_000, gt=0)  # headers, and the first content token of a stream
+    # Between two chunks of a stream. While another backend could continue the answer, a stall is
+    # detected sooner, from live inter-token data (routing.idle_p99_multiplier); this is the cap.
+    idle_ms: int = Field(60_000, gt=0)
+    total_ms: int = Field(600_000, gt=0)  # a whole non-streamed answer
+
+
+class LaunchPolicy(_Section):
+    """The gateway starts this backend itself: `python -m local_backend serve ...`."""
+
+    model: str
+    quantize: Literal["auto", "none", "int8", "w8a16", "w8a8", "int4"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int | None = Field(None, gt=0)
+    startup_timeout_s: float = Field(300.0, gt=0)
+    # The temperature the model server samples at when a request names none (0: greedy). Passed
+    # to it as --default-temperature, so the server and the gateway's cache read one value.
+    default_temperature: float = Field(0.0, ge=0, le=2)
+    # The local server's memory (None: its defaults, 1024 and 256 MB) and its int8 kernel build on CPU.
+    kv_cache_mb: int | None = Field(None, gt=0)
+    prefix_cache_mb: int | None = Field(None, ge=0)
+    kernel: Literal["auto", "avx512_vnni", "avx2"] = "auto"
+    extra_args: tuple[str, ...] = ()
+
+    def server_args(self) -> tuple[str, ...]:
+        """The flags for the settings above that differ from the server's own defaults."""
+        out: list[str] = []
+        if self.kv_cache_mb is not None:
+            out += ["--kv-cache-mb", str(self.kv_cache_mb)]
+        if self.prefix_cache_mb is not None:
+            out += ["--prefix-cache-mb", str(self.prefix_cache_mb)]
+        if self.kernel != "auto":
+            out += ["--kernel", self.kernel]
+        return tuple(out)
+
+    @field_validator("extra_args")
+    @classmethod
+    def _no_default_temperature(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if any(a == "--default-temperature" or a.startswith("--default-temperature=") for a in v):
+            raise ValueError("set `default_temperature` in `launch` instead: the gateway's cache must know it too")
+        return v
+
+
+class PricePolicy(_Section):
+    """What a backend charges, in USD per million tokens."""
+
+    input_per_mtok: float = Field(0.0, ge=0)
+    output_per_mtok: float = Field(0.0, ge=0)
+
+    def usd(self, prompt_tokens: int, completion_tokens: int) -> float:
+        return (prompt_tokens * self.input_per_mtok + completion_tokens * self.output_per_mtok) / 1e6
+
+
+class BackendPolicy(_Section):
+    url: str
+    api_key_env: str | None = None  # secrets come from the environment, never the file
+    # Public model names this backend serves, or a map public name -> upstream name.
+    models: tuple[str, ...] | dict[str, str] = Field(min_length=1)
+    max_concurrency: int = Field(64, gt=0)
+    timeouts: TimeoutsPolicy = TimeoutsPolicy()
+    launch: LaunchPolicy | None = None
+    weight: float = Field(1.0, gt=0)  # share of traffic under the `weighted` strategy
+    cost: float = Field(0.0, ge=0)  # relative price; traded against latency by routing.cost_weight_s
+    price: PricePolicy | None = None  # USD per million tokens: spend quotas and gateway_spend_usd_total
+    # The OpenAI endpoints this backend serves; embeddings are opt-in (most chat servers lack them).
+    # Unset: chat, completions and responses; a `launch:` backend (our local model server, which
+    # has no Responses API) chat and completions.
+    endpoints: tuple[Endpoint, ...] = Field(("chat", "completions", "responses"), min_length=1)
+    # Whether it continues a trailing assistant message (an assistant prefill) instead of starting a
+    # new turn: how a stream cut elsewhere is continued here. None: the default for its kind (true
+    # for a launched local backend, false otherwise: OpenAI's own API starts a new message).
+    prefill: bool | None = None
+    # The temperature this backend samples at when a request names none: a request without
+    # temperature or seed is cached only when every backend that may answer it says 0 (greedy).
+    # None: OpenAI's 1.0, or for a launched backend its `launch.default_temperature` (default 0).
+    default_temperature: float | None = Field(None, ge=0, le=2)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", v):
+            raise ValueError(f"must name an environment variable (the key itself never goes here), got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _launched_default_endpoints(self) -> "BackendPolicy":
+        if self.launch is not None and "endpoints" not in self.model_fields_set:
+            object.__setattr__(self, "endpoints", ("chat", "completions"))
+        return self
+
+    @model_validator(mode="after")
+    def _one_default_temperature(self) -> "BackendPolicy":
+        lt = None if self.launch is None else self.launch.default_temperature
+        if lt is not None and self.default_temperature is not None and self.default_temperature != lt:
+            raise ValueError(
+                f"default_temperature {self.default_temperature:g} differs from launch.default_temperature {lt:g}: "
+                "set it in `launch` only (the launcher passes that one to the model server)"
+            )
+        return self
+
+    @property
+    def sampling_default_temperature(self) -> float:
+        """The temperature this backend answers a request without one at (see `default_temperature`)."""
+        if self.default_temperature is not None:
+            return self.default_temperature
+        return 1.0 if self.launch is None else self.launch.default_temperature
+
+    @property
+    def model_map(self) -> dict[str, str]:
+        """Public model name -> the name this backend knows it by."""
+        if isinstance(self.models, dict):
+            return dict(self.models)
+        return {m: m for m in self.models}
+
+
+class CacheOverride(_Section):
+    """Per model or per tenant: widen or narrow what the cache keeps (unset: inherit)."""
+
+    enabled: bool | None = None
+    include_sampled: bool | None = None
+    ttl_s: float | None = Field(None, gt=0)
+
+
+class HedgePolicy(_Section):
+    """Start the same request on the next best backend when the first token is late."""
+
+    max_extra_pct: float = Field(5.0, gt=0, le=100)  # hedges as a share of this model's requests
+    min_delay_ms: int = Field(50, ge=0)  # never hedge sooner than this
+    default_delay_ms: int = Field(2_000, gt=0)  # before the backend has a live P95
+
+
+RetryOn = int | Literal["reset", "connect", "timeout"]
+
+
+class RetryPolicy(_Section):
+    """Same-backend retries before failing over (routes whose order is a preference). Each try
+    counts within server.max_attempts and the request's deadline."""
+
+    attempts: int = Field(2, ge=1, le=10)  # tries on one backend, the first included
+    # HTTP statuses, and `reset` (connection lost before the first token), `connect` (refused),
+    # `timeout` (no first token in time).
+    on: tuple[RetryOn, ...] = (429, 500, 502, 503, "reset")
+    max_wait_ms: int = Field(2_000, ge=0)  # a longer Retry-After (or back-off) fails over instead
+    backoff_ms: int = Field(250, gt=0)  # the pause without a Retry-After; doubles per retry, jittered
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, data: Any) -> Any:
+        # YAML 1.1 reads a bare `on:` key as the boolean true.
+        if isinstance(data, dict) and True in data and "on" not in data:
+            data = {("on" if k is True else k): v for k, v in data.items()}
+        return data
+
+    @field_validator("on")
+    @classmethod
+    def _statuses(cls, v: tuple[RetryOn, ...]) -> tuple[RetryOn, ...]:
+        for s in v:
+            if isinstance(s, int) and not (400 <= s <= 599 and s not in (400, 404, 413, 422)):
+                raise ValueError(f"{s} is not a retryable HTTP status (4xx about the request is never retried)")
+        return v
+
+
+class ModelRoute(_Section):
+    """Candidates for one public model: an ordered list, or one list per request class."""
+
+    backends: tuple[str, ...] | None = None
+    simple: tuple[str, ...] | None = None
+    complex: tuple[str, ...] | None = None
+    threshold: float | None = Field(None, ge=0, le=1)  # classifier score above which a request is complex
+    hedge: HedgePolicy | None = None  # opt-in
+    cache: CacheOverride | None = None
+    strategy: Literal["latency", "round_robin", "least_inflight", "weighted", "ordered"] | None = None  # None: routing.strategy
+    retry: RetryPolicy | None = None  # None: no same-backend retries, fail over at once
+    # Backends with a larger context window, tried (in order) when a candidate answers
+    # 400 context_length_exceeded; their `models:` map may name a larger upstream model.
+    context_fallbacks: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_style(self) -> "ModelRoute":
+        split = self.simple is not None or self.complex is not None
+        if self.backends is not None and split:
+            raise ValueError("give either `backends` or `simple`/`complex`, not both")
+        if self.backends is None and not (self.simple and self.complex):
+            raise ValueError("needs `backends`, or both `simple` and `complex` candidate lists")
+        for field in ("backends", "simple", "complex"):
+            names = getattr(self, field)
+            if names is not None and len(names) == 0:
+                raise ValueError(f"`{field}` must list at least one backend")
+        if self.threshold is not None and not split:
+            raise ValueError("`threshold` only applies to routes with `simple`/`complex` lists")
+        return self
+
+
+class ClassifierRulesPolicy(_Section):
+    """Rules that force `complex` whatever the score; null turns a limit off."""
+
+    complex_over_prompt_tokens: int | None = Field(1500, gt=0)
+    tools_complex: bool = True
+    # A response_format other than text (json_object, json_schema) goes to `complex`: the local
+    # model refuses it (400 unsupported_parameter).
+    response_format_complex: bool = True
+    complex_over_max_tokens: int | None = Field(None, gt=0)
+
+
+class ClassifierPolicy(_Section):
+    # The complex recall to aim for: the threshold is the one the weights file tabulates for it,
+    # measured on leave-one-source-out scores (so on sources the model never saw). Recall first:
+    # an uncertain request goes to the big model.
+    complex_recall_target: float = Field(0.97, ge=0.8, le=1)
+    threshold: float | None = Field(None, ge=0, le=1)  # set: overrides complex_recall_target
+    weights_file: str | None = None  # None: the shipped weights
+    rules: ClassifierRulesPolicy = ClassifierRulesPolicy()
+    classify_all: bool = False  # also classify models that do not route by class (for metrics/headers)
+
+
+class LimitsPolicy(_Section):
+    """Per-tenant limits; any subset (unset: no limit). Exact across replicas that share a Redis."""
+
+    rpm: int | None = Field(None, gt=0)  # requests in any 60-second window
+    tpm: int | None = Field(None, gt=0)  # tokens (prompt + completion) in any 60-second window
+    concurrency: int | None = Field(None, gt=0)  # requests in flight at once
+    tokens_per_day: int | None = Field(None, gt=0)  # tokens per UTC day
+    spend_per_day_usd: float | None = Field(None, gt=0)  # spend per UTC day, from the backends' `price`
+
+    def any(self) -> bool:
+        return any(v is not None for v in self.model_dump().values())
+
+
+class QuotaPolicy(LimitsPolicy):
+    """A tenant's limits, plus per-model limits checked on top of them for requests to that model."""
+
+    models: dict[str, LimitsPolicy] = {}
+    default_max_tokens: int = Field(1024, gt=0)  # reserved for a request without max_tokens
+
+    def any(self) -> bool:
+        return super().any() or any(m.any() for m in self.models.values())
+
+
+class _Keys(_Section):
+    """The keys a section admits (a tenant's, the admin's, the scrapers'), as sha256 digests."""
+
+    key_sha256: tuple[str, ...] = ()
+    # The name of an environment variable holding more digests (comma- or space-separated), e.g.
+    # from a Kubernetes Secret: the policy file then carries no key material at all.
+    key_sha256_env: str | None = None
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _hex_digests(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for digest in v:
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
+        return v
+
+
+class _KeysRequired(_Keys):
+    """Keys that must be given, in the list or through the variable."""
+
+    @model_validator(mode="after")
+    def _some_key(self) -> Self:
+        if not self.key_sha256 and not self.key_sha256_env:
+            raise ValueError("needs `key_sha256` (a list of digests) or `key_sha256_env` (a variable holding them)")
+        return self
+
+
+class TenantPolicy(_KeysRequired):
+    # A ceiling: the highest band a request may ask for (x-priority, service_tier); an ask above it
+    # is clamped, and a service_tier above it is not sent upstream (tenants/priority.py).
+    priority: Priority = "default"
+    default_priority: Priority | None = None  # the band of a request that asks for none; None: `priority`
+    models: tuple[str, ...] | None = None  # None: every public model
+    cache_namespace: str | None = None  # tenants naming the same namespace share cached answers
+    cache: CacheOverride | None = None
+    quota: QuotaPolicy | None = None
+    weight: float = Field(1.0, gt=0)  # share of dispatches among tenants waiting in the same band
+
+    @field_validator("default_priority")
+    @classmethod
+    def _within_ceiling(cls, v: str | None, info: ValidationInfo) -> str | None:
+        ceiling = info.data.get("priority")
+        order = typing.get_args(Priority)
+        if v is not None and ceiling in order and order.index(v) < order.index(ceiling):
+            raise ValueError(f"{v!r} is above the tenant's `priority` {ceiling!r}, the most its requests may ask for")
+        return v
+
+
+class AdminPolicy(_KeysRequired):
+    """Admin keys (key_sha256, key_sha256_env, as in a tenant): the admin endpoints need one."""
+
+
+class MetricsPolicy(_Keys):
+    """Who may scrape /metrics, and what its labels reveal.
+
+    Scrape keys (key_sha256, key_sha256_env, as in a tenant): /metrics then needs one of these or
+    an admin key. Without any, /metrics is open on a loopback address only; listening beyond
+    loopback it needs an admin key unless `open`."""
+
+    open: bool = False  # no scrape key: serve /metrics (tenant names, tokens, spend) to anyone who reaches it
+    tenant_label: bool = True  # False: tenant names never appear as label values
+
+    @field_validator("open")
+    @classmethod
+    def _open_or_keys(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and (info.data.get("key_sha256") or info.data.get("key_sha256_env")):
+            raise ValueError("a /metrics with scrape keys is not open; remove `open` or the keys")
+        return v
+
+
+class ServerPolicy(_Section):
+    max_body_bytes: int = Field(4 * 1024 * 1024, gt=0)
+    request_timeout_ms: int = Field(600_000, gt=0)  # default deadline; x-request-timeout-ms may shorten it
+    max_attempts: int = Field(3, ge=1, le=10)  # backends tried before the first byte
+    heartbeat_after_ms: int = Field(5_000, gt=0)  # SSE comment heartbeats while a stream waits
+    heartbeat_interval_ms: int = Field(5_000, gt=0)
+    # Graceful shutdown (SIGTERM): /readyz answers 503 for `drain_delay_ms` while the port still
+    # takes connections (a load balancer's readiness check notices), then the port closes and the
+    # requests in flight (streams included) get up to `shutdown_timeout_ms` to finish.
+    drain_delay_ms: int = Field(1_000, ge=0)
+    shutdown_timeout_ms: int = Field(30_000, ge=0)
+    # A policy without tenants serves anyone. That is allowed on a loopback address only, unless
+    # this says so: the operator states that an open gateway on the network is intended.
+    open_access: bool = False
+    # The HTTP edge (web/edge.py), read by each connection as it opens. A request head must be complete
+    # this long after the connection opens or after its first byte (else 408 and closed); an idle
+    # keep-alive connection is closed after `keepalive_timeout_ms` (above common load balancers' 60 s).
+    header_timeout_ms: int = Field(10_000, gt=0)
+    keepalive_timeout_ms: int = Field(75_000, gt=0)
+    body_timeout_ms: int = Field(60_000, gt=0)  # the whole body, from when the handler starts reading it: else 408
+    max_header_bytes: int = Field(32_768, ge=1024)  # request line + headers; more: 431 (each line also <= 8190)
+    # Open connections per client IP address and process; one more gets a 429 and is closed. Behind a
+    # load balancer or proxy every connection has its address: raise this there, or 0 (no cap).
+    max_connections_per_client: int = Field(1024, ge=0)
+
+
+class RoutingPolicy(_Section):
+    strategy: Literal["latency", "round_robin", "least_inflight", "weighted", "ordered"] = "latency"
+    tie_pct: float = Field(5.0, ge=0, le=100)  # backends this close to the best share traffic at random
+    cost_weight_s: float = Field(0.0, ge=0)  # seconds of predicted TTFT one unit of backend `cost` is worth
+    # The first-token deadline of a backend follows its live P95: max(multiplier x P95, floor),
+    # capped by its timeouts.first_token_ms (which also applies until enough samples exist).
+    deadline_p95_multiplier: float = Field(2.0, ge=1)
+    deadline_floor_ms: int = Field(2_000, gt=0)
+    # A backend without enough samples, while another could take over: the alternatives' live
+    # deadline (multiplier x their P95), else this.
+    cold_first_token_ms: int = Field(10_000, gt=0)
+    # A stall mid-stream, while another backend could continue the answer: multiplier x the
+    # backend's live inter-token P99, at least idle_floor_ms (cold_idle_ms before 20 samples),
+    # at most its timeouts.idle_ms.
+    idle_p99_multiplier: float = Field(20.0, ge=1)
+    idle_floor_ms: int = Field(3_000, gt=0)
+    cold_idle_ms: int = Field(10_000, gt=0)
+    continuation: bool = True  # false: a stream cut mid-answer ends with an error event (no rescue)
+
+
+class HealthPolicy(_Section):
+    failures_to_eject: int = Field(3, ge=1)  # consecutive failures or timeouts
+    eject_ms: int = Field(10_000, gt=0)  # first ejection; doubles while it keeps failing
+    # Caps the back-off: how often a user request is the trial while a backend stays down, and how
+    # long a recovery goes unnoticed when request probes are off or inconclusive.
+    max_eject_ms: int = Field(30_000, gt=0)
+    probe_interval_ms: int = Field(5_000, gt=0)  # model-list probes to ejected and idle backends
+    probe_timeout_ms: int = Field(2_000, gt=0)  # both kinds of probe
+    # A one-token request to each ejected (backend, model) this often; a good one ends
+    # the ejection, so a recovery is seen within about this long. 0: off.
+    recovery_probe_interval_ms: int = Field(1_000, ge=0)
+
+
+class StorePolicy(_Section):
+    """Where the cache and the quota counters live: Redis shared by every replica, or (url omitted)
+    this process's memory."""
+
+    url: str | None = None  # redis://host:port/db, rediss://..., unix:///path.sock
+    timeout_ms: float = Field(10.0, gt=0)  # a slow store is a miss, not a wait
+    quota_timeout_ms: float = Field(250.0, gt=0)  # past this, quotas fall back to per-replica counters
+    max_connections: int = Field(64, gt=0)
+    memory_max_bytes: int = Field(256 * 1024 * 1024, gt=0)  # the in-memory store's size
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(redis|rediss|unix)://", v):
+            raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {v!r}")
+        return v
+
+
+class CachePolicy(_Section):
+    enabled: bool = True
+    ttl_s: float = Field(3600.0, gt=0)
+    # With a shared (Redis) store: a miss holds a lock this long at most while it calls upstream;
+    # the same request on another process waits (up to this, and its deadline) for the stored answer.
+    lock_ms: int = Field(30_000, gt=0)
+    max_entry_bytes: int = Field(256 * 1024, gt=0)
+    # Also serve and store sampled answers (temperature > 0 without a seed): callers asking for
+    # variety would get the same text again. Off: only temperature 0 or seeded requests (n = 1).
+    include_sampled: bool = False
+
+
+class BandDeadlines(_Section):
+    """Default deadline per priority band when a request sends no x-request-timeout-ms (null:
+    server.request_timeout_ms)."""
+
+    priority: int | None = Field(None, gt=0)
+    default: int | None = Field(None, gt=0)
+    flex: int | None = Field(None, gt=0)
+
+
+class AdmissionPolicy(_Section):
+    """The admission stage: requests relayed at once across the process, and waiting beyond that."""
+
+    enabled: bool = True  # false: no global bound, and a full backend's queue is first come, first served
+    max_inflight: int = Field(1024, gt=0)
+    max_queue: int = Field(4096, ge=0)
+    starvation_share: float = Field(0.1, ge=0, lt=1)  # dispatches kept for a waiting lower band
+    # Share of each bound (admission and every backend's max_concurrency) that lower bands leave
+    # free while `priority` traffic has been seen in the last 10 s.
+    priority_reserve_pct: float = Field(10.0, ge=0, lt=100)
+    # A queue whose every dispatch has waited longer than this for standing_interval_ms is standing:
+    # its newest waiter of the lowest band is shed each interval (CoDel-style). null: off.
+    standing_target_ms: int | None = Field(5_000, gt=0)
+    standing_interval_ms: int = Field(5_000, gt=0)
+
+    def standing(self) -> tuple[float | None, float]:
+        """(target, interval) in seconds for the gates."""
+        t = self.standing_target_ms
+        return (None if t is None else t / 1000, self.standing_interval_ms / 1000)
+    deadline_ms: BandDeadlines = BandDeadlines()
+
+
+class ResponsesPolicy(_Section):
+    """The Responses API (/v1/responses, /v1/conversations): the record of which backend holds
+    each response and conversation id and whose it is (follow-ups and the by-id endpoints)."""
+
+    affinity_ttl_s: float = Field(30 * 86400.0, gt=0)  # OpenAI keeps stored responses 30 days
+    # The record that makes an answer followable: each try of its write (and of a lookup) is
+    # bounded by this, not by store.timeout_ms (a slow cache is a miss; a lost record is an id
+    # nobody owns); after record_attempts tries the answer is not released (503).
+    record_timeout_ms: float = Field(250.0, gt=0)
+    record_attempts: int = Field(3, ge=1, le=10)
+    # The migration mode: an id the gateway has no record of is searched for on the backends and
+    # recorded as the first asking tenant's. Off: such ids are 404s, never adopted.
+    adopt_unknown_ids: bool = False
+
+
+class ReloadPolicy(_Section):
+    watch: bool = True
+    interval_ms: int = Field(1_000, gt=0)
+    # With a Redis `store`: a reload through /admin/reload is announced on this pub/sub channel,
+    # and every replica on the same Redis reloads its own policy file (null: no announcement).
+    channel: str | None = "gateway:reload"
+
+
+class LogPolicy(_Section):
+    """The structured access log: one JSON line per API request on stdout."""
+
+    access: bool = False  # `gateway serve --access-log` turns it on too
+    prompts: bool = False  # also log the request's messages / prompt (off: prompts are private)
+
+
+class TracingPolicy(_Section):
+    """OpenTelemetry trace export (needs the `otel` extra): one span per API request."""
+
+    otlp_endpoint: str  # e.g. http://otel-collector:4318/v1/traces (OTLP over HTTP, protobuf)
+    service_name: str = "llm-gateway"
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+
+
+class Policy(_Section):
+    version: Literal[1] = 1
+    server: ServerPolicy = ServerPolicy()
+    routing: RoutingPolicy = RoutingPolicy()
+    store: StorePolicy = StorePolicy()
+    cache: CachePolicy = CachePolicy()
+    health: HealthPolicy = HealthPolicy()
+    reload: ReloadPolicy = ReloadPolicy()
+    admission: AdmissionPolicy = AdmissionPolicy()
+    backends: dict[str, BackendPolicy] = Field(min_length=1)
+    models: dict[str, ModelRoute] = {}
+    tenants: dict[str, TenantPolicy] = {}
+    admin: AdminPolicy | None = None
+    metrics: MetricsPolicy = MetricsPolicy()
+    classifier: ClassifierPolicy = ClassifierPolicy()
+    log: LogPolicy = LogPolicy()
+    tracing: TracingPolicy | None = None
+    responses: ResponsesPolicy = ResponsesPolicy()
+
+    @field_validator("backends", "models", "tenants")
+    @classmethod
+    def _names(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for name in v:
+            if not re.match(_NAME, name):
+                raise ValueError(f"bad name {name!r}: use letters, digits and . _ : / -")
+        return v
+
+    def served_models(self) -> dict[str, tuple[str, ...]]:
+        """Every public model -> its candidate backends when it has no explicit route."""
+        out: dict[str, list[str]] = {}
+        for bname, backend in self.backends.items():
+            for public in backend.model_map:
+                out.setdefault(public, []).append(bname)
+        return {m: tuple(b) for m, b in out.items()}
+
+    @property
+    def open(self) -> bool:
+        """No tenants: every caller is let in, without a key."""
+        return not self.tenants
+
+    def public_models(self) -> list[str]:
+        names = dict.fromkeys(self.models)
+        names.update(dict.fromkeys(self.served_models()))
+        return list(names)
+
+
+@dataclass(frozen=True)
+class Problem:
+    path: str
+    message: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f" (line {self.line})" if self.line else ""
+        return f"{self.path or '<root>'}: {self.message}{where}"
+
+
+class PolicyError(ValueError):
+    """A policy that does not load; `problems` lists every error found."""
+
+    def __init__(self, source: str, problems: list[Problem]) -> None:
+        self.source = source
+        self.problems = problems
+        lines = "\n".join(f"  {p}" for p in problems)
+        super().__init__(f"{source}: {len(problems)} problem(s)\n{lines}")
+
+
+def _path(loc: tuple[Any, ...]) -> tuple[str, list[Any]]:
+    text, parts = "", []
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        else:
+            text += f".{part}" if text else str(part)
+        parts.append(part)
+    return text, parts
+
+
+def _line_of(node: yaml.Node | None, parts: list[Any]) -> int | None:
+    """The 1-based line of a path in the composed YAML, or of its nearest known ancestor."""
+    line = node.start_mark.line + 1 if node is not None else None
+    for part in parts:
+        if isinstance(node, yaml.MappingNode):
+            node = next((v for k, v in node.value if k.value == str(part)), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            node = node.value[part]
+        else:
+            node = None
+        if node is None:
+            break
+        line = node.start_mark.line + 1
+    return line
+
+
+def _as_dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
+
+
+def _as_names(v: Any) -> list[Any]:
+    return list(v) if isinstance(v, (list, tuple)) else []
+
+
+def _served(backend: Any) -> set[str]:
+    """Public model names a raw backend entry lists (a list, or the keys of a map)."""
+    models = _as_dict(backend).get("models")
+    return {str(m) for m in (models if isinstance(models, (list, dict)) else [])}
+
+
+def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
+    """References between sections, checked on the raw YAML data.
+
+    Raw data, not the validated model: `gateway check` then reports a route naming an unknown
+    backend in the same pass as a schema error elsewhere. Entries of the wrong shape are skipped
+    (the schema check reports them)."""
+    problems: list[tuple[tuple[Any, ...], str]] = []
+    backends = _as_dict(data.get("backends"))
+    models = _as_dict(data.get("models"))
+    tenants = _as_dict(data.get("tenants"))
+    for mname, route in models.items():
+        for field in ("backends", "simple", "complex", "context_fallbacks"):
+            for i, bname in enumerate(_as_names(_as_dict(route).get(field))):
+                loc = ("models", mname, field, i)
+                if not isinstance(bname, str):
+                    continue
+                if bname not in backends:
+                    problems.append((loc, f"unknown backend {bname!r}"))
+                elif field in ("backends", "context_fallbacks") and str(mname) not in _served(backends[bname]):
+                    problems.append((loc, f"backend {bname!r} does not serve model {mname!r} (add it to its `models`)"))
+    known = {str(m) for m in models}.union(*(_served(b) for b in backends.values()))
+    for tname, tenant in tenants.items():
+        for i, m in enumerate(_as_names(_as_dict(tenant).get("models"))):
+            if isinstance(m, str) and m not in known:
+                problems.append((("tenants", tname, "models", i), f"unknown model {m!r}"))
+        quota = _as_dict(_as_dict(tenant).get("quota"))
+        for m in _as_dict(quota.get("models")):
+            if str(m) not in known:
+                problems.append((("tenants", tname, "quota", "models", m), f"unknown model {m!r}"))
+        if quota.get("spend_per_day_usd") is not None or any(
+            _as_dict(q).get("spend_per_day_usd") is not None for q in _as_dict(quota.get("models")).values()
+        ):
+            unpriced = [str(b) for b, bp in backends.items() if _as_dict(bp).get("price") is None]
+            if unpriced:
+                problems.append(
+                    (("tenants", tname, "quota", "spend_per_day_usd"), f"needs a `price` on every backend (none on: {', '.join(unpriced)})")
+                )
+    seen: dict[str, str] = {}
+    for tname, tenant in tenants.items():
+        for i, digest in enumerate(_as_names(_as_dict(tenant).get("key_sha256"))):
+            if not isinstance(digest, str):
+                continue
+            if digest in seen and seen[digest] != tname:
+                problems.append((("tenants", tname, "key_sha256", i), f"key also belongs to tenant {seen[digest]!r}"))
+            seen[digest] = tname
+    ports: dict[str, str] = {}
+    for bname, backend in backends.items():
+        b = _as_dict(backend)
+        url = b.get("url")
+        if b.get("launch") is None or not isinstance(url, str):
+            continue
+        url = url.rstrip("/")
+        if not re.match(r"^http://(127\.0\.0\.1|localhost|\[::1\]):\d+", url):
+            problems.append((("backends", bname, "url"), "a launched backend needs an explicit loopback host:port URL"))
+        if url in ports:
+            problems.append((("backends", bname, "url"), f"same URL as launched backend {ports[url]!r}"))
+        ports[url] = bname
+    if _as_dict(data.get("server")).get("open_access") is True and tenants:
+        problems.append((("server", "open_access"), "a policy with tenants is never open; remove `open_access`"))
+    return problems
+
+
+def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The policy section class that a (pydantic) error location points into, if it resolves."""
+    node: Any = Policy
+    for part in loc:
+        model = _model_in(node)
+        if model is not None and isinstance(part, str) and part in model.model_fields:
+            node = model.model_fields[part].annotation
+        elif typing.get_origin(_unwrap(node)) is dict:
+            node = typing.get_args(_unwrap(node))[1]  # `part` is a name chosen by the operator
+        else:
+            return None
+    return _model_in(node)
+
+
+def _unwrap(tp: Any) -> Any:
+    """`X | None` -> X."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return tp
+
+
+def _model_in(tp: Any) -> type[BaseModel] | None:
+    tp = _unwrap(tp)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+def _unknown_field(loc: tuple[Any, ...]) -> str:
+    """'unknown field', with the closest valid name of that section when one is close."""
+    section = _section_at(loc[:-1])
+    if section is None or not isinstance(loc[-1], str):
+        return "unknown field"
+    close = difflib.get_close_matches(loc[-1], list(section.model_fields), n=1, cutoff=0.75)
+    return f"unknown field; did you mean `{close[0]}`?" if close else "unknown field"
+
+
+def parse_policy(text: str, source: str = "<policy>") -> Policy:
+    """Parse and validate policy YAML text; raise PolicyError listing every problem.
+
+    Schema errors and cross-reference errors are reported together, in one pass."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise PolicyError(source, [Problem("", f"not valid YAML: {getattr(exc, 'problem', exc)}", line)]) from None
+    if not isinstance(data, dict):
+        raise PolicyError(source, [Problem("", "the policy must be a YAML mapping")])
+    problems: list[Problem] = []
+    policy: Policy | None = None
+    try:
+        policy = Policy.model_validate(data)
+    except ValidationError as exc:
+        for err in exc.errors():
+            raw_loc = err["loc"]
+            loc = tuple(
+                p for i, p in enumerate(raw_loc)
+                if not (isinstance(p, str) and ("[" in p or p in ("tuple", "dict")
+                                                or (p in ("int", "str") and i and isinstance(raw_loc[i - 1], int))))
+            )
+            text_path, parts = _path(loc)
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = _unknown_field(loc)
+            problems.append(Problem(text_path, msg, _line_of(root, parts)))
+    schema_paths = {p.path for p in problems}
+    for loc, msg in _cross_check(data):
+        text_path, parts = _path(loc)
+        if text_path not in schema_paths:  # one complaint per place
+            problems.append(Problem(text_path, msg, _line_of(root, parts)))
+    if problems or policy is None:
+        # A union (list-or-map) reports once per branch; keep each message once.
+        raise PolicyError(source, list(dict.fromkeys(problems)))
+    return policy
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policy file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyError(str(p), [Problem("", f"cannot read: {exc.strerror or exc}")]) from None
+    return parse_policy(text, str(p))

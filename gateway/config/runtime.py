@@ -1,0 +1,396 @@
+"""A Runtime: everything built from one policy, swapped atomically on reload.
+
+Each request reads the current Runtime once and keeps it to the end, so a reload never mixes the
+old and the new policy within one request. Building one changes nothing live: its limits on the
+backends it shares with the running one (health thresholds, slots) apply once, at the swap
+(`Runtime.activate`), so a policy that fails to build leaves everything as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from ..admission.gate import reserve_slots
+from ..cache.core import Cache, cache_key, cacheable_request
+from ..classify.classifier import Classifier, Rules, Verdict
+from ..errors import BadRequest, ModelNotFound
+from ..pipeline.call import Call
+from ..responses.affinity import Affinity
+from ..routing.backends import Backend, BackendState, Slots
+from ..routing.health import Health
+from ..routing.latency import Tracker
+from ..routing.selector import Candidate, Selector
+from ..store.core import MemoryStore, Store
+from ..store.redis_store import RedisStore
+from ..tenants.auth import Tenant, Tenants
+from ..tenants.quota import Quota
+from ..wire.endpoints import ENDPOINTS
+from .policy import (
+    BackendPolicy,
+    CacheOverride,
+    HedgePolicy,
+    ModelRoute,
+    Policy,
+    RetryPolicy,
+    RoutingPolicy,
+    ServerPolicy,
+    StorePolicy,
+)
+
+__all__ = ["Runtime", "Route", "Pool", "HedgeBudget", "CachePlan", "build_runtime", "open_store"]
+
+
+_UNCLASSIFIED = Verdict("complex", 0.0, 1.0, None, {}, ["not classified: this model does not route by class"])
+
+
+@dataclass
+class HedgeBudget:
+    """Hedges may add at most `pct` % extra upstream calls, measured over a decaying window."""
+
+    pct: float
+    half_life_s: float = 60.0
+    clock: object = time.monotonic
+    _requests: float = 0.0
+    _hedges: float = 0.0
+    _at: float = field(default_factory=time.monotonic)
+
+    def _decay(self) -> None:
+        now = self.clock()  # type: ignore[operator]
+        k = 0.5 ** ((now - self._at) / self.half_life_s)
+        self._requests *= k
+        self._hedges *= k
+        self._at = now
+
+    def note_request(self) -> None:
+        self._decay()
+        self._requests += 1
+
+    def try_spend(self) -> bool:
+        """True (and counted) when one more hedge stays within the budget."""
+        self._decay()
+        if self._hedges + 1 > self.pct / 100 * self._requests + 1:  # +1: one hedge allowed from the start
+            return False
+        self._hedges += 1
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Pool:
+    """The candidates of one (model, class) and the selector that ranks them."""
+
+    backends: tuple[Backend, ...]
+    candidates: tuple[Candidate, ...]
+    selector: Selector
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Candidate backends for one public model, per request class."""
+
+    model: str
+    simple: Pool
+    complex: Pool
+    split: bool  # True when simple and complex prompts go to different lists (the `auto` style)
+    threshold: float | None = None
+    hedge: HedgePolicy | None = None
+    budget: HedgeBudget | None = None
+    cache: CacheOverride | None = None
+    # The settings of the policy this route came from: a request keeps them to its end.
+    server: ServerPolicy = field(default_factory=ServerPolicy)
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)
+    # endpoint -> (simple, complex) pools of only the backends that serve it (None: none does)
+    by_endpoint: dict[str, tuple[Pool | None, Pool | None]] = field(default_factory=dict)
+    retry: RetryPolicy | None = None
+    context_fallbacks: tuple[Backend, ...] = ()  # for a 400 context_length_exceeded
+
+    def pool(self, cls: str, endpoint: str = "chat") -> Pool:
+        """The candidates for a request class on an endpoint; BadRequest when no backend of this
+        route serves the endpoint (decided from the policy, before any upstream call)."""
+        pair = self.by_endpoint.get(endpoint)
+        if pair is None:
+            return self.simple if cls == "simple" else self.complex
+        p = pair[0] if cls == "simple" else pair[1]
+        if p is None:
+            raise BadRequest(
+                f"the model {self.model!r} is not served on /v1{ENDPOINTS[endpoint].path}: "
+                f"no backend of its route lists {endpoint!r} in its `endpoints`",
+                param="model",
+                code="unsupported_endpoint",
+            )
+        return p
+
+    def candidates(self, cls: str) -> tuple[Backend, ...]:
+        return self.pool(cls).backends
+
+
+@dataclass(frozen=True, slots=True)
+class CachePlan:
+    """What the cache does for one call: `key` None means bypass, for `reason`."""
+
+    key: str | None
+    reason: str | None
+    ttl_s: float = 0.0
+    store: bool = True  # False: `cache-control: no-store`
+
+
+_NO_CACHE = CachePlan(None, "caching is off for this model")
+
+
+class Runtime:
+    def __init__(
+        self,
+        policy: Policy,
+        backends: dict[str, Backend],
+        classifier: Classifier,
+        generation: int,
+        cache: Cache | None = None,
+        quota: Quota | None = None,
+        affinity: Affinity | None = None,
+        stores: dict[StorePolicy, Store] | None = None,
+        slot_limits: dict[str, int] | None = None,
+    ) -> None:
+        self.policy = policy
+        self.generation = generation
+        self.created = time.time()
+        self.backends = backends
+        self.tenants = Tenants(policy)
+        self.server = policy.server
+        self.routing = policy.routing
+        # Applied by `activate`, at the swap: nothing above touched the live backends.
+        self.stores = stores if stores is not None else {}  # the stores it uses, by settings
+        self.slot_limits = slot_limits if slot_limits is not None else {n: b.policy.max_concurrency for n, b in backends.items()}
+        self._new_models: dict[str, dict[str, Health]] = {}  # backend -> upstream model -> its health, made here
+        self._active = False
+        routes: dict[str, Route] = {}
+        for model, names in policy.served_models().items():
+            routes[model] = self._route(model, ModelRoute(backends=names))
+        for model, r in policy.models.items():
+            routes[model] = self._route(model, r)
+        self.routes = routes
+        self.public_models = policy.public_models()
+        cp = policy.classifier
+        self.classifier = classifier
+        self.threshold = cp.threshold if cp.threshold is not None \
+            else classifier.threshold_for_recall(cp.complex_recall_target)
+        self.classify_all = cp.classify_all
+        self.rules = Rules(**cp.rules.model_dump())
+        self.cache = cache
+        self.quota = quota  # None: no tenant has limits
+        # Which backend holds each Responses API id (responses/affinity.py); in memory unless given a store.
+        self.affinity = affinity if affinity is not None else _affinity(policy, MemoryStore(), None)
+
+    def activate(self, states: dict[str, BackendState], stores: dict[StorePolicy, Store]) -> None:
+        """Put this runtime's limits in force on the live backends: once, at its swap, right after
+        its build (no await between: a model health first made between them would be made twice).
+
+        Until now the build only read the live state, so a policy that failed to build changed
+        nothing. Applies the health thresholds (each backend's and its models'), the slot limits
+        (`slot_limits`: a worker's share), reserves and queue settings, and lets waiters in under a
+        raised limit; records the backend states in `states` (measurements carry over by name)
+        and registers the stores it opened in `stores` (reused while their settings stay the same;
+        one no longer used stays registered, for requests in flight, and closes with the app)."""
+        if self._active:
+            raise RuntimeError(f"policy generation {self.generation} was activated twice")
+        self._active = True
+        hp, ap = self.policy.health, self.policy.admission
+        for name, backend in self.backends.items():
+            state = backend.state
+            for upstream, h in self._new_models.get(name, {}).items():
+                state.models.setdefault(upstream, h)
+            for h in (state.health, *state.models.values()):
+                h.failures_to_eject = hp.failures_to_eject
+                h.eject_s = hp.eject_ms / 1000
+                h.max_eject_s = hp.max_eject_ms / 1000
+            slots = backend.slots
+            slots.limit = self.slot_limits[name]
+            slots.reserve = reserve_slots(slots.limit, ap.priority_reserve_pct)
+            slots.queue.starvation_share = ap.starvation_share
+            slots.standing_target_s, slots.standing_interval_s = ap.standing()
+            slots.dispatch()  # a raised max_concurrency lets its waiters in now
+            states[name] = state
+        for sp, store in self.stores.items():
+            stores.setdefault(sp, store)
+
+    def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
+        """Whether and under which key this call's answer is looked up and stored.
+
+        Settings resolve tenant over model over the policy's `cache` section."""
+        if self.cache is None or not call.endpoint.cacheable:
+            return _NO_CACHE
+        cp = self.policy.cache
+        enabled, include_sampled, ttl = cp.enabled, cp.include_sampled, cp.ttl_s
+        for o in (route.cache, tenant.cache):
+            if o is not None:
+                enabled = enabled if o.enabled is None else o.enabled
+                include_sampled = include_sampled if o.include_sampled is None else o.include_sampled
+                ttl = ttl if o.ttl_s is None else o.ttl_s
+        if not enabled:
+            return _NO_CACHE
+        if call.asked.no_cache:
+            return CachePlan(None, "cache-control: no-cache")
+        why = cacheable_request(call.body, require_deterministic=not include_sampled, default_temperatures=_defaults(call, route))
+        if why is None:
+            why = call.endpoint.cache_reason(call.body)
+        if why is not None:
+            return CachePlan(None, why)
+        key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body)
+        return CachePlan(key, None, ttl, not call.asked.no_store)
+
+    def _pool(self, model: str, names: tuple[str, ...], strategy: str) -> Pool:
+        rp = self.routing
+        picked = tuple(self.backends[b] for b in names)
+        cands = tuple(Candidate(b.name, b.tracker, self._health_for(b, model), b.policy.weight, _cost(b.policy)) for b in picked)
+        selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s)
+        return Pool(picked, cands, selector)
+
+    def _health_for(self, b: Backend, model: str) -> Health:
+        """`b.health_for(model)`, but while building without touching the live state: a model
+        health the backend has not had yet is made here and joins its state at `activate`."""
+        if self._active:
+            return b.health_for(model)
+        upstream = b.upstream_model(model)
+        h = b.state.models.get(upstream)
+        if h is None:
+            new = self._new_models.setdefault(b.name, {})
+            h = new.get(upstream)
+            if h is None:
+                p = b.health  # as BackendState.model_health makes one
+                h = new[upstream] = Health(p.failures_to_eject, p.eject_s, p.clock, p.max_eject_s, p.jitter, p.rng, parent=p)
+        return h
+
+    def single_pool(self, model: str, backend: str) -> Pool:
+        """A pool of one backend (a follow-up pinned to the backend that holds its state)."""
+        return self._pool(model, (backend,), "ordered")
+
+    def _by_endpoint(self, model: str, pool: Pool, strategy: str) -> dict[str, Pool | None]:
+        """Per endpoint: the pool itself when every backend serves it, else the ones that do."""
+        out: dict[str, Pool | None] = {}
+        for ep in ENDPOINTS:
+            names = tuple(b.name for b in pool.backends if ep in b.policy.endpoints)
+            out[ep] = pool if len(names) == len(pool.backends) else (self._pool(model, names, strategy) if names else None)
+        return out
+
+    def _route(self, model: str, r: ModelRoute) -> Route:
+        strategy = r.strategy or self.routing.strategy
+        budget = HedgeBudget(r.hedge.max_extra_pct) if r.hedge else None
+        if r.backends is not None:
+            simple = complex_ = self._pool(model, r.backends, strategy)
+        else:
+            simple, complex_ = self._pool(model, r.simple or (), strategy), self._pool(model, r.complex or (), strategy)
+        s_eps = self._by_endpoint(model, simple, strategy)
+        c_eps = s_eps if complex_ is simple else self._by_endpoint(model, complex_, strategy)
+        return Route(
+            model,
+            simple,
+            complex_,
+            split=r.backends is None,
+            threshold=r.threshold,
+            hedge=r.hedge,
+            budget=budget,
+            cache=r.cache,
+            server=self.server,
+            routing=self.routing,
+            by_endpoint={ep: (s_eps[ep], c_eps[ep]) for ep in ENDPOINTS},
+            retry=r.retry,
+            context_fallbacks=tuple(self.backends[b] for b in r.context_fallbacks),
+        )
+
+    def classify(self, call: Call, route: Route) -> Verdict:
+        """simple|complex for routes that split by class (or every route with `classify_all`)."""
+        if not (route.split or self.classify_all):
+            return _UNCLASSIFIED
+        threshold = route.threshold if route.threshold is not None else self.threshold
+        return self.classifier.classify(call.endpoint.classify_view(call.body), threshold=threshold, rules=self.rules)
+
+    def route(self, model: str) -> Route:
+        route = self.routes.get(model)
+        if route is None:
+            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+        return route
+
+
+def _defaults(call: Call, route: Route) -> dict[str, float]:
+    """The default temperature of every backend that may answer `call`: its class's pool on this
+    endpoint (failover, retries, hedges and rescues stay in it) and the route's context fallbacks."""
+    backends = (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
+    return {b.name: b.policy.sampling_default_temperature for b in backends}
+
+
+def _cost(bp: BackendPolicy) -> float:
+    """What routing.cost_weight_s trades against latency: `cost`, else the backend's price
+    (input + output USD per million tokens)."""
+    if bp.cost or bp.price is None:
+        return bp.cost
+    return bp.price.input_per_mtok + bp.price.output_per_mtok
+
+
+def build_runtime(
+    policy: Policy,
+    states: Mapping[str, BackendState],
+    generation: int,
+    stores: Mapping[StorePolicy, Store] | None = None,
+    on_cache_error: Callable[[str], None] | None = None,
+    on_quota_degraded: Callable[[], None] | None = None,
+    on_affinity: Callable[[str, str], None] | None = None,
+    slot_share: Callable[[int], int] | None = None,
+) -> Runtime:
+    """Build a complete Runtime from `policy`, changing nothing live: backend measurements carry
+    over from `states` (by name) and stores from `stores` (a store is reused while its settings
+    stay the same), both only read here. `Runtime.activate`, at the swap, puts the new limits in
+    force and records the states and the stores it opened. `slot_share`: the part of each
+    backend's max_concurrency that this process holds (a worker's share; default all of it).
+
+    Raises ValueError (e.g. a missing API key variable) leaving the running one and every live
+    limit as they were.
+    """
+    backends: dict[str, Backend] = {}
+    for name, bp in policy.backends.items():
+        state = states.get(name)
+        if state is None:
+            tracker = Tracker()
+            state = BackendState(tracker, Health(), Slots(bp.max_concurrency, tracker))
+        backends[name] = Backend(name, bp, state)
+    # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
+    classifier = Classifier.load(policy.classifier.weights_file)
+    registry: Mapping[StorePolicy, Store] = stores if stores is not None else {}
+    used: dict[StorePolicy, Store] = {}
+
+    def store_of(sp: StorePolicy) -> Store:
+        store = used.get(sp)
+        if store is None:
+            store = registry.get(sp)
+            used[sp] = store = store if store is not None else open_store(sp)
+        return store
+
+    cache = None
+    if policy.cache.enabled or any(r.cache and r.cache.enabled for r in policy.models.values()) or any(
+        t.cache and t.cache.enabled for t in policy.tenants.values()
+    ):
+        cache = Cache(store_of(policy.store), ttl_s=policy.cache.ttl_s, max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error)
+    quota = None
+    if any(t.quota is not None and t.quota.any() for t in policy.tenants.values()):
+        # The fallback is this process's in-memory store: its counters live across reloads.
+        quota = Quota(policy, store_of(policy.store), store_of(StorePolicy()), on_degraded=on_quota_degraded)
+    # Its own connections with the record's timeout (a Redis store): the cache's few milliseconds
+    # would drop records under load, and an answer without its record is not released.
+    sp = policy.store
+    record_sp = sp if sp.url is None else sp.model_copy(update={"timeout_ms": max(sp.timeout_ms, policy.responses.record_timeout_ms)})
+    affinity = _affinity(policy, store_of(record_sp), on_affinity)
+    share = slot_share if slot_share is not None else (lambda n: n)
+    slot_limits = {name: share(bp.max_concurrency) for name, bp in policy.backends.items()}
+    return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits)
+
+
+def _affinity(policy: Policy, store: Store, on_event: Callable[[str, str], None] | None) -> Affinity:
+    rp = policy.responses
+    return Affinity(store, rp.affinity_ttl_s, on_event, timeout_s=rp.record_timeout_ms / 1000,
+                    attempts=rp.record_attempts, adopt_unknown=rp.adopt_unknown_ids)
+
+
+def open_store(sp: StorePolicy) -> Store:
+    """The store a policy names (no connection is made until it is used)."""
+    if sp.url is None:
+        return MemoryStore(max_bytes=sp.memory_max_bytes)
+    return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections, quota_timeout_ms=sp.quota_timeout_ms)

@@ -1,0 +1,1 @@
+"""Observation: Prometheus metrics, Server-Timing, the access log, OpenTelemetry spans."""

@@ -1,0 +1,152 @@
+"""Call: the per-request record that each pipeline stage fills in."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ..admission.gate import Ticket
+from ..cache.entry import Entry
+from ..classify.classifier import Verdict
+from ..relay.continuation import Transcript
+from ..wire.codec import Endpoint
+
+if TYPE_CHECKING:
+    from ..responses.affinity import Learner
+
+__all__ = ["Asked", "CacheResult", "Caching", "Call", "Finish", "Outcome", "Timing"]
+
+
+class Finish(StrEnum):
+    """How a request ended, for the access log and the metrics."""
+
+    OK = "ok"  # the client has its whole answer
+    ERROR = "error"  # answered with an error (a status, or the backend's own failure event)
+    CLIENT_DISCONNECT = "client_disconnect"  # the client left before its answer was whole
+    CUT = "cut"  # a stream that broke after content reached the client, ended with an error event
+
+
+class CacheResult(StrEnum):
+    """The cache's part in an answer: the x-gateway-cache header and the metric label."""
+
+    HIT = "hit"
+    MISS = "miss"
+    BYPASS = "bypass"
+
+
+@dataclass(slots=True)
+class Asked:
+    """How the client asked: its headers' options, and the band it may have (parse, then its
+    tenant's ceiling, set it)."""
+
+    priority: str | None = None  # the band asked for (x-priority); after intake, held to the tenant's ceiling
+    no_cache: bool = False  # cache-control: no-cache
+    no_store: bool = False  # cache-control: no-store
+    deadline: bool = False  # x-request-timeout-ms was sent (else a band's default may apply)
+    trace_parent: tuple[int, int, int] | None = None  # a valid W3C traceparent: (trace id, span id, flags)
+    strip_usage: bool = False  # the gateway asked for the stream's usage chunk: the client did not
+
+
+@dataclass(slots=True)
+class Timing:
+    """When each step happened (observe/observer.py turns them into Server-Timing and stage histograms)."""
+
+    t0: float = field(default_factory=time.perf_counter)
+    t0_monotonic: float = field(default_factory=time.monotonic)  # the clock `Call.deadline` is on
+    queue_ms: float = 0.0  # waited for admission or a backend slot
+    sent_at: float = 0.0  # perf_counter when the request went upstream (the last attempt)
+    headers_at: float = 0.0  # perf_counter when that attempt's response headers came
+    ttft_s: float | None = None
+
+
+@dataclass(slots=True)
+class Caching:
+    """The cache stage's part: what it did, and the answer it keeps for the store."""
+
+    result: CacheResult = CacheResult.BYPASS
+    capture: int = 0  # > 0: keep the complete answer (up to this many bytes) in `entry`
+    entry: Entry | None = None
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How the request ended: who answered, what it used, what the client got."""
+
+    backend: str | None = None
+    attempts: list[str] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    streamed_tokens: int = 0  # content events passed to the client (what a client that leaves is charged)
+    status: int = 200
+    error: str | None = None
+    finish: Finish | None = None
+
+
+@dataclass(slots=True)
+class Call:
+    """One request from parse to metrics. Each stage keeps its own part: intake the verdict and
+    the ticket, the cache stage `cache`, the relay the transcript and `out`."""
+
+    request_id: str
+    endpoint: Endpoint  # the API endpoint's codec (wire/endpoints.py)
+    raw: bytes  # the client's body, forwarded as is when no field needs rewriting
+    api_key: str | None
+    deadline: float  # time.monotonic() by which the client must have an answer
+    asked: Asked = field(default_factory=Asked)
+    timing: Timing = field(default_factory=Timing)
+    # Filled in by intake:
+    body: dict[str, Any] = field(default_factory=dict)
+    model: str = ""
+    stream: bool = False
+    tenant: str | None = None
+    verdict: Verdict | None = None  # the classifier's, on a route that classifies
+    prompt_tokens: int = 0  # an estimate, the same number for routing and the trackers
+    ticket: Ticket | None = None  # its place in admission and backend queues (band, tenant, tokens)
+    # Filled in by the later stages:
+    cache: Caching = field(default_factory=Caching)
+    transcript: Transcript | None = None  # what a stream delivered, when it could be continued elsewhere
+    affinity: Learner | None = None  # a stateful endpoint: records which backend holds each id it answers
+    out: Outcome = field(default_factory=Outcome)
+    _bodies: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def cls(self) -> str:
+        """simple | complex once classified; "none" on a route that does not classify."""
+        v = self.verdict
+        return v.cls if v is not None and v.features else "none"
+
+    @property
+    def score(self) -> float | None:
+        v = self.verdict
+        return v.score if v is not None and v.features else None
+
+    @property
+    def reasons(self) -> list[str]:
+        v = self.verdict
+        return v.reasons if v is not None and v.features else []
+
+    def body_for(self, upstream_model: str) -> bytes:
+        """The body to send a backend that knows the model as `upstream_model`."""
+        if upstream_model == self.model:
+            return self.raw
+        out = self._bodies.get(upstream_model)
+        if out is None:
+            out = self._bodies[upstream_model] = orjson.dumps({**self.body, "model": upstream_model})
+        return out
+
+    def remaining_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def timeout_ms(self) -> int:
+        """The deadline the request was given, in ms (for messages)."""
+        return max(1, round((self.deadline - self.timing.t0_monotonic) * 1000))
+
+    def deadline_passed(self) -> bool:
+        """True once the request's own deadline is (about) reached: a timeout then is the caller's."""
+        return self.remaining_s() <= 0.002
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.timing.t0

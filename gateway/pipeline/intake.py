@@ -1,0 +1,79 @@
+"""The intake stage: who asks (authenticate), what (parse, authorize), which route, which class
+(classify) and which place in the queues (band, deadline, token cost). Nothing is held yet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..admission.gate import Ticket
+from ..config.runtime import Route, Runtime
+from ..tenants.auth import Tenant
+from ..tenants.priority import asked_band, cap
+from ..wire.openai_wire import parse_body
+from .call import Call
+
+__all__ = ["intake", "parse", "verdict_view"]
+
+
+def parse(call: Call) -> None:
+    """Validate the body and fill in the call's model, stream flag and the band it asks for
+    (x-priority when sent, else its service_tier's; the tenant's ceiling applies later)."""
+    typed, body = parse_body(call.raw, call.endpoint.request)
+    call.body = body
+    call.model = typed.model
+    call.stream = bool(getattr(typed, "stream", False)) and call.endpoint.streams
+    call.asked.priority = asked_band(call.asked.priority, body)
+
+
+def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
+    """The request's tenant and route, its class and its ticket; raises the GatewayError that
+    refuses it (Unauthorized, BadRequest, Forbidden, NotFound)."""
+    tenant = rt.tenants.authenticate(call.api_key)
+    call.tenant = tenant.name
+    parse(call)
+    rt.tenants.authorize(tenant, call.model)
+    cap(call, tenant)  # the band at most the tenant's priority; a service_tier above it not sent upstream
+    route = rt.route(call.model)
+    call.prompt_tokens = len(call.raw) // 4  # cheap; the classifier's estimate replaces it when it runs
+    if call.endpoint.classifies:
+        call.verdict = verdict = rt.classify(call, route)
+        estimate = verdict.features.get("prompt_tokens")
+        if isinstance(estimate, int):
+            call.prompt_tokens = estimate
+    route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
+    _ticket(call, rt, tenant)
+    return route, tenant
+
+
+def _ticket(call: Call, rt: Runtime, tenant: Tenant) -> None:
+    """The call's place in the queues: its band (already held to the tenant's ceiling by
+    priority.cap), its band's default deadline, its token cost."""
+    band = call.asked.priority or "default"
+    if not call.asked.deadline:
+        band_ms = getattr(rt.policy.admission.deadline_ms, band)
+        if band_ms is not None:
+            call.deadline = min(call.deadline, call.timing.t0_monotonic + band_ms / 1000)
+    max_tokens = call.body.get("max_completion_tokens") or call.body.get("max_tokens") or call.body.get("max_output_tokens")
+    # A base per request, so tiny requests do not take many turns each (DRR shares tokens).
+    cost = 256 + call.prompt_tokens + (max_tokens if isinstance(max_tokens, int) else 256)
+    call.ticket = Ticket(band, tenant.name, max(1, cost), rt.tenants.weight(tenant.name))
+
+
+def verdict_view(call: Call, tenant: Tenant) -> dict[str, Any]:
+    """The stage's part of /v1/route/explain: who, which band, which class and why."""
+    v = call.verdict
+    return {
+        "endpoint": call.endpoint.name,
+        "model": call.model,
+        "tenant": call.tenant,
+        "priority": call.asked.priority,
+        "priority_ceiling": tenant.priority,  # the tenant's `priority`: the most a request may ask for
+        "service_tier_upstream": call.body.get("service_tier"),  # what a backend would be sent (None: none)
+        "class": call.cls if v is None else v.cls,
+        "score": None if v is None else round(v.score, 4),
+        "threshold": None if v is None else round(v.threshold, 4),
+        "rule": None if v is None else v.rule,
+        "reasons": call.reasons if v is None else v.reasons,
+        "features": {} if v is None else v.features,
+        "prompt_tokens": call.prompt_tokens,
+    }

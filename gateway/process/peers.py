@@ -1,0 +1,124 @@
+"""Policy reloads announced between replicas over Redis pub/sub.
+
+Replicas on one Redis (the policy's `store.url`) subscribe to `reload.channel`. A reload through
+one replica's /admin/reload is announced there; every other replica reloads its own policy file
+and pushes its result to a short-lived list, which the announcing replica reads back, so its
+answer says what each replica did. One subscriber per replica: the single gateway process, or the
+supervisor of `--workers N` (which passes the reload on to its workers).
+
+The channel and the store are read once, at start (a change to either takes a restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from ..config.policy import Policy
+
+__all__ = ["Peers"]
+
+log = logging.getLogger("gateway.peers")
+
+_ANSWER_WAIT_S = 3.0  # how long an announcement waits for the other replicas' results
+_RESULT_TTL_S = 60
+_RETRY_S = 1.0
+
+
+class Peers:
+    """Announces reloads to the other replicas and answers theirs (a no-op without Redis)."""
+
+    def __init__(self, policy: Policy, on_reload: Callable[[str], Awaitable[dict[str, Any]]]) -> None:
+        self.url = policy.store.url
+        self.channel = policy.reload.channel
+        self.node = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
+        self._on_reload = on_reload
+        self._redis: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._subscribed = asyncio.Event()
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None and self.channel is not None
+
+    async def start(self) -> None:
+        """Subscribe (in the background: a Redis that is down is retried, never fatal)."""
+        if not self.enabled:
+            return
+        self._redis = Redis.from_url(self.url, socket_connect_timeout=2.0)  # type: ignore[arg-type]
+        self._task = asyncio.create_task(self._listen(), name="peers-listen")
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(2.0):
+                await self._subscribed.wait()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    async def announce(self) -> list[dict[str, Any]]:
+        """Ask every other replica to reload; their results (those that answered in time)."""
+        if self._redis is None or self.channel is None:
+            return []
+        rid = os.urandom(8).hex()
+        key = f"{self.channel}:{rid}"
+        try:
+            receivers = await self._redis.publish(self.channel, orjson.dumps({"id": rid, "node": self.node}))
+            expected = max(0, int(receivers) - (1 if self._subscribed.is_set() else 0))
+            deadline = time.monotonic() + _ANSWER_WAIT_S
+            got: list[bytes] = []
+            while len(got) < expected and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+                got = await self._redis.lrange(key, 0, -1)
+        except (RedisError, OSError) as exc:
+            log.warning("reload announcement on %s failed: %s", self.channel, exc)
+            return [{"ok": False, "error": f"could not announce the reload on Redis: {exc}"}]
+        out = [orjson.loads(g) for g in got]
+        if len(out) < expected:
+            out.append({"ok": False, "error": f"{expected - len(out)} replica(s) did not answer in {_ANSWER_WAIT_S:.0f} s"})
+        return out
+
+    async def _listen(self) -> None:
+        while True:
+            pubsub = self._redis.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                self._subscribed.set()
+                async for msg in pubsub.listen():
+                    if msg.get("type") == "message":
+                        await self._answer(msg["data"])
+            except (RedisError, OSError) as exc:
+                self._subscribed.clear()
+                log.warning("reload channel %s: %s; resubscribing in %.0f s", self.channel, exc, _RETRY_S)
+                await asyncio.sleep(_RETRY_S)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+
+    async def _answer(self, data: bytes) -> None:
+        try:
+            ask = orjson.loads(data)
+            rid, node = str(ask["id"]), str(ask["node"])
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return
+        if node == self.node:
+            return
+        result = await self._on_reload(f"announced by {node}")
+        key = f"{self.channel}:{rid}"
+        pipe = self._redis.pipeline()
+        pipe.rpush(key, orjson.dumps({"node": self.node, **result}))
+        pipe.expire(key, _RESULT_TTL_S)
+        await pipe.execute()

@@ -1,0 +1,363 @@
+"""Running the app: one worker in this process, or a supervisor over N worker processes.
+
+The supervisor of `--workers N` owns what must exist once per machine: the launched local models
+(workers only route to them), the control socket through which a reload or an admin view reaches
+every worker, and the policy-reload announcements between replicas (peers.py). Workers share the
+port with SO_REUSEPORT.
+
+Shutdown (SIGTERM): each worker turns /readyz to 503, keeps serving for `server.drain_delay_ms`,
+closes its port, gives the requests in flight up to `server.shutdown_timeout_ms`, and exits; the
+supervisor then stops the local models. SIGINT (Ctrl-C) does the same without the drain delay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import multiprocess
+
+from ..config.policy import PolicyError, load_policy
+from ..config.reload import _digest, _stat
+from ..web.app import create_app
+from ..web.edge import EdgeRunner
+from ..web.keys import DRAIN, LIVE, RELAY
+from . import control
+from .launcher import Children
+from .peers import Peers
+from .workers import WorkerInfo, worker_socket
+
+__all__ = ["ListenError", "listen_problem", "run_worker", "setup_logging", "supervise_workers"]
+
+log = logging.getLogger("gateway")
+
+_CRASH_WINDOW_S = 5.0  # a worker dying this soon after its start counts as a crash loop
+_MAX_QUICK_CRASHES = 5
+_FANOUT_TIMEOUT_S = 10.0  # a worker's reload (policy parse, classifier load) well within this
+
+
+class ListenError(RuntimeError):
+    """The port could not be opened (taken, not permitted, an unknown host): one line says why."""
+
+
+def _where(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _why(exc: OSError) -> str:
+    """The system's words for the error: asyncio rewraps a bind error with the address in its text."""
+    if isinstance(exc, socket.gaierror) or not exc.errno or exc.errno < 0:
+        text = exc.strerror or str(exc)
+    else:
+        text = os.strerror(exc.errno)
+    return text[:1].lower() + text[1:]
+
+
+def listen_problem(host: str, port: int, *, reuse_port: bool) -> str | None:
+    """Why `host:port` cannot be listened on right now (e.g. another process holds it), or None.
+
+    Binds and closes a socket per address, with the options asyncio's create_server sets, so a
+    port held by another process is found before anything starts (launched models, workers)."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {_where(host, port)}: {_why(exc)}"
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if reuse_port:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind(addr)
+        except OSError as exc:
+            return f"cannot listen on {_where(host, port)}: {_why(exc)}"
+        # SO_REUSEPORT binds beside another process of ours that set it too (another gateway
+        # with --workers): the kernel would then split the connections between the two.
+        if reuse_port and _answers(family, addr):
+            return f"cannot listen on {_where(host, port)}: address already in use (another process listens there)"
+    return None
+
+
+def _answers(family: int, addr: tuple[Any, ...]) -> bool:
+    """Whether something accepts connections at `addr` (a wildcard address: on loopback)."""
+    wildcard = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+    target = (wildcard.get(addr[0], addr[0]), *addr[1:])
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex(target) == 0
+
+
+async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log: bool, worker: WorkerInfo | None) -> None:
+    app = create_app(policy, host, worker=worker, access_log=access_log)
+    # handler_cancellation: a client that disconnects cancels its handler, so the upstream
+    # request is abandoned at once and every slot is returned. Shutdown waits for requests
+    # itself (below); what is left after that gets one more second. EdgeRunner: the header
+    # timeout, the per-address connection cap and JSON for malformed requests (web/edge.py).
+    runner = EdgeRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=reuse_port, backlog=2048)
+    try:
+        await site.start()
+    except OSError as exc:  # taken since `listen_problem` looked: one line, not a traceback
+        await runner.cleanup()
+        raise ListenError(f"cannot listen on {_where(host, port)}: {_why(exc)}") from None
+    log.info("gateway (pid %d) serving on http://%s:%d with policy %s", os.getpid(), host, port, policy)
+    stop = asyncio.Event()
+    how: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        how.append(sig)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await stop.wait()
+        server = app[LIVE].runtime.server
+        drain = app[DRAIN]
+        drain.draining = True
+        delay_s = server.drain_delay_ms / 1000 if how[0] == signal.SIGTERM else 0.0
+        log.info("gateway (pid %d) draining: /readyz is 503; the port closes in %.1f s", os.getpid(), delay_s)
+        await asyncio.sleep(delay_s)
+        await site.stop()  # no new connections from here on
+        if not await drain.wait_idle(server.shutdown_timeout_ms / 1000):
+            log.warning("gateway (pid %d): %d requests still in flight after %d ms; cutting them",
+                        os.getpid(), drain.inflight, server.shutdown_timeout_ms)
+            # aiohttp no longer tracks a handler whose client left; those still streaming to
+            # single-flight followers end here, before the upstream pool and stores close.
+            await app[RELAY].cancel_carried()
+    finally:
+        log.info("gateway (pid %d) shutting down", os.getpid())
+        await runner.cleanup()
+
+
+def setup_logging() -> None:
+    """Log to stderr at $GATEWAY_LOG_LEVEL (INFO by default)."""
+    logging.basicConfig(
+        level=os.environ.get("GATEWAY_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def run_worker(
+    policy: str, host: str, port: int, reuse_port: bool, access_log: bool, worker: WorkerInfo | None = None
+) -> int:
+    """Serve until SIGTERM/SIGINT, on uvloop when it is installed. Returns the exit code: 0, or 1
+    when the port could not be opened (said in one line on stderr)."""
+    setup_logging()
+    try:
+        try:
+            import uvloop
+        except ImportError:  # uvloop is an optional extra
+            asyncio.run(_serve(policy, host, port, reuse_port, access_log, worker))
+        else:
+            uvloop.run(_serve(policy, host, port, reuse_port, access_log, worker))
+    except ListenError as exc:
+        print(f"gateway: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _worker_process(policy: str, host: str, port: int, access_log: bool, info: WorkerInfo) -> None:
+    """A worker's process: its exit code tells the supervisor how it ended."""
+    sys.exit(run_worker(policy, host, port, True, access_log, info))
+
+
+def supervise_workers(policy: str, host: str, port: int, workers: int, access_log: bool) -> int:
+    """N processes share the port (SO_REUSEPORT); /metrics aggregates them through a shared dir.
+
+    A worker that dies is restarted, unless workers keep dying right after start, which means the
+    configuration cannot work. Returns the exit code."""
+    metrics_dir = tempfile.mkdtemp(prefix="gateway-metrics-")
+    control_dir = Path(tempfile.mkdtemp(prefix="gateway-control-"))  # mode 0700: ours alone
+    # Read by prometheus_client when a process first imports it (the workers: spawned, they import
+    # after this is set) and by mark_process_dead when called; the supervisor itself records no metric.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        return asyncio.run(_Supervisor(Path(policy), host, port, workers, access_log, control_dir).run())
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+        shutil.rmtree(control_dir, ignore_errors=True)
+
+
+class _Supervisor:
+    def __init__(self, policy: Path, host: str, port: int, workers: int, access_log: bool, control_dir: Path) -> None:
+        self.path = policy
+        self.host, self.port, self.count, self.access_log = host, port, workers, access_log
+        self.control_dir = control_dir
+        self.policy = load_policy(policy)
+        self.generation = 1
+        # The launcher logs; workers watch /healthz and ask `/launched` why one is not ready.
+        self.children = Children(lambda name, state: None)
+        self.ctx = multiprocessing.get_context("spawn")
+        self.procs: dict[int, tuple[Any, float]] = {}  # index -> (process, started)
+        self.stopping = asyncio.Event()
+        self._lock = asyncio.Lock()
+        # Here, not in run(): the control socket may ask for a reload (reload_everywhere) before
+        # the subscription is up. Started in run().
+        self.peers = Peers(self.policy, on_reload=self.reload_all)
+        self._tasks: set[asyncio.Task[Any]] = set()  # the policy watcher, SIGHUP reloads: see _background
+
+    # ---- life ---------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop, sig)
+        loop.add_signal_handler(signal.SIGHUP, lambda: self._background(self.reload_all("SIGHUP"), "reload-SIGHUP"))
+        server = await control.serve_unix(
+            self.control_dir / "supervisor.sock",
+            {
+                ("POST", "/reload"): lambda: self.reload_everywhere("admin"),
+                ("GET", "/backends"): self.views,
+                ("GET", "/launched"): self.launched,
+            },
+        )
+        await self.children.reconcile(self._launch_specs())
+        for i in range(self.count):
+            self._spawn(i)
+        await self.peers.start()
+        self._background(self._watch_file(), "policy-watch")
+        code = 0
+        try:
+            code = await self._monitor()
+        finally:
+            await self._end_background()
+            await self.peers.close()
+            await self._wait_workers()
+            await self.children.stop()
+            await server.cleanup()
+        return code
+
+    def _background(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run `coro` in a task this supervisor owns: kept until it ends (a task nobody holds may
+        be collected mid-run), its failure logged, cancelled at shutdown (_end_background)."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("supervisor: %s failed: %s", task.get_name(), exc, exc_info=exc)
+
+    async def _end_background(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # failures: logged by _ended
+
+    def _stop(self, sig: int) -> None:
+        if not self.stopping.is_set():
+            self.stopping.set()
+            for p, _ in self.procs.values():
+                if p.pid is not None and p.is_alive():
+                    os.kill(p.pid, sig)
+
+    def _spawn(self, index: int) -> None:
+        info = WorkerInfo(index, self.count, self.control_dir)
+        p = self.ctx.Process(target=_worker_process, args=(str(self.path), self.host, self.port, self.access_log, info))
+        p.start()
+        self.procs[index] = (p, time.monotonic())
+
+    async def _monitor(self) -> int:
+        quick_crashes = 0
+        while not self.stopping.is_set():
+            await asyncio.sleep(0.2)
+            for index, (p, started) in list(self.procs.items()):
+                if p.exitcode is None or self.stopping.is_set():
+                    continue
+                multiprocess.mark_process_dead(p.pid)
+                quick_crashes = quick_crashes + 1 if time.monotonic() - started < _CRASH_WINDOW_S else 0
+                if quick_crashes >= _MAX_QUICK_CRASHES:
+                    log.error("workers keep exiting right after start; giving up")
+                    del self.procs[index]
+                    self._stop(signal.SIGTERM)
+                    return 1
+                log.error("worker pid %s exited with %s; restarting it", p.pid, p.exitcode)
+                self._spawn(index)
+        return 0
+
+    async def _wait_workers(self) -> None:
+        """Wait for the workers to drain and exit; kill those past every bound."""
+        s = self.policy.server
+        deadline = time.monotonic() + (s.drain_delay_ms + s.shutdown_timeout_ms) / 1000 + 5.0
+        while any(p.exitcode is None for p, _ in self.procs.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for p, _ in self.procs.values():
+            if p.exitcode is None:
+                log.warning("worker pid %s did not exit in time; killing it", p.pid)
+                p.kill()
+            p.join(timeout=5)
+            if p.pid is not None:
+                multiprocess.mark_process_dead(p.pid)
+
+    # ---- policy -------------------------------------------------------------------------------
+
+    def _launch_specs(self) -> list[tuple[str, str, Any]]:
+        return [(name, b.url, b.launch) for name, b in self.policy.backends.items() if b.launch is not None]
+
+    async def _reload_self(self, trigger: str) -> dict[str, Any]:
+        try:
+            policy = await asyncio.to_thread(load_policy, self.path)
+        except (PolicyError, ValueError) as exc:
+            log.error("supervisor: policy reload (%s) rejected: %s", trigger, exc)
+            return {"ok": False, "error": str(exc)}
+        self.policy = policy
+        self.generation += 1
+        await self.children.reconcile(self._launch_specs())
+        return {"ok": True}
+
+    async def reload_all(self, trigger: str) -> dict[str, Any]:
+        """Reload here (the launched models follow the policy) and in every worker."""
+        async with self._lock:
+            own = await self._reload_self(trigger)
+            sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
+            results = await control.ask_all(sockets, "POST", "/reload", _FANOUT_TIMEOUT_S)
+        ok = bool(own["ok"]) and all(r.get("ok") for r in results)
+        return {"ok": ok, "supervisor": {"pid": os.getpid(), **own}, "workers": results}
+
+    async def reload_everywhere(self, trigger: str) -> dict[str, Any]:
+        """reload_all, then the other replicas on the same Redis (their answers included)."""
+        out = await self.reload_all(trigger)
+        out["replicas"] = await self.peers.announce()
+        return out
+
+    async def launched(self) -> dict[str, Any]:
+        """Each launched model's state (ready, or why not and when it is retried), for the workers."""
+        return {name: state.to_json() for name, state in self.children.states().items()}
+
+    async def views(self) -> dict[str, Any]:
+        sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
+        return {"workers": await control.ask_all(sockets, "GET", "/backends", _FANOUT_TIMEOUT_S)}
+
+    async def _watch_file(self) -> None:
+        """Follow the policy file for the launched models (each worker watches it too)."""
+        last, digest = _stat(self.path), _digest(self.path)
+        while True:
+            await asyncio.sleep(self.policy.reload.interval_ms / 1000)
+            if not self.policy.reload.watch:
+                continue
+            now = _stat(self.path)
+            if now == last:
+                continue
+            last = now
+            if now is not None and (d := _digest(self.path)) != digest:
+                digest = d
+                async with self._lock:
+                    await self._reload_self("file change")

@@ -1,0 +1,1 @@
+"""The upstream call: attempts, the streaming pump, failover, retries, hedging, rescue, reports."""

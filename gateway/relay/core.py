@@ -1,0 +1,203 @@
+"""The upstream call: which backend, failover before the first byte, retries, hedging,
+context-window fallbacks, continuation of a broken stream, reports.
+
+One `Relay` per request (base.py: its state and its one primitive, an attempt on one
+backend; hedge.py, rescue.py: the ways that need a second backend). The relay
+*reports* outcomes (to each backend's tracker and health); health decides ejection and the
+selector ranks. Once content reached the client nothing is sent again: a stream that breaks is
+continued from where it broke (continuation.py) or ends with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from ..admission.gate import MAX_WAIT_SHARE
+from ..admission.stage import service_s
+from ..config.runtime import Route
+from ..errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
+from ..pipeline.call import Call
+from ..routing.backends import Backend
+from ..web.sink import Sink
+from .attempt import ClientGone
+from .context import RelayContext
+from .continuation import Transcript
+from .heartbeat import Heartbeat
+from .hedge import Hedging
+from .rescue import Rescue
+from .timing import cold_first_token_s, retry_wait
+
+__all__ = ["ClientGone", "Relay", "RelayContext", "plan_view"]
+
+log = logging.getLogger("gateway.relay")
+
+
+class Relay(Rescue, Hedging):
+    """One request's way to an answer once admitted (the pipeline's last stage)."""
+
+    __slots__ = ()
+
+    @asynccontextmanager
+    async def heartbeat(self) -> AsyncIterator[None]:
+        """SSE comments while a stream waits for its first token, admission's queue included."""
+        beat = Heartbeat(self.sink, self.route.server, self.progress) if self.call.stream else None
+        try:
+            yield
+        finally:
+            if beat is not None:
+                await beat.stop()
+
+    async def run(self, *, shed: bool) -> None:
+        """Answer from the candidates (failover, same-backend retries, context-window fallbacks),
+        then continue the answer elsewhere if its stream broke mid-way. `shed`: refuse a queue
+        wait that cannot meet the deadline (admission is on). Raises a GatewayError
+        (AllBackendsFailed, or a shed) when no backend answers."""
+        call = self.call
+        if call.stream and self.route.routing.continuation and len(self.pool.backends) > 1 and call.endpoint.continuable(call.body):
+            call.transcript = Transcript()
+        try:
+            await self._answer(shed)
+        except UpstreamRejected as rejected:
+            if not (rejected.context_length and self.route.context_fallbacks) or self.progress.owner is not None:
+                raise
+            await self.context_fallback(rejected)
+        if self.progress.cut is not None:
+            await self.rescue()
+
+    async def _answer(self, shed: bool) -> None:
+        call, route, tries = self.call, self.route, self.tries
+        order = self._plan()
+        full: list[Backend] = []
+        max_attempts = route.server.max_attempts
+        cold_s = cold_first_token_s(self.pool.backends, call.prompt_tokens, route.routing)
+        for i, backend in enumerate(order):
+            if tries.count >= max_attempts or call.remaining_s() <= 0:
+                break
+            if backend.name in call.out.attempts:
+                continue  # it already ran as a hedge
+            if not backend.slots.free(self.band):
+                full.append(backend)
+                continue
+            while True:
+                answered: bool | None
+                tries.count += 1
+                # The live-P95 deadline only while another backend could take over.
+                last = tries.count >= max_attempts or i == len(order) - 1
+                if route.hedge is not None and tries.count == 1 and not last:
+                    answered = await self.hedged(backend, order[i + 1 :], cold_s)
+                else:
+                    answered = await self.attempt(backend, live=None if last else route.routing, cold_s=cold_s)
+                if answered or self.progress.owner is not None:
+                    return  # once an attempt owns the client, nothing else starts for this request
+                if not await self._retrying(backend):
+                    break
+        if tries.count == 0 and full and await self._queued(full, shed):
+            return
+        raise AllBackendsFailed(tries.failures, deadline_hit=call.remaining_s() <= 0)
+
+    async def _retrying(self, backend: Backend) -> bool:
+        """After a failed attempt: wait and try the same backend again (the route's `retry`)?"""
+        call, tries = self.call, self.tries
+        health = backend.health_for(call.model)
+        wait = retry_wait(
+            self.route.retry, tries.last_label, tries_here=tries.on.get(backend.name, 0), tries_total=tries.count,
+            max_attempts=self.route.server.max_attempts, cooling_s=health.cooling_for(),
+            remaining_s=call.remaining_s(), ejected=not health.healthy,  # health ejected it: fail over now
+        )
+        if wait is None or not backend.slots.free(self.band):
+            return False
+        self.ctx.metrics.relay_events.labels("retry", tries.last_label or "unknown").inc()
+        log.info("request %s: retrying backend %r in %.0f ms after %s", call.request_id, backend.name, wait * 1000, tries.last_label)
+        await asyncio.sleep(wait)
+        return True
+
+    async def _queued(self, full: list[Backend], shed: bool) -> bool:
+        """Every candidate is at its max_concurrency: queue for the best one, if it can answer in
+        time; whether the client has its answer (else `tries.failures` say why not)."""
+        call, ticket = self.call, self.ticket
+        backend = full[0]
+        remaining = call.remaining_s()
+        ttft = backend.tracker.predict_ttft(call.prompt_tokens) or 0.0
+        wait = backend.slots.predicted_wait_s(ticket.band, ticket.tenant, service_s(backend), ticket.weight)
+        if shed and wait > MAX_WAIT_SHARE * (remaining - ttft):
+            # Refused now, not after the deadline: the wait would use it up.
+            self.ctx.metrics.shed.labels("deadline", ticket.band).inc()
+            msg = (f"overloaded: predicted wait {wait * 1000:.0f} ms + first token {ttft * 1000:.0f} ms "
+                   f"exceeds the {remaining * 1000:.0f} ms left of the deadline")
+            raise Unavailable(f"{msg} (backend {backend.name!r} is full)", code="overloaded", retry_after_s=max(1.0, wait))
+        budget = remaining - ttft if shed else remaining  # shedding: never hold a slot it cannot use
+        by_deadline = budget <= backend.timeouts.first_token_ms / 1000
+        self.tries.count += 1
+        answered = await self.attempt(backend, live=None, wait_s=min(budget, backend.timeouts.first_token_ms / 1000),
+                                      queue=ticket)
+        if answered or self.progress.owner is not None:
+            return True
+        if answered is None:
+            if by_deadline:  # left the queue when it could no longer be answered in time: never sent
+                self.ctx.metrics.shed.labels("expired", ticket.band).inc()
+                err: GatewayError = UpstreamTimeout(f"the deadline of {call.timeout_ms()} ms came while queued for a slot: not sent")
+                self.tries.failures.extend((b.name, err) for b in full)
+            else:
+                self.tries.failures.extend((b.name, Unavailable("at max_concurrency", retry_after_s=1)) for b in full)
+        return False
+
+    def _plan(self) -> list[Backend]:
+        """The backends to try, best first, from the pool's selector; skipped ones explain themselves."""
+        pool, failures = self.pool, self.tries.failures
+        ranked = pool.selector.rank(pool.candidates, self.call.prompt_tokens)
+        order = [pool.backends[r.index] for r in ranked if r.skipped is None]
+        if not order and ranked and ranked[0].last_resort:
+            if pool.candidates[ranked[0].index].health.cooling_for() <= 0:  # never call a backend that asked for a pause
+                order.append(pool.backends[ranked[0].index])
+        for r in ranked:
+            b = pool.backends[r.index]
+            h = pool.candidates[r.index].health  # this model's health on that backend
+            if r.skipped is None or b in order:
+                continue
+            if r.skipped == "starting":  # the launcher's reason when its launch failed, else "starting"
+                wait = b.health.starting_retry_s()
+                # tenants hear that the launch failed, not its words (an address, an OS error): /readyz has them
+                failures.append((b.name, Unavailable(b.health.starting_reason(detail=False), retry_after_s=5 if wait is None else wait)))
+            elif r.skipped == "cooling":
+                wait = h.cooling_for()
+                failures.append((b.name, RateLimited(f"asked us to back off for {wait:.1f}s more", retry_after_s=wait)))
+            else:
+                failures.append((b.name, Unavailable(f"skipped: {r.skipped}", retry_after_s=max(1.0, h.available_in()))))
+        return order
+
+
+
+def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]:
+    """The relay's part of /v1/route/explain: the candidates as the selector ranks them now, each
+    with its live figures and why it would be skipped, and the one it would try first."""
+    pool = route.pool(call.cls, call.endpoint.name)
+    ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
+    candidates = []
+    for r in ranked:
+        b = pool.backends[r.index]
+        snap = b.tracker.snapshot()
+        candidates.append(
+            {
+                "backend": b.name,
+                "upstream_model": b.upstream_model(call.model),
+                "health": b.health_for(call.model).state(),
+                "inflight": b.slots.used,
+                "max_concurrency": b.slots.limit,
+                "ttft_p50_ms": snap["ttft_p50_ms"],
+                "ttft_p95_ms": snap["ttft_p95_ms"],
+                "predicted_ttft_ms": None if r.predicted_ttft_s is None else round(r.predicted_ttft_s * 1000, 2),
+                "score": None if r.score == float("inf") else round(r.score, 6),
+                "error_rate": snap["error_rate"],
+                "skipped": r.skipped,
+                "note": r.note,
+            }
+        )
+    chosen = None
+    if ranked and (ranked[0].skipped is None or ranked[0].last_resort):
+        chosen = pool.backends[ranked[0].index].name
+    view = {"strategy": pool.selector.strategy, "hedge": route.hedge is not None, "candidates": candidates, "chosen": chosen}
+    return view, pool.backends[ranked[0].index] if ranked else None

@@ -1,0 +1,57 @@
+"""Hedging: when the first backend's first token is late, the same request on the next one too."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from ..errors import UpstreamRejected
+from ..routing.backends import Backend
+from .attempt import ClientGone
+from .base import RelayBase
+
+__all__ = ["Hedging"]
+
+
+class Hedging(RelayBase):
+    __slots__ = ()
+
+    async def hedged(self, primary: Backend, others: Sequence[Backend], cold_s: float | None) -> bool:
+        """Run the primary; if its first token is later than its live P95, run the same request
+        on the next best backend too. Whichever reaches the client first wins; the other is
+        cancelled.
+
+        Each attempt acquires and releases its own slot inside its task, so cancelling a task at
+        any point (before its first step included) leaks nothing."""
+        call, route, progress, metrics = self.call, self.route, self.progress, self.ctx.metrics
+        hp, budget = route.hedge, route.budget
+        assert hp is not None and budget is not None
+        budget.note_request()
+        p95 = primary.tracker.ttft_p95_s(call.prompt_tokens)
+        delay = hp.default_delay_ms / 1000 if p95 is None else max(hp.min_delay_ms / 1000, p95)
+        tasks = [asyncio.create_task(self.attempt(primary, live=route.routing, cold_s=cold_s))]
+        try:
+            done, _ = await asyncio.wait(tasks, timeout=min(delay, max(0.0, call.remaining_s())))
+            if not done and progress.owner is None:
+                second = next((b for b in others if b.slots.free(self.band)), None)
+                if second is None:
+                    metrics.hedges.labels("no_candidate").inc()
+                elif not budget.try_spend():
+                    metrics.hedges.labels("budget_exhausted").inc()
+                else:
+                    metrics.hedges.labels("started").inc()
+                    progress.rivals = tasks
+                    tasks.append(asyncio.create_task(self.attempt(second, live=route.routing, cold_s=cold_s)))
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for task in tasks:
+                task.cancel()  # the client went away, or we are done: no attempt outlives the relay
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if len(tasks) == 2 and progress.owner is not None:
+            metrics.hedges.labels("won" if progress.owner != primary.name else "lost").inc()
+        for r in results:
+            if isinstance(r, ClientGone) or (isinstance(r, UpstreamRejected) and progress.owner is None):
+                raise r
+            if isinstance(r, BaseException) and not isinstance(r, (UpstreamRejected, asyncio.CancelledError)):
+                raise r  # a bug in an attempt: the pipeline's edge answers it
+        return any(r is True for r in results)

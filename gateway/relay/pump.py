@@ -1,0 +1,220 @@
+"""The streaming pump: one attempt's stream, from the backend's bytes to the client's, for every
+wire format (the endpoint's Monitor says what each event is; wire/monitor.py).
+
+Events pass through as the bytes the backend sent (a continuation's are re-encoded, see
+continuation.py). Events before the first output are held back and released with it, so a stream
+that stalls or fails early costs the client nothing but time: the relay fails over (AttemptFailed).
+One timer, moved as the phases change: the first-output deadline, then the stall deadline after
+each event (from live data when a stall could be rescued elsewhere), then a short wait for the
+end once the answer finished, all within the request's own deadline. After the first output a
+broken stream raises Cut (the relay continues it elsewhere or ends it with an error event), except
+the backend's own failure event where the format passes it on (the Responses API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..errors import UpstreamError, UpstreamTimeout
+from ..pipeline.call import Finish
+from ..routing.health import Kind
+from ..upstream.client import UpstreamHTTPError, UpstreamResponse
+from ..wire.monitor import Verdict
+from ..wire.openai_wire import SSEDecoder, SSEEventTooLarge, event_data
+from .attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, client_write
+from .continuation import Mismatch
+
+__all__ = ["Pump"]
+
+_AFTER_FINISH_S = 2.0  # how long to wait for a usage chunk, [DONE] or the body's end after the answer finished
+_NOISE, _DROP, _MALFORMED, _CONTENT, _DONE, _FAILED = (
+    Verdict.NOISE, Verdict.DROP, Verdict.MALFORMED, Verdict.CONTENT, Verdict.DONE, Verdict.FAILED,
+)
+
+
+class Pump:
+    """Relays one attempt's 200 stream (`resp`) to the client. `run()` returns the outcome kind
+    once the stream ended; raises AttemptFailed before the first output, Cut after it."""
+
+    __slots__ = ("att", "resp", "mon", "timer", "idle_s", "first", "saw_done", "failed", "broke", "held",
+                 "held_bytes", "last", "client_ttft")
+
+    def __init__(self, att: Attempt, resp: UpstreamResponse) -> None:
+        call = att.call
+        self.att, self.resp = att, resp
+        rewrite = att.resume.rewrite if att.resume is not None else None
+        self.mon = call.endpoint.monitor(capture=call.cache.capture, strip_usage=call.asked.strip_usage, rewrite=rewrite)
+        self.timer = asyncio.timeout_at(att.first_deadline)
+        self.idle_s = _idle_s(att)
+        self.first = self.saw_done = self.failed = False  # first: the first output reached the client
+        self.broke: Cut | None = None  # the backend's failure event mid-stream (the relay ends the stream)
+        self.held: list[bytes] = []  # events before the first output, released with it
+        self.held_bytes = 0
+        self.last = 0.0  # when the last output came (perf_counter)
+        self.client_ttft = att.resume is None  # a continuation's first token is the backend's TTFT, not the client's
+
+    async def run(self) -> Kind:
+        att = self.att
+        cut: Cut | None = None
+        try:
+            async with self.timer:
+                await self._read()
+        except Mismatch as exc:
+            if not self.first:
+                raise AttemptFailed(UpstreamError(f"backend {att.backend.name!r}: {exc}"), Kind.MISMATCH) from None
+            raise  # cannot happen: text is only sent once the prefix matched
+        except TimeoutError:
+            cut = self._timed_out()
+        except SSEEventTooLarge as exc:
+            if not self.first:
+                raise AttemptFailed(UpstreamError(f"backend {att.backend.name!r}: {exc}"), Kind.TOO_LARGE) from None
+            cut = Cut(UpstreamError(f"backend {att.backend.name!r}: {exc}"), Kind.TOO_LARGE)
+        except UpstreamHTTPError as exc:
+            if not self.first:
+                detail = f"{type(exc).__name__}: {exc}"
+                raise att.failed(f"{exc.summary} before the {self.mon.first}", Kind.DISCONNECT, detail) from None
+            if not self.mon.finished:
+                cut = self._cut(f"backend {att.backend.name!r} lost its connection mid-stream")
+        else:
+            cut = self.broke or self._ended()
+        finally:
+            if self.mon.usage is not None:
+                att.call.out.usage = self.mon.usage
+        if cut is not None:
+            # Nothing is written about it here: the relay continues the answer elsewhere, or ends the
+            # stream with an error event (never [DONE]: a cut stream must not look like a success).
+            raise cut
+        return await self._end()
+
+    async def _read(self) -> None:
+        resp, att, mon = self.resp, self.att, self.mon
+        loop = asyncio.get_running_loop()
+        decoder = SSEDecoder()
+        while True:
+            chunk = await resp.readany()
+            if not chunk:
+                return
+            out = await self._events(decoder.feed(chunk))
+            if out:
+                await client_write(att.sink.write(b"".join(out)))
+            if self.saw_done or self.failed or self.broke is not None:
+                return
+            if self.first:
+                wait = _AFTER_FINISH_S if mon.finished else self.idle_s
+                self.timer.reschedule(min(loop.time() + wait, att.call_deadline))
+
+    async def _events(self, events: list[bytes]) -> list[bytes]:
+        """The bytes to write now for one read's events (held ones included once released)."""
+        att, mon = self.att, self.mon
+        out: list[bytes] = []
+        for ev in events:
+            data = event_data(ev)
+            v = _NOISE if data is None else mon.feed(data)  # a comment: keep-alives mean nothing before the first output
+            if v is _NOISE:
+                if self.first:
+                    out.append(ev)
+                continue
+            if v is _MALFORMED:
+                att.m.malformed.inc()
+                continue
+            if mon.timed:  # the backend's output, even where a continuation skips it: its timing
+                self.last = att.observe_content(self.last, client=self.client_ttft)
+            if v is _DROP:
+                continue
+            if v is _DONE:
+                self.saw_done = True
+                break
+            if v is _FAILED:
+                if not self.first:
+                    raise AttemptFailed(UpstreamError(f"error event before the {mon.first}: {mon.failure}"), Kind.ERROR_EVENT)
+                if mon.relays_failure:
+                    out.append(ev)  # the backend's own failure event is the end of the client's stream
+                    self.failed = True
+                else:  # what came before it in this read is written, then the relay ends the stream
+                    why = f"backend {att.backend.name!r} sent an error event mid-stream: {mon.failure}"
+                    self.broke = Cut(UpstreamError(why), Kind.ERROR_EVENT_MID_STREAM)
+                break
+            if mon.record is not None and att.call.affinity is not None:
+                # Before anything reaches the client: a follow-up can never outrun its record.
+                await att.call.affinity.learn(mon.record, att.backend.name)
+            if mon.out is not None:
+                ev = mon.out
+            if v is _CONTENT:
+                att.call.out.streamed_tokens += 1
+                if not self.first:
+                    att.claim()
+            transcript = att.call.transcript
+            if transcript is not None and mon.event is not None:
+                transcript.note(mon.event, att.backend.name)
+            if self.first:
+                out.append(ev)
+                continue
+            self.held.append(ev)
+            self.held_bytes += len(ev)
+            if v is _CONTENT or mon.finished:
+                if v is not _CONTENT:
+                    att.claim()  # an answer without output: its end is its first byte
+                self.first = att.progress.first_sent = True
+                out, self.held = [*out, *self.held], []
+            elif self.held_bytes > MAX_HELD_BYTES:
+                raise AttemptFailed(
+                    UpstreamError(f"backend {att.backend.name!r} sent over {MAX_HELD_BYTES} bytes before its {mon.first}"),
+                    Kind.TOO_LARGE,
+                )
+        return out
+
+    def _timed_out(self) -> Cut | None:
+        att = self.att
+        if att.call.deadline_passed():
+            if not self.first:
+                raise att.caller_deadline() from None
+            return Cut(UpstreamTimeout(f"the request's deadline of {att.call.timeout_ms()} ms passed mid-stream"),
+                       Kind.CALLER_DEADLINE)
+        if not self.first:
+            waited = att.first_deadline - asyncio.get_running_loop().time() + (time.perf_counter() - att.started)
+            raise AttemptFailed(UpstreamTimeout(f"no {self.mon.first} within {int(waited * 1000)} ms"),
+                                Kind.FIRST_TOKEN_TIMEOUT) from None
+        if self.mon.finished:
+            return None
+        return self._cut(f"backend {att.backend.name!r} stalled for more than {int(self.idle_s * 1000)} ms mid-stream")
+
+    def _ended(self) -> Cut | None:
+        """The body ended (or the stream's end marker came)."""
+        if self.failed or self.saw_done or self.mon.finished:
+            return None
+        if not self.first:
+            raise AttemptFailed(UpstreamError(f"the stream ended before the {self.mon.first}"), Kind.CUT)
+        return self._cut(self.mon.unfinished.format(backend=self.att.backend.name))
+
+    def _cut(self, why: str) -> Cut:
+        return Cut(UpstreamError(why), Kind.CUT_MID_STREAM)
+
+    async def _end(self) -> Kind:
+        """A stream that ended as it should (or with the backend's own failure event, passed on)."""
+        att, mon, call = self.att, self.mon, self.att.call
+        if self.failed:
+            call.out.finish = Finish.ERROR
+            await client_write(att.sink.end())
+            return Kind.ERROR_EVENT_MID_STREAM
+        if mon.ending and not self.saw_done:
+            att.m.error("missing_done")  # completed by the gateway
+        call.cache.entry = mon.entry()  # before the last write: a client that leaves at [DONE] still has it stored
+        call.out.finish = Finish.OK
+        if mon.ending:
+            await client_write(att.sink.write(mon.ending))
+        await client_write(att.sink.end())
+        return Kind.OK
+
+
+def _idle_s(att: Attempt) -> float:
+    """How long the stream may stall mid-answer: the backend's idle timeout, or, while a stall
+    could be rescued on another backend, a deadline from its live inter-token latency."""
+    idle_s = att.backend.timeouts.idle_ms / 1000
+    live = att.live
+    if live is not None and att.call.transcript is not None:
+        idle_s = att.backend.tracker.idle_deadline_s(
+            idle_s, live.idle_floor_ms / 1000, live.cold_idle_ms / 1000, mult=live.idle_p99_multiplier
+        )
+    return idle_s
+

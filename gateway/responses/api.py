@@ -1,0 +1,212 @@
+"""The Responses API's by-id endpoints and the conversations endpoints, sent to the backend that
+holds the state.
+
+Responses: GET /v1/responses/{id} (a background response polled, or its events streamed again
+with `?stream=true`), DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel and
+GET /v1/responses/{id}/input_items. Conversations: POST /v1/conversations (created on a backend
+of the caller's routes and recorded as the caller's), GET/POST/DELETE /v1/conversations/{id},
+GET/POST /v1/conversations/{id}/items and GET/DELETE /v1/conversations/{id}/items/{item_id}.
+
+The backend comes from the affinity map (route.py), and the id must be the caller's:
+one without a record, or another tenant's, is a 404 before any upstream call (the migration mode,
+`responses.adopt_unknown_ids`, searches the backends instead and records the id as the caller's).
+Each upstream request takes one request from the tenant's request limits (quota.reserve_request).
+The backend's answer (status, JSON or event stream) goes back as it is. A 200 to DELETE drops the
+id from the map. Each request is drained, observed and reported like any other (passthrough.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from ..config.runtime import Runtime
+from ..errors import BadRequest, GatewayError, NotFound, UpstreamError
+from ..pipeline.pinning import not_yours, serving, usable_or_raise
+from ..routing.backends import Backend
+from ..tenants.auth import Tenant
+from ..upstream.client import UpstreamResponse
+from ..web.http_call import accounted, read_bounded
+from ..web.keys import LIVE
+from .codec import RESPONSES
+from .passthrough import Passthrough
+from .route import holders_of
+
+__all__ = ["routes"]
+
+_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")  # one path segment, nothing to escape
+
+
+def _valid_id(value: str, param: str) -> str:
+    """A path id that can be sent on as one path segment: `.` and `..` (also sent percent-encoded)
+    would be dot segments upstream, so an id of dots only is refused like any malformed one."""
+    if not _ID.match(value) or not value.strip("."):
+        raise NotFound(f"{param} {value[:80]!r} is not a valid id", param=param, code="not_found")
+    return value
+
+
+async def _forward(request: web.Request, method: str, kind: str = "response", suffix: str = "") -> web.StreamResponse:
+    """Send a by-id call to the backend holding the id in the path (`kind`: response or
+    conversation), after checking the id is the caller's."""
+    rt = request.app[LIVE].runtime
+    by_id = Passthrough(request, rt, kind)
+    with accounted(request, by_id.call, rt):
+        try:
+            return by_id.answered(await _by_id(request, rt, by_id, method, kind, suffix))
+        except GatewayError as err:
+            return by_id.failed(err)
+        finally:
+            by_id.done()
+
+
+async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: str, kind: str, suffix: str) -> web.StreamResponse:
+    param = f"{kind}_id"
+    owner = by_id.authenticate().cache_namespace
+    rid = _valid_id(request.match_info["id"], param)
+    if "item_id" in request.match_info:
+        suffix = suffix.replace("{item_id}", _valid_id(request.match_info["item_id"], "item_id"))
+    body = await read_bounded(request, rt.server.max_body_bytes) if method == "POST" else b""
+    await by_id.take()  # counted before the map is read: refused calls cost the caller too
+    backends, search = await holders_of(rid, owner, rt, param)
+
+    async def adopt(backend: Backend, resp: UpstreamResponse) -> None:
+        # The migration mode: the id becomes the caller's before its answer is released.
+        await rt.affinity.record([rid], backend.name, owner)
+
+    path = f"/{kind}s/{rid}{suffix}"
+    for i, backend in enumerate(backends):
+        if i:
+            await by_id.take()  # each backend a search asks is an upstream request of its own
+        out = await by_id.send(backend, method, path, body, last=i == len(backends) - 1, on_found=adopt if search else None)
+        if out is None:
+            continue  # searching: that backend does not have it
+        if method == "DELETE" and out.status == 200 and not suffix:
+            await rt.affinity.forget(rid)  # a deleted response (conversation) leaves the map
+        return out
+    raise not_yours(param, rid, RESPONSES.missing_code(param))
+
+
+def _conversation_backend(rt: Runtime, tenant: Tenant, model: str | None) -> Backend:
+    """Where a new conversation is made: with `model`, the first usable backend of that model's
+    route that serves the Responses API (its later turns must use a model routed there); without,
+    the first of the backends of every model the tenant may use, in the policy's order."""
+    if model is not None:
+        rt.tenants.authorize(tenant, model)
+        candidates = serving(rt.route(model), RESPONSES)
+        if not candidates:
+            raise BadRequest(f"no backend of model {model!r} serves the Responses API", param="model", code="unsupported_endpoint")
+    else:
+        candidates = []
+        for name, route in rt.routes.items():
+            if tenant.may_use(name):
+                candidates += [b for b in serving(route, RESPONSES) if b not in candidates]
+        if not candidates:
+            raise BadRequest("none of the models this key may use has a backend serving the Responses API",
+                             param="model", code="unsupported_endpoint")
+    for backend in candidates:
+        if backend.takes_traffic():
+            return backend
+    usable_or_raise(candidates[0], "a new conversation")  # says why (ejected, cooling, starting)
+    return candidates[0]
+
+
+def _creation_body(raw: bytes) -> tuple[bytes, str | None]:
+    """The body to send upstream (without the gateway's own `model` field), and that model."""
+    if not raw.strip():
+        return b"{}", None
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.pop("model", None)
+    if model is not None and not (isinstance(model, str) and model):
+        raise BadRequest("invalid field 'model': must be a model name (a non-empty string)", param="model")
+    return orjson.dumps(body), model
+
+
+async def create_conversation(request: web.Request) -> web.StreamResponse:
+    """POST /v1/conversations: made on a backend the caller's requests can reach (`model` in the
+    body, a gateway field not sent upstream, picks the route), and recorded as the caller's before
+    its id is released: later turns with `conversation` go to that backend, and only the caller's."""
+    rt = request.app[LIVE].runtime
+    by_id = Passthrough(request, rt, "conversation")
+    with accounted(request, by_id.call, rt):
+        try:
+            return by_id.answered(await _create(request, rt, by_id))
+        except GatewayError as err:
+            return by_id.failed(err)
+        finally:
+            by_id.done()
+
+
+async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.StreamResponse:
+    tenant = by_id.authenticate()
+    body, model = _creation_body(await read_bounded(request, rt.server.max_body_bytes))
+    await by_id.take()
+    backend = _conversation_backend(rt, tenant, model)
+
+    async def whole(backend: Backend, resp: UpstreamResponse) -> None:
+        if "text/event-stream" in resp.headers.get("Content-Type", ""):
+            raise UpstreamError(f"backend {backend.name!r} answered the new conversation with an event stream")
+
+    out = await by_id.send(backend, "POST", "/conversations", body, on_found=whole)
+    assert out is not None  # `last`: a 404 is an answer too
+    if not isinstance(out, web.Response) or out.status != 200:
+        return out  # the backend's refusal (a bad `items`, say), as it said it (a 200 stream: refused by `whole`)
+    try:
+        conv = orjson.loads(out.body) if isinstance(out.body, bytes) else None
+    except orjson.JSONDecodeError:
+        conv = None
+    cid = conv.get("id") if isinstance(conv, dict) else None
+    if not isinstance(cid, str) or not _ID.match(cid) or not cid.strip("."):
+        raise UpstreamError(f"backend {backend.name!r} answered the new conversation without a usable id")
+    # Not released unless recorded: an id without an owner would be nobody's (a 404 to all).
+    await rt.affinity.record([cid], backend.name, tenant.cache_namespace)
+    return out
+
+
+async def get_response(request: web.Request) -> web.StreamResponse:
+    return await _forward(request, "GET")
+
+
+async def delete_response(request: web.Request) -> web.StreamResponse:
+    return await _forward(request, "DELETE")
+
+
+async def cancel_response(request: web.Request) -> web.StreamResponse:
+    return await _forward(request, "POST", suffix="/cancel")
+
+
+async def input_items(request: web.Request) -> web.StreamResponse:
+    return await _forward(request, "GET", suffix="/input_items")
+
+
+def _conversation(method: str, suffix: str = "") -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await _forward(request, method, "conversation", suffix)
+
+    return handler
+
+
+def routes() -> list[web.RouteDef]:
+    """The by-id routes and the conversations routes (before the gateway's catch-all)."""
+    items = "/v1/conversations/{id}/items"
+    return [
+        web.get("/v1/responses/{id}", get_response),
+        web.delete("/v1/responses/{id}", delete_response),
+        web.post("/v1/responses/{id}/cancel", cancel_response),
+        web.get("/v1/responses/{id}/input_items", input_items),
+        web.post("/v1/conversations", create_conversation),
+        web.get("/v1/conversations/{id}", _conversation("GET")),
+        web.post("/v1/conversations/{id}", _conversation("POST")),
+        web.delete("/v1/conversations/{id}", _conversation("DELETE")),
+        web.get(items, _conversation("GET", "/items")),
+        web.post(items, _conversation("POST", "/items")),
+        web.get(items + "/{item_id}", _conversation("GET", "/items/{item_id}")),
+        web.delete(items + "/{item_id}", _conversation("DELETE", "/items/{item_id}")),
+    ]

@@ -1,0 +1,190 @@
+"""One by-id request of the Responses API (api.py) on its way upstream: sent as it came
+to the backend holding the id, answered as it comes back (status, JSON or event stream).
+
+Like every API request it is a Call: counted in flight for a graceful shutdown and observed when
+it ends (http_call.accounted: stage histograms, access log, tracing), each upstream request taken
+from the tenant's request limits (quota.reserve_request) and reported to its backend's health
+(relay/report.py: a timeout, a lost connection or a 5xx count against the backend as a whole; an answer
+counts for it; no latency sample: these calls are not completions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from yarl import URL
+
+from ..config.runtime import Runtime
+from ..errors import GatewayError, UpstreamError, UpstreamTimeout
+from ..pipeline.call import Call, Finish, Timing
+from ..relay.attempt import MAX_BODY_BYTES
+from ..relay.report import report
+from ..routing.backends import Backend
+from ..routing.health import Kind
+from ..tenants.auth import Tenant
+from ..tenants.quota import Hold, QuotaExceeded
+from ..upstream.client import UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse
+from ..web.http_call import api_key, error_response, request_id
+from ..web.keys import METRICS, RELAY
+from ..wire.codec import Endpoint
+
+__all__ = ["BY_ID", "Found", "Passthrough"]
+
+log = logging.getLogger("gateway.responses")
+
+_PASS_HEADERS = ("Content-Type", "Retry-After")
+
+Found = Callable[[Backend, UpstreamResponse], Awaitable[None]]  # a 200 from that backend, before its release
+
+
+class _ById(Endpoint):
+    """The by-id paths, as a Call's endpoint (the access log's and the span's name for them)."""
+
+    streams = classifies = cacheable = False
+
+    def __init__(self, name: str, path: str) -> None:
+        self.name, self.path = name, path
+
+
+BY_ID = {"response": _ById("responses_by_id", "/responses"), "conversation": _ById("conversations", "/conversations")}
+
+
+class Passthrough:
+    """One by-id request: its Call, its tenant's request leases, its upstream calls."""
+
+    __slots__ = ("request", "rt", "call", "headers", "tenant", "hold")
+
+    def __init__(self, request: web.Request, rt: Runtime, kind: str) -> None:
+        self.request, self.rt = request, rt
+        now = time.monotonic()
+        self.call = Call(request_id(request), BY_ID[kind], b"", api_key(request),
+                         now + rt.server.request_timeout_ms / 1000, timing=Timing(t0_monotonic=now))
+        self.headers = {"x-request-id": self.call.request_id}
+        self.tenant: Tenant | None = None
+        self.hold: Hold | None = None
+
+    def authenticate(self) -> Tenant:
+        tenant = self.tenant = self.rt.tenants.authenticate(self.call.api_key)
+        self.call.tenant = tenant.name
+        return tenant
+
+    async def take(self) -> None:
+        """One more upstream request: the last one's lease goes back, a new one is taken."""
+        quota, tenant = self.rt.quota, self.tenant
+        if quota is None or tenant is None:
+            return
+        quota.release(self.hold)
+        self.hold = None
+        try:
+            self.hold = await quota.reserve_request(tenant, self.rt.server.request_timeout_ms / 1000, self.headers.__setitem__)
+        except QuotaExceeded as err:
+            metrics = self.request.app[METRICS]
+            metrics.quota_rejections.labels(self.rt.tenants.metric_label(tenant.name), err.limit).inc()
+            raise
+
+    def done(self) -> None:
+        if self.rt.quota is not None:
+            self.rt.quota.release(self.hold)
+
+    def answered(self, out: web.StreamResponse) -> web.StreamResponse:
+        """The backend's answer, as it said it (a relayed stream may have been cut)."""
+        self.call.out.status = out.status
+        if self.call.out.finish is None:
+            self.call.out.finish = Finish.OK
+        return out
+
+    def failed(self, err: GatewayError) -> web.Response:
+        call = self.call
+        call.out.status, call.out.error, call.out.finish = err.status, err.message, Finish.ERROR
+        return error_response(err, self.headers)
+
+    async def send(
+        self, backend: Backend, method: str, path: str, body: bytes, *, last: bool = True, on_found: Found | None = None,
+    ) -> web.StreamResponse | None:
+        """The backend's answer for the client; None when it answered 404 and it is not the `last`
+        to ask. `on_found` runs on a 200 before anything of it is released (a GatewayError it
+        raises is the answer instead)."""
+        call, t = self.call, backend.timeouts
+        self.headers["x-gateway-backend"] = call.out.backend = backend.name
+        call.out.attempts.append(backend.name)
+        qs = self.request.rel_url.raw_query_string
+        url = URL(backend.base_url + path + (f"?{qs}" if qs else ""), encoded=True)
+        up_headers = {**backend.headers, "X-Request-Id": call.request_id}
+        if not body:
+            up_headers.pop("Content-Type", None)
+        resp: UpstreamResponse | None = None
+        call.timing.sent_at = time.perf_counter()
+        try:
+            async with asyncio.timeout(t.first_token_ms / 1000):
+                resp = await self.request.app[RELAY].pool.post(url, body, up_headers, connect_timeout_s=t.connect_ms / 1000,
+                                                               method=method)
+            call.timing.headers_at = time.perf_counter()
+            if resp.status >= 500:
+                self._report(backend, Kind.http(resp.status), resp.status)
+            elif resp.status != 429:
+                self._report(backend, Kind.OK)  # it answered: a 404 is an answer too
+            if resp.status == 404 and not last:
+                return None
+            if on_found is not None and resp.status == 200:
+                await on_found(backend, resp)
+            return await self._relayed(resp, t.total_ms / 1000, t.idle_ms / 1000)
+        except TimeoutError:
+            self._report(backend, Kind.TIMEOUT)
+            err: GatewayError = UpstreamTimeout(f"backend {backend.name!r} did not answer {method} {path} in time")
+        except UpstreamHTTPError as exc:
+            self._report(backend, _lost(exc, answered=resp is not None))
+            # The client learns the kind of failure; the address and the OS error stay in the log.
+            log.info("request %s: backend %r failed on %s %s: %s: %s", call.request_id, backend.name, method, url,
+                     type(exc).__name__, exc)
+            err = UpstreamError(f"backend {backend.name!r} failed on {method} {path}: {exc.summary}")
+        finally:
+            if resp is not None:
+                resp.close()  # a no-op after release()
+        return self.failed(err)
+
+    async def _relayed(self, resp: UpstreamResponse, total_s: float, idle_s: float) -> web.StreamResponse:
+        out_headers = {**self.headers, **{k: resp.headers[k] for k in _PASS_HEADERS if k in resp.headers}}
+        if "text/event-stream" not in resp.headers.get("Content-Type", ""):
+            async with asyncio.timeout(total_s):
+                data = await resp.read(max_bytes=MAX_BODY_BYTES)
+            resp.release()
+            return web.Response(status=resp.status, body=data, headers=out_headers)
+        return await self._stream(resp, out_headers, idle_s)
+
+    async def _stream(self, resp: UpstreamResponse, headers: dict[str, str], idle_s: float) -> web.StreamResponse:
+        """An event stream (a background response's events, replayed by its backend), as bytes."""
+        out = web.StreamResponse(status=resp.status, headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await out.prepare(self.request)
+        try:
+            while True:
+                async with asyncio.timeout(idle_s):
+                    chunk = await resp.readany()
+                if not chunk:
+                    break
+                await out.write(chunk)
+        except (TimeoutError, UpstreamHTTPError) as exc:
+            # Cut: the client sees the stream stop without response.completed, which is the truth.
+            log.warning("request %s: replayed stream from a backend cut: %s", self.call.request_id, exc)
+            self.call.out.finish = Finish.CUT
+            return out
+        except ConnectionError:  # reset, or lost while a write waited on a slow reader
+            self.call.out.finish = Finish.CLIENT_DISCONNECT
+            return out
+        await out.write_eof()
+        return out
+
+    def _report(self, backend: Backend, kind: Kind, status: int | None = None) -> None:
+        metrics = self.request.app[METRICS]
+        seconds = time.perf_counter() - self.call.timing.sent_at
+        report(self.call, backend, metrics, metrics.for_backend(backend.name), kind, seconds, status=status, sample=False)
+
+
+def _lost(exc: UpstreamHTTPError, *, answered: bool) -> Kind:
+    """How a by-id call's connection failed, as the relay's attempts say it (relay/attempt.py)."""
+    if answered:
+        return Kind.DISCONNECT
+    return Kind.RESET_BEFORE_HEADERS if isinstance(exc, UpstreamMaybeSent) else Kind.CONNECT

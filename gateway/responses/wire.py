@@ -1,0 +1,211 @@
+"""The Responses API (/v1/responses) on the wire: the request fields the gateway reads, and what it
+reads back out of answers (ids, usage), as pure functions.
+
+The endpoint's codec: codec.py (a stream's events: monitor.py). How a cached
+answer is replayed: replay.py. Which backend holds a response: affinity.py, pipeline/pinning.py.
+The by-id endpoints: api.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import orjson
+from pydantic import BeforeValidator, Field
+
+from ..errors import GatewayError
+from ..web.sink import Sink, SinkWrapper
+from ..wire.openai_wire import SSE_HEARTBEAT, JsonInt, _Body
+
+__all__ = [
+    "ResponsesRequest",
+    "chat_view",
+    "error_event",
+    "held_ids",
+    "stateful_reason",
+    "usage_of",
+    "stateful_refs",
+    "conversation_id",
+    "ResponsesSink",
+    "TERMINAL_OK",
+    "TERMINAL_FAILED",
+]
+
+# Events that end a Responses stream: as an answer, or as a failure.
+TERMINAL_OK = frozenset({"response.completed", "response.incomplete"})
+TERMINAL_FAILED = frozenset({"response.failed", "error"})
+
+
+def _conversation_ref(value: Any) -> Any:
+    """`conversation` is an id or an object with a string `id`: anything else is the caller's
+    mistake (a 400 naming the field), not something to send a backend. Returned as it came."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("id"), str) and value["id"]:
+        return value
+    raise ValueError('must be a conversation id (a non-empty string) or an object {"id": "<conversation id>"}')
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses: the fields the gateway itself relies on; everything else passes through."""
+
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    max_output_tokens: JsonInt | None = Field(None, ge=1)
+    previous_response_id: str | None = Field(None, min_length=1)
+    conversation: Annotated[Any, BeforeValidator(_conversation_ref)] = None
+    background: bool | None = Field(None, strict=True)
+
+
+def conversation_id(body: Mapping[str, Any]) -> str | None:
+    """The conversation a request continues (`"conv_..."` or `{"id": "conv_..."}`), if any."""
+    conv = body.get("conversation")
+    if isinstance(conv, dict):
+        conv = conv.get("id")
+    return conv if isinstance(conv, str) and conv else None
+
+
+def stateful_refs(body: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """Every (field, id) of server-side state a request refers to: `previous_response_id`, then
+    `conversation`. Each one must belong to the caller (pinning.pin)."""
+    out: list[tuple[str, str]] = []
+    prev = body.get("previous_response_id")
+    if isinstance(prev, str) and prev:
+        out.append(("previous_response_id", prev))
+    conv = conversation_id(body)
+    if conv:
+        out.append(("conversation", conv))
+    return out
+
+
+def stateful_reason(body: Mapping[str, Any]) -> str | None:
+    """Why a Responses request must not be answered from the cache, or None. Mostly: its answer
+    depends on (or adds to) state a backend keeps, which a replay would neither read nor update."""
+    if body.get("previous_response_id"):
+        return "previous_response_id: the answer builds on a stored response"
+    if conversation_id(body):
+        return "conversation: the answer reads and extends a stored conversation"
+    if body.get("background"):
+        return "background: the answer is polled, not returned"
+    include = body.get("include")
+    if body.get("top_logprobs") or (isinstance(include, list) and "message.output_text.logprobs" in include):
+        return "logprobs requested"
+    return None
+
+
+def _text(content: Any) -> Any:
+    """Responses content parts (input_text / output_text / refusal) in the chat parts shape the
+    classifier reads (`text` keys); a string stays a string."""
+    if isinstance(content, list):
+        return [{"type": "text", "text": p.get("text") or p.get("refusal")} for p in content if isinstance(p, dict)]
+    return content
+
+
+def chat_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses body as the chat body the classifier reads: `instructions` as the system
+    message, `input` (a string, or a list of items) as the messages, `max_output_tokens` as
+    max_tokens; tools and text format carried over."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        messages.append({"role": "user", "content": items})
+    elif isinstance(items, list):
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type", "message")
+            if kind == "message" or "role" in item:
+                messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
+            elif kind == "function_call_output":
+                messages.append({"role": "tool", "content": item.get("output") if isinstance(item.get("output"), str) else ""})
+            elif kind == "function_call":
+                messages.append({"role": "assistant", "content": item.get("arguments") or ""})
+    view: dict[str, Any] = {"messages": messages}
+    if body.get("max_output_tokens") is not None:
+        view["max_tokens"] = body["max_output_tokens"]
+    if body.get("tools"):
+        view["tools"] = body["tools"]
+    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        view["response_format"] = {"type": "json_schema", "json_schema": fmt}
+    return view
+
+
+def usage_of(response: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A response's usage in the gateway's own terms (prompt/completion/total tokens), which the
+    quotas, spend and token metrics read; None when it has none."""
+    usage = response.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    p, c = usage.get("input_tokens"), usage.get("output_tokens")
+    p = p if isinstance(p, int) else 0
+    c = c if isinstance(c, int) else 0
+    total = usage.get("total_tokens")
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": total if isinstance(total, int) else p + c}
+
+
+def held_ids(response: Mapping[str, Any]) -> list[str]:
+    """The ids a backend keeps state under for this response: the response's own, and the
+    conversation it extended (later turns of that conversation must reach the same backend)."""
+    out = []
+    rid = response.get("id")
+    if isinstance(rid, str) and rid:
+        out.append(rid)
+    conv = conversation_id(response)
+    if conv:
+        out.append(conv)
+    return out
+
+
+def error_event(err: GatewayError, sequence_number: int) -> bytes:
+    """The event that ends a cut Responses stream: a valid `error` event (type, code, message,
+    param, sequence_number) that also carries the OpenAI error object, on which the official
+    SDKs raise (APIError) instead of returning a stream that merely stops."""
+    e = err.to_dict()["error"]
+    data = {"type": "error", "sequence_number": sequence_number, "code": e["code"], "message": e["message"], "param": e["param"], "error": e}
+    return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+_SEQ = b'"sequence_number":'
+
+
+def _last_sequence_number(data: bytes) -> int | None:
+    at = data.rfind(_SEQ)
+    if at < 0:
+        return None
+    i = at + len(_SEQ)
+    while i < len(data) and data[i : i + 1] == b" ":
+        i += 1
+    j = i
+    while j < len(data) and data[j : j + 1].isdigit():
+        j += 1
+    return int(data[i:j]) if j > i else None
+
+
+class ResponsesSink(SinkWrapper):
+    """A Sink for /v1/responses: once streaming, a failure ends the stream with a Responses
+    `error` event (error_event), numbered after the last event the client got."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self, inner: Sink) -> None:
+        super().__init__(inner)
+        self._last = b""  # the last events written (the next sequence number is read from them on failure)
+
+    async def write(self, data: bytes) -> None:
+        if data and data != SSE_HEARTBEAT:
+            self._last = data
+        await self._inner.write(data)
+
+    async def fail(self, err: GatewayError) -> None:
+        if not self._inner.committed:
+            await self._inner.fail(err)
+            return
+        last = _last_sequence_number(self._last)
+        await self._inner.write(error_event(err, 0 if last is None else last + 1))
+        await self._inner.end()
+

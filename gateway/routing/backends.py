@@ -1,0 +1,116 @@
+"""Backends: an OpenAI-compatible HTTP endpoint and the state the gateway keeps about it.
+
+The local model server is just another one of these: one backend kind, one way to measure TTFT.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from yarl import URL
+
+from ..admission.gate import Gate
+from ..config.policy import BackendPolicy
+from ..wire.endpoints import ENDPOINTS
+from .health import Health
+from .latency import Tracker
+
+__all__ = ["Backend", "BackendState", "Slots"]
+
+
+class Slots(Gate):
+    """At most `limit` requests in flight on a backend; waiters queue by band and tenant
+    (admission.FairQueue).
+
+    The count lives in the backend's tracker (`tracker.inflight`): one number that the limit, the
+    selector and /admin all read. Whoever acquires a slot releases it in the same `try/finally`
+    (see relay_base.RelayBase.attempt), so a task cancelled at any await point gives its slot back."""
+
+    def __init__(self, limit: int, tracker: Tracker | None = None) -> None:
+        super().__init__(limit, tracker if tracker is not None else Tracker())
+
+
+@dataclass
+class BackendState:
+    """What the gateway measured about a backend; kept across policy reloads by name."""
+
+    tracker: Tracker = field(default_factory=Tracker)
+    health: Health = field(default_factory=Health)  # the backend as a whole: readiness, probes, connections
+    # In-flight slots live here, not on Backend, so a reload mid-request keeps counting right.
+    slots: Slots | None = None
+    models: dict[str, Health] = field(default_factory=dict)  # upstream model -> its own health
+
+    def model_health(self, upstream: str) -> Health:
+        """The health of one upstream model on this backend (created on first use)."""
+        h = self.models.get(upstream)
+        if h is None:
+            p = self.health
+            h = self.models[upstream] = Health(
+                p.failures_to_eject, p.eject_s, p.clock, p.max_eject_s, p.jitter, p.rng, parent=p
+            )
+        return h
+
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            self.slots = Slots(64, self.tracker)
+
+
+class Backend:
+    """One configured backend, as built from the current policy."""
+
+    def __init__(self, name: str, policy: BackendPolicy, state: BackendState) -> None:
+        self.name = name
+        self.policy = policy
+        self.base_url = policy.url
+        self.model_map = policy.model_map
+        self.default_model = next(iter(self.model_map.values()))
+        self.state = state
+        self.tracker = state.tracker
+        self.health = state.health
+        assert state.slots is not None
+        self.slots: Slots = state.slots
+        self.timeouts = policy.timeouts
+        # Built once: URL parsing and timeout objects are measurable costs per request.
+        self.urls = {name: URL(self.base_url + ep.path) for name, ep in ENDPOINTS.items()}
+        # identity: the relay reads every event, and passes bytes on without re-encoding them.
+        headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        if policy.api_key_env:
+            key = os.environ.get(policy.api_key_env)
+            if not key:
+                raise ValueError(
+                    f"backends.{name}.api_key_env: environment variable {policy.api_key_env} is not set"
+                )
+            headers["Authorization"] = f"Bearer {key}"
+        self.headers = headers
+
+    def upstream_model(self, public: str) -> str:
+        """The name this backend knows a public model by (its default model for `auto`-style routes)."""
+        return self.model_map.get(public, self.default_model)
+
+    def health_for(self, public: str) -> Health:
+        """The health that decides whether a request for `public` may go here: its upstream
+        model's, which also reflects the backend's own."""
+        return self.state.model_health(self.upstream_model(public))
+
+    def headline_health(self) -> Health:
+        """The health to report for the backend as a whole: its one model's (which includes the
+        backend's own), or with several models the backend's own (each model's is listed apart)."""
+        models = self.state.models
+        if len(models) == 1:
+            return next(iter(models.values()))
+        return self.health
+
+    def takes_traffic(self) -> bool:
+        """Ready, not ejected, and at least one of its models not ejected."""
+        models = self.state.models
+        return self.health.healthy and (not models or any(h.healthy for h in models.values()))
+
+    @property
+    def prefill(self) -> bool:
+        """Whether it continues a trailing assistant message (see BackendPolicy.prefill)."""
+        p = self.policy.prefill
+        return p if p is not None else self.policy.launch is not None
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, {self.base_url!r})"

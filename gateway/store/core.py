@@ -1,0 +1,157 @@
+"""The Store that the cache and the quotas sit on, and its in-memory implementation.
+
+A Store holds opaque bytes under string keys, each with a TTL, and the quota counters (one atomic
+check-and-take per request: tenants/quota_counters.py, tenants/quota_lua.py). Implementations raise StoreError
+when they cannot answer (unavailable, timed out); callers treat that as a miss and fail open.
+The Redis implementation lives in redis_store.py, so the embedded default never imports redis.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from ..tenants.quota_counters import Ask, Decision, MemoryQuota, Settle, Usage
+
+__all__ = ["StoreError", "Store", "MemoryStore"]
+
+
+class StoreError(Exception):
+    """The store could not answer in time (down, slow, refused). Callers fail open."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    # Whether other processes see what this store holds (Redis): single flight then takes a lock
+    # across processes (cache/shared_flight.py); a process's own store needs none.
+    shared: bool
+
+    async def get(self, key: str) -> bytes | None:
+        """The value under `key`, or None when absent or expired."""
+        ...
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        """Store `value` under `key` for `ttl_s` seconds (replacing any previous value)."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Remove `key`; absent keys are fine."""
+        ...
+
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        """Store `value` under `key` only when no live value is there; True when it was stored
+        (a short lock: cache/shared_flight.py)."""
+        ...
+
+    async def delete_if(self, key: str, value: bytes) -> bool:
+        """Remove `key` only while it holds `value`, atomically; True when it was removed (a lock
+        given back by its owner alone, not after its TTL ended and another process took it)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the store is not used afterwards."""
+        ...
+
+    async def quota_take(self, tenant: str, ask: Ask) -> Decision:
+        """Check every limit of `ask` for `tenant` and, when all pass, take them: atomically."""
+        ...
+
+    async def quota_settle(self, tenant: str, settle: Settle) -> None:
+        """Correct a reservation with what was used, and release its lease."""
+        ...
+
+    async def quota_usage(self, tenant: str, scope: str) -> Usage:
+        """A tenant scope's current use (window, in flight, today)."""
+        ...
+
+
+class MemoryStore:
+    """A per-process LRU with a TTL per key, bounded by total bytes and by item count.
+
+    get/set are O(1) (an OrderedDict in recency order). Expired items are dropped when read, and
+    otherwise age out through the LRU order, so no sweeper task is needed. `clock` is injectable
+    for tests. A value larger than `max_bytes` is not stored at all.
+    """
+
+    __slots__ = ("_items", "_bytes", "max_bytes", "max_items", "_clock", "quota")
+    shared = False  # this process's own
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int = 256 << 20,
+        max_items: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_bytes <= 0 or max_items <= 0:
+            raise ValueError("max_bytes and max_items must be positive")
+        self._items: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
+        self._bytes = 0
+        self.max_bytes = max_bytes
+        self.max_items = max_items
+        self._clock = clock
+        self.quota = MemoryQuota()  # quota counters: this process's own (see tenants/quota_counters.py)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held (keys and values), the quantity bounded by max_bytes."""
+        return self._bytes
+
+    async def get(self, key: str) -> bytes | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        if item[1] <= self._clock():
+            self._drop(key)
+            return None
+        self._items.move_to_end(key)
+        return item[0]
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        if key in self._items:
+            self._drop(key)
+        size = len(key) + len(value)
+        if ttl_s <= 0 or size > self.max_bytes:
+            return
+        self._items[key] = (value, self._clock() + ttl_s)
+        self._bytes += size
+        while self._bytes > self.max_bytes or len(self._items) > self.max_items:
+            self._drop(next(iter(self._items)))  # the least recently used
+
+    async def delete(self, key: str) -> None:
+        if key in self._items:
+            self._drop(key)
+
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        if await self.get(key) is not None:
+            return False
+        await self.set(key, value, ttl_s)
+        return True
+
+    async def delete_if(self, key: str, value: bytes) -> bool:
+        if await self.get(key) != value:  # absent and expired included
+            return False
+        self._drop(key)
+        return True
+
+    async def close(self) -> None:
+        self._items.clear()
+        self._bytes = 0
+
+    async def quota_take(self, tenant: str, ask: Ask) -> Decision:
+        return self.quota.take(tenant, ask)
+
+    async def quota_settle(self, tenant: str, settle: Settle) -> None:
+        self.quota.settle(tenant, settle)
+
+    async def quota_usage(self, tenant: str, scope: str) -> Usage:
+        return self.quota.usage(tenant, scope)
+
+    def _drop(self, key: str) -> None:
+        value, _ = self._items.pop(key)
+        self._bytes -= len(key) + len(value)

@@ -1,0 +1,183 @@
+"""The Redis Store: one pooled redis.asyncio client (hiredis parser when installed), every call
+bounded by a few milliseconds, every failure turned into StoreError so callers fail open.
+
+Reconnecting needs no supervisor: a dead pooled connection is dropped and the next call opens a
+fresh one. The connect timeout equals the call timeout, so while Redis is down each call fails in
+about `timeout_ms` (a refused connect fails at once) rather than waiting seconds for a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import cast
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from ..tenants import quota_lua
+from ..tenants.quota_counters import Ask, Decision, Settle, Usage
+from .core import StoreError
+
+__all__ = ["RedisStore"]
+
+# delete_if: DEL only while the key holds the caller's value, in one step (no other client between).
+_DELETE_IF = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
+
+class RedisStore:
+    """A Store on Redis. `url` as redis-py reads it (redis://host:port/db, rediss://, unix://);
+    `prefix` is prepended to every key (a namespace per deployment or per test)."""
+
+    __slots__ = (
+        "_pool", "_redis", "_timeout_s", "prefix", "_qpool", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage",
+        "_delete_if",
+    )  # fmt: skip
+    shared = True  # every replica on this Redis sees it
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_ms: float = 5.0,
+        max_connections: int = 64,
+        prefix: str = "",
+        quota_timeout_ms: float = 250.0,
+    ) -> None:
+        if timeout_ms <= 0 or quota_timeout_ms <= 0:
+            raise ValueError("timeout_ms and quota_timeout_ms must be positive")
+        self._timeout_s = timeout_ms / 1000
+        self.prefix = prefix
+        self._pool = _pool(url, max_connections, self._timeout_s)
+        self._redis = Redis(connection_pool=self._pool)
+        self._delete_if = self._redis.register_script(_DELETE_IF)  # EVALSHA, as the quota scripts below
+        # Quotas get their own pool and a longer bound: a cache lookup that is slow is a miss,
+        # but a quota decision that gives up falls back to per-replica counters, which are not
+        # exact across replicas. A Redis that is down still fails at once (connection refused).
+        self._quota_timeout_s = quota_timeout_ms / 1000
+        self._qpool = _pool(url, max_connections, self._quota_timeout_s)
+        self._qredis = Redis(connection_pool=self._qpool)
+        # EVALSHA, loading the script again after a Redis restart (NOSCRIPT) by itself.
+        self._take = self._qredis.register_script(quota_lua.TAKE)
+        self._settle = self._qredis.register_script(quota_lua.SETTLE)
+        self._usage = self._qredis.register_script(quota_lua.USAGE)
+
+    async def get(self, key: str) -> bytes | None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                # the pool does not decode (no decode_responses): a value comes back as bytes
+                return cast("bytes | None", await self._redis.get(self.prefix + key))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("get", exc) from None
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                if ttl_s <= 0:
+                    await self._redis.delete(self.prefix + key)
+                else:
+                    await self._redis.set(self.prefix + key, value, px=max(1, round(ttl_s * 1000)))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("set", exc) from None
+
+    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return bool(await self._redis.set(self.prefix + key, value, px=max(1, round(ttl_s * 1000)), nx=True))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("add", exc) from None
+
+    async def delete(self, key: str) -> None:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._redis.delete(self.prefix + key)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("delete", exc) from None
+
+    async def delete_if(self, key: str, value: bytes) -> bool:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return bool(await self._delete_if(keys=[self.prefix + key], args=[value]))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("delete_if", exc) from None
+
+    async def quota_take(self, tenant: str, ask: Ask) -> Decision:
+        keys: list[str] = []
+        args: list[str | int] = [ask.tokens, ask.lease, ask.lease_ttl_ms]
+        for sc in ask.scopes:
+            keys += quota_lua.scope_keys(self.prefix, tenant, sc.name)
+            args += [sc.name, sc.rpm, sc.tpm, sc.concurrency, sc.tokens_per_day, sc.spend_per_day_micro]
+        try:
+            async with asyncio.timeout(self._quota_timeout_s):
+                r = await self._take(keys=keys, args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("quota", exc) from None
+        return Decision(
+            ok=int(r[0]) == 1, limit=_s(r[1]) or None, scope=_s(r[2]), retry_after_s=float(r[3]),
+            bucket=int(r[4]), day=int(r[5]), limit_requests=int(r[6]), remaining_requests=int(r[7]),
+            reset_requests_s=float(r[8]), limit_tokens=int(r[9]), remaining_tokens=int(r[10]), reset_tokens_s=float(r[11]),
+        )
+
+    async def quota_settle(self, tenant: str, settle: Settle) -> None:
+        keys: list[str] = []
+        for name in settle.scopes:
+            keys += quota_lua.scope_keys(self.prefix, tenant, name)
+        args: list[int | str] = [settle.bucket, settle.day, settle.token_delta, settle.spend_micro, settle.lease]
+        try:
+            async with asyncio.timeout(self._quota_timeout_s):
+                await self._settle(keys=keys, args=args)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("quota settle", exc) from None
+
+    async def quota_usage(self, tenant: str, scope: str) -> Usage:
+        try:
+            async with asyncio.timeout(self._quota_timeout_s):
+                r = await self._usage(keys=quota_lua.scope_keys(self.prefix, tenant, scope))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise _error("quota usage", exc) from None
+        return Usage(*(int(x) for x in r))
+
+    async def warm(self, timeout_s: float = 2.0) -> None:
+        """Open a connection in each pool now (at start), so the first requests do not pay the
+        connect inside their few-millisecond budget (and turn into misses). Errors are left to
+        the calls that follow (they fail open)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(self._redis.ping(), self._qredis.ping())
+        except (RedisError, OSError, TimeoutError):
+            pass
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+        await self._pool.aclose()
+        await self._qredis.aclose()
+        await self._qpool.aclose()
+
+
+def _pool(url: str, max_connections: int, t: float) -> BlockingConnectionPool:
+    return BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=t,  # waiting for a free pooled connection counts against the same budget
+        socket_timeout=t,
+        socket_connect_timeout=t,
+        # One immediate retry: after a Redis restart, the first command on each stale pooled
+        # connection fails; the retry on a fresh connection hides that. No backoff: we have ms.
+        retry=Retry(NoBackoff(), 1),
+    )
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _error(op: str, exc: BaseException) -> StoreError:
+    if isinstance(exc, TimeoutError) and not str(exc):
+        return StoreError(f"redis {op}: timed out")
+    return StoreError(f"redis {op}: {type(exc).__name__}: {exc}")

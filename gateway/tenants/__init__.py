@@ -1,0 +1,1 @@
+"""Tenants: API keys, priority ceilings, quotas and the quota stage."""

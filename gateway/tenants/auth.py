@@ -1,0 +1,212 @@
+"""API key -> tenant. Keys are stored as sha256 digests; the file never holds a key."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import re
+from dataclasses import dataclass
+
+from ..config.policy import CacheOverride, Policy
+from ..errors import Forbidden, Unauthorized
+
+__all__ = [
+    "Tenant",
+    "Tenants",
+    "hash_key",
+    "is_loopback",
+    "is_placeholder",
+    "key_warnings",
+    "open_mode_problem",
+    "NEW_KEY_COMMAND",
+]
+
+# The one command that makes a real key: it prints the key (give it to the tenant) and its digest.
+NEW_KEY_COMMAND = "gateway hash-key --new"
+
+
+def hash_key(key: str) -> str:
+    """The digest to put in a policy's `key_sha256` list."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+# Keys an attacker tries first; `gateway check` warns when a digest is one of theirs.
+_GUESSABLE = (
+    "", "0", "1", "2", "3", "123", "1234", "12345", "123456", "password", "secret", "admin", "changeme",
+    "test", "key", "apikey", "api-key", "sk-test", "sk-1", "sk-admin", "letmein", "qwerty",
+)  # fmt: skip
+
+
+def is_placeholder(digest: str) -> bool:
+    """A digest no key can match, as the shipped examples carry (32 leading zero hex digits: the
+    chance that a real key's sha256 starts so is 2**-128)."""
+    return digest.startswith("0" * 32)
+
+
+def key_warnings(policy: Policy) -> list[str]:
+    """What `gateway check` warns about in the policy's keys: placeholders that no caller can
+    match yet, and digests of guessable keys."""
+    weak = {hash_key(k): k for k in _GUESSABLE}
+    lists = [(f"tenants.{n}.key_sha256", t.key_sha256) for n, t in policy.tenants.items()]
+    if policy.admin is not None:
+        lists.append(("admin.key_sha256", policy.admin.key_sha256))
+    lists.append(("metrics.key_sha256", policy.metrics.key_sha256))
+    out: list[str] = []
+    for path, digests in lists:
+        for i, digest in enumerate(digests):
+            if is_placeholder(digest):
+                out.append(f"{path}[{i}]: a placeholder no key matches; make a real key with `{NEW_KEY_COMMAND}`")
+            elif digest in weak:
+                out.append(f"{path}[{i}]: the digest of the guessable key {weak[digest]!r}; make a real one with `{NEW_KEY_COMMAND}`")
+    if policy.open and not policy.server.open_access:
+        out.append("tenants: none, so anyone may call; `gateway serve` allows that on a loopback address only")
+    return out
+
+
+def is_loopback(host: str | None) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost).
+
+    None means "not bound by `gateway serve`" (an app built in a test or embedded): loopback.
+    Any other name counts as reachable from the network, since it may resolve to anything."""
+    if host is None or host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def open_mode_problem(policy: Policy, host: str | None) -> str | None:
+    """Why this policy must not be served on `host`, or None when it may.
+
+    A policy without tenants lets anyone in (spending the backends' API keys, reading /admin):
+    fine on loopback, refused on any other address unless `server.open_access: true` says so."""
+    if not policy.open or policy.server.open_access or is_loopback(host):
+        return None
+    return (
+        f"refusing to serve a policy without tenants on {host}: anyone who can reach it could use "
+        "the backends (and their API keys). Either give callers keys: run "
+        f"`{NEW_KEY_COMMAND}` (or `gateway hash-key` with the key on stdin) and add the digest "
+        "under `tenants: {NAME: {key_sha256: [DIGEST]}}`; or, to serve it open on purpose, set "
+        "`server: {open_access: true}` in the policy; or bind to 127.0.0.1."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    priority: str  # the highest band its requests may ask for (a ceiling: priority.py)
+    models: frozenset[str] | None  # None: every public model
+    cache_namespace: str = "default"  # whose cached answers this tenant may receive
+    cache: CacheOverride | None = None
+    default_priority: str | None = None  # the band of a request that asks for none; None: `priority`
+
+    def may_use(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+# Open mode has no one to tell apart: a caller may ask for any band, and gets `default` otherwise.
+OPEN_TENANT = Tenant("default", "priority", None, default_priority="default")
+
+
+def env_digests(digests: tuple[str, ...], env: str | None, path: str) -> tuple[str, ...]:
+    """`digests` plus those in the environment variable `env` (comma- or space-separated).
+
+    ValueError when the variable is unset, empty or holds something else than digests: a tenant
+    whose keys did not arrive must fail the start (or the reload), never run without keys."""
+    if env is None:
+        return digests
+    raw = os.environ.get(env, "")
+    extra = tuple(d for d in raw.replace(",", " ").split() if d)
+    if not extra:
+        raise ValueError(f"{path}.key_sha256_env: environment variable {env} is not set or empty")
+    for d in extra:
+        if not re.fullmatch(r"[0-9a-f]{64}", d):
+            raise ValueError(f"{path}.key_sha256_env: {env} must hold lowercase hex sha256 digests (`gateway hash-key`), comma-separated")
+    return digests + extra
+
+
+class Tenants:
+    """Authenticates callers. A policy without tenants runs open: on a loopback address (local
+    development), or elsewhere only with `server.open_access` (see `open_mode_problem`)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self._by_digest: dict[str, Tenant] = {}
+        for name, tp in policy.tenants.items():
+            tenant = Tenant(
+                name,
+                tp.priority,
+                frozenset(tp.models) if tp.models is not None else None,
+                cache_namespace=tp.cache_namespace or f"tenant:{name}",
+                cache=tp.cache,
+                default_priority=tp.default_priority,
+            )
+            for digest in env_digests(tp.key_sha256, tp.key_sha256_env, f"tenants.{name}"):
+                self._by_digest[digest] = tenant
+        self._admin = set(env_digests(policy.admin.key_sha256, policy.admin.key_sha256_env, "admin")) if policy.admin else set()
+        self._metrics = set(env_digests(policy.metrics.key_sha256, policy.metrics.key_sha256_env, "metrics"))
+        self._metrics_open = policy.metrics.open
+        self.open = not self._by_digest
+        self.tenant_label = policy.metrics.tenant_label
+        self._weights = {name: tp.weight for name, tp in policy.tenants.items()}
+
+    def authenticate(self, api_key: str | None) -> Tenant:
+        """The tenant for a bearer key; Unauthorized for a missing or unknown key."""
+        if self.open:
+            return OPEN_TENANT
+        if not api_key:
+            raise Unauthorized("missing API key: send `Authorization: Bearer <key>`")
+        # The dict lookup is on a digest of the key, so timing reveals nothing about valid keys.
+        tenant = self._by_digest.get(hash_key(api_key))
+        if tenant is None:
+            raise Unauthorized("invalid API key")
+        return tenant
+
+    def authorize(self, tenant: Tenant, model: str) -> None:
+        if not tenant.may_use(model):
+            raise Forbidden(f"tenant {tenant.name!r} may not use model {model!r}", param="model")
+
+    def is_admin(self, api_key: str | None, *, loopback: bool = True) -> bool:
+        """Admin endpoints need an admin key. A policy that lists none leaves them open only in
+        loopback open mode: no tenants, served on a loopback address (local development)."""
+        if self._admin:
+            return _matches(api_key, self._admin)
+        return self.open and loopback
+
+    def may_scrape(self, api_key: str | None, *, loopback: bool = True) -> bool:
+        """/metrics (per-tenant names, tokens and spend): with scrape keys (`metrics.key_sha256`,
+        `metrics.key_sha256_env`), one of those or an admin key; without, open when the gateway
+        listens on a loopback address only or `metrics.open` says so, else an admin key."""
+        if self._metrics:
+            return _matches(api_key, self._metrics) or _matches(api_key, self._admin)
+        if loopback or self._metrics_open:
+            return True
+        return _matches(api_key, self._admin)
+
+    def scrape_refusal(self) -> str:
+        """What a refused /metrics request is told: which key it needs, or how to open it."""
+        if self._metrics:
+            return "/metrics needs a key from `metrics.key_sha256` (or `metrics.key_sha256_env`) or an admin key"
+        return (
+            "/metrics needs an admin key: this gateway listens beyond loopback and its policy has no scrape "
+            "key; set `metrics.key_sha256` (a key for Prometheus) or, to serve it to anyone, `metrics.open: true`"
+        )
+
+    def weight(self, tenant: str) -> float:
+        """The tenant's share of dispatches among tenants waiting in the same band."""
+        return self._weights.get(tenant, 1.0)
+
+    def metric_label(self, tenant: str) -> str:
+        """The tenant's label value in metrics: its name, or `tenant` when `metrics.tenant_label`
+        is false (names of customers are not for every dashboard)."""
+        return tenant if self.tenant_label else "tenant"
+
+
+def _matches(api_key: str | None, digests: set[str]) -> bool:
+    """Whether the key's digest is one of `digests`, compared in constant time."""
+    if not api_key or not digests:
+        return False
+    digest = hash_key(api_key)
+    return any(hmac.compare_digest(digest, d) for d in digests)

@@ -1,0 +1,293 @@
+"""Per-tenant quotas: reserve before dispatch, settle with the real usage after the answer.
+
+One Store round trip per request (`quota_take`: every limit checked and taken at once, atomic on
+Redis through a Lua script), one more after it (`quota_settle`). The reservation is the prompt
+estimate plus `max_tokens` (or the tenant's `default_max_tokens`); the settle replaces it with
+the usage the backend reported (asked for on streams: the client's stream does not carry it
+unless it asked), or with what was streamed when a client left before the usage came. A
+reservation whose replica died stays counted at its estimate and leaves the window with it.
+
+While the shared store fails, each replica limits on its own counters (the in-memory store),
+logs once a minute and counts `gateway_quota_degraded_total`: never a 5xx. It uses the shared
+store again as soon as it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import orjson
+
+from ..config.policy import LimitsPolicy, Policy, QuotaPolicy
+from ..errors import RateLimited
+from ..pipeline.call import CacheResult, Call
+from ..store.core import Store, StoreError
+from ..web.sink import Sink
+from .auth import Tenant
+from .quota_counters import Ask, Decision, Scope, Settle, Usage
+
+__all__ = ["Quota", "Hold", "QuotaExceeded", "TOKEN_LIMITS"]
+
+log = logging.getLogger("gateway.quota")
+
+_WARN_EVERY_S = 60.0
+_LEASE_MARGIN_MS = 10_000  # a lease outlives its request's deadline by this much, then expires
+# Limits that need the real token count of every answer (so streams ask for usage).
+TOKEN_LIMITS = ("tpm", "tokens_per_day", "spend_per_day_usd")
+
+
+class QuotaExceeded(RateLimited):
+    """A tenant limit refused the request: 429, nothing sent upstream."""
+
+    def __init__(self, message: str, *, retry_after_s: float, limit: str) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.limit = limit
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    tenant: Scope
+    models: dict[str, Scope]
+    default_max_tokens: int
+    counts_tokens: bool  # some limit needs the real token count
+
+
+@dataclass(slots=True)
+class Hold:
+    """One request's reservation, settled exactly once."""
+
+    tenant: str
+    scopes: tuple[str, ...]
+    store: Store
+    decision: Decision
+    reserved: int
+    lease: str
+    settled: bool = False
+
+
+def _scope(name: str, lp: LimitsPolicy) -> Scope:
+    spend = lp.spend_per_day_usd
+    return Scope(
+        name,
+        rpm=lp.rpm or 0,
+        tpm=lp.tpm or 0,
+        concurrency=lp.concurrency or 0,
+        tokens_per_day=lp.tokens_per_day or 0,
+        spend_per_day_micro=round(spend * 1e6) if spend else 0,
+    )
+
+
+def _counts_tokens(q: QuotaPolicy) -> bool:
+    return any(getattr(lp, k) is not None for lp in (q, *q.models.values()) for k in TOKEN_LIMITS)
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's style for x-ratelimit-reset-*: `1s`, `6m0s`, `250ms`."""
+    if seconds < 1:
+        return f"{max(0, round(seconds * 1000))}ms"
+    m, s = divmod(round(seconds), 60)
+    return f"{m}m{s}s" if m else f"{s}s"
+
+
+class Quota:
+    """The quota stage of one Runtime: the tenants' limits from the policy, on a Store."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        store: Store,
+        fallback: Store,
+        *,
+        on_degraded: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self.fallback = fallback  # this process's own counters while `store` fails
+        self._on_degraded = on_degraded
+        self._clock = clock
+        self._last_warn: float | None = None
+        self._settling: set[asyncio.Task[None]] = set()  # settles in flight, owned here
+        self.plans: dict[str, _Plan] = {}
+        for name, tp in policy.tenants.items():
+            q = tp.quota
+            if q is None or not q.any():
+                continue
+            self.plans[name] = _Plan(
+                _scope("", q), {m: _scope(m, lp) for m, lp in q.models.items()}, q.default_max_tokens, _counts_tokens(q)
+            )
+
+    def __bool__(self) -> bool:
+        return bool(self.plans)
+
+    async def reserve(self, call: Call, tenant: Tenant, sink: Sink) -> Hold | None:
+        """Take the tenant's limits for this call (None: the tenant has none). Sets the
+        x-ratelimit headers; raises QuotaExceeded when a limit refuses."""
+        plan = self.plans.get(tenant.name)
+        if plan is None:
+            return None
+        scopes = (plan.tenant,) if call.model not in plan.models else (plan.tenant, plan.models[call.model])
+        reserved = call.prompt_tokens + self._completion_estimate(call, plan)
+        lease = os.urandom(8).hex()
+        ask = Ask(scopes, reserved, lease, int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
+        store, decision = await self._take(tenant.name, ask)
+        _headers(sink.set_header, decision)
+        if not decision.ok:
+            assert decision.limit is not None
+            raise _exceeded(tenant.name, decision, scopes)
+        if plan.counts_tokens:
+            _ask_for_usage(call)
+        return Hold(tenant.name, tuple(s.name for s in scopes), store, decision, min(reserved, _cap(scopes)), lease)
+
+    async def reserve_request(self, tenant: Tenant, timeout_s: float, set_header: Callable[[str, str], None]) -> Hold | None:
+        """Take one request from the tenant's request limits (`rpm`, `concurrency`) for a call that
+        spends no tokens: the Responses by-id endpoints and the conversations endpoints, once per
+        upstream request they make (None: the tenant has none). Token limits are not checked (a
+        tenant over its tokens may still poll or delete what it made). Sets the x-ratelimit
+        headers through `set_header`; raises QuotaExceeded. Give the hold back with `release`."""
+        plan = self.plans.get(tenant.name)
+        if plan is None:
+            return None
+        t = plan.tenant
+        scopes = (Scope(t.name, rpm=t.rpm, concurrency=t.concurrency),)
+        lease = os.urandom(8).hex()
+        ask = Ask(scopes, 0, lease, int(timeout_s * 1000) + _LEASE_MARGIN_MS)
+        store, decision = await self._take(tenant.name, ask)
+        _headers(set_header, decision)
+        if not decision.ok:
+            raise _exceeded(tenant.name, decision, scopes)
+        return Hold(tenant.name, (t.name,), store, decision, 0, lease)
+
+    async def _take(self, tenant: str, ask: Ask) -> tuple[Store, Decision]:
+        """The shared store's decision, or this process's own while the shared one fails."""
+        try:
+            return self.store, await self.store.quota_take(tenant, ask)
+        except StoreError as exc:
+            self._degraded(exc)
+            return self.fallback, await self.fallback.quota_take(tenant, ask)
+
+    def release(self, hold: Hold | None) -> None:
+        """Settle a `reserve_request` hold: the request stays counted, its lease goes back."""
+        self._finish(hold, 0, 0.0)
+
+    def settle(self, hold: Hold | None, call: Call, spend_usd: float) -> None:
+        """Replace the reservation with what was used and release the lease (every path, once).
+
+        In a task of its own: the answer is not held up by the round trip, and a cancelled
+        handler (the client went away) still gives its lease back. `drain()` awaits them."""
+        self._finish(hold, _tokens_used(call), spend_usd)
+
+    def _finish(self, hold: Hold | None, used: int, spend_usd: float) -> None:
+        if hold is None or hold.settled:
+            return
+        hold.settled = True
+        d = hold.decision
+        settle = Settle(hold.scopes, d.bucket, d.day, used - hold.reserved, round(spend_usd * 1e6), hold.lease)
+        task = asyncio.get_running_loop().create_task(self._settle(hold, settle))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, hold: Hold, settle: Settle) -> None:
+        try:
+            await hold.store.quota_settle(hold.tenant, settle)
+        except StoreError as exc:
+            self._degraded(exc)  # the lease expires by itself; the estimate stays counted
+
+    async def drain(self) -> None:
+        """Wait for the settles in flight (each bounded by the store's timeout)."""
+        while self._settling:
+            await asyncio.gather(*list(self._settling), return_exceptions=True)
+
+    async def usage(self, tenant: str) -> dict[str, Usage]:
+        """Current use of each scope of a tenant with limits (tenant scope under "")."""
+        plan = self.plans.get(tenant)
+        if plan is None:
+            return {}
+        out = {}
+        for name in ("", *plan.models):
+            try:
+                out[name] = await self.store.quota_usage(tenant, name)
+            except StoreError as exc:
+                self._degraded(exc)
+                out[name] = await self.fallback.quota_usage(tenant, name)
+        return out
+
+    @staticmethod
+    def _completion_estimate(call: Call, plan: _Plan) -> int:
+        if not call.endpoint.generates:
+            return 0
+        body = call.body
+        for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+            v = body.get(key)
+            if isinstance(v, int) and v > 0:
+                return v
+        return plan.default_max_tokens
+
+    def _degraded(self, exc: StoreError) -> None:
+        if self._on_degraded is not None:
+            self._on_degraded()
+        now = self._clock()
+        if self._last_warn is None or now - self._last_warn >= _WARN_EVERY_S:
+            self._last_warn = now
+            log.warning("quota store failed, limiting on this replica's own counters: %s", exc)
+
+
+def _cap(scopes: tuple[Scope, ...]) -> int:
+    """The counters cap a reservation at the smallest tpm (so a big request can ever run)."""
+    caps = [s.tpm for s in scopes if s.tpm]
+    return min(caps) if caps else 1 << 62
+
+
+def _tokens_used(call: Call) -> int:
+    """What the request consumed: the backend's usage, else what was streamed (a client that left
+    is charged what it got), else nothing (a cache hit, an error before any answer)."""
+    if call.cache.result is CacheResult.HIT:
+        return 0
+    usage = call.out.usage or {}
+    total = usage.get("total_tokens")
+    if isinstance(total, int):
+        return total
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(p, int) or isinstance(c, int):
+        return (p if isinstance(p, int) else 0) + (c if isinstance(c, int) else 0)
+    if call.out.streamed_tokens:
+        return call.prompt_tokens + call.out.streamed_tokens
+    return 0
+
+
+def _ask_for_usage(call: Call) -> None:
+    """Streams: have the backend send its usage chunk; strip it for a client that did not ask."""
+    if not call.stream or not call.endpoint.asks_usage:
+        return  # a format whose streams always end with their usage (a Responses stream's response.completed)
+    opts = call.body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("include_usage") is True:
+        return
+    call.body = {**call.body, "stream_options": {**(opts if isinstance(opts, dict) else {}), "include_usage": True}}
+    call.raw = orjson.dumps(call.body)
+    call.asked.strip_usage = True
+
+
+def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
+    if d.limit_requests >= 0:
+        set_header("x-ratelimit-limit-requests", str(d.limit_requests))
+        set_header("x-ratelimit-remaining-requests", str(d.remaining_requests))
+        set_header("x-ratelimit-reset-requests", _duration(d.reset_requests_s))
+    if d.limit_tokens >= 0:
+        set_header("x-ratelimit-limit-tokens", str(d.limit_tokens))
+        set_header("x-ratelimit-remaining-tokens", str(d.remaining_tokens))
+        set_header("x-ratelimit-reset-tokens", _duration(d.reset_tokens_s))
+
+
+def _exceeded(tenant: str, d: Decision, scopes: tuple[Scope, ...]) -> QuotaExceeded:
+    scope = next(s for s in scopes if s.name == d.scope)
+    value: float = getattr(scope, d.limit or "", 0) if d.limit != "spend_per_day_usd" else scope.spend_per_day_micro / 1e6
+    where = f" for model {d.scope!r}" if d.scope else ""
+    return QuotaExceeded(
+        f"tenant {tenant!r} reached its {d.limit} limit ({value:g}){where}; it frees up in {_duration(d.retry_after_s)}",
+        retry_after_s=max(d.retry_after_s, 0.001),
+        limit=d.limit or "",
+    )

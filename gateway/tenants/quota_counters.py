@@ -1,0 +1,213 @@
+"""Quota counters: the check-and-take that a Store performs atomically for one tenant.
+
+The same algorithm runs in Python here (MemoryQuota, for the in-memory store and as each
+replica's fallback while Redis is down) and in Lua in store/redis_store.py (QUOTA_LUA), and both pass
+the same contract tests (tests/test_quota_counters.py).
+
+Windows are 61 one-second buckets: a request admitted at time t is checked against every bucket
+from floor(t) - 60 to floor(t), a span that contains [t - 60, t]. Checking the last admission of
+any 60-second window that way bounds every window: never more than `rpm` requests (or `tpm`
+tokens) in any 60 seconds, bursts included, with nothing lost to rounding but the part of one
+second. Concurrency is a set of leases with expiry (a crashed replica's leases come back by
+themselves); daily tokens and spend are counters per UTC day.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["Scope", "Ask", "Decision", "Settle", "Usage", "MemoryQuota", "WINDOW_S", "LIMIT_NAMES"]
+
+WINDOW_S = 60
+DAY_S = 86_400
+LIMIT_NAMES = ("rpm", "tpm", "concurrency", "tokens_per_day", "spend_per_day_usd")
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """One set of counters of a tenant: the tenant's own (`name` ""), or a model's (`name` the model).
+    A limit of 0 means none. Spend is in micro-USD, so counters stay integers."""
+
+    name: str
+    rpm: int = 0
+    tpm: int = 0
+    concurrency: int = 0
+    tokens_per_day: int = 0
+    spend_per_day_micro: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """Check every limit of every scope and, when all pass, take one request, `tokens` tokens and
+    a concurrency lease `lease` valid for `lease_ttl_ms`."""
+
+    scopes: tuple[Scope, ...]
+    tokens: int
+    lease: str
+    lease_ttl_ms: int
+
+
+@dataclass(slots=True)
+class Decision:
+    """The answer to an Ask. Refused: `limit` names the first limit that refused (`scope` says
+    whose) and `retry_after_s` when it frees up. Either way, the tenant scope's request and token
+    window figures for the x-ratelimit headers (-1 when that limit is not set)."""
+
+    ok: bool
+    limit: str | None = None
+    scope: str = ""
+    retry_after_s: float = 0.0
+    bucket: int = 0  # the second the tokens were reserved in: a settle corrects that bucket
+    day: int = 0
+    limit_requests: int = -1
+    remaining_requests: int = -1
+    reset_requests_s: float = 0.0
+    limit_tokens: int = -1
+    remaining_tokens: int = -1
+    reset_tokens_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Correct a reservation: `token_delta` (actual - reserved) into its bucket and day, add
+    `spend_micro`, and release the lease."""
+
+    scopes: tuple[str, ...]
+    bucket: int
+    day: int
+    token_delta: int
+    spend_micro: int
+    lease: str
+
+
+@dataclass(slots=True)
+class Usage:
+    """A scope's current use, for /admin/tenants."""
+
+    window_requests: int = 0
+    window_tokens: int = 0
+    inflight: int = 0
+    day_tokens: int = 0
+    day_spend_micro: int = 0
+
+
+def _free_after(buckets: Sequence[tuple[int, int]], used: int, need: int, limit: int, now: float) -> float:
+    """Seconds until `need` more fits under `limit`, as old buckets leave the window."""
+    for sec, n in sorted(buckets):
+        used -= n
+        if used + need <= limit:
+            return max(0.0, sec + WINDOW_S + 1 - now)
+    return float(WINDOW_S + 1)
+
+
+@dataclass
+class _Counters:
+    requests: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+    leases: dict[str, float] = field(default_factory=dict)  # lease -> expiry (s)
+    day: dict[int, int] = field(default_factory=dict)
+    spend: dict[int, int] = field(default_factory=dict)
+
+    def trim(self, now: float) -> None:
+        low = math.floor(now) - WINDOW_S
+        for d in (self.requests, self.tokens):
+            for sec in [s for s in d if s < low]:
+                del d[sec]
+        for lease in [k for k, exp in self.leases.items() if exp <= now]:
+            del self.leases[lease]
+        today = int(now // DAY_S)
+        for d in (self.day, self.spend):
+            for k in [k for k in d if k < today - 1]:
+                del d[k]
+
+
+class MemoryQuota:
+    """The quota counters of one process (a dict per tenant scope). Every operation is one
+    synchronous step on the event loop, so check-and-take is atomic."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, max_keys: int = 100_000) -> None:
+        self._clock = clock
+        self._max_keys = max_keys
+        self._c: dict[str, _Counters] = {}
+
+    def _get(self, key: str) -> _Counters:
+        c = self._c.get(key)
+        if c is None:
+            if len(self._c) >= self._max_keys:  # bounded: drop the oldest tenant scope
+                self._c.pop(next(iter(self._c)))
+            c = self._c[key] = _Counters()
+        return c
+
+    def take(self, tenant: str, ask: Ask) -> Decision:
+        now = self._clock()
+        b, day = math.floor(now), int(now // DAY_S)
+        d = Decision(ok=True, bucket=b, day=day)
+        counters = []
+        for scope in ask.scopes:
+            c = self._get(f"{tenant}\x00{scope.name}")
+            c.trim(now)
+            counters.append(c)
+            reqs, toks = sum(c.requests.values()), sum(c.tokens.values())
+            tokens = min(ask.tokens, scope.tpm) if scope.tpm else ask.tokens
+            if scope.name == "":
+                if scope.rpm:
+                    d.limit_requests, d.remaining_requests = scope.rpm, max(0, scope.rpm - reqs)
+                    d.reset_requests_s = _free_after(list(c.requests.items()), reqs, 1, scope.rpm, now) if reqs else 0.0
+                if scope.tpm:
+                    d.limit_tokens, d.remaining_tokens = scope.tpm, max(0, scope.tpm - toks)
+                    d.reset_tokens_s = _free_after(list(c.tokens.items()), toks, tokens, scope.tpm, now) if toks else 0.0
+            if not d.ok:
+                continue
+            refused: tuple[str, float] | None = None
+            if scope.rpm and reqs + 1 > scope.rpm:
+                refused = ("rpm", _free_after(list(c.requests.items()), reqs, 1, scope.rpm, now))
+            elif scope.tpm and toks + tokens > scope.tpm:
+                refused = ("tpm", _free_after(list(c.tokens.items()), toks, tokens, scope.tpm, now))
+            elif scope.concurrency and len(c.leases) >= scope.concurrency:
+                refused = ("concurrency", 1.0)
+            elif scope.tokens_per_day and c.day.get(day, 0) + tokens > scope.tokens_per_day:
+                refused = ("tokens_per_day", (day + 1) * DAY_S - now)
+            elif scope.spend_per_day_micro and c.spend.get(day, 0) >= scope.spend_per_day_micro:
+                refused = ("spend_per_day_usd", (day + 1) * DAY_S - now)
+            if refused is not None:
+                d.ok, d.limit, d.scope, d.retry_after_s = False, refused[0], scope.name, refused[1]
+        if not d.ok:
+            return d
+        for scope, c in zip(ask.scopes, counters, strict=True):
+            tokens = min(ask.tokens, scope.tpm) if scope.tpm else ask.tokens
+            c.requests[b] = c.requests.get(b, 0) + 1
+            c.tokens[b] = c.tokens.get(b, 0) + tokens
+            c.day[day] = c.day.get(day, 0) + tokens
+            if scope.concurrency:
+                c.leases[ask.lease] = now + ask.lease_ttl_ms / 1000
+            if scope.name == "":
+                if d.remaining_requests > 0:
+                    d.remaining_requests -= 1
+                if d.remaining_tokens >= 0:
+                    d.remaining_tokens = max(0, d.remaining_tokens - tokens)
+        return d
+
+    def settle(self, tenant: str, s: Settle) -> None:
+        now = self._clock()
+        for name in s.scopes:
+            c = self._get(f"{tenant}\x00{name}")
+            if s.token_delta and s.bucket in c.tokens:
+                c.tokens[s.bucket] = max(0, c.tokens[s.bucket] + s.token_delta)
+            if s.token_delta:
+                c.day[s.day] = max(0, c.day.get(s.day, 0) + s.token_delta)
+            if s.spend_micro:
+                c.spend[s.day] = c.spend.get(s.day, 0) + s.spend_micro
+            c.leases.pop(s.lease, None)
+            c.trim(now)
+
+    def usage(self, tenant: str, scope: str) -> Usage:
+        now = self._clock()
+        c = self._c.get(f"{tenant}\x00{scope}")
+        if c is None:
+            return Usage()
+        c.trim(now)
+        day = int(now // DAY_S)
+        return Usage(sum(c.requests.values()), sum(c.tokens.values()), len(c.leases), c.day.get(day, 0), c.spend.get(day, 0))

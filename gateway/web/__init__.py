@@ -1,0 +1,1 @@
+"""The HTTP edge: the app and its routes, handlers, bounded bodies, sinks, drain."""

@@ -1,0 +1,298 @@
+"""The HTTP edge: what a connection may cost before it is a request, and JSON for what the
+HTTP parser refuses.
+
+`EdgeRunner` is aiohttp's AppRunner with a guarded connection protocol (`gateway serve` uses it):
+
+- **Header timeout** (`server.header_timeout_ms`): a request head (request line and headers) must
+  be complete this long after the connection opens, or after its first byte on a keep-alive
+  connection; else the connection gets a 408 and is closed (a connection that sent nothing is just
+  closed). Idle keep-alive connections are closed after `server.keepalive_timeout_ms`.
+- **Head size** (`server.max_header_bytes`): more bytes than this without a complete head is a 431.
+- **Connections per client address** (`server.max_connections_per_client`, per process): one past
+  the cap gets a 429 and is closed at once.
+- **One error shape**: malformed requests (duplicate Content-Length, Transfer-Encoding with
+  Content-Length, bare CR/LF, oversized headers, bad chunk framing), the answers aiohttp raises
+  itself (417 for an unknown Expect, ...) and unhandled handler errors are answered in OpenAI's
+  JSON shape, never aiohttp's text/plain; client mistakes are logged as one debug line, never a
+  traceback.
+
+Each connection reads the live policy when it opens, so a reload applies to new connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.http import RawRequestMessage
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.streams import StreamReader
+
+from ..config.policy import ServerPolicy
+from ..errors import BadRequest, GatewayError, InternalError, RateLimited
+from .body import RequestTimeout
+from .keys import LIVE
+
+__all__ = ["EdgeRunner", "GatewayTimeout", "HeadersTooLarge", "MalformedRequest", "TooManyConnections", "handler_args"]
+
+log = logging.getLogger("gateway.edge")
+
+_LINGER_S = 0.5  # after an answer on a connection being closed, what the client still sends is read this long
+
+
+class MalformedRequest(BadRequest):
+    code = "malformed_request"
+
+
+class HeadersTooLarge(GatewayError):
+    status = 431
+    type = "invalid_request_error"
+    code = "request_header_fields_too_large"
+
+
+class TooManyConnections(RateLimited):
+    code = "too_many_connections"
+
+
+class GatewayTimeout(GatewayError):
+    status = 504
+    type = "api_error"
+    code = "timeout"
+
+
+def handler_args(server: ServerPolicy) -> dict[str, Any]:
+    """aiohttp connection settings every runner gets from the app (`web.Application(handler_args=)`):
+    no decompression in the parser (body.read_body inflates under the limit) and the keep-alive
+    timeout. EdgeRunner re-reads the keep-alive timeout from the live policy per connection."""
+    return {"auto_decompress": False, "keepalive_timeout": server.keepalive_timeout_ms / 1000}
+
+
+def _canned(err: GatewayError) -> bytes:
+    """A whole HTTP/1.1 error answer that closes the connection, for where no request object exists."""
+    body = err.to_body()
+    head = [f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", "Connection: close", *(f"{k}: {v}" for k, v in err.headers().items())]
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _parser_error(exc: BaseException | None, fallback: str | None) -> GatewayError:
+    """The JSON error for a request the HTTP parser refused (its first line, bounded)."""
+    detail = (exc.message if isinstance(exc, HttpProcessingError) else fallback) or "malformed request"
+    first = str(detail).strip().splitlines()[0][:200] if str(detail).strip() else "malformed request"
+    if isinstance(exc, LineTooLong) or "Too many headers" in first:
+        return HeadersTooLarge(f"the request line or headers are too large: {first}")
+    return MalformedRequest(f"malformed HTTP request: {first}")
+
+
+class EdgeRunner(web.AppRunner):
+    """An AppRunner whose connections are guarded as the module says (the app must be create_app's)."""
+
+    async def _make_server(self) -> web.Server:
+        base = await super()._make_server()  # runs the app's startup, which builds the runtime
+        app = self.app
+        return _Server(base, lambda: app[LIVE].runtime.server)
+
+
+class _Server(web.Server):
+    """aiohttp's Server, making guarded connections and counting them per client address."""
+
+    def __init__(self, base: web.Server, limits: Callable[[], ServerPolicy]) -> None:
+        # The app's Server as AppRunner made it (handler, request factory, every handler setting),
+        # rebuilt as this class: aiohttp offers no hook for the protocol class.
+        super().__init__(base.request_handler, request_factory=base.request_factory,
+                         handler_cancellation=base.handler_cancellation, **base._kwargs)
+        self.limits = limits
+        self.per_address: Counter[str] = Counter()
+
+    def __call__(self) -> web.RequestHandler:
+        s = self.limits()
+        kwargs = {**self._kwargs, "keepalive_timeout": s.keepalive_timeout_ms / 1000}
+        return _Connection(self, s, loop=self._loop, **kwargs)
+
+
+class _Connection(web.RequestHandler):
+    """One client connection: aiohttp's protocol plus the head timer, head size and address cap."""
+
+    __slots__ = ("_edge", "_limits", "_address", "_head_timer", "_head_bytes", "_head_tail", "_last_payload", "_answered")
+
+    def __init__(self, manager: _Server, limits: ServerPolicy, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._edge = manager
+        self._limits = limits
+        self._address: str | None = None  # counted against the cap while open
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # bytes of the request head being received
+        self._head_tail = b""  # its last 3 bytes
+        self._last_payload: StreamReader | None = None  # the body of the last request parsed
+        # Answers finished; fewer than _request_count (requests parsed): one is being answered, or
+        # waits to be (aiohttp's own flags miss the moment between the two), so no other answer may go out.
+        self._answered = 0
+
+    # ---- life -----------------------------------------------------------------------------------
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) and peer else None
+        cap = self._limits.max_connections_per_client
+        if address is not None and cap:
+            if self._edge.per_address[address] >= cap:
+                log.debug("refused a connection from %s: it has %d open (server.max_connections_per_client)", address, cap)
+                # No lingering: a refused connection must not hold its fd any longer than this.
+                self._refuse(TooManyConnections(
+                    f"too many connections from your address ({cap} open); close some or retry later", retry_after_s=1),
+                    linger=False)
+                return
+            self._edge.per_address[address] += 1
+            self._address = address
+        self._arm_head_timer()  # a new connection has the header timeout to send its first head
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm_head_timer()
+        if self._address is not None:
+            counts = self._edge.per_address
+            counts[self._address] -= 1
+            if counts[self._address] <= 0:
+                del counts[self._address]
+            self._address = None
+        super().connection_lost(exc)
+
+    def _refuse(self, err: GatewayError, *, linger: bool = True) -> None:
+        """Answer `err` where no request is being answered (else just close), and close.
+
+        `linger`: half-close and drop what the client still sends for a moment before closing, so
+        its kernel does not reset the connection (losing the answer) on bytes already in flight."""
+        transport = self.transport
+        if transport is None:
+            return
+        if self._answered != self._request_count:
+            self.force_close()
+            return
+        transport.write(_canned(err))
+        if linger and transport.can_write_eof():
+            transport.write_eof()
+            self._close = True  # data_received drops what still arrives
+            self._loop.call_later(_LINGER_S, self.force_close)
+        else:
+            self.force_close()  # the transport flushes what was written, then closes
+
+    # ---- the request head -----------------------------------------------------------------------
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self._loop.call_later(self._limits.header_timeout_ms / 1000, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport is None or self._force_close or self._close:
+            return
+        if self._answered != self._request_count:
+            self._arm_head_timer()  # a head pipelined behind a request being answered is judged after it
+            return
+        timeout_ms = self._limits.header_timeout_ms
+        if self._head_bytes:
+            log.debug("closed a connection from %s: no complete request head within %d ms", self._address, timeout_ms)
+            self._refuse(RequestTimeout(f"the request head (line and headers) did not arrive within {timeout_ms} ms"))
+        else:
+            self.force_close()  # it sent nothing: nothing to answer
+
+    def data_received(self, data: bytes) -> None:
+        if self._force_close or self._close:
+            return
+        # No body open: these bytes start or continue a request head (where a body ends and the
+        # next head begins within one read, that head is not measured: it is bounded by the read).
+        in_head = self._last_payload is None or self._last_payload.is_eof()
+        if in_head and data:
+            # The head's bytes in this read: up to its blank line, which may straddle two reads.
+            straddle = (self._head_tail + data[:3]).find(b"\r\n\r\n") if self._head_tail else -1
+            if straddle >= 0:
+                used = straddle + 4 - len(self._head_tail)
+            else:
+                end = data.find(b"\r\n\r\n")
+                used = len(data) if end < 0 else end + 4
+            limit = self._limits.max_header_bytes
+            if self._head_bytes + used > limit:
+                log.debug("closed a connection from %s: a request head over %d bytes", self._address, limit)
+                self._refuse(HeadersTooLarge(f"the request head (line and headers) is over {limit} bytes"))
+                return
+        count = self._request_count
+        super().data_received(data)
+        if self._request_count != count:  # one or more heads completed (or were refused)
+            message, payload = self._messages[-1]
+            previous, self._last_payload = self._last_payload, payload
+            self._head_bytes, self._head_tail = 0, b""
+            self._disarm_head_timer()
+            if not isinstance(message, RawRequestMessage) and previous is not None and not previous.is_eof():
+                # The parser refused bytes inside an open body (e.g. a bad chunk size): that body
+                # never ends, so its reader fails now (a 400) and nothing lingers on it.
+                self._lingering_time = 0.0
+                why = _parser_error(getattr(message, "exc", None), None).message
+                previous.set_exception(web.RequestPayloadError(f"malformed body framing: {why}"))
+        elif in_head and data and not self._force_close:
+            self._head_bytes += len(data)
+            self._head_tail = (self._head_tail + data[-3:])[-3:]
+            self._arm_head_timer()
+
+    # ---- errors in the contract -----------------------------------------------------------------
+
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        """aiohttp's answer to a request its parser refused, or whose handler raised: in the JSON
+        shape. A client's mistake is a debug line; a handler's exception is a bug, logged in full."""
+        if request.writer.output_size > 0:
+            raise ConnectionError("the answer had begun; no error answer can follow it")
+        err: GatewayError
+        if status >= 500 and status != 504:
+            rid = os.urandom(12).hex()
+            log.error("request %s: unhandled error answering %s %s", rid, request.method, request.path, exc_info=exc)
+            err = InternalError(f"internal error in the gateway (request id {rid})")
+        elif status == 504:
+            err = GatewayTimeout("the gateway timed out answering the request")
+        else:
+            err = _parser_error(exc, message)
+            log.debug("refused a malformed request from %s: %s", request.remote, err.message)
+        resp = web.Response(body=err.to_body(), status=err.status, content_type="application/json", headers=err.headers())
+        resp.force_close()
+        return resp
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        if isinstance(resp, web.HTTPException) and resp.status >= 400 and resp.content_type != "application/json":
+            resp = _as_json(resp)
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._answered += 1
+
+    def log_exception(self, *args: Any, **kw: Any) -> None:
+        """A body the client framed wrongly or dropped, found while lingering: its doing, not a bug."""
+        exc = kw.get("exc_info")
+        if isinstance(exc, (web.RequestPayloadError, HttpProcessingError, ConnectionError)):
+            log.debug("connection from %s closed: %s", self._address, exc)
+            return
+        super().log_exception(*args, **kw)
+
+
+def _as_json(exc: web.HTTPException) -> web.Response:
+    """An answer aiohttp itself raised (417 for an unknown Expect, 413 from request.read(), ...)
+    in the JSON shape, keeping the headers that belong to it."""
+    kind = "invalid_request_error" if exc.status < 500 else "api_error"
+    message = (exc.text or exc.reason or "").strip()[:200] or HTTPStatus(exc.status).phrase
+    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None,
+                                   "code": (exc.reason or "error").lower().replace(" ", "_")}})
+    keep = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after", "location", "connection")}
+    return web.Response(body=body, status=exc.status, content_type="application/json", headers=keep)

@@ -1,0 +1,32 @@
+"""Typed keys of the app's shared state (aiohttp AppKeys): the only mutable wiring there is."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from ..admission.gate import Admission
+    from ..config.reload import Live, Reloader
+    from ..observe.metrics import Metrics
+    from ..observe.observer import Observer
+    from ..pipeline.core import Pipeline
+    from ..process.peers import Peers
+    from ..process.workers import WorkerInfo
+    from ..relay.context import RelayContext
+    from .drain import Drain
+
+__all__ = ["ADMISSION", "DRAIN", "LIVE", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "RELAY", "RELOADER", "WORKER"]
+
+LIVE: web.AppKey["Live"] = web.AppKey("live")
+METRICS: web.AppKey["Metrics"] = web.AppKey("metrics")
+RELAY: web.AppKey["RelayContext"] = web.AppKey("relay")
+PIPELINE: web.AppKey["Pipeline"] = web.AppKey("pipeline")
+RELOADER: web.AppKey["Reloader"] = web.AppKey("reloader")
+ADMISSION: web.AppKey["Admission"] = web.AppKey("admission")
+DRAIN: web.AppKey["Drain"] = web.AppKey("drain")
+OBSERVER: web.AppKey["Observer"] = web.AppKey("observer")
+# Set in one process only (a single gateway); None in the workers of a supervisor, which has it.
+PEERS: web.AppKey["Peers | None"] = web.AppKey("peers")
+WORKER: web.AppKey["WorkerInfo | None"] = web.AppKey("worker")

@@ -1,0 +1,1 @@
+"""Wire formats: the OpenAI request models and SSE, endpoint codecs, stream monitors."""

@@ -1,0 +1,81 @@
+"""OpenAI's chat completions, text completions and embeddings endpoints (codec.py).
+
+Chat and completions stream `data: {chunk}` events ending with [DONE] (chat_monitor.py); their
+whole answers are one JSON object with `choices`, cached as they are and replayed as a stream
+(cache/entry.py). Embeddings answer one object with `data`, never streamed nor cached.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from ..cache.entry import Entry, is_complete, replay_json, replay_sse
+from .chat_monitor import ChatMonitor
+from .codec import Endpoint, NotAnAnswer, Whole
+from .monitor import Monitor, Rewrite
+from .openai_wire import ChatRequest, CompletionRequest, EmbeddingRequest, RequestBody
+
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "ChatEndpoint", "EmbeddingsEndpoint"]
+
+
+class ChatEndpoint(Endpoint):
+    """/v1/chat/completions, or with `prompt` as the text, /v1/completions."""
+
+    asks_usage = True
+
+    def __init__(self, name: str, path: str, request: type[RequestBody], *, chat: bool) -> None:
+        self.name, self.path, self.request = name, path, request
+        self._chat = chat
+
+    def continuable(self, body: Mapping[str, Any]) -> bool:
+        """One choice, no tools asked for: text a continuation can reproduce."""
+        return body.get("n") in (None, 1) and not body.get("tools")
+
+    def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
+        if self._chat:
+            return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
+        return {**body, "prompt": str(body.get("prompt", "")) + text}
+
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+        return ChatMonitor(capture=capture, strip_usage=strip_usage, rewrite=rewrite)
+
+    def whole(self, raw: bytes, capture: int) -> Whole:
+        obj = _answer(raw)
+        entry = Entry(raw) if capture and len(raw) <= capture and is_complete(obj) else None
+        usage = obj.get("usage")
+        return Whole(usage if isinstance(usage, dict) else None, entry)
+
+    def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
+        if stream:
+            return b"".join(replay_sse(entry, include_usage=include_usage))
+        return replay_json(entry)
+
+
+class EmbeddingsEndpoint(Endpoint):
+    """/v1/embeddings: passed through to a backend serving the model; no class, no cache."""
+
+    name, path, request = "embeddings", "/embeddings", EmbeddingRequest
+    streams = classifies = cacheable = generates = False
+
+    def whole(self, raw: bytes, capture: int) -> Whole:
+        usage = _answer(raw).get("usage")
+        return Whole(usage if isinstance(usage, dict) else None)
+
+
+def _answer(raw: bytes) -> dict[str, Any]:
+    """The answer object (one with `choices` or `data`); raises NotAnAnswer."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        obj = None
+    if not isinstance(obj, dict) or ("choices" not in obj and "data" not in obj):
+        raise NotAnAnswer("the backend answered 200 with a malformed body")
+    return obj
+
+
+CHAT = ChatEndpoint("chat", "/chat/completions", ChatRequest, chat=True)
+COMPLETIONS = ChatEndpoint("completions", "/completions", CompletionRequest, chat=False)
+EMBEDDINGS = EmbeddingsEndpoint()

@@ -1,0 +1,100 @@
+"""The chat and completions stream monitor (sans-io, see monitor.py).
+
+A stream is `data: {chunk}` events ending with `data: [DONE]`. A chunk with text, a tool call, a
+function call or a refusal in a choice is output; one with a `finish_reason` finishes the answer
+(its usage chunk and [DONE] may follow); one with an `error` is the backend's failure. The usage
+chunk (empty choices) the gateway asked for itself (`strip_usage`) is dropped. A continuation's
+chunks are rewritten by its `rewrite` hook (continuation.Resume.rewrite) before anything else
+reads them. With `capture`, the answer is assembled for the cache (cache_entry.StreamAssembler).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..cache.entry import Entry, StreamAssembler
+from .monitor import Rewrite, Verdict
+from .openai_wire import SSE_DONE
+
+__all__ = ["ChatMonitor", "has_content"]
+
+_DONE, _DROP, _MALFORMED, _HELD, _CONTENT, _FAILED = (
+    Verdict.DONE, Verdict.DROP, Verdict.MALFORMED, Verdict.HELD, Verdict.CONTENT, Verdict.FAILED,
+)
+
+
+class ChatMonitor:
+    """Monitors one chat or completions stream (monitor.Monitor)."""
+
+    __slots__ = ("finished", "failure", "usage", "timed", "out", "event", "_assembler", "_strip_usage", "_rewrite")
+
+    first = "first token"
+    unfinished = "backend {backend!r} ended its stream before its finish reason"
+    relays_failure = False  # the relay ends a broken stream with its own error event, after any rescue
+    ending = SSE_DONE
+    record = None  # chat answers hold no state on a backend
+
+    def __init__(self, *, capture: int = 0, strip_usage: bool = False, rewrite: Rewrite | None = None) -> None:
+        self.finished = False
+        self.failure: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.timed = False
+        self.out: bytes | None = None
+        self.event: dict[str, Any] | None = None
+        self._assembler = StreamAssembler(capture) if capture else None
+        self._strip_usage = strip_usage
+        self._rewrite = rewrite
+
+    def feed(self, data: bytes) -> Verdict:
+        self.timed = False
+        self.out = None
+        if data == b"[DONE]":
+            return _DONE
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return _MALFORMED
+        if not isinstance(obj, dict):
+            return _MALFORMED
+        if "error" in obj:
+            err = obj["error"]
+            self.failure = str(err.get("message") if isinstance(err, dict) else err)
+            return _FAILED
+        content = self.timed = has_content(obj)
+        if self._rewrite is not None:
+            obj = self._rewrite(obj)  # raises continuation.Mismatch
+            if obj is None:
+                return _DROP
+            self.out = b"data: " + orjson.dumps(obj) + b"\n\n"
+            content = content and has_content(obj)
+        choices = obj.get("choices")
+        if choices and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+            self.finished = True
+        if self._assembler is not None:
+            self._assembler.feed(obj)
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+            if self._strip_usage and not choices:
+                return _DROP  # the usage chunk the gateway asked for, not the client
+        self.event = obj
+        return _CONTENT if content else _HELD
+
+    def entry(self) -> Entry | None:
+        return self._assembler.entry() if self._assembler is not None else None
+
+
+def has_content(obj: dict[str, Any]) -> bool:
+    """Whether a chunk carries output: text, a tool or function call, a refusal."""
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if delta.get("content") or delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"):
+                return True
+        elif choice.get("text"):
+            return True
+    return False

@@ -1,0 +1,98 @@
+"""The endpoint codec: everything the request core needs to know about one API's wire format.
+
+Each API endpoint (chat, completions, embeddings: chat.py; the Responses API:
+responses/codec.py) is one `Endpoint`, registered in endpoints.py. The core reads a request
+through it (`request`, `classify_view`, `cache_reason`, `stateful_refs`), reads a backend's
+answer through it (`whole` for a body, `monitor` for a stream), frames failures through its sink
+wrapper (`wrap`), and replays cached answers with it (`replay`). Adding an endpoint means adding
+an Endpoint, not editing the core: nothing in the core branches on an endpoint's name.
+
+Endpoints are immutable and shared by every request; they do no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from ..cache.entry import Entry
+from ..web.sink import Sink
+from .monitor import Monitor, Rewrite
+from .openai_wire import RequestBody
+
+__all__ = ["Endpoint", "NotAnAnswer", "Whole"]
+
+
+class NotAnAnswer(ValueError):
+    """A 200 whose body is not an answer of this endpoint (the attempt fails over)."""
+
+
+class Whole(NamedTuple):
+    """What a whole (non-streamed) answer holds for the relay (a tuple: built once per answer)."""
+
+    usage: dict[str, Any] | None  # in the gateway's terms: prompt/completion/total tokens
+    entry: Entry | None = None  # the answer as a cache entry (when captured and cacheable)
+    record: dict[str, Any] | None = None  # a response the backend now holds (recorded before release)
+
+
+class Endpoint:
+    """One endpoint's codec. Subclasses set the class attributes and override what differs."""
+
+    name: str  # the policy's name for it (`backends.<b>.endpoints`)
+    path: str  # after the base URL, upstream and on the gateway's /v1
+    request: type[RequestBody]  # the body's typed view (openai_wire.py): fields the gateway relies on
+    streams = True  # the request may ask for a stream
+    classifies = True  # a prompt the classifier reads (simple | complex)
+    cacheable = True  # answers may be cached
+    stateful = False  # answers make the backend hold state later requests build on (responses/affinity.py, pipeline/pinning.py)
+    asks_usage = False  # a stream's usage comes only when asked for (stream_options.include_usage)
+    generates = True  # answers are generated tokens (a quota reserves for them; embeddings are not)
+
+    def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The body as the classifier reads it (a chat body)."""
+        return body
+
+    def cache_reason(self, body: Mapping[str, Any]) -> str | None:
+        """Why this request's answer must not come from the cache, beyond the general rules."""
+        return None
+
+    def stateful_refs(self, body: Mapping[str, Any]) -> list[tuple[str, str]]:
+        """Every (field, id) of state held by a backend that the request builds on (pipeline/pinning.py)."""
+        return []
+
+    def missing_code(self, field: str) -> str:
+        """The error code for a referenced id that cannot be found."""
+        return "not_found"
+
+    def continuable(self, body: Mapping[str, Any]) -> bool:
+        """Whether a stream that broke mid-answer could be continued on another backend."""
+        return False
+
+    def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
+        """The body that asks a backend to go on from `text` (a continuation's prefill)."""
+        raise NotImplementedError(f"{self.name} answers are not continued")
+
+    def recognises(self, body: Mapping[str, Any]) -> bool:
+        """Whether /v1/route/explain should read `body` as this endpoint's (else as chat)."""
+        return False
+
+    def wrap(self, sink: Sink) -> Sink:
+        """The sink this endpoint answers through (how a failure is framed once streaming)."""
+        return sink
+
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+        """A monitor for one stream (`capture`: keep the answer for the cache, up to this many
+        bytes; `strip_usage`: drop the usage chunk the gateway asked for; `rewrite`: a
+        continuation's event hook)."""
+        raise NotImplementedError(f"{self.name} does not stream")
+
+    def whole(self, raw: bytes, capture: int) -> Whole:
+        """Read a whole 200 answer; raises NotAnAnswer when it is none."""
+        raise NotImplementedError
+
+    def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
+        """A cached answer as this endpoint sends it: the body, or the whole event stream."""
+        raise NotImplementedError(f"{self.name} answers are not cached")
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.name!r})"
