@@ -22,6 +22,24 @@ def lua_post(body: bytes, headers: dict[str, str] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lua_post_unique(template: str, headers: dict[str, str] | None = None) -> str:
+    """A wrk script that POSTs a JSON body made from `template` with `{n}` replaced by a token
+    unique to each request (its wrk thread and a counter): every request a cache miss."""
+    head, tail = template.split("{n}")
+    lines = ['wrk.method = "POST"', 'wrk.headers["Content-Type"] = "application/json"']
+    lines += [f'wrk.headers["{k}"] = "{v}"' for k, v in (headers or {}).items()]
+    lines += [
+        "local counter = 1",
+        "function setup(thread) thread:set('tid', counter); counter = counter + 1 end",
+        "local n = 0",
+        "request = function()",
+        "  n = n + 1",
+        f"  return wrk.format(nil, nil, nil, '{head}' .. tid .. '-' .. n .. '{tail}')",
+        "end",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def wrk(url: str, connections: int, duration: int, script: Path) -> dict[str, float]:
     out = subprocess.run(
         ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],

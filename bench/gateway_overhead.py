@@ -9,7 +9,9 @@ gateway's CPU time per request and its peak RSS; the same again for the Response
 "responses:", the TTFT being the first `response.output_text.delta`). One gateway worker, uvloop. Each figure is
 reported beside the direct one and as a ratio.
 
-Then the same throughput through `gateway serve --workers 2` (`--workers 0` skips it): req/s and
+Then one worker with every stage doing work (a tenant's quota, a distinct deterministic prompt per
+request so the cache looks up, leads a flight and stores each time, admission, Server-Timing, the
+access log), beside the bare passthrough. Then the same throughput through `gateway serve --workers 2` (`--workers 0` skips it): req/s and
 CPU per request (supervisor and workers together) beside one worker's, in the same run. On a
 2-core machine wrk and the fake upstream share the cores with the workers.
 """
@@ -17,6 +19,7 @@ CPU per request (supervisor and workers together) beside one worker's, in the sa
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import sys
@@ -26,7 +29,7 @@ from pathlib import Path
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._load import lua_post, pct, run_in_subprocess, wrk  # noqa: E402
+from bench._load import lua_post, lua_post_unique, pct, run_in_subprocess, wrk  # noqa: E402
 from bench._procs import cpu_seconds, free_port, peak_rss_mb, start, stop, tree_cpu_seconds, wait_http  # noqa: E402
 
 BODY = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16})
@@ -97,6 +100,7 @@ def main() -> None:
         rttft_g = run_in_subprocess("ttft", r_via, args.stream_n, RESP_STREAM_BODY.decode(), '"delta":"w')
         rss = peak_rss_mb(gateway.pid)
         multi = _workers(args, policy, script, g["rps"], cpu_per_req_us) if args.workers > 1 else None
+        every = _every_stage(args, tmp, up_port)
     finally:
         stop(gateway)
         stop(bare)
@@ -129,6 +133,11 @@ def main() -> None:
     print(f"{'gateway peak RSS (MB)':42} {'':10} {rss:10.1f}")
     print(f"(non-2xx through the gateway: {g['non2xx']} chat, {rg['non2xx']} responses; "
           f"wrk socket errors: {g['socket_errors'] or 'none'})")
+    print(
+        f"every stage on (a tenant's quota, a cache lookup and store per request, admission, Server-Timing, access log): "
+        f"{every['rps']:.0f} req/s, {every['cpu_us']:.0f} us CPU per request "
+        f"(gateway/bare: {every['rps'] / b['rps']:.2f}x req/s, {every['cpu_us'] / bare_cpu_us:.2f}x CPU; non-2xx {every['non2xx']})"
+    )
     if multi is not None:
         n = args.workers
         print(f"\n{'--workers, same run':42} {'1 worker':>10} {f'{n} workers':>10} {'ratio':>7}")
@@ -139,10 +148,38 @@ def main() -> None:
     (out / "gateway_overhead.json").write_text(
         json.dumps(
             {"rows": rows, "cpu_per_request_us": cpu_per_req_us, "bare_proxy": {"rps": b["rps"], "cpu_per_request_us": bare_cpu_us},
-             "peak_rss_mb": rss, "workers": multi, "args": vars(args)},
+             "peak_rss_mb": rss, "workers": multi, "every_stage": every, "args": vars(args)},
             indent=2,
         )
     )
+
+
+def _every_stage(args: argparse.Namespace, tmp: Path, up_port: int) -> dict[str, float]:
+    """One worker with every stage of the pipeline doing work: a tenant with a quota (reserved and
+    settled per request), the cache on with a distinct deterministic prompt per request (a lookup,
+    a single flight and a store each), admission, Server-Timing and the access log (to /dev/null)."""
+    digest = hashlib.sha256(b"sk-bench").hexdigest()
+    policy = tmp / "every.yaml"
+    policy.write_text(
+        f"backends:\n  up: {{url: 'http://127.0.0.1:{up_port}/v1', models: [gpt-test], max_concurrency: 1024}}\n"
+        f"tenants:\n  bench:\n    key_sha256: ['{digest}']\n    quota: {{rpm: 100000000, tpm: 1000000000}}\n"
+        "cache: {enabled: true}\nlog: {access: true}\nreload: {watch: false}\nserver: {drain_delay_ms: 0}\n"
+    )
+    script = tmp / "unique.lua"
+    body = '{"model":"gpt-test","messages":[{"role":"user","content":"Say hello in one word {n}."}],"max_tokens":16,"temperature":0}'
+    script.write_text(lua_post_unique(body, {"Authorization": "Bearer sk-bench"}))
+    port = free_port()
+    gw = start(["-m", "gateway", "serve", "--policy", str(policy), "--port", str(port)], env={"GATEWAY_LOG_LEVEL": "WARNING"})
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        wrk(url, args.connections, 2, script)  # warm-up
+        cpu0 = cpu_seconds(gw.pid)
+        r = wrk(url, args.connections, args.duration, script)
+        cpu_us = (cpu_seconds(gw.pid) - cpu0) / r["requests"] * 1e6
+    finally:
+        stop(gw)
+    return {"rps": r["rps"], "cpu_us": cpu_us, "non2xx": r["non2xx"]}
 
 
 def _workers(args: argparse.Namespace, policy: Path, script: Path, one_rps: float, one_cpu_us: float) -> dict[str, float]:

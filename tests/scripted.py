@@ -61,6 +61,7 @@ class ScriptedResponse:
         self.headers = CIMultiDictProxy(CIMultiDict(answer.headers))
         self._items = list(answer.body)
         self.released = self.closed = False
+        self.complete = False  # as an upstream response still reading its body: the relay's timer applies
 
     async def readany(self) -> bytes:
         while self._items and not self.closed:

@@ -27,6 +27,7 @@ from typing import Protocol
 __all__ = ["BANDS", "Ticket", "FairQueue", "Gate", "Admission", "Shed", "reserve_slots"]
 
 BANDS = ("priority", "default", "flex")
+_AT_OR_ABOVE = {b: BANDS[: i + 1] for i, b in enumerate(BANDS)}  # asked on every admission: no slicing then
 _QUANTUM = 256  # tokens of credit per round-robin visit (x the tenant's weight)
 # A request may be predicted to wait at most this share of what is left of its deadline (after
 # its first token): later arrivals of higher bands and quieter tenants overtake it, so the real
@@ -123,7 +124,11 @@ class FairQueue:
 
     def waiting_at_or_above(self, band: str) -> bool:
         """Whether anyone of `band` or a higher band waits."""
-        return any(self.sizes[b] for b in BANDS[: BANDS.index(band) + 1])
+        sizes = self.sizes
+        for b in _AT_OR_ABOVE[band]:
+            if sizes[b]:
+                return True
+        return False
 
     def _top(self) -> str:
         return next(b for b in BANDS if self.sizes[b] > 0)

@@ -5,8 +5,7 @@ deadline (gate.py holds the gate and its queues)."""
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from typing import Any
 
 from ..config.runtime import Pool
@@ -18,7 +17,7 @@ from ..routing.latency import quantile
 from ..web.sink import Sink
 from .gate import Admission, Shed, Ticket
 
-__all__ = ["AdmissionStage", "queue_view", "service_s"]
+__all__ = ["AdmissionStage", "Place", "queue_view", "service_s"]
 
 
 class AdmissionStage:
@@ -29,20 +28,11 @@ class AdmissionStage:
     def __init__(self, admission: Admission, metrics: Metrics) -> None:
         self.admission, self.metrics = admission, metrics
 
-    @asynccontextmanager
-    async def slot(self, call: Call, pool: Pool, ticket: Ticket, sink: Sink) -> AsyncIterator[bool]:
-        """Hold a place in the gate for the block; yields whether the relay may shed (False:
-        admission is off, one first come, first served queue). Raises Unavailable (shed) or
-        UpstreamTimeout (the deadline passed while it waited)."""
-        if not self.admission.enabled:
-            yield False
-            return
-        await self._enter(call, pool, ticket, sink)
-        held = time.monotonic()
-        try:
-            yield True
-        finally:
-            self.admission.leave(time.monotonic() - held, ticket.band)
+    def slot(self, call: Call, pool: Pool, ticket: Ticket, sink: Sink) -> Place:
+        """`async with` it: a place in the gate for the block; it gives whether the relay may
+        shed (False: admission is off, one first come, first served queue). Entering raises
+        Unavailable (shed) or UpstreamTimeout (the deadline passed while it waited)."""
+        return Place(self, call, pool, ticket, sink)
 
     async def _enter(self, call: Call, pool: Pool, ticket: Ticket, sink: Sink) -> None:
         band = ticket.band
@@ -66,6 +56,27 @@ class AdmissionStage:
             call.timing.queue_ms += waited * 1000
             metrics.queue_wait.labels(ticket.band).observe(waited)
             sink.set_header("x-gateway-queue-ms", f"{call.timing.queue_ms:.1f}")
+
+
+class Place:
+    """One call's place in the gate (a class, not a generator: entered on every request)."""
+
+    __slots__ = ("stage", "call", "pool", "ticket", "sink", "held")
+
+    def __init__(self, stage: AdmissionStage, call: Call, pool: Pool, ticket: Ticket, sink: Sink) -> None:
+        self.stage, self.call, self.pool, self.ticket, self.sink = stage, call, pool, ticket, sink
+        self.held: float | None = None
+
+    async def __aenter__(self) -> bool:
+        if not self.stage.admission.enabled:
+            return False
+        await self.stage._enter(self.call, self.pool, self.ticket, self.sink)
+        self.held = time.monotonic()
+        return True
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.held is not None:
+            self.stage.admission.leave(time.monotonic() - self.held, self.ticket.band)
 
 
 def _downstream(usable: list[Backend], ticket: Ticket) -> Callable[[int], float] | None:

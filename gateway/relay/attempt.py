@@ -130,7 +130,8 @@ class Attempt:
                 resp = await self.ctx.pool.post(url, body, headers, connect_timeout_s=t.connect_ms / 1000)
                 call.timing.headers_at = time.perf_counter()
                 if resp.status == 200 and not call.stream:
-                    timer.reschedule(min(self.now + t.total_ms / 1000, self.call_deadline))
+                    if not resp.complete:  # else the body is here: no timer to move (a timer costs µs)
+                        timer.reschedule(min(self.now + t.total_ms / 1000, self.call_deadline))
                     return resp, await resp.read(max_bytes=MAX_BODY_BYTES)
                 return resp, b""
         except BaseException as exc:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 from ..admission.gate import MAX_WAIT_SHARE
@@ -41,15 +39,10 @@ class Relay(Rescue, Hedging):
 
     __slots__ = ()
 
-    @asynccontextmanager
-    async def heartbeat(self) -> AsyncIterator[None]:
-        """SSE comments while a stream waits for its first token, admission's queue included."""
-        beat = Heartbeat(self.sink, self.route.server, self.progress) if self.call.stream else None
-        try:
-            yield
-        finally:
-            if beat is not None:
-                await beat.stop()
+    def heartbeat(self) -> Beating:
+        """`async with` it: SSE comments while a stream waits for its first token, admission's
+        queue included."""
+        return Beating(self)
 
     async def run(self, *, shed: bool) -> None:
         """Answer from the candidates (failover, same-backend retries, context-window fallbacks),
@@ -169,6 +162,25 @@ class Relay(Rescue, Hedging):
                 failures.append((b.name, Unavailable(f"skipped: {r.skipped}", retry_after_s=max(1.0, h.available_in()))))
         return order
 
+
+
+class Beating:
+    """A stream's heartbeat for the block (a class, not a generator: entered on every request)."""
+
+    __slots__ = ("relay", "beat")
+
+    def __init__(self, relay: Relay) -> None:
+        self.relay = relay
+        self.beat: Heartbeat | None = None
+
+    async def __aenter__(self) -> None:
+        r = self.relay
+        if r.call.stream:
+            self.beat = Heartbeat(r.sink, r.route.server, r.progress)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.beat is not None:
+            await self.beat.stop()
 
 
 def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]:

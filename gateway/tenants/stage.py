@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-
 from ..config.runtime import Runtime
 from ..observe.metrics import Metrics
 from ..pipeline.call import CacheResult, Call
 from ..web.sink import Sink
 from .auth import Tenant
-from .quota import QuotaExceeded
+from .quota import Hold, QuotaExceeded
 
-__all__ = ["QuotaStage"]
+__all__ = ["QuotaHold", "QuotaStage"]
 
 
 class QuotaStage:
@@ -23,28 +20,40 @@ class QuotaStage:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    @asynccontextmanager
-    async def hold(self, rt: Runtime, call: Call, tenant: Tenant, sink: Sink) -> AsyncIterator[None]:
-        """Reserve the call's share of the tenant's limits for the block (x-ratelimit headers set;
-        QuotaExceeded when a limit refuses), then settle it with the tokens and spend it used,
-        on every way out of the block."""
-        quota = rt.quota
-        if quota is None:
-            yield
+    def hold(self, rt: Runtime, call: Call, tenant: Tenant, sink: Sink) -> QuotaHold:
+        """`async with` it: the call's share of the tenant's limits reserved for the block
+        (x-ratelimit headers set; QuotaExceeded when a limit refuses), then settled with the
+        tokens and spend it used, on every way out of the block."""
+        return QuotaHold(self.metrics, rt, call, tenant, sink)
+
+
+class QuotaHold:
+    """One call's quota hold (a class, not a generator: entered on every request)."""
+
+    __slots__ = ("metrics", "rt", "call", "tenant", "sink", "hold")
+
+    def __init__(self, metrics: Metrics, rt: Runtime, call: Call, tenant: Tenant, sink: Sink) -> None:
+        self.metrics, self.rt, self.call, self.tenant, self.sink = metrics, rt, call, tenant, sink
+        self.hold: Hold | None = None
+
+    async def __aenter__(self) -> None:
+        rt = self.rt
+        if rt.quota is None:
             return
         try:
-            hold = await quota.reserve(call, tenant, sink)
+            self.hold = await rt.quota.reserve(self.call, self.tenant, self.sink)
         except QuotaExceeded as err:
-            self.metrics.quota_rejections.labels(rt.tenants.metric_label(tenant.name), err.limit).inc()
+            self.metrics.quota_rejections.labels(rt.tenants.metric_label(self.tenant.name), err.limit).inc()
             raise
-        try:
-            yield
-        finally:
-            if hold is not None:
-                spend = _spend_usd(call, rt)
-                if spend:
-                    self.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
-                quota.settle(hold, call, spend)
+
+    async def __aexit__(self, *exc: object) -> None:
+        hold, rt = self.hold, self.rt
+        if hold is None or rt.quota is None:
+            return
+        spend = _spend_usd(self.call, rt)
+        if spend:
+            self.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
+        rt.quota.settle(hold, self.call, spend)
 
 
 def _spend_usd(call: Call, rt: Runtime) -> float:

@@ -316,6 +316,12 @@ class UpstreamResponse:
             raise UpstreamDisconnected("the response was closed")
         return conn
 
+    @property
+    def complete(self) -> bool:
+        """Whether the whole body has arrived (read() then returns without waiting)."""
+        conn = self._live()
+        return conn is None or (conn.complete and conn.exc is None)
+
     async def readany(self) -> bytes:
         """The body bytes that have arrived (waiting for some if none have); b"" at the end."""
         conn = self._live()
