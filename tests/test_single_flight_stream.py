@@ -16,6 +16,8 @@ import aiohttp
 import openai
 import orjson
 import pytest
+import yaml
+from aiohttp import web
 
 from gateway.cache.core import SingleFlight
 from gateway.pipeline.call import Call
@@ -24,7 +26,9 @@ from gateway.errors import UpstreamError
 from gateway.cache.broadcast import Broadcast, Budget, TeeSink, follow
 from gateway.web.keys import RELAY
 from gateway.wire.openai_wire import SSE_DONE, SSE_HEARTBEAT, sse_event
-from tests.conftest import simple_policy
+from gateway.web.app import create_app
+from gateway.web.edge import EdgeRunner
+from tests.conftest import RunningGateway, simple_policy
 
 MSG = [{"role": "user", "content": "Tell me a story about a tee."}]
 
@@ -466,6 +470,32 @@ async def test_a_shutdown_out_of_time_ends_the_relays_carried_for_followers(upst
     assert isinstance(f["error"], openai.APIError) and f["finish"] is None and f["text"] != _text(400)
     await _until(lambda: up.stats.cancelled == 1)
     assert not gw.app[RELAY].carried and time.perf_counter() - t0 < 3.0
+
+
+async def test_the_apps_own_cleanup_ends_the_relays_carried_for_followers(upstream, gateway, tmp_path):
+    """Not only `gateway serve`: any runner's cleanup ends them before the upstream pool closes."""
+    up = await upstream("a", tokens=400, ttft_ms=150, itl_ms=10)  # a 4 s answer
+    path = tmp_path / "own.yaml"
+    path.write_text(yaml.safe_dump(simple_policy(up)))
+    app = create_app(path)
+    runner = EdgeRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    gw = RunningGateway(app, runner, site._server.sockets[0].getsockname()[1], path)  # type: ignore[union-attr]
+    try:
+        lead, (follower,), t0 = await _leader_that_leaves(gw, 1)
+        await lead
+        await _until(lambda: len(app[RELAY].carried) == 1)  # going on for the follower alone
+    finally:
+        for c in gw.clients:
+            await c.close()
+        await asyncio.wait_for(runner.cleanup(), 5)
+    assert not app[RELAY].carried  # ended by the cleanup itself, not left to die on a closed pool
+    f = await follower
+    assert f["finish"] is None and f["text"] != _text(400)  # cut, not finished after the cleanup
+    await _until(lambda: up.stats.cancelled == 1)
+    assert not app[RELAY].carried and time.perf_counter() - t0 < 3.0
 
 
 async def test_the_upstream_call_stops_when_the_leader_and_every_follower_have_left(upstream, gateway):

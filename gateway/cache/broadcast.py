@@ -10,7 +10,7 @@ Outcomes, from a follower's point of view:
 - the leader failed after content reached its client: the follower gets the same error event and
   no [DONE] (nothing is ever retried after a byte reached a client);
 - the leader's client went away after content: the stream goes on for the followers (TeeSink
-  detaches from that client; pipeline._lead keeps the relay running) and ends as it would have;
+  detaches from that client; the cache stage (stage.py) keeps the relay running) and ends as it would have;
 - the leader failed before any content (all backends failed, a rejected request, a non-streamed
   answer, its client went away before any content, or the flight ended without a stream): the
   follower, which has sent nothing yet, goes upstream itself (`follow()` returns False).

@@ -24,7 +24,7 @@ class RelayContext:
     flight: SingleFlight = field(default_factory=SingleFlight)
     # The process-wide admission gate: it outlives reloads (they change its limits, not its queue).
     admission: Admission = field(default_factory=lambda: Admission(1024, 4096))
-    # Relays going on for single-flight followers after their leader's client left (pipeline._lead):
+    # Relays going on for single-flight followers after their leader's client left (cache/stage.py):
     # a shutdown that runs out of time cancels them before the pool closes.
     carried: set[asyncio.Task[None]] = field(default_factory=set)
 

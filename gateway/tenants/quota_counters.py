@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["Scope", "Ask", "Decision", "Settle", "Usage", "MemoryQuota", "WINDOW_S", "LIMIT_NAMES"]
@@ -94,10 +94,10 @@ class Usage:
     day_spend_micro: int = 0
 
 
-def _free_after(buckets: Sequence[tuple[int, int]], used: int, need: int, limit: int, now: float) -> float:
+def _free_after(buckets: Mapping[int, int], used: int, need: int, limit: int, now: float) -> float:
     """Seconds until `need` more fits under `limit`, as old buckets leave the window."""
-    for sec, n in sorted(buckets):
-        used -= n
+    for sec in sorted(buckets):
+        used -= buckets[sec]
         if used + need <= limit:
             return max(0.0, sec + WINDOW_S + 1 - now)
     return float(WINDOW_S + 1)
@@ -112,16 +112,20 @@ class _Counters:
     spend: dict[int, int] = field(default_factory=dict)
 
     def trim(self, now: float) -> None:
+        # Checked before each sweep (min over the keys, in C): on most calls there is nothing to drop.
         low = math.floor(now) - WINDOW_S
         for d in (self.requests, self.tokens):
-            for sec in [s for s in d if s < low]:
-                del d[sec]
-        for lease in [k for k, exp in self.leases.items() if exp <= now]:
-            del self.leases[lease]
+            if d and min(d) < low:
+                for sec in [s for s in d if s < low]:
+                    del d[sec]
+        if self.leases and min(self.leases.values()) <= now:
+            for lease in [k for k, exp in self.leases.items() if exp <= now]:
+                del self.leases[lease]
         today = int(now // DAY_S)
         for d in (self.day, self.spend):
-            for k in [k for k in d if k < today - 1]:
-                del d[k]
+            if len(d) > 1 and min(d) < today - 1:
+                for k in [k for k in d if k < today - 1]:
+                    del d[k]
 
 
 class MemoryQuota:
@@ -155,17 +159,17 @@ class MemoryQuota:
             if scope.name == "":
                 if scope.rpm:
                     d.limit_requests, d.remaining_requests = scope.rpm, max(0, scope.rpm - reqs)
-                    d.reset_requests_s = _free_after(list(c.requests.items()), reqs, 1, scope.rpm, now) if reqs else 0.0
+                    d.reset_requests_s = _free_after(c.requests, reqs, 1, scope.rpm, now) if reqs else 0.0
                 if scope.tpm:
                     d.limit_tokens, d.remaining_tokens = scope.tpm, max(0, scope.tpm - toks)
-                    d.reset_tokens_s = _free_after(list(c.tokens.items()), toks, tokens, scope.tpm, now) if toks else 0.0
+                    d.reset_tokens_s = _free_after(c.tokens, toks, tokens, scope.tpm, now) if toks else 0.0
             if not d.ok:
                 continue
             refused: tuple[str, float] | None = None
             if scope.rpm and reqs + 1 > scope.rpm:
-                refused = ("rpm", _free_after(list(c.requests.items()), reqs, 1, scope.rpm, now))
+                refused = ("rpm", _free_after(c.requests, reqs, 1, scope.rpm, now))
             elif scope.tpm and toks + tokens > scope.tpm:
-                refused = ("tpm", _free_after(list(c.tokens.items()), toks, tokens, scope.tpm, now))
+                refused = ("tpm", _free_after(c.tokens, toks, tokens, scope.tpm, now))
             elif scope.concurrency and len(c.leases) >= scope.concurrency:
                 refused = ("concurrency", 1.0)
             elif scope.tokens_per_day and c.day.get(day, 0) + tokens > scope.tokens_per_day:

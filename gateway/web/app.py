@@ -258,6 +258,10 @@ async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     app[RELAY] = RelayContext(pool, app[METRICS], admission=app[ADMISSION])
     app[PIPELINE] = Pipeline(app[RELAY], app[OBSERVER])
     yield
+    # Relays still going on for single-flight followers after their leader's client left: no
+    # handler tracks them, so whoever runs the app (serve, a test, an embedding program) has them
+    # ended here, before the pool they use closes.
+    await app[RELAY].cancel_carried()
     await pool.close()
 
 
