@@ -100,6 +100,9 @@ class Delayed:
     async def quota_settle(self, tenant: str, settle: Settle) -> None:
         await self.inner.quota_settle(tenant, settle)
 
+    def settle_now(self, tenant: str, settle: Settle) -> bool:
+        return False  # as RedisStore: every call goes through the (delayed) async path
+
     async def quota_usage(self, tenant: str, scope: str) -> Usage:
         return await self.inner.quota_usage(tenant, scope)
 

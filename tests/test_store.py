@@ -20,6 +20,7 @@ import pytest
 import redis.asyncio as aredis
 
 from gateway.store.core import MemoryStore, Store, StoreError
+from gateway.tenants.quota_counters import Ask, Scope, Settle
 from gateway.store.redis_store import RedisStore
 from tests.procs import needs_redis_server
 
@@ -120,6 +121,19 @@ async def test_delete_if_removes_only_while_the_value_is_there(store: Store) -> 
     assert not await store.delete_if("absent", b"mine")
     assert await store.delete_if("lock", b"theirs")
     assert await store.get("lock") is None
+
+
+async def test_settle_now_applies_at_once_only_on_the_processs_own_counters(store: Store) -> None:
+    """A settle on this process's counters needs no round trip (Quota settles it without a task);
+    on Redis, settle_now does nothing and says so (the settle goes through quota_settle)."""
+    tenant = f"t-{uuid.uuid4().hex}"
+    d = await store.quota_take(tenant, Ask((Scope("", tpm=1000),), 100, "lease-1", 30_000))
+    settle = Settle(("",), d.bucket, d.day, -60, 0, "lease-1")
+    done = store.settle_now(tenant, settle)
+    assert done is (not store.shared)
+    if not done:
+        await store.quota_settle(tenant, settle)
+    assert (await store.quota_usage(tenant, "")).window_tokens == 40
 
 
 def test_both_stores_satisfy_the_protocol() -> None:

@@ -93,8 +93,10 @@ class CacheStage:
                 # the last byte gets this handler cancelled (handler_cancellation) before the
                 # store, and a lock let go without the answer stored sends the other replicas'
                 # waiting requests upstream again.
-                stored = call.cache.entry if plan.store else None
-                await asyncio.shield(_land(cache, key, stored, plan.ttl_s, flight, token))
+                # The process's own store never suspends, so nothing can stop _land part way there;
+                # a shared store's round trips are shielded (a task each, a few µs: misses only).
+                landing = _land(cache, key, call.cache.entry if plan.store else None, plan.ttl_s, flight, token)
+                await (asyncio.shield(landing) if cache.store.shared else landing)
             return None
 
     def _count(self, call: Call, sink: Sink, result: CacheResult) -> None:

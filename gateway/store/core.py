@@ -62,6 +62,11 @@ class Store(Protocol):
         """Correct a reservation with what was used, and release its lease."""
         ...
 
+    def settle_now(self, tenant: str, settle: Settle) -> bool:
+        """quota_settle at once when it needs no round trip (this process's own counters): True.
+        False, having done nothing, when it does (call quota_settle)."""
+        ...
+
     async def quota_usage(self, tenant: str, scope: str) -> Usage:
         """A tenant scope's current use (window, in flight, today)."""
         ...
@@ -148,6 +153,10 @@ class MemoryStore:
 
     async def quota_settle(self, tenant: str, settle: Settle) -> None:
         self.quota.settle(tenant, settle)
+
+    def settle_now(self, tenant: str, settle: Settle) -> bool:
+        self.quota.settle(tenant, settle)
+        return True
 
     async def quota_usage(self, tenant: str, scope: str) -> Usage:
         return self.quota.usage(tenant, scope)

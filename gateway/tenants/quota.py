@@ -177,8 +177,9 @@ class Quota:
     def settle(self, hold: Hold | None, call: Call, spend_usd: float) -> None:
         """Replace the reservation with what was used and release the lease (every path, once).
 
-        In a task of its own: the answer is not held up by the round trip, and a cancelled
-        handler (the client went away) still gives its lease back. `drain()` awaits them."""
+        On a shared store in a task of its own: the answer is not held up by the round trip, and
+        a cancelled handler (the client went away) still gives its lease back. `drain()` awaits
+        them. On this process's own counters at once."""
         self._finish(hold, _tokens_used(call), spend_usd)
 
     def _finish(self, hold: Hold | None, used: int, spend_usd: float) -> None:
@@ -187,6 +188,8 @@ class Quota:
         hold.settled = True
         d = hold.decision
         settle = Settle(hold.scopes, d.bucket, d.day, used - hold.reserved, round(spend_usd * 1e6), hold.lease)
+        if hold.store.settle_now(hold.tenant, settle):
+            return  # this process's counters: no round trip, so no task (a task costs µs per request)
         task = asyncio.get_running_loop().create_task(self._settle(hold, settle))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
