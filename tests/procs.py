@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import aiohttp
 import pytest
+import redis
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,6 +52,17 @@ def redis_missing(why: str) -> NoReturn:
     if os.environ.get("CI"):
         pytest.fail(f"{why}: these tests need it, and CI is set", pytrace=False)
     pytest.skip(why)
+
+
+def shared_redis(db: int) -> redis.Redis:
+    """A client of the machine's Redis (127.0.0.1:6379) on database `db`; redis_missing() when
+    it does not answer."""
+    client = redis.Redis(host="127.0.0.1", port=6379, db=db)
+    try:
+        client.ping()
+    except redis.ConnectionError:
+        redis_missing("no Redis at 127.0.0.1:6379")
+    return client
 
 
 def needs_redis_server() -> str:

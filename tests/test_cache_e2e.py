@@ -17,7 +17,7 @@ from gateway.tenants.auth import hash_key
 from gateway.cache.core import cache_key
 from gateway.web.keys import LIVE
 from tests.conftest import simple_policy
-from tests.procs import needs_redis_server, redis_missing
+from tests.procs import needs_redis_server, shared_redis
 
 MSG = [{"role": "user", "content": "What is the capital of France?"}]
 REDIS_DB = 14
@@ -28,11 +28,7 @@ def store_policy(request):
     if request.param == "memory":
         yield {}
         return
-    client = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        redis_missing("no Redis at 127.0.0.1:6379")
+    client = shared_redis(REDIS_DB)
     yield {"url": f"redis://127.0.0.1:6379/{REDIS_DB}", "timeout_ms": 200}
     client.flushdb()  # this DB is the tests' own
     client.close()

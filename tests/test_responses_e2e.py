@@ -9,11 +9,10 @@ import uuid
 import aiohttp
 import openai
 import pytest
-import redis
 
 from gateway.tenants.auth import hash_key
 from tests.conftest import simple_policy
-from tests.procs import redis_missing
+from tests.procs import shared_redis
 
 REDIS_DB = 13  # shared with the store tests: these use unique upstream names and delete their keys
 WORDS8 = "w0 w1 w2 w3 w4 w5 w6 w7 "
@@ -28,11 +27,7 @@ def store(request):
     if request.param == "memory":
         yield {}
         return
-    client = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        redis_missing("no Redis at 127.0.0.1:6379")
+    client = shared_redis(REDIS_DB)
     marks: list[str] = []
     yield {"url": f"redis://127.0.0.1:6379/{REDIS_DB}", "timeout_ms": 200, "_marks": marks}
     for mark in marks:  # this test's affinity records and cache entries

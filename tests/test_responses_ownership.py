@@ -16,13 +16,12 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-import redis
 
 from gateway.tenants.auth import hash_key
 from gateway.web.keys import LIVE
 from tests.fake_upstream import FakeUpstream
 from tests.test_cache_flight import Delayed
-from tests.procs import redis_missing
+from tests.procs import shared_redis
 
 REDIS_DB = 13
 A, B = "sk-alice", "sk-bob"
@@ -38,11 +37,7 @@ def store(request):
     if request.param == "memory":
         yield None
         return
-    client = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
-    try:
-        client.ping()
-    except redis.ConnectionError:
-        redis_missing("no Redis at 127.0.0.1:6379")
+    client = shared_redis(REDIS_DB)
     marks: list[str] = []
     yield {"url": f"redis://127.0.0.1:6379/{REDIS_DB}", "_marks": marks}
     for mark in marks:
@@ -332,3 +327,15 @@ async def test_a_conversation_of_the_wrong_shape_is_a_400_naming_it(upstream, ga
     with pytest.raises(openai.BadRequestError) as exc:
         await gw.client(A).responses.create(model="gpt-test", input="hi", conversation=conversation)
     assert exc.value.body["param"] == "conversation" and up.stats.requests == 0
+
+
+@pytest.mark.parametrize(("body", "says"), [(b"{not json", "not valid JSON"), (b"[1, 2]", "must be a JSON object")])
+async def test_a_conversation_body_that_is_not_a_json_object_is_a_400_sent_nowhere(upstream, gateway, body, says):
+    up = await upstream(_name("a"), tokens=3)
+    gw = await gateway(_policy(up))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/conversations", data=body,
+                             headers={"Authorization": f"Bearer {A}", "Content-Type": "application/json"}) as r:
+            status, err = r.status, (await r.json())["error"]
+    assert status == 400 and err["type"] == "invalid_request_error" and says in err["message"]
+    assert up.responses.conversations == {}  # nothing was made upstream

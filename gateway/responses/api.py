@@ -31,6 +31,7 @@ from ..tenants.auth import Tenant
 from ..upstream.client import UpstreamResponse
 from ..web.http_call import accounted, read_bounded
 from ..web.keys import LIVE
+from ..wire.openai_wire import json_object
 from .codec import RESPONSES
 from .passthrough import Passthrough
 from .route import holders_of
@@ -117,12 +118,7 @@ def _creation_body(raw: bytes) -> tuple[bytes, str | None]:
     """The body to send upstream (without the gateway's own `model` field), and that model."""
     if not raw.strip():
         return b"{}", None
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+    body = json_object(raw)
     model = body.pop("model", None)
     if model is not None and not (isinstance(model, str) and model):
         raise BadRequest("invalid field 'model': must be a model name (a non-empty string)", param="model")

@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from ..errors import BadRequest
 
 __all__ = [
+    "json_object",
     "ChatRequest",
     "RequestBody",
     "CompletionRequest",
@@ -99,6 +100,17 @@ def _field(loc: tuple[Any, ...]) -> str:
     return out
 
 
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; BadRequest when it is not valid JSON or not an object."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return data
+
+
 def parse_body(raw: bytes, model: type[T]) -> tuple[T, dict[str, Any]]:
     """Decode and validate a request body; return the typed view and the raw dict.
 
@@ -106,12 +118,7 @@ def parse_body(raw: bytes, model: type[T]) -> tuple[T, dict[str, Any]]:
     """
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
+    data = json_object(raw)
     try:
         return model.model_validate(data), data
     except ValidationError as exc:
