@@ -60,6 +60,7 @@ bench: $(STAMP)
 	$(PY) bench/upstream_client.py
 	$(PY) bench/selection.py
 	$(PY) bench/routing.py
+	$(PY) bench/affinity.py
 	$(PY) bench/cache.py
 	$(PY) bench/quota.py
 	$(PY) bench/overload.py

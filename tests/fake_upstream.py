@@ -51,6 +51,7 @@ import orjson
 from aiohttp import web
 
 from tests.fake_responses import ResponsesFake
+from tests.servers import serve_app
 
 __all__ = ["Behaviour", "FakeUpstream"]
 
@@ -132,11 +133,7 @@ class FakeUpstream:
         return f"http://{self.host}:{self.port}/v1"
 
     async def start(self) -> "FakeUpstream":
-        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self._runner, self.port = await serve_app(self.app, self.host, self.port)
         return self
 
     async def stop(self) -> None:

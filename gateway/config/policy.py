@@ -119,10 +119,19 @@ class BackendPolicy(_Section):
     # temperature or seed is cached only when every backend that may answer it says 0 (greedy).
     # None: OpenAI's 1.0, or for a launched backend its `launch.default_temperature` (default 0).
     default_temperature: float | None = Field(None, ge=0, le=2)
+    # A Prometheus endpoint of the model server (vLLM, SGLang, TGI, our local backend): its queue
+    # depth and KV-cache use, scraped off the request path (routing.load_signals), enter routing.
+    # None: none, except a `launch:` backend, whose own /metrics is used.
+    metrics_url: str | None = None
+    # Whether this is a local model (cost first for the `simple` class, routing.simple): None means
+    # true for a `launch:` backend and false otherwise.
+    local: bool | None = None
 
-    @field_validator("url")
+    @field_validator("url", "metrics_url")
     @classmethod
-    def _http_url(cls, v: str) -> str:
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return None
         if not re.match(r"^https?://[^/\s]+", v):
             raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
         return v.rstrip("/")
@@ -384,6 +393,35 @@ class ServerPolicy(_Section):
     max_connections_per_client: int = Field(1024, ge=0)
 
 
+class PrefixAffinityPolicy(_Section):
+    """Send a prompt to the backend that most likely holds its prefix in a KV (or provider prompt)
+    cache, within a load bound (routing/affinity.py)."""
+
+    enabled: bool | None = None  # None: on for pools of two or more backends; false: off
+    block_chars: int = Field(1024, ge=64, le=65_536)  # a long message is hashed in blocks of this many characters
+    # Stay with the backend that holds the prefix while it has at most this many more requests on
+    # it (ours in flight, or running + waiting by its metrics_url when more) than the least loaded...
+    max_imbalance: int = Field(2, ge=0)
+    # ...and while its predicted TTFT is at most this many times the best candidate's: "clearly
+    # slower" only. Predictions mix cached and uncached prefills (a miss can cost 10x a hit, and
+    # the holder just paid one), so a tighter bound would chase the prefix from replica to replica.
+    max_slowdown: float = Field(10.0, ge=1)
+    # A new prefix goes to its rendezvous-hash home unless that backend already holds this many
+    # times its fair share of the prefixes seen in the last `prefix_ttl_s`.
+    max_share: float = Field(1.0, ge=1)
+    prefix_ttl_s: float = Field(600.0, gt=0)  # how long a learned prefix -> backend entry lives unused
+    max_entries: int = Field(100_000, ge=100)  # learned prefix blocks kept per process (LRU)
+    sticky_class: bool = True  # a conversation that went to `complex` stays there for later turns
+
+
+class LoadSignalsPolicy(_Section):
+    """Scraping backends' `metrics_url` (off the request path)."""
+
+    interval_ms: int = Field(1_000, ge=100)
+    timeout_ms: int = Field(500, gt=0)
+    stale_ms: int = Field(5_000, gt=0)  # an older sample is ignored: routing falls back to its own view
+
+
 class RoutingPolicy(_Section):
     strategy: Literal["latency", "round_robin", "least_inflight", "weighted", "ordered"] = "latency"
     tie_pct: float = Field(5.0, ge=0, le=100)  # backends this close to the best share traffic at random
@@ -402,6 +440,12 @@ class RoutingPolicy(_Section):
     idle_floor_ms: int = Field(3_000, gt=0)
     cold_idle_ms: int = Field(10_000, gt=0)
     continuation: bool = True  # false: a stream cut mid-answer ends with an error event (no rescue)
+    prefix_affinity: PrefixAffinityPolicy = PrefixAffinityPolicy()
+    load_signals: LoadSignalsPolicy = LoadSignalsPolicy()
+    # The `simple` class: `local_first` answers from local models (cost first) and spills to the
+    # other candidates only when they are unhealthy, saturated or predicted to miss the deadline;
+    # `latency` ranks every candidate by predicted latency alone.
+    simple: Literal["local_first", "latency"] = "local_first"
 
 
 class HealthPolicy(_Section):

@@ -18,6 +18,7 @@ from ..classify.classifier import Classifier, Rules, Verdict
 from ..errors import BadRequest, ModelNotFound
 from ..pipeline.call import Call
 from ..responses.affinity import Affinity
+from ..routing.affinity import PrefixMap
 from ..routing.backends import Backend, BackendState, Slots
 from ..routing.health import Health
 from ..routing.latency import Tracker
@@ -83,6 +84,8 @@ class Pool:
     backends: tuple[Backend, ...]
     candidates: tuple[Candidate, ...]
     selector: Selector
+    affinity: bool = False  # prefix affinity ranks it (routing.prefix_affinity)
+    mixed: bool = False  # it has local models and others: the simple class's local_first applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,9 @@ class Route:
     by_endpoint: dict[str, tuple[Pool | None, Pool | None]] = field(default_factory=dict)
     retry: RetryPolicy | None = None
     context_fallbacks: tuple[Backend, ...] = ()  # for a 400 context_length_exceeded
+    # The process's learned prefix -> backend map, when a pool of this route uses prefix affinity
+    # or its conversations keep their class (routing.prefix_affinity.sticky_class); else None.
+    prefixes: PrefixMap | None = None
 
     def pool(self, cls: str, endpoint: str = "chat") -> Pool:
         """The candidates for a request class on an endpoint; BadRequest when no backend of this
@@ -150,8 +156,10 @@ class Runtime:
         affinity: Affinity | None = None,
         stores: dict[StorePolicy, Store] | None = None,
         slot_limits: dict[str, int] | None = None,
+        prefixes: PrefixMap | None = None,
     ) -> None:
         self.policy = policy
+        self.prefixes = prefixes if prefixes is not None else PrefixMap()
         self.generation = generation
         self.created = time.time()
         self.backends = backends
@@ -212,6 +220,8 @@ class Runtime:
             states[name] = state
         for sp, store in self.stores.items():
             stores.setdefault(sp, store)
+        pa = self.routing.prefix_affinity
+        self.prefixes.configure(pa.max_entries, pa.prefix_ttl_s)
 
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.
@@ -241,9 +251,16 @@ class Runtime:
     def _pool(self, model: str, names: tuple[str, ...], strategy: str) -> Pool:
         rp = self.routing
         picked = tuple(self.backends[b] for b in names)
-        cands = tuple(Candidate(b.name, b.tracker, self._health_for(b, model), b.policy.weight, _cost(b.policy)) for b in picked)
-        selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s)
-        return Pool(picked, cands, selector)
+        cands = tuple(
+            Candidate(b.name, b.tracker, self._health_for(b, model), b.policy.weight, _cost(b.policy), b.state.load, b.local)
+            for b in picked
+        )
+        selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s,
+                            load_stale_s=rp.load_signals.stale_ms / 1000)
+        enabled = rp.prefix_affinity.enabled
+        affinity = len(picked) >= 2 and (enabled if enabled is not None else True) and strategy == "latency"
+        mixed = any(b.local for b in picked) and not all(b.local for b in picked)
+        return Pool(picked, cands, selector, affinity, mixed)
 
     def _health_for(self, b: Backend, model: str) -> Health:
         """`b.health_for(model)`, but while building without touching the live state: a model
@@ -281,6 +298,8 @@ class Runtime:
             simple, complex_ = self._pool(model, r.simple or (), strategy), self._pool(model, r.complex or (), strategy)
         s_eps = self._by_endpoint(model, simple, strategy)
         c_eps = s_eps if complex_ is simple else self._by_endpoint(model, complex_, strategy)
+        sticky = r.backends is None and self.routing.prefix_affinity.sticky_class
+        learns = sticky or any(p is not None and p.affinity for eps in (s_eps, c_eps) for p in eps.values())
         return Route(
             model,
             simple,
@@ -295,6 +314,7 @@ class Runtime:
             by_endpoint={ep: (s_eps[ep], c_eps[ep]) for ep in ENDPOINTS},
             retry=r.retry,
             context_fallbacks=tuple(self.backends[b] for b in r.context_fallbacks),
+            prefixes=self.prefixes if learns else None,
         )
 
     def classify(self, call: Call, route: Route) -> Verdict:
@@ -335,6 +355,7 @@ def build_runtime(
     on_quota_degraded: Callable[[], None] | None = None,
     on_affinity: Callable[[str, str], None] | None = None,
     slot_share: Callable[[int], int] | None = None,
+    prefixes: PrefixMap | None = None,
 ) -> Runtime:
     """Build a complete Runtime from `policy`, changing nothing live: backend measurements carry
     over from `states` (by name) and stores from `stores` (a store is reused while its settings
@@ -380,7 +401,7 @@ def build_runtime(
     affinity = _affinity(policy, store_of(record_sp), on_affinity)
     share = slot_share if slot_share is not None else (lambda n: n)
     slot_limits = {name: share(bp.max_concurrency) for name, bp in policy.backends.items()}
-    return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits)
+    return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits, prefixes)
 
 
 def _affinity(policy: Policy, store: Store, on_event: Callable[[str, str], None] | None) -> Affinity:

@@ -50,6 +50,7 @@ class Metrics:
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
         self._affinity: dict[tuple[str, str], Any] = {}
+        self._prefix: dict[tuple[str, str, str], Any] = {}
         self._tokens: dict[tuple[str, str, str], Any] = {}
 
     def _request_metrics(self, r: CollectorRegistry) -> None:
@@ -170,6 +171,20 @@ class Metrics:
             "Responses API id -> (backend, owner) records: learn (ok, error, conflict), lookup (hit, miss, error), forget",
             ["op", "result"], registry=r,
         )
+        self.prefix_affinity = Counter(
+            "gateway_prefix_affinity",
+            "Prefix-affinity decisions per pool (model, class): hit (sent where its prefix is cached), "
+            "miss (cached nowhere yet: its home), spill (its holder was unhealthy, loaded or slower)",
+            ["model", "class", "result"], registry=r,
+        )
+
+    def prefix_affinity_of(self, model: str, cls: str, result: str) -> Any:
+        """The prefix-affinity counter child of (model, class, hit | miss | spill), bound once."""
+        key = (model, cls, result)
+        child = self._prefix.get(key)
+        if child is None:
+            child = self._prefix[key] = self.prefix_affinity.labels(model, cls, result)
+        return child
 
     def affinity_event(self, op: str, result: str) -> None:
         """Count one operation on the Responses affinity map (children bound once: labels() is slow)."""

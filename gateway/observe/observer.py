@@ -120,6 +120,8 @@ class Observer:
         m.duration_of(backend).observe(call.elapsed_s())
         if call.out.finish is Finish.CLIENT_DISCONNECT:
             m.client_disconnects.inc()
+        if call.out.affinity is not None:  # counted once, as it ended (a failover may turn a hit into a spill)
+            m.prefix_affinity_of(model, call.cls, call.out.affinity.result.value).inc()
         usage = call.out.usage
         if usage and call.out.backend and call.out.backend != "cache":
             tenant = rt.tenants.metric_label(call.tenant or "none")
@@ -250,6 +252,8 @@ def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
         "prompt_tokens": usage.get("prompt_tokens"),
         "completion_tokens": usage.get("completion_tokens"),
     }
+    if call.out.affinity is not None:
+        line["affinity"] = call.out.affinity.view()
     if call.out.error:
         line["error"] = call.out.error[:300]
     if rt.policy.log.prompts:

@@ -13,6 +13,7 @@ from ..admission.gate import Ticket
 from ..cache.entry import Entry
 from ..classify.classifier import Verdict
 from ..relay.continuation import Transcript
+from ..routing.affinity import Decision
 from ..wire.codec import Endpoint
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ class Outcome:
     status: int = 200
     error: str | None = None
     finish: Finish | None = None
+    affinity: Decision | None = None  # what prefix affinity did (routing/affinity.py), where it applied
 
 
 @dataclass(slots=True)
@@ -104,6 +106,7 @@ class Call:
     tenant: str | None = None
     verdict: Verdict | None = None  # the classifier's, on a route that classifies
     prompt_tokens: int = 0  # an estimate, the same number for routing and the trackers
+    prefix: tuple[bytes, ...] | None = None  # the prompt's block keys (routing/prefix.py), where a route learns them
     ticket: Ticket | None = None  # its place in admission and backend queues (band, tenant, tokens)
     # Filled in by the later stages:
     cache: Caching = field(default_factory=Caching)

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..admission.gate import Ticket
 from ..config.runtime import Route, Runtime
+from ..routing.prefix import prefix_keys
 from ..tenants.auth import Tenant
 from ..tenants.priority import asked_band, cap
 from ..wire.openai_wire import parse_body
@@ -40,9 +42,26 @@ def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
             call.prompt_tokens = estimate
+    if route.prefixes is not None and call.endpoint.generates:
+        _prefix(call, route, tenant)
     route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
     _ticket(call, rt, tenant)
     return route, tenant
+
+
+def _prefix(call: Call, route: Route, tenant: Tenant) -> None:
+    """The prompt's block keys, for prefix affinity; and a conversation answered in `complex`
+    before stays there (routing.prefix_affinity.sticky_class): a follow-up the classifier finds
+    simple is part of a hard conversation, and bouncing between models turn by turn would cost
+    each model's prompt cache (and the answer's consistency)."""
+    pa = route.routing.prefix_affinity
+    call.prefix = keys = prefix_keys(call.endpoint.classify_view(call.body), pa.block_chars, tenant.cache_namespace)
+    v = call.verdict
+    if v is None or v.cls != "simple" or not route.split or not pa.sticky_class or route.prefixes is None:
+        return
+    if route.prefixes.previous_class(keys) == "complex":
+        call.verdict = replace(v, cls="complex", rule=v.rule or "sticky_class",
+                               reasons=[*v.reasons, "sticky: an earlier turn of this conversation was answered as complex"])
 
 
 def _ticket(call: Call, rt: Runtime, tenant: Tenant) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..admission.gate import Shed, Ticket
 from ..config.policy import RoutingPolicy
 from ..config.runtime import Pool, Route
 from ..errors import GatewayError, Unavailable, UpstreamRejected
 from ..pipeline.call import Call
+from ..routing.affinity import AffinityResult
 from ..routing.backends import Backend
 from ..routing.health import Kind
 from ..tenants.priority import Band
@@ -136,6 +137,14 @@ class RelayBase:
             self.ctx.metrics.for_backend(backend.name).failovers.inc()
             self.ctx.metrics.relay_events.labels("failover", tries.last_label or "unknown").inc()
             log.info("request %s: failing over from %r (%s) to %r", call.request_id, call.out.attempts[-1], tries.last_label, backend.name)
+        if call.prefix and self.route.prefixes is not None:
+            self.route.prefixes.learn(call.prefix, backend.name, call.cls)  # its cache holds this prompt now
+            d = call.out.affinity
+            if d is not None:
+                if d.result is AffinityResult.HIT and backend.name != d.backend:
+                    call.out.affinity = d = replace(d, result=AffinityResult.SPILL, backend=backend.name,
+                                                    reason=f"{d.reason}; then failed over from {d.backend}")
+                self.sink.set_header("x-gateway-affinity", d.result.value)
         call.out.attempts.append(backend.name)
         tries.on[backend.name] = tries.on.get(backend.name, 0) + 1
         call.out.backend = backend.name

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from ..admission.gate import MAX_WAIT_SHARE
@@ -20,12 +21,15 @@ from ..config.runtime import Route
 from ..errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
 from ..pipeline.call import Call
 from ..routing.backends import Backend
+from ..tenants.priority import Band
 from ..web.sink import Sink
 from .attempt import ClientGone
 from .context import RelayContext
 from .continuation import Transcript
 from .heartbeat import Heartbeat
 from .hedge import Hedging
+from .plan import plan
+from .plan import plan_view as preferences_view
 from .rescue import Rescue
 from .timing import cold_first_token_s, retry_wait
 
@@ -140,8 +144,11 @@ class Relay(Rescue, Hedging):
 
     def _plan(self) -> list[Backend]:
         """The backends to try, best first, from the pool's selector; skipped ones explain themselves."""
-        pool, failures = self.pool, self.tries.failures
-        ranked = pool.selector.rank(pool.candidates, self.call.prompt_tokens)
+        pool, failures, call = self.pool, self.tries.failures, self.call
+        p = plan(call, self.route, pool, self.band)
+        ranked = p.ranked
+        if p.affinity is not None:
+            call.out.affinity = p.affinity  # x-gateway-affinity goes out with each attempt (base.py)
         order = [pool.backends[r.index] for r in ranked if r.skipped is None]
         if not order and ranked and ranked[0].last_resort:
             if pool.candidates[ranked[0].index].health.cooling_for() <= 0:  # never call a backend that asked for a pause
@@ -187,10 +194,13 @@ def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]
     """The relay's part of /v1/route/explain: the candidates as the selector ranks them now, each
     with its live figures and why it would be skipped, and the one it would try first."""
     pool = route.pool(call.cls, call.endpoint.name)
-    ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
+    p = plan(call, route, pool, call.ticket.band if call.ticket is not None else Band.DEFAULT)
+    ranked = p.ranked
     candidates = []
+    now, stale = time.monotonic(), pool.selector.load_stale_s
     for r in ranked:
         b = pool.backends[r.index]
+        c = pool.candidates[r.index]
         snap = b.tracker.snapshot()
         candidates.append(
             {
@@ -204,6 +214,9 @@ def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]
                 "predicted_ttft_ms": None if r.predicted_ttft_s is None else round(r.predicted_ttft_s * 1000, 2),
                 "score": None if r.score == float("inf") else round(r.score, 6),
                 "error_rate": snap["error_rate"],
+                "local": c.local,
+                # The model server's own gauges (metrics_url) and the queue term they add to the score.
+                "load": None if b.metrics_url is None else {**b.state.load.view(now, stale), "queue_rounds": round(c.queue_rounds(now, stale), 3)},
                 "skipped": r.skipped,
                 "note": r.note,
             }
@@ -211,5 +224,6 @@ def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]
     chosen = None
     if ranked and (ranked[0].skipped is None or ranked[0].last_resort):
         chosen = pool.backends[ranked[0].index].name
-    view = {"strategy": pool.selector.strategy, "hedge": route.hedge is not None, "candidates": candidates, "chosen": chosen}
+    view = {"strategy": pool.selector.strategy, "hedge": route.hedge is not None, **preferences_view(p),
+            "candidates": candidates, "chosen": chosen}
     return view, pool.backends[ranked[0].index] if ranked else None

@@ -15,6 +15,7 @@ from ..config.policy import BackendPolicy
 from ..wire.endpoints import ENDPOINTS
 from .health import Health
 from .latency import Tracker
+from .load import Load
 
 __all__ = ["Backend", "BackendState", "Slots"]
 
@@ -40,6 +41,7 @@ class BackendState:
     # In-flight slots live here, not on Backend, so a reload mid-request keeps counting right.
     slots: Slots | None = None
     models: dict[str, Health] = field(default_factory=dict)  # upstream model -> its own health
+    load: Load = field(default_factory=Load)  # the model server's own load gauges (metrics_url)
 
     def model_health(self, upstream: str) -> Health:
         """The health of one upstream model on this backend (created on first use)."""
@@ -83,6 +85,8 @@ class Backend:
                 )
             headers["Authorization"] = f"Bearer {key}"
         self.headers = headers
+        self.metrics_url = policy.metrics_url or (_sibling_metrics(self.base_url) if policy.launch else None)
+        self.local = policy.local if policy.local is not None else policy.launch is not None
 
     def upstream_model(self, public: str) -> str:
         """The name this backend knows a public model by (its default model for `auto`-style routes)."""
@@ -114,3 +118,9 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, {self.base_url!r})"
+
+
+def _sibling_metrics(base_url: str) -> str:
+    """A launched local backend's /metrics: next to its /v1."""
+    root = base_url[:-3] if base_url.endswith("/v1") else base_url
+    return root + "/metrics"

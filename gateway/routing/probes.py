@@ -25,7 +25,7 @@ from ..config.reload import Live
 from ..observe.metrics import Metrics
 from .backends import Backend
 
-__all__ = ["run_probes", "probe", "probe_request", "ProbeResult", "recovery_targets"]
+__all__ = ["run_probes", "probe", "probe_request", "ProbeResult", "read_capped", "recovery_targets"]
 
 log = logging.getLogger("gateway.probes")
 
@@ -84,7 +84,7 @@ async def probe_request(
             for ep in served:
                 body = orjson.dumps({"model": model, **_BODIES[ep]})
                 async with http.post(backend.urls[ep], data=body, headers=headers) as resp:
-                    raw = await _read_capped(resp.content, _MAX_BODY_BYTES)
+                    raw = await read_capped(resp.content, _MAX_BODY_BYTES)
                     status = resp.status
                 why = f"{ep}: HTTP {status}"
                 if 200 <= status < 300:
@@ -102,7 +102,7 @@ async def probe_request(
     return ProbeResult(None, why="no endpoint took a minimal request")
 
 
-async def _read_capped(stream: aiohttp.StreamReader, cap: int) -> bytes | None:
+async def read_capped(stream: aiohttp.StreamReader, cap: int) -> bytes | None:
     """The body, or None once it passes `cap` bytes."""
     buf = bytearray()
     async for chunk in stream.iter_any():

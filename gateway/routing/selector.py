@@ -6,10 +6,10 @@ reason it was skipped. Health decides eligibility, the tracker predicts, the sel
 
 The `latency` strategy scores a candidate as
 
-    predicted_ttft(prompt_tokens) * (1 + queue_weight * inflight)
+    predicted_ttft(prompt_tokens) * (1 + queue_weight * inflight + waiting / max(1, running))
         + error_penalty_s * error_ewma + cost_weight_s * cost
 
-and picks at random among those within `tie_pct` of the best (so replicas with the same view do
+(`waiting` and `running` from the backend's metrics_url while its scrape is fresh, else 0), and picks at random among those within `tie_pct` of the best (so replicas with the same view do
 not herd), or, with `p2c_min` or more eligible candidates, the better of two drawn at random from
 those within `p2c_band` of the best. Two exceptions keep estimates honest without letting an idle
 degraded backend look good (its estimate never decays while idle):
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -32,6 +33,7 @@ from typing import NamedTuple
 
 from .health import Health
 from .latency import Tracker
+from .load import Load
 
 __all__ = ["Candidate", "Ranked", "Selector", "STRATEGIES", "skip_reason", "usable"]
 
@@ -49,6 +51,33 @@ class Candidate:
     health: Health
     weight: float = 1.0  # for `weighted`
     cost: float = 0.0  # in any unit; Selector.cost_weight_s says how many seconds one unit is worth
+    load: Load | None = None  # the model server's own load gauges (metrics_url), when scraped
+    local: bool = False  # a local model (routing.simple: local_first)
+
+    def queued(self, now: float, stale_s: float) -> float:
+        """Requests its model server reports waiting, by a fresh scrape (0 without one)."""
+        load = self.load
+        if load is None or load.sample is None or now - load.at > stale_s:
+            return 0.0
+        return load.sample.waiting
+
+    def outstanding(self, now: float, stale_s: float) -> float:
+        """Requests on it: ours in flight, or what its metrics report (running + waiting, everyone's,
+        ours among them) when a fresh scrape says more."""
+        mine = float(self.tracker.inflight)
+        load = self.load
+        if load is None or load.sample is None or now - load.at > stale_s:
+            return mine
+        return max(mine, load.sample.running + load.sample.waiting)
+
+    def queue_rounds(self, now: float, stale_s: float) -> float:
+        """The server's queue in rounds of its batch (waiting / running, at least 1 running): how
+        many predicted first tokens a new request waits behind, roughly."""
+        load = self.load
+        if load is None or load.sample is None or now - load.at > stale_s:
+            return 0.0
+        s = load.sample
+        return s.waiting / max(1.0, s.running)
 
 
 class Ranked(NamedTuple):
@@ -64,6 +93,7 @@ class Ranked(NamedTuple):
     skipped: str | None = None  # why it is not eligible: starting, ejected, cooling, probing
     note: str | None = None  # why it is where it is: tie, p2c, explore, prior, last resort
     last_resort: bool = False  # skipped, but the one to try when no candidate is available
+    explore: bool = False  # picked to refresh its estimate (cold start, exploration): keep it first
 
 
 def skip_reason(c: Candidate) -> str | None:
@@ -112,6 +142,7 @@ class Selector:
         explore_every: int = 50,
         p2c_min: int = 6,
         p2c_band: float = 0.5,
+        load_stale_s: float = 5.0,
     ) -> None:
         """queue_weight: each request in flight adds this share of the predicted TTFT (1.0 is the
         classic peak-EWMA; measured TTFT already reflects load, so a small share only breaks ties
@@ -129,6 +160,7 @@ class Selector:
         self.explore_every = explore_every
         self.p2c_min = p2c_min
         self.p2c_band = p2c_band
+        self.load_stale_s = load_stale_s
         self._rr = 0
         self._since_explore = explore_every  # a silent backend may be explored on the first pick
 
@@ -174,21 +206,30 @@ class Selector:
             known = sorted(p for _, _, p in eligible if p is not None)
             prior = known[len(known) // 2] if known else None
         qw, ep, cw = self.queue_weight, self.error_penalty_s, self.cost_weight_s
+        now, stale = time.monotonic(), self.load_stale_s
         scored: list[tuple[float, int, Candidate, float | None]] = []
         for i, c, pred in eligible:
             base = pred if pred is not None else prior
             if base is None or base < _MIN_BASE_S:
                 base = _MIN_BASE_S
             t = c.tracker
-            score = base * (1.0 + qw * t.inflight) + ep * t.error_ewma + cw * c.cost
+            # A queue the server reports (other clients' load too) delays the first token by about
+            # one predicted TTFT per round of its batch.
+            ld = c.load
+            if ld is not None and ld.sample is not None and now - ld.at <= stale:  # inline: per candidate, per request
+                score = base * (1.0 + qw * t.inflight + ld.sample.waiting / max(1.0, ld.sample.running))
+            else:
+                score = base * (1.0 + qw * t.inflight)
+            score += ep * t.error_ewma + cw * c.cost
             scored.append((score, i, c, pred))
         scored.sort(key=itemgetter(0))
         self._since_explore += 1
         pick, note = self._explore(scored)
+        explored = pick is not None
         if pick is None:
             pick, note = self._pick_best(scored)
         first = scored.pop(pick)
-        ranked = [Ranked(first[2].name, first[1], first[3], first[0], None, note or _prior_note(first[3]))]
+        ranked = [Ranked(first[2].name, first[1], first[3], first[0], None, note or _prior_note(first[3]), False, explored)]
         ranked += [Ranked(c.name, i, p, s, None, _prior_note(p)) for s, i, c, p in scored]
         return ranked
 
@@ -196,10 +237,16 @@ class Selector:
         """A candidate owed a request to refresh its estimate: never measured, or silent too long."""
         budget = self.explore_after_s > 0 and self._since_explore >= self.explore_every
         best: tuple[int, float] | None = None
-        for n in range(1, len(scored)):  # the natural pick (0) needs no exploring
-            t = scored[n][2].tracker
+        # The natural pick (0) last: prefix affinity may pass it over, and then only this keeps it measured.
+        for n in (*range(1, len(scored)), 0):
+            if n == 0 and best is not None:
+                break
+            c = scored[n][2]
+            t = c.tracker
             if t.inflight or not (budget or t.total_requests == 0):
                 continue
+            if c.load is not None and c.queued(time.monotonic(), self.load_stale_s) > 0:
+                continue  # its own metrics say it is busy: nothing to learn by adding to its queue
             idle = t.idle_s()
             cold = t.total_requests == 0 and math.isinf(idle)
             if cold or (budget and idle >= self.explore_after_s):

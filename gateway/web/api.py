@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -172,6 +173,9 @@ def backends_view(app: web.Application) -> dict[str, object]:
             "max_concurrency": b.policy.max_concurrency,
             "max_concurrency_this_worker": b.slots.limit,
             "queued": dict(b.slots.queue.sizes),
+            "local": b.local,
+            # The model server's own gauges from its metrics_url (null without one).
+            "load": None if b.metrics_url is None else b.state.load.view(time.monotonic(), rt.routing.load_signals.stale_ms / 1000),
             **snap,
         }
     gate = app[ADMISSION].gate

@@ -24,9 +24,11 @@ from ..process.launcher import Children, LaunchState, watch_launched
 from ..process.peers import Peers
 from ..process.workers import WorkerInfo, share
 from ..relay.context import RelayContext
+from ..routing.affinity import PrefixMap
 from ..routing.backends import BackendState
 from ..routing.health import Health
 from ..routing.probes import run_probes
+from ..routing.scrape import run_scrapes
 from ..store.core import Store
 from ..tenants.auth import is_loopback, open_mode_problem
 from ..upstream.client import UpstreamPool
@@ -98,6 +100,7 @@ class _Snapshots:
         self.metrics, self.admission, self.host, self.worker = metrics, admission, host, worker
         self.states: dict[str, BackendState] = {}
         self.stores: dict[StorePolicy, Store] = {}
+        self.prefixes = PrefixMap()  # learned prefix -> backend, kept across reloads like the states
 
     def build(self, p: Policy, generation: int) -> Runtime:
         """A complete runtime for `p`; nothing live changes until `activate`, at its swap."""
@@ -112,6 +115,7 @@ class _Snapshots:
             on_affinity=metrics.affinity_event,
             # max_concurrency holds across the workers: each its share
             slot_share=lambda limit: share(limit, worker),
+            prefixes=self.prefixes,
         )
 
     def activate(self, rt: Runtime) -> None:
@@ -245,11 +249,15 @@ async def _close_stores(stores: dict[StorePolicy, Store], live: Live) -> AsyncIt
 
 
 async def _probes(app: web.Application) -> AsyncIterator[None]:
-    task = asyncio.create_task(run_probes(app[LIVE], app[METRICS]))
+    """Health probes and the backends' load scrapes (each worker its own: routing reads them in
+    process), running as long as the app."""
+    tasks = [asyncio.create_task(run_probes(app[LIVE], app[METRICS])), asyncio.create_task(run_scrapes(app[LIVE]))]
     yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
