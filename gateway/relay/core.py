@@ -145,10 +145,12 @@ class Relay(Rescue, Hedging):
     def _plan(self) -> list[Backend]:
         """The backends to try, best first, from the pool's selector; skipped ones explain themselves."""
         pool, failures, call = self.pool, self.tries.failures, self.call
-        p = plan(call, self.route, pool, self.band)
-        ranked = p.ranked
-        if p.affinity is not None:
+        if pool.affinity or pool.mixed:
+            p = plan(call, self.route, pool, self.band)
+            ranked = p.ranked
             call.out.affinity = p.affinity  # x-gateway-affinity goes out with each attempt (base.py)
+        else:  # neither preference applies: the ranking is the plan
+            ranked = pool.selector.rank(pool.candidates, call.prompt_tokens)
         order = [pool.backends[r.index] for r in ranked if r.skipped is None]
         if not order and ranked and ranked[0].last_resort:
             if pool.candidates[ranked[0].index].health.cooling_for() <= 0:  # never call a backend that asked for a pause

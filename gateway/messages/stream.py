@@ -1,0 +1,288 @@
+"""Streamed answers between the two APIs: sans-io translators, fed one parsed event at a time,
+each call returning the bytes to send (b"" when there is nothing yet).
+
+ChatToMessagesStream: an OpenAI backend's chat.completion.chunk stream -> Anthropic's events, in
+the order the SDK's accumulator requires: message_start (content [], usage.input_tokens > 0: the
+estimate), ping, then each block's content_block_start / _delta / _stop with indexes 0, 1, ...
+(text: text_delta; a tool call: a tool_use block and its arguments as input_json_delta pieces, so
+OpenAI tool index 0 is Anthropic index 1 after a text block), then message_delta (stop_reason,
+stop_sequence, usage: the backend's usage chunk when it came, else a count of the pieces) and
+message_stop. The finish reason and the usage chunk may come in separate chunks, in either order:
+both wait for [DONE] (or close()). At least one block is sent (an empty text block when the backend
+sent nothing), as Anthropic does.
+
+MessagesToChatStream: an Anthropic backend's events -> chat chunks: a role chunk, text and tool
+call deltas (the OpenAI tool index counts tool blocks only), a finish chunk at message_delta, the
+usage chunk when the client asked (stream_options.include_usage), then `data: [DONE]`. An `error`
+event raises UpstreamStreamError for the caller to end the stream its own way.
+
+Mapping rules (stop reasons, usage) are translate.py's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..wire.openai_wire import SSE_DONE
+from ..wire.openai_wire import sse_event as chat_event
+from .translate import FINISH_REASONS, anthropic_usage, chat_usage, stop_reason, tool_id
+from .wire import error_event
+from .wire import sse_event as anthropic_event
+
+__all__ = ["DONE", "ChatToMessagesStream", "MessagesToChatStream", "StreamOrderError", "UpstreamStreamError"]
+
+DONE = "[DONE]"  # the chat stream's last `data:` payload, as fed to ChatToMessagesStream
+
+
+class StreamOrderError(ValueError):
+    """A chat stream Anthropic's events cannot express: arguments for a tool call after a later
+    block began (Anthropic blocks are sequential and never reopened)."""
+
+
+class UpstreamStreamError(Exception):
+    """An Anthropic backend's `error` event mid-stream: `err_type` (overloaded_error, ...) and `message`."""
+
+    def __init__(self, err_type: str, message: str) -> None:
+        super().__init__(f"{err_type}: {message}")
+        self.err_type = err_type
+        self.message = message
+
+
+@dataclass(slots=True)
+class _Call:
+    """One OpenAI tool call while it streams."""
+
+    id: str | None
+    name: str
+    held: list[str]  # argument pieces that came before its name
+    index: int = -1  # its Anthropic block index, once opened
+
+
+class ChatToMessagesStream:
+    """Chat chunks -> Anthropic stream events (see the module's note)."""
+
+    def __init__(self, model: str, message_id: str, input_tokens_estimate: int) -> None:
+        self.model = model
+        self.message_id = message_id
+        self.input_tokens_estimate = max(1, input_tokens_estimate)
+        self.usage: dict[str, Any] | None = None  # the backend's chat usage, once reported
+        self.done = False
+        self._started = False
+        self._blocks = 0  # blocks opened so far
+        self._open: str | None = None  # "text" or "tool": the open block's kind
+        self._calls: dict[int, _Call] = {}  # by OpenAI index: the latest call there
+        self._all: list[_Call] = []  # every call, in order
+        self._refused = False  # a refusal streamed (OpenAI still finishes it with "stop")
+        self._finish: str | None = None
+        self._matched: Any = None  # vLLM's stop_reason: the stop string that matched
+        self._pieces = 0  # text and argument pieces: the output count when no usage comes
+
+    def feed(self, chunk: Mapping[str, Any] | str) -> bytes:
+        """One chat chunk (a parsed `data:` payload), or DONE: the events it makes."""
+        if self.done:
+            return b""
+        if isinstance(chunk, str):  # DONE
+            return self.close()
+        out = [self._start()]
+        usage = chunk.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            for key in ("content", "refusal"):
+                text = delta.get(key)
+                if isinstance(text, str) and text:
+                    out.append(self._text(text))
+                    self._refused = self._refused or key == "refusal"
+            for call in delta.get("tool_calls") or []:
+                if isinstance(call, dict):
+                    out.append(self._tool(call))
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+                self._matched = choice.get("stop_reason")
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        """The end of the stream ([DONE], or the backend's clean end): the open block's stop,
+        message_delta and message_stop. Idempotent."""
+        if self.done:
+            return b""
+        out = [self._start()]
+        for call in self._all:
+            if call.index < 0:  # a call whose name never came: sent as it is
+                out.append(self._open_tool(call))
+        if not self._blocks:
+            out.append(self._begin("text", {"type": "text", "text": ""}))
+        out.append(self._stop_block())
+        finish = "content_filter" if self._refused and self._finish in (None, "stop") else self._finish
+        reason, sequence = stop_reason(finish, has_tool_calls=bool(self._all), matched=self._matched)
+        usage: dict[str, Any] = {"output_tokens": self._pieces}
+        if self.usage is not None:
+            full = anthropic_usage(self.usage, self.input_tokens_estimate)
+            usage = {"input_tokens": full["input_tokens"], "output_tokens": full["output_tokens"],
+                     "cache_read_input_tokens": full["cache_read_input_tokens"]}
+        out.append(anthropic_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                    "usage": usage}))
+        out.append(anthropic_event({"type": "message_stop"}))
+        self.done = True
+        return b"".join(out)
+
+    def error(self, err_type: str, message: str) -> bytes:
+        """An `error` event ending the stream (a failure after the first byte)."""
+        self.done = True
+        return error_event(err_type, message)
+
+    def _start(self) -> bytes:
+        if self._started:
+            return b""
+        self._started = True
+        usage = {"input_tokens": self.input_tokens_estimate, "output_tokens": 0,
+                 "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+        message: dict[str, Any] = {"id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                   "stop_reason": None, "stop_sequence": None, "usage": usage}
+        return anthropic_event({"type": "message_start", "message": message}) + anthropic_event({"type": "ping"})
+
+    def _stop_block(self) -> bytes:
+        if self._open is None:
+            return b""
+        self._open = None
+        return anthropic_event({"type": "content_block_stop", "index": self._blocks - 1})
+
+    def _begin(self, kind: str, block: dict[str, Any]) -> bytes:
+        out = self._stop_block()
+        self._open = kind
+        self._blocks += 1
+        return out + anthropic_event({"type": "content_block_start", "index": self._blocks - 1, "content_block": block})
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        self._pieces += 1
+        return anthropic_event({"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})
+
+    def _text(self, text: str) -> bytes:
+        out = b"" if self._open == "text" else self._begin("text", {"type": "text", "text": ""})
+        return out + self._delta({"type": "text_delta", "text": text})
+
+    def _open_tool(self, call: _Call) -> bytes:
+        call.id = call.id or tool_id()
+        out = self._begin("tool", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        call.index = self._blocks - 1
+        held, call.held = "".join(call.held), []
+        return out + (self._delta({"type": "input_json_delta", "partial_json": held}) if held else b"")
+
+    def _tool(self, delta: Mapping[str, Any]) -> bytes:
+        at = delta.get("index", 0)
+        fn = delta.get("function")
+        fn = fn if isinstance(fn, dict) else {}
+        name, args = fn.get("name"), fn.get("arguments")
+        ident = delta.get("id") if isinstance(delta.get("id"), str) and delta.get("id") else None
+        call = self._calls.get(at)
+        if call is None or (ident is not None and call.id is not None and ident != call.id):
+            # a new call; a new id at a used index too (servers that send every call at index 0)
+            call = self._calls[at] = _Call(id=None, name="", held=[])
+            self._all.append(call)
+        if call.id is None and ident is not None:
+            call.id = ident
+        if call.index < 0:
+            if isinstance(name, str):
+                call.name += name
+            if isinstance(args, str) and args:
+                call.held.append(args)
+            return self._open_tool(call) if call.name else b""
+        if not (isinstance(args, str) and args):
+            return b""
+        if self._open != "tool" or call.index != self._blocks - 1:
+            raise StreamOrderError(f"arguments for tool call {at} after a later block began")
+        return self._delta({"type": "input_json_delta", "partial_json": args})
+
+
+class MessagesToChatStream:
+    """Anthropic stream events -> chat chunk SSE bytes (see the module's note)."""
+
+    def __init__(self, model: str, chunk_id: str, *, include_usage: bool = False, created: int | None = None) -> None:
+        self.model = model
+        self.chunk_id = chunk_id
+        self.include_usage = include_usage
+        self.created = int(time.time()) if created is None else created
+        self.done = False
+        self._usage: dict[str, Any] = {}  # Anthropic usage, updated by message_start and message_delta
+        self._tools: dict[int, int] = {}  # Anthropic block index -> OpenAI tool call index
+        self._whole: set[int] = set()  # tool blocks whose input came whole in content_block_start
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        """The answer's usage in chat terms (so far)."""
+        return chat_usage(self._usage)
+
+    def feed(self, event: Mapping[str, Any]) -> bytes:
+        """One Anthropic event (a parsed `data:` payload): the chat chunks it makes.
+
+        Raises UpstreamStreamError for an `error` event."""
+        if self.done:
+            return b""
+        kind = event.get("type")
+        if kind == "message_start":
+            message = event.get("message") or {}
+            self._add_usage(message.get("usage"))
+            return self._chunk({"role": "assistant", "content": ""})
+        if kind == "content_block_start":
+            return self._block_start(event.get("index"), event.get("content_block") or {})
+        if kind == "content_block_delta":
+            return self._block_delta(event.get("index"), event.get("delta") or {})
+        if kind == "message_delta":
+            self._add_usage(event.get("usage"))
+            delta = event.get("delta") or {}
+            reason = delta.get("stop_reason")
+            return self._chunk({}, finish=FINISH_REASONS.get(str(reason), "stop"), matched=delta.get("stop_sequence"))
+        if kind == "message_stop":
+            self.done = True
+            tail = b""
+            if self.include_usage:
+                tail = chat_event({"id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created,
+                                   "model": self.model, "choices": [], "usage": self.usage})
+            return tail + SSE_DONE
+        if kind == "error":
+            err = event.get("error") or {}
+            raise UpstreamStreamError(str(err.get("type") or "api_error"), str(err.get("message") or "stream error"))
+        return b""  # ping, content_block_stop, and event types added later
+
+    def _add_usage(self, usage: Any) -> None:
+        if isinstance(usage, dict):
+            self._usage.update({k: v for k, v in usage.items() if v is not None})
+
+    def _block_start(self, index: Any, block: Mapping[str, Any]) -> bytes:
+        kind = block.get("type")
+        if kind == "text" and block.get("text"):
+            return self._chunk({"content": block["text"]})
+        if kind != "tool_use" or not isinstance(index, int):
+            return b""  # thinking and other blocks the chat client did not ask for
+        at = self._tools[index] = len(self._tools)
+        args = ""
+        if block.get("input"):  # whole input up front (Anthropic itself streams it as deltas)
+            args = orjson.dumps(block["input"]).decode()
+            self._whole.add(index)
+        call = {"index": at, "id": block.get("id"), "type": "function",
+                "function": {"name": block.get("name"), "arguments": args}}
+        return self._chunk({"tool_calls": [call]})
+
+    def _block_delta(self, index: Any, delta: Mapping[str, Any]) -> bytes:
+        kind = delta.get("type")
+        if kind == "text_delta" and delta.get("text"):
+            return self._chunk({"content": delta["text"]})
+        if kind == "input_json_delta" and delta.get("partial_json") and index in self._tools and index not in self._whole:
+            piece = {"index": self._tools[index], "function": {"arguments": delta["partial_json"]}}
+            return self._chunk({"tool_calls": [piece]})
+        return b""
+
+    def _chunk(self, delta: dict[str, Any], *, finish: str | None = None, matched: Any = None) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        if isinstance(matched, str):
+            choice["stop_reason"] = matched  # vLLM's field: the stop sequence that matched
+        return chat_event({"id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created,
+                           "model": self.model, "choices": [choice]})
