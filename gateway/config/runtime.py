@@ -284,8 +284,9 @@ class Runtime:
     def _by_endpoint(self, model: str, pool: Pool, strategy: str) -> dict[str, Pool | None]:
         """Per endpoint: the pool itself when every backend serves it, else the ones that do."""
         out: dict[str, Pool | None] = {}
-        for ep in ENDPOINTS:
-            names = tuple(b.name for b in pool.backends if ep in b.policy.endpoints)
+        for ep, codec in ENDPOINTS.items():
+            served = codec.via or ep  # a translated endpoint: every backend serving what it is sent as
+            names = tuple(b.name for b in pool.backends if served in b.policy.endpoints)
             out[ep] = pool if len(names) == len(pool.backends) else (self._pool(model, names, strategy) if names else None)
         return out
 

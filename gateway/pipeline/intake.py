@@ -21,6 +21,7 @@ def parse(call: Call) -> None:
     """Validate the body and fill in the call's model, stream flag and the band it asks for
     (x-priority when sent, else its service_tier's; the tenant's ceiling applies later)."""
     typed, body = parse_body(call.raw, call.endpoint.request)
+    call.endpoint.validate(body)
     call.body = body
     call.model = typed.model
     call.stream = bool(getattr(typed, "stream", False)) and call.endpoint.streams

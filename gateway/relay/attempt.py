@@ -117,10 +117,14 @@ class Attempt:
     async def send(self) -> tuple[UpstreamResponse, bytes]:
         """Send the request; the response (its status read) and, for a whole 200, its body."""
         call, backend, t = self.call, self.backend, self.backend.timeouts
-        url = backend.urls[call.endpoint.name]
+        ep = call.endpoint
         upstream_model = backend.upstream_model(call.model)
-        body = call.body_for(upstream_model) if self.resume is None else \
-            self.resume.body(call.body, upstream_model, call.endpoint.prefill)
+        if ep.via is not None:  # translated for the backend's API (not continued: see continuable)
+            url, body = backend.urls[ep.via], ep.upstream_body(call.body, upstream_model)
+        else:
+            url = backend.urls[ep.name]
+            body = call.body_for(upstream_model) if self.resume is None else \
+                self.resume.body(call.body, upstream_model, ep.prefill)
         headers = {**backend.headers, "X-Request-Id": call.request_id}
         resp: UpstreamResponse | None = None
         timer = asyncio.timeout_at(self.first_deadline)  # one timer per attempt, moved as the phases change
@@ -206,7 +210,7 @@ class Attempt:
         if whole.usage is not None:
             call.out.usage = whole.usage
         call.out.finish = Finish.OK
-        await client_write(self.sink.send(200, raw))
+        await client_write(self.sink.send(200, raw if whole.body is None else whole.body))
         return Kind.OK
 
     def claim(self) -> None:

@@ -15,6 +15,7 @@ from ..errors import BadRequest, GatewayError, InternalError, NotFound, Unauthor
 from ..observe.metrics import refresh_gauges
 from ..observe.observer import server_timing
 from ..process.control import ControlError, ask
+from ..messages.api import routes as messages_extra
 from ..responses.api import routes as responses_by_id
 from ..routing.selector import usable
 from ..wire.codec import Endpoint
@@ -43,7 +44,7 @@ def _proxy(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamRe
             raw = await body_if_authenticated(request, rt)
             call = new_call(request, endpoint, raw, rt.server.request_timeout_ms)
         except GatewayError as err:
-            return error_response(err, {"x-request-id": request_id(request)})
+            return error_response(err, {"x-request-id": request_id(request)}, endpoint.error_body(err))
         sink = HttpSink(request, {"x-request-id": call.request_id, "x-gateway-queue-ms": "0"}, functools.partial(server_timing, call))
         with accounted(request, call, rt):
             await request.app[PIPELINE].run(call, rt, endpoint.wrap(sink))
@@ -264,6 +265,7 @@ def routes() -> list[web.RouteDef]:
     return [
         *(web.post("/v1" + e.path, _proxy(e)) for e in ENDPOINTS.values()),
         *responses_by_id(),
+        *messages_extra(),
         web.get("/v1/models", list_models),
         web.post("/v1/route/explain", route_explain),
         web.get("/healthz", healthz),

@@ -36,9 +36,10 @@ def json_response(data: object, status: int = 200, headers: dict[str, str] | Non
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
 
 
-def error_response(err: GatewayError, headers: dict[str, str] | None = None) -> web.Response:
+def error_response(err: GatewayError, headers: dict[str, str] | None = None, body: bytes | None = None) -> web.Response:
+    """`err` as an answer: OpenAI's shape, or `body` (an endpoint's own shape)."""
     return web.Response(
-        body=err.to_body(), status=err.status, content_type="application/json", headers={**(headers or {}), **err.headers()}
+        body=err.to_body() if body is None else body, status=err.status, content_type="application/json", headers={**(headers or {}), **err.headers()}
     )
 
 
@@ -46,7 +47,8 @@ def api_key(request: web.Request) -> str | None:
     auth = request.headers.get("Authorization", "")
     if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
-    return request.headers.get("api-key") or None  # Azure-style clients
+    # Azure-style clients; Anthropic's (its SDK sends a Bearer token, raw clients x-api-key)
+    return request.headers.get("api-key") or request.headers.get("x-api-key") or None
 
 
 async def read_bounded(request: web.Request, limit: int) -> bytes:

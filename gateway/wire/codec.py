@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from ..cache.entry import Entry
+from ..errors import GatewayError
 from ..web.sink import Sink
 from .monitor import Monitor, Rewrite
 from .openai_wire import RequestBody
@@ -33,6 +34,7 @@ class Whole(NamedTuple):
     usage: dict[str, Any] | None  # in the gateway's terms: prompt/completion/total tokens
     entry: Entry | None = None  # the answer as a cache entry (when captured and cacheable)
     record: dict[str, Any] | None = None  # a response the backend now holds (recorded before release)
+    body: bytes | None = None  # what the client gets, when not the backend's bytes (a translation)
 
 
 class Endpoint:
@@ -47,6 +49,20 @@ class Endpoint:
     stateful = False  # answers make the backend hold state later requests build on (responses/affinity.py, pipeline/pinning.py)
     asks_usage = False  # a stream's usage comes only when asked for (stream_options.include_usage)
     generates = True  # answers are generated tokens (a quota reserves for them; embeddings are not)
+    # Answered through another endpoint of the backends' API, translated (`upstream_body`, and the
+    # answer by `whole` / `monitor`): served by every backend serving that one. None: natively.
+    via: str | None = None
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        """Refuse (a BadRequest) what this endpoint cannot send on, beyond its request model."""
+
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
+        """The body a `via` endpoint sends its backend (its translation)."""
+        raise NotImplementedError(f"{self.name} is served natively")
+
+    def error_body(self, err: GatewayError) -> bytes:
+        """An error answer's body in this endpoint's shape (OpenAI's by default)."""
+        return err.to_body()
 
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """The body as the classifier reads it (a chat body)."""

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..messages.codec import MESSAGES
 from ..responses.codec import RESPONSES
 from .chat import CHAT, COMPLETIONS, EMBEDDINGS
 from .codec import Endpoint
 
 __all__ = ["ENDPOINTS", "explained"]
 
-ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES)}
+ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES)}
 
 
 def explained(body: Mapping[str, Any]) -> Endpoint:
