@@ -24,7 +24,7 @@ _FINISHED = frozenset({"stop", "length"})
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A complete non-streamed answer (chat.completion or text_completion JSON), as bytes."""
+    """A complete non-streamed answer (chat.completion, text_completion, a Response or a Message JSON), as bytes."""
 
     body: bytes
 
@@ -47,6 +47,8 @@ def is_complete(obj: Any) -> bool:
         return False
     if obj.get("object") == "response":
         return replayable(obj)  # a Responses API answer (responses/replay.py)
+    if obj.get("type") == "message":  # an Anthropic Message (messages/codec.py replays it)
+        return isinstance(obj.get("content"), list) and obj.get("stop_reason") in ("end_turn", "max_tokens", "stop_sequence", "tool_use")
     choices = obj.get("choices")
     if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
         return False

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 Priority = Literal["priority", "default", "flex"]
-Endpoint = Literal["chat", "completions", "embeddings", "responses"]
+Endpoint = Literal["chat", "completions", "embeddings", "responses", "messages"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 
 
@@ -98,6 +98,10 @@ class PricePolicy(_Section):
 
 class BackendPolicy(_Section):
     url: str
+    # The API it speaks: OpenAI's (chat, completions, embeddings, responses) or Anthropic's Messages
+    # API (`POST {url}/messages`, `x-api-key`, `anthropic-version`). Each serves the other's clients
+    # through translation (chat <-> messages).
+    kind: Literal["openai", "anthropic"] = "openai"
     api_key_env: str | None = None  # secrets come from the environment, never the file
     # Public model names this backend serves, or a map public name -> upstream name.
     models: tuple[str, ...] | dict[str, str] = Field(min_length=1)
@@ -147,6 +151,21 @@ class BackendPolicy(_Section):
     def _launched_default_endpoints(self) -> "BackendPolicy":
         if self.launch is not None and "endpoints" not in self.model_fields_set:
             object.__setattr__(self, "endpoints", ("chat", "completions"))
+        return self
+
+    @model_validator(mode="after")
+    def _endpoints_of_its_kind(self) -> "BackendPolicy":
+        """An Anthropic backend serves the Messages API (and chat clients through it); an OpenAI
+        one never lists `messages` (Messages clients reach it through its chat endpoint)."""
+        if self.kind == "anthropic":
+            if "endpoints" not in self.model_fields_set:
+                object.__setattr__(self, "endpoints", ("messages",))
+            elif set(self.endpoints) != {"messages"}:
+                raise ValueError("a `kind: anthropic` backend serves `endpoints: [messages]` (chat clients reach it through translation)")
+            if self.launch is not None:
+                raise ValueError("`launch` starts our own OpenAI-compatible server: not a `kind: anthropic` backend")
+        elif "messages" in self.endpoints:
+            raise ValueError("`messages` is the Anthropic API: set `kind: anthropic` for a backend that speaks it")
         return self
 
     @model_validator(mode="after")

@@ -27,6 +27,7 @@ from ..store.core import MemoryStore, Store
 from ..store.redis_store import RedisStore
 from ..tenants.auth import Tenant, Tenants
 from ..tenants.quota import Quota
+from ..wire.codec import Endpoint
 from ..wire.endpoints import ENDPOINTS
 from .policy import (
     BackendPolicy,
@@ -86,6 +87,7 @@ class Pool:
     selector: Selector
     affinity: bool = False  # prefix affinity ranks it (routing.prefix_affinity)
     mixed: bool = False  # it has local models and others: the simple class's local_first applies
+    kinds: frozenset[str] = frozenset({"openai"})  # the APIs its backends speak (BackendPolicy.kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +262,7 @@ class Runtime:
         enabled = rp.prefix_affinity.enabled
         affinity = len(picked) >= 2 and (enabled if enabled is not None else True) and strategy == "latency"
         mixed = any(b.local for b in picked) and not all(b.local for b in picked)
-        return Pool(picked, cands, selector, affinity, mixed)
+        return Pool(picked, cands, selector, affinity, mixed, frozenset(b.kind for b in picked))
 
     def _health_for(self, b: Backend, model: str) -> Health:
         """`b.health_for(model)`, but while building without touching the live state: a model
@@ -285,8 +287,7 @@ class Runtime:
         """Per endpoint: the pool itself when every backend serves it, else the ones that do."""
         out: dict[str, Pool | None] = {}
         for ep, codec in ENDPOINTS.items():
-            served = codec.via or ep  # a translated endpoint: every backend serving what it is sent as
-            names = tuple(b.name for b in pool.backends if served in b.policy.endpoints)
+            names = tuple(b.name for b in pool.backends if _serves(b, codec))
             out[ep] = pool if len(names) == len(pool.backends) else (self._pool(model, names, strategy) if names else None)
         return out
 
@@ -330,6 +331,13 @@ class Runtime:
         if route is None:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
         return route
+
+
+def _serves(b: Backend, codec: Endpoint) -> bool:
+    """Whether `b` answers `codec`'s requests: natively, or through a translating leg to an
+    endpoint of its own API that it serves."""
+    leg = codec.toward(b.kind)
+    return leg is not None and leg.upstream in b.policy.endpoints
 
 
 def _defaults(call: Call, route: Route) -> dict[str, float]:

@@ -24,28 +24,39 @@ from ..wire.chat_monitor import ChatMonitor
 from ..wire.codec import Endpoint, NotAnAnswer, Whole
 from ..wire.monitor import Monitor, Rewrite, Verdict
 from .stream import DONE, ChatToMessagesStream
-from .translate import TranslationError, chat_completion_to_message, message_id, messages_to_chat
+from ..wire.openai_wire import ChatRequest
+from .monitor import AnthropicMonitor, AnthropicToChatMonitor
+from .translate import (
+    TranslationError,
+    chat_completion_to_message,
+    chat_to_messages,
+    chat_usage,
+    message_id,
+    message_to_chat_completion,
+    messages_to_chat,
+)
 from .wire import MessagesRequest, error_event, error_type, gateway_error, sse_event
 
-__all__ = ["MESSAGES", "MessagesEndpoint", "MessagesSink", "message_events"]
+__all__ = ["CHAT_VIA_MESSAGES", "MESSAGES", "MESSAGES_VIA_CHAT", "ChatViaMessages", "MessagesEndpoint", "MessagesSink",
+           "MessagesViaChat", "message_events"]
 
 
 class MessagesEndpoint(Endpoint):
-    name, path, request = "messages", "/messages", MessagesRequest
-    via = "chat"  # answered by chat backends, translated
-    asks_usage = False  # the translation asks a chat stream for its usage itself
+    """/v1/messages, and its native leg toward `kind: anthropic` backends (passed through)."""
 
-    def validate(self, body: Mapping[str, Any]) -> None:
-        messages_to_chat(dict(body))  # raises Untranslatable / TranslationError (400s) before any backend
+    name, path, request = "messages", "/messages", MessagesRequest
+    kinds = frozenset({"anthropic"})
+    asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
+
+    def validate(self, body: Mapping[str, Any], kinds: frozenset[str]) -> None:
+        if "openai" in kinds:  # a candidate answers through chat: only what translates faithfully
+            messages_to_chat(dict(body))
 
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         try:
             return messages_to_chat(dict(body))
-        except TranslationError:  # refused at intake anyway (validate)
-            return {"messages": []}
-
-    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
-        return orjson.dumps({**messages_to_chat(dict(body)), "model": upstream_model})
+        except TranslationError:  # a feature chat lacks: classified by its text alone
+            return {"messages": [m for m in body.get("messages") or [] if isinstance(m, dict) and isinstance(m.get("content"), str)]}
 
     def error_body(self, err: GatewayError) -> bytes:
         return gateway_error(err)[1]
@@ -54,26 +65,84 @@ class MessagesEndpoint(Endpoint):
         return MessagesSink(sink)
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+        return AnthropicMonitor()
+
+    def whole(self, raw: bytes, capture: int) -> Whole:
+        msg = _json(raw)
+        if msg is None or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
+            raise NotAnAnswer("the backend answered 200 with a body that is not a Message")
+        entry = Entry(raw) if capture and len(raw) <= capture and msg.get("stop_reason") else None
+        return Whole(chat_usage(msg.get("usage")), entry)
+
+    def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
+        """Entries hold the Message (whichever leg answered)."""
+        return message_events(orjson.loads(entry.body)) if stream else entry.body
+
+
+class MessagesViaChat(Endpoint):
+    """The leg of a Messages request toward an OpenAI backend: sent as chat, answered as a Message."""
+
+    name, path, request, upstream = "messages", "/messages", MessagesRequest, "chat"
+    kinds = frozenset()
+
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
+        return orjson.dumps({**messages_to_chat(dict(body)), "model": upstream_model})
+
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
         return ChatToMessagesMonitor(capture=capture)
 
     def whole(self, raw: bytes, capture: int) -> Whole:
-        try:
-            obj = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            obj = None
-        if not isinstance(obj, dict) or not isinstance(obj.get("choices"), list) or not obj["choices"]:
+        obj = _json(raw)
+        if obj is None or not isinstance(obj.get("choices"), list) or not obj["choices"]:
             raise NotAnAnswer("the backend answered 200 with a body that is not a chat completion")
         try:
-            msg = _message(obj)
+            body = orjson.dumps(_message(obj))
         except ValueError as exc:
             raise NotAnAnswer(f"the backend's answer cannot be read as a Message: {exc}") from None
-        entry = Entry(raw) if capture and len(raw) <= capture and is_complete(obj) else None
+        entry = Entry(body) if capture and len(body) <= capture and is_complete(obj) else None
         usage = obj.get("usage")
-        return Whole(usage if isinstance(usage, dict) else None, entry, body=orjson.dumps(msg))
+        return Whole(usage if isinstance(usage, dict) else None, entry, body=body)
 
-    def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
-        msg = _message(orjson.loads(entry.body))
-        return message_events(msg) if stream else orjson.dumps(msg)
+
+class ChatViaMessages(Endpoint):
+    """The leg of a chat request toward an Anthropic backend: sent as a Messages request,
+    answered as a chat completion (or its chunks)."""
+
+    name, path, request, upstream = "chat", "/chat/completions", ChatRequest, "messages"
+    kinds = frozenset()
+
+    def __init__(self, default_max_tokens: int = 4096) -> None:
+        super().__init__()
+        self.default_max_tokens = default_max_tokens  # Anthropic requires max_tokens; chat does not
+
+    def validate(self, body: Mapping[str, Any], kinds: frozenset[str]) -> None:
+        chat_to_messages(body, self.default_max_tokens)  # raises Untranslatable / TranslationError (400s)
+
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
+        return orjson.dumps({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model})
+
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+        return AnthropicToChatMonitor(include_usage=not strip_usage)
+
+    def whole(self, raw: bytes, capture: int) -> Whole:
+        msg = _json(raw)
+        if msg is None or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
+            raise NotAnAnswer("the backend answered 200 with a body that is not a Message")
+        try:
+            chat = message_to_chat_completion(msg, str(msg.get("model") or ""))
+        except ValueError as exc:
+            raise NotAnAnswer(f"the backend's Message cannot be read as a chat completion: {exc}") from None
+        body = orjson.dumps(chat)
+        entry = Entry(body) if capture and len(body) <= capture and is_complete(chat) else None
+        return Whole(chat.get("usage"), entry, body=body)
+
+
+def _json(raw: bytes) -> dict[str, Any] | None:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return obj if isinstance(obj, dict) else None
 
 
 def _message(chat: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +226,9 @@ class ChatToMessagesMonitor:
         return self._ending
 
     def entry(self) -> Entry | None:
-        return self._chat.entry()
+        """The assembled chat answer, kept as the Message (what a Messages hit replays)."""
+        chat = self._chat.entry()
+        return None if chat is None else Entry(orjson.dumps(_message(orjson.loads(chat.body))))
 
 
 class MessagesSink(SinkWrapper):
@@ -178,3 +249,5 @@ class MessagesSink(SinkWrapper):
 
 
 MESSAGES = MessagesEndpoint()
+MESSAGES_VIA_CHAT = MessagesViaChat()
+CHAT_VIA_MESSAGES = ChatViaMessages()

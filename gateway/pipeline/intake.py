@@ -21,7 +21,6 @@ def parse(call: Call) -> None:
     """Validate the body and fill in the call's model, stream flag and the band it asks for
     (x-priority when sent, else its service_tier's; the tenant's ceiling applies later)."""
     typed, body = parse_body(call.raw, call.endpoint.request)
-    call.endpoint.validate(body)
     call.body = body
     call.model = typed.model
     call.stream = bool(getattr(typed, "stream", False)) and call.endpoint.streams
@@ -45,7 +44,8 @@ def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
             call.prompt_tokens = estimate
     if route.prefixes is not None and call.endpoint.generates:
         _prefix(call, route, tenant)
-    route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
+    pool = route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
+    call.endpoint.validate(call.body, pool.kinds)  # a translation that cannot be faithful: a 400 now too
     _ticket(call, rt, tenant)
     return route, tenant
 

@@ -97,12 +97,15 @@ class Attempt:
     first-token deadline while this backend has too few samples; `resume`: continue a broken stream."""
 
     __slots__ = ("call", "backend", "ctx", "sink", "progress", "m", "live", "resume", "started", "now",
-                 "first_deadline", "call_deadline")
+                 "first_deadline", "call_deadline", "leg")
 
     def __init__(self, req: Requester, backend: Backend, m: BackendMetrics, *, live: RoutingPolicy | None,
                  cold_s: float | None = None, resume: Resume | None = None) -> None:
         self.call, self.ctx, self.sink, self.progress = req.call, req.ctx, req.sink, req.progress
         self.backend, self.m, self.live, self.resume = backend, m, live, resume
+        leg = self.call.endpoint.toward(backend.kind)
+        assert leg is not None, f"{backend.name!r} cannot answer {self.call.endpoint.name}: its pool should not hold it"
+        self.leg = leg  # the codec toward this backend: the endpoint itself, or a translating leg
         self.started = time.perf_counter()
         self.now = now = asyncio.get_running_loop().time()
         self.call_deadline = now + self.call.remaining_s()
@@ -117,14 +120,13 @@ class Attempt:
     async def send(self) -> tuple[UpstreamResponse, bytes]:
         """Send the request; the response (its status read) and, for a whole 200, its body."""
         call, backend, t = self.call, self.backend, self.backend.timeouts
-        ep = call.endpoint
+        leg = self.leg
         upstream_model = backend.upstream_model(call.model)
-        if ep.via is not None:  # translated for the backend's API (not continued: see continuable)
-            url, body = backend.urls[ep.via], ep.upstream_body(call.body, upstream_model)
-        else:
-            url = backend.urls[ep.name]
+        url = backend.urls[leg.upstream]
+        body = leg.upstream_body(call.body, upstream_model)  # translated for the backend's API (never continued)
+        if body is None:
             body = call.body_for(upstream_model) if self.resume is None else \
-                self.resume.body(call.body, upstream_model, ep.prefill)
+                self.resume.body(call.body, upstream_model, leg.prefill)
         headers = {**backend.headers, "X-Request-Id": call.request_id}
         resp: UpstreamResponse | None = None
         timer = asyncio.timeout_at(self.first_deadline)  # one timer per attempt, moved as the phases change
@@ -180,7 +182,7 @@ class Attempt:
         except (TimeoutError, UpstreamHTTPError):
             pass
         snippet = raw[:_ERROR_SNIPPET].decode("utf-8", "replace")
-        if status in (429, 503):
+        if status in (429, 503, 529):  # 529: Anthropic's overloaded_error, usually without Retry-After
             asked = retry_after(resp.headers.get("Retry-After"))
             pause = asked if asked is not None else _DEFAULT_COOLDOWN_S
             # Per upstream model: a provider's 429 on one model leaves its other models alone.
@@ -200,7 +202,7 @@ class Attempt:
         """A whole answer: check it is one (a 200 with garbage fails over), then pass its bytes on."""
         call = self.call
         try:
-            whole = call.endpoint.whole(raw, call.cache.capture)
+            whole = self.leg.whole(raw, call.cache.capture)
         except NotAnAnswer as exc:
             raise AttemptFailed(UpstreamError(str(exc)), Kind.MALFORMED) from None
         self.claim()

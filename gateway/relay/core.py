@@ -54,7 +54,9 @@ class Relay(Rescue, Hedging):
         wait that cannot meet the deadline (admission is on). Raises a GatewayError
         (AllBackendsFailed, or a shed) when no backend answers."""
         call = self.call
-        if call.stream and self.route.routing.continuation and len(self.pool.backends) > 1 and call.endpoint.continuable(call.body):
+        # Continued only where every candidate answers natively: a transcript reads the client's events.
+        if call.stream and self.route.routing.continuation and len(self.pool.backends) > 1 \
+                and self.pool.kinds <= call.endpoint.kinds and call.endpoint.continuable(call.body):
             call.transcript = Transcript()
         try:
             await self._answer(shed)

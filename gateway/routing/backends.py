@@ -17,7 +17,9 @@ from .health import Health
 from .latency import Tracker
 from .load import Load
 
-__all__ = ["Backend", "BackendState", "Slots"]
+__all__ = ["ANTHROPIC_VERSION", "Backend", "BackendState", "Slots"]
+
+ANTHROPIC_VERSION = "2023-06-01"  # the Messages API version a `kind: anthropic` backend is called with
 
 
 class Slots(Gate):
@@ -77,13 +79,19 @@ class Backend:
         self.urls = {name: URL(self.base_url + ep.path) for name, ep in ENDPOINTS.items()}
         # identity: the relay reads every event, and passes bytes on without re-encoding them.
         headers = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+        self.kind = policy.kind
+        if policy.kind == "anthropic":
+            headers["anthropic-version"] = ANTHROPIC_VERSION
         if policy.api_key_env:
             key = os.environ.get(policy.api_key_env)
             if not key:
                 raise ValueError(
                     f"backends.{name}.api_key_env: environment variable {policy.api_key_env} is not set"
                 )
-            headers["Authorization"] = f"Bearer {key}"
+            if policy.kind == "anthropic":
+                headers["x-api-key"] = key
+            else:
+                headers["Authorization"] = f"Bearer {key}"
         self.headers = headers
         self.metrics_url = policy.metrics_url or (_sibling_metrics(self.base_url) if policy.launch else None)
         self.local = policy.local if policy.local is not None else policy.launch is not None

@@ -80,7 +80,9 @@ class Kind(StrEnum):
 
     @classmethod
     def http(cls, status: int) -> Kind:
-        """The kind of a failing upstream status (every 5xx but 503 is HTTP_5XX)."""
+        """The kind of a failing upstream status (every 5xx but 503 and 529 is HTTP_5XX)."""
+        if status == 529:  # Anthropic's overloaded_error: busy, as a 503
+            return cls.HTTP_503
         if status >= 500 and status != 503:
             return cls.HTTP_5XX
         return cls(f"http_{status}")

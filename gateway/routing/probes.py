@@ -39,9 +39,10 @@ _BODIES: dict[str, dict[str, Any]] = {
     "completions": {"prompt": _PING, "max_tokens": 1, "stream": False},
     "chat": {"messages": [{"role": "user", "content": _PING}], "max_tokens": 1, "stream": False},
     "embeddings": {"input": _PING},
+    "messages": {"messages": [{"role": "user", "content": _PING}], "max_tokens": 1},  # a `kind: anthropic` backend
 }
 # What a good answer holds: an answer, not just a 200 (a proxy's HTML page is no answer).
-_ANSWER_KEY = {"chat": "choices", "completions": "choices", "embeddings": "data"}
+_ANSWER_KEY = {"chat": "choices", "completions": "choices", "embeddings": "data", "messages": "content"}
 _MAX_BODY_BYTES = 1 << 20  # a one-token answer is well under this
 # Statuses that count against the backend (health.OUTCOMES); other 4xx say the request's shape
 # is not served there (unknown parameter, model or path), so the next endpoint is tried.

@@ -29,6 +29,13 @@ class ChatEndpoint(Endpoint):
     def __init__(self, name: str, path: str, request: type[RequestBody], *, chat: bool) -> None:
         self.name, self.path, self.request = name, path, request
         self._chat = chat
+        super().__init__()
+
+    def validate(self, body: Mapping[str, Any], kinds: frozenset[str]) -> None:
+        for kind in kinds:  # a candidate answers through another API: only what translates faithfully
+            leg = self.legs.get(kind)
+            if leg is not None and leg is not self:
+                leg.validate(body, kinds)
 
     def continuable(self, body: Mapping[str, Any]) -> bool:
         """One choice, no tools asked for: text a continuation can reproduce."""

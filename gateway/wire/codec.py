@@ -49,16 +49,27 @@ class Endpoint:
     stateful = False  # answers make the backend hold state later requests build on (responses/affinity.py, pipeline/pinning.py)
     asks_usage = False  # a stream's usage comes only when asked for (stream_options.include_usage)
     generates = True  # answers are generated tokens (a quota reserves for them; embeddings are not)
-    # Answered through another endpoint of the backends' API, translated (`upstream_body`, and the
-    # answer by `whole` / `monitor`): served by every backend serving that one. None: natively.
-    via: str | None = None
+    # The backend's endpoint (a key of endpoints.ENDPOINTS) an attempt posts to: its own for a
+    # native codec, another for a translating leg (see `toward`).
+    upstream: str = ""
+    kinds: frozenset[str] = frozenset({"openai"})  # backend kinds (BackendPolicy.kind) it speaks natively
 
-    def validate(self, body: Mapping[str, Any]) -> None:
-        """Refuse (a BadRequest) what this endpoint cannot send on, beyond its request model."""
+    def __init__(self) -> None:
+        self.upstream = self.upstream or self.name
+        self.legs: dict[str, Endpoint] = {k: self for k in self.kinds}  # endpoints.py adds translating ones
 
-    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
-        """The body a `via` endpoint sends its backend (its translation)."""
-        raise NotImplementedError(f"{self.name} is served natively")
+    def toward(self, kind: str) -> Endpoint | None:
+        """How a request to this endpoint goes to a backend of `kind`: this codec when native, a
+        translating leg (its own `upstream`, `upstream_body`, `whole`, `monitor`), or None."""
+        return self.legs.get(kind)
+
+    def validate(self, body: Mapping[str, Any], kinds: frozenset[str]) -> None:
+        """Refuse (a BadRequest) what this endpoint cannot send on to backends of `kinds` (its
+        pool's), beyond its request model: a translation that cannot be faithful."""
+
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes | None:
+        """The body a translating leg sends its backend; None: the client's own (the model mapped)."""
+        return None
 
     def error_body(self, err: GatewayError) -> bytes:
         """An error answer's body in this endpoint's shape (OpenAI's by default)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..messages.codec import MESSAGES
+from ..messages.codec import CHAT_VIA_MESSAGES, MESSAGES, MESSAGES_VIA_CHAT
 from ..responses.codec import RESPONSES
 from .chat import CHAT, COMPLETIONS, EMBEDDINGS
 from .codec import Endpoint
@@ -13,6 +13,10 @@ from .codec import Endpoint
 __all__ = ["ENDPOINTS", "explained"]
 
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES)}
+# Translating legs: a Messages client answered by an OpenAI backend's chat, a chat client by an
+# Anthropic backend's Messages API (messages/codec.py).
+MESSAGES.legs["openai"] = MESSAGES_VIA_CHAT
+CHAT.legs["anthropic"] = CHAT_VIA_MESSAGES
 
 
 def explained(body: Mapping[str, Any]) -> Endpoint:

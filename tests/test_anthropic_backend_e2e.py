@@ -1,0 +1,152 @@
+"""`kind: anthropic` backends end to end: a fake Anthropic Messages API upstream (tests/fake_anthropic.py)
+behind the gateway, reached natively by the anthropic SDK and through translation by the openai SDK;
+an overloaded (529) Anthropic backend fails over to an OpenAI one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import anthropic
+import openai
+import pytest
+
+from gateway.tenants.auth import hash_key
+from tests.fake_anthropic import FakeAnthropic
+
+KEY, UPSTREAM_KEY = "sk-test", "sk-ant-upstream-key"
+HELLO = [{"role": "user", "content": "Say something"}]
+WORDS = " ".join(f"w{i}" for i in range(6))
+TOOLS_A = [{"name": "get_weather", "description": "Weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+TOOLS_OA = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                               "parameters": TOOLS_A[0]["input_schema"]}}]
+
+
+@pytest.fixture
+async def fake_anthropic(monkeypatch) -> AsyncIterator[FakeAnthropic]:
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", UPSTREAM_KEY)
+    fake = FakeAnthropic("an", key=UPSTREAM_KEY, words=6, model="claude-fake-1")
+    await fake.start()
+    yield fake
+    await fake.stop()
+
+
+def _policy(an: FakeAnthropic, *openai_ups, fo: bool = False):
+    backends = {"an": {"url": an.url, "kind": "anthropic", "api_key_env": "TEST_ANTHROPIC_KEY", "models": {"a": "claude-fake-1", "fo": "claude-fake-1"}}}
+    for u in openai_ups:
+        backends[u.name] = {"url": u.url, "models": ["fo"]}
+    models = {"a": {"backends": ["an"]}}
+    if fo:
+        models["fo"] = {"backends": ["an", *(u.name for u in openai_ups)], "strategy": "ordered"}
+    return {"backends": backends, "models": models, "reload": {"watch": False}, "cache": {"enabled": False},
+            "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}}
+
+
+@pytest.fixture
+async def clients():
+    """Factory: an anthropic or openai SDK client of the gateway; closed while the loop runs."""
+    made: list = []
+
+    def make(gw, kind: str):
+        c = anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0, timeout=10) if kind == "anthropic" \
+            else openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=KEY, max_retries=0, timeout=10)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+async def test_a_messages_client_reaches_an_anthropic_backend_natively(fake_anthropic, gateway, clients):
+    gw = await gateway(_policy(fake_anthropic))
+    c = clients(gw, "anthropic")
+    msg = await c.messages.create(model="a", max_tokens=64, messages=HELLO, system="Be brief.")
+    assert msg.content[0].text == WORDS and msg.stop_reason == "end_turn" and msg.usage.input_tokens > 0
+    st = fake_anthropic.stats
+    assert st.last_auth == "x-api-key" and st.last_headers.get("x-api-key") == UPSTREAM_KEY  # the backend's key, never the caller's
+    assert KEY not in repr(st.last_headers) and st.last_headers.get("anthropic-version")
+    assert st.last_body["model"] == "claude-fake-1" and st.last_body["system"] == "Be brief."
+    async with c.messages.stream(model="a", max_tokens=64, messages=HELLO, extra_body={"top_k": 5}) as stream:
+        text = "".join([t async for t in stream.text_stream])  # top_k: native, so not refused
+        final = await stream.get_final_message()
+    assert text == WORDS and final.stop_reason == "end_turn" and final.usage.output_tokens > 0
+
+
+async def test_a_chat_client_reaches_an_anthropic_backend_through_translation(fake_anthropic, gateway, clients):
+    gw = await gateway(_policy(fake_anthropic))
+    oc = clients(gw, "openai")
+    r = await oc.chat.completions.create(model="a", messages=[{"role": "system", "content": "Be brief."}, *HELLO])
+    assert r.choices[0].message.content == WORDS and r.choices[0].finish_reason == "stop"
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    sent = fake_anthropic.stats.last_body
+    assert sent["system"] == "Be brief." and sent["max_tokens"] > 0 and sent["messages"] == HELLO
+    stream = await oc.chat.completions.create(model="a", messages=HELLO, stream=True, stream_options={"include_usage": True})
+    pieces, usage = [], None
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert "".join(pieces) == WORDS and usage is not None and usage.completion_tokens > 0  # token for token
+    with pytest.raises(openai.BadRequestError, match="seed"):  # what Anthropic cannot do: refused, not dropped
+        await oc.chat.completions.create(model="a", messages=HELLO, seed=7)
+
+
+async def test_tool_calls_stream_through_the_translation(fake_anthropic, gateway, clients):
+    fake_anthropic.set(tool_call="get_weather", tool_input={"city": "Paris"})
+    gw = await gateway(_policy(fake_anthropic))
+    oc = clients(gw, "openai")
+    stream = await oc.chat.completions.create(model="a", messages=HELLO, tools=TOOLS_OA, stream=True)
+    args, name, finish = "", None, None
+    async for chunk in stream:
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name = tc.function.name or name
+            args += tc.function.arguments or ""
+        if chunk.choices and chunk.choices[0].finish_reason:
+            finish = chunk.choices[0].finish_reason
+    assert name == "get_weather" and args.replace(" ", "") == '{"city":"Paris"}' and finish == "tool_calls"
+    r = await oc.chat.completions.create(model="a", messages=HELLO, tools=TOOLS_OA)
+    call = r.choices[0].message.tool_calls[0]
+    follow = [*HELLO, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+              {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    fake_anthropic.set(tool_call=None)
+    r2 = await oc.chat.completions.create(model="a", messages=follow, tools=TOOLS_OA)
+    assert r2.choices[0].message.content == WORDS
+    turn = fake_anthropic.stats.last_body["messages"]
+    assert turn[-1]["content"][0]["type"] == "tool_result" and turn[-1]["content"][0]["tool_use_id"] == call.id
+    # The anthropic SDK natively, tool use streamed in input_json_delta pieces.
+    fake_anthropic.set(tool_call="get_weather")
+    c = clients(gw, "anthropic")
+    async with c.messages.stream(model="a", max_tokens=64, messages=HELLO, tools=TOOLS_A) as s:
+        final = await s.get_final_message()
+    assert final.stop_reason == "tool_use" and final.content[-1].input == {"city": "Paris"}
+
+
+async def test_an_overloaded_anthropic_backend_fails_over_to_an_openai_one(fake_anthropic, upstream, gateway, clients):
+    oa = await upstream("oa", tokens=3)
+    fake_anthropic.set(fail_status=529, fail_count=0)
+    gw = await gateway(_policy(fake_anthropic, oa, fo=True))
+    c = clients(gw, "anthropic")
+    raw = await c.messages.with_raw_response.create(model="fo", max_tokens=32, messages=HELLO)
+    msg = await raw.parse()
+    assert raw.headers["x-gateway-backend"] == "oa" and msg.content[0].text.strip() == "w0 w1 w2"
+    assert fake_anthropic.stats.by_status.get(529, 0) >= 1 and oa.stats.requests == 1
+    oc = clients(gw, "openai")
+    r = await oc.chat.completions.with_raw_response.create(model="fo", messages=HELLO)
+    assert r.headers["x-gateway-backend"] == "oa"  # cooling after its 529: the OpenAI backend answers
+
+
+async def test_the_anthropic_backend_is_probed_with_its_own_headers(fake_anthropic, gateway):
+    policy = _policy(fake_anthropic)
+    policy["health"] = {"probe_interval_ms": 100}
+    gw = await gateway(policy)
+    for _ in range(40):
+        if fake_anthropic.stats.models_requests:
+            break
+        await asyncio.sleep(0.05)
+    assert fake_anthropic.stats.models_requests >= 1  # GET /v1/models answered: x-api-key and anthropic-version sent
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/readyz") as r:
+            assert r.status == 200
