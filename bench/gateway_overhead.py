@@ -39,6 +39,10 @@ STREAM_BODY = orjson.dumps(
 # The Responses API (/v1/responses), the same request in its shape.
 RESP_BODY = orjson.dumps({"model": "gpt-test", "input": "Say hello in one word.", "max_output_tokens": 16})
 RESP_STREAM_BODY = orjson.dumps({"model": "gpt-test", "input": "Say hello in one word.", "max_output_tokens": 16, "stream": True})
+# Anthropic's Messages API, answered by the same chat upstream through translation.
+MSG_STREAM_BODY = orjson.dumps(
+    {"model": "gpt-test", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16, "stream": True}
+)
 
 
 def main() -> None:
@@ -98,6 +102,10 @@ def main() -> None:
         rlat_g = run_in_subprocess("fixed_rate", r_via, args.rate, args.duration, RESP_BODY.decode())
         rttft_d = run_in_subprocess("ttft", r_direct, args.stream_n, RESP_STREAM_BODY.decode(), '"delta":"w')
         rttft_g = run_in_subprocess("ttft", r_via, args.stream_n, RESP_STREAM_BODY.decode(), '"delta":"w')
+        # The translation's own cost: Messages in, chat upstream, Anthropic events out, beside chat through the gateway.
+        m_via = via.replace("/chat/completions", "/messages")
+        mttft_chat = run_in_subprocess("ttft", via, args.stream_n, STREAM_BODY.decode())
+        mttft_g = run_in_subprocess("ttft", m_via, args.stream_n, MSG_STREAM_BODY.decode(), '"text":"w')
         rss = peak_rss_mb(gateway.pid)
         multi = _workers(args, policy, script, g["rps"], cpu_per_req_us) if args.workers > 1 else None
         every = _every_stage(args, tmp, up_port)
@@ -121,6 +129,11 @@ def main() -> None:
          pct(rlat_g, 0.99) / pct(rlat_d, 0.99)),
         ("responses: stream TTFT p50 (ms)", pct(rttft_d, 0.5) * ms, pct(rttft_g, 0.5) * ms, pct(rttft_g, 0.5) / pct(rttft_d, 0.5)),
         ("responses: stream TTFT p99 (ms)", pct(rttft_d, 0.99) * ms, pct(rttft_g, 0.99) * ms, pct(rttft_g, 0.99) / pct(rttft_d, 0.99)),
+        # "direct" here is chat through the gateway (the untranslated path), "gateway" Messages through it.
+        ("messages (translated) vs chat: TTFT p50 (ms)", pct(mttft_chat, 0.5) * ms, pct(mttft_g, 0.5) * ms,
+         pct(mttft_g, 0.5) / pct(mttft_chat, 0.5)),
+        ("messages (translated) vs chat: TTFT p99 (ms)", pct(mttft_chat, 0.99) * ms, pct(mttft_g, 0.99) * ms,
+         pct(mttft_g, 0.99) / pct(mttft_chat, 0.99)),
     ]
     print(f"\n{'metric':42} {'direct':>10} {'gateway':>10} {'ratio':>7} {'added':>9}")
     for name, dv, gv, ratio in rows:

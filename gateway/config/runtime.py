@@ -88,6 +88,8 @@ class Pool:
     affinity: bool = False  # prefix affinity ranks it (routing.prefix_affinity)
     mixed: bool = False  # it has local models and others: the simple class's local_first applies
     kinds: frozenset[str] = frozenset({"openai"})  # the APIs its backends speak (BackendPolicy.kind)
+    # endpoint -> the translating legs its backends would be reached by (checked at intake)
+    translating: dict[str, tuple[Endpoint, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,7 +264,12 @@ class Runtime:
         enabled = rp.prefix_affinity.enabled
         affinity = len(picked) >= 2 and (enabled if enabled is not None else True) and strategy == "latency"
         mixed = any(b.local for b in picked) and not all(b.local for b in picked)
-        return Pool(picked, cands, selector, affinity, mixed, frozenset(b.kind for b in picked))
+        translating = {}
+        for ep, codec in ENDPOINTS.items():
+            legs = {leg for b in picked if (leg := codec.toward(b.kind, b.policy.endpoints)) not in (None, codec)}
+            if legs:
+                translating[ep] = tuple(legs)
+        return Pool(picked, cands, selector, affinity, mixed, frozenset(b.kind for b in picked), translating)
 
     def _health_for(self, b: Backend, model: str) -> Health:
         """`b.health_for(model)`, but while building without touching the live state: a model
@@ -336,8 +343,7 @@ class Runtime:
 def _serves(b: Backend, codec: Endpoint) -> bool:
     """Whether `b` answers `codec`'s requests: natively, or through a translating leg to an
     endpoint of its own API that it serves."""
-    leg = codec.toward(b.kind)
-    return leg is not None and leg.upstream in b.policy.endpoints
+    return codec.toward(b.kind, b.policy.endpoints) is not None
 
 
 def _defaults(call: Call, route: Route) -> dict[str, float]:

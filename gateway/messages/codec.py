@@ -48,10 +48,6 @@ class MessagesEndpoint(Endpoint):
     kinds = frozenset({"anthropic"})
     asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
 
-    def validate(self, body: Mapping[str, Any], kinds: frozenset[str]) -> None:
-        if "openai" in kinds:  # a candidate answers through chat: only what translates faithfully
-            messages_to_chat(dict(body))
-
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         try:
             return messages_to_chat(dict(body))
@@ -64,7 +60,7 @@ class MessagesEndpoint(Endpoint):
     def wrap(self, sink: Sink) -> Sink:
         return MessagesSink(sink)
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
         return AnthropicMonitor()
 
     def whole(self, raw: bytes, capture: int) -> Whole:
@@ -85,10 +81,13 @@ class MessagesViaChat(Endpoint):
     name, path, request, upstream = "messages", "/messages", MessagesRequest, "chat"
     kinds = frozenset()
 
+    def validate(self, body: Mapping[str, Any]) -> None:
+        messages_to_chat(dict(body))  # raises Untranslatable / TranslationError (400s)
+
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
         return orjson.dumps({**messages_to_chat(dict(body)), "model": upstream_model})
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
         return ChatToMessagesMonitor(capture=capture)
 
     def whole(self, raw: bytes, capture: int) -> Whole:
@@ -115,13 +114,13 @@ class ChatViaMessages(Endpoint):
         super().__init__()
         self.default_max_tokens = default_max_tokens  # Anthropic requires max_tokens; chat does not
 
-    def validate(self, body: Mapping[str, Any], kinds: frozenset[str]) -> None:
+    def validate(self, body: Mapping[str, Any]) -> None:
         chat_to_messages(body, self.default_max_tokens)  # raises Untranslatable / TranslationError (400s)
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
         return orjson.dumps({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model})
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
         return AnthropicToChatMonitor(include_usage=not strip_usage)
 
     def whole(self, raw: bytes, capture: int) -> Whole:

@@ -45,7 +45,8 @@ def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     if route.prefixes is not None and call.endpoint.generates:
         _prefix(call, route, tenant)
     pool = route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
-    call.endpoint.validate(call.body, pool.kinds)  # a translation that cannot be faithful: a 400 now too
+    for leg in pool.translating.get(call.endpoint.name, ()):
+        leg.validate(call.body)  # a candidate reached through translation: what cannot be faithful is a 400 now too
     _ticket(call, rt, tenant)
     return route, tenant
 

@@ -103,7 +103,7 @@ class Attempt:
                  cold_s: float | None = None, resume: Resume | None = None) -> None:
         self.call, self.ctx, self.sink, self.progress = req.call, req.ctx, req.sink, req.progress
         self.backend, self.m, self.live, self.resume = backend, m, live, resume
-        leg = self.call.endpoint.toward(backend.kind)
+        leg = self.call.endpoint.toward(backend.kind, backend.policy.endpoints)
         assert leg is not None, f"{backend.name!r} cannot answer {self.call.endpoint.name}: its pool should not hold it"
         self.leg = leg  # the codec toward this backend: the endpoint itself, or a translating leg
         self.started = time.perf_counter()

@@ -56,7 +56,7 @@ class Relay(Rescue, Hedging):
         call = self.call
         # Continued only where every candidate answers natively: a transcript reads the client's events.
         if call.stream and self.route.routing.continuation and len(self.pool.backends) > 1 \
-                and self.pool.kinds <= call.endpoint.kinds and call.endpoint.continuable(call.body):
+                and call.endpoint.name not in self.pool.translating and call.endpoint.continuable(call.body):
             call.transcript = Transcript()
         try:
             await self._answer(shed)

@@ -31,12 +31,6 @@ class ChatEndpoint(Endpoint):
         self._chat = chat
         super().__init__()
 
-    def validate(self, body: Mapping[str, Any], kinds: frozenset[str]) -> None:
-        for kind in kinds:  # a candidate answers through another API: only what translates faithfully
-            leg = self.legs.get(kind)
-            if leg is not None and leg is not self:
-                leg.validate(body, kinds)
-
     def continuable(self, body: Mapping[str, Any]) -> bool:
         """One choice, no tools asked for: text a continuation can reproduce."""
         return body.get("n") in (None, 1) and not body.get("tools")
@@ -46,7 +40,7 @@ class ChatEndpoint(Endpoint):
             return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
         return {**body, "prompt": str(body.get("prompt", "")) + text}
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
         return ChatMonitor(capture=capture, strip_usage=strip_usage, rewrite=rewrite)
 
     def whole(self, raw: bytes, capture: int) -> Whole:

@@ -56,16 +56,22 @@ class Endpoint:
 
     def __init__(self) -> None:
         self.upstream = self.upstream or self.name
-        self.legs: dict[str, Endpoint] = {k: self for k in self.kinds}  # endpoints.py adds translating ones
+        # Per backend kind, the ways to it in order of preference: natively first; endpoints.py
+        # adds the translating legs.
+        self.legs: dict[str, list[Endpoint]] = {k: [self] for k in self.kinds}
 
-    def toward(self, kind: str) -> Endpoint | None:
-        """How a request to this endpoint goes to a backend of `kind`: this codec when native, a
-        translating leg (its own `upstream`, `upstream_body`, `whole`, `monitor`), or None."""
-        return self.legs.get(kind)
+    def toward(self, kind: str, serves: tuple[str, ...]) -> Endpoint | None:
+        """How a request to this endpoint goes to a backend of `kind` serving the endpoints
+        `serves`: this codec when native, a translating leg (its own `upstream`, `upstream_body`,
+        `whole`, `monitor`), or None when it cannot."""
+        for leg in self.legs.get(kind, ()):
+            if leg.upstream in serves:
+                return leg
+        return None
 
-    def validate(self, body: Mapping[str, Any], kinds: frozenset[str]) -> None:
-        """Refuse (a BadRequest) what this endpoint cannot send on to backends of `kinds` (its
-        pool's), beyond its request model: a translation that cannot be faithful."""
+    def validate(self, body: Mapping[str, Any]) -> None:
+        """A translating leg: refuse (a BadRequest naming the feature) what it cannot translate
+        faithfully. Called at intake for every leg a candidate of the request's pool would use."""
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes | None:
         """The body a translating leg sends its backend; None: the client's own (the model mapped)."""
@@ -107,10 +113,10 @@ class Endpoint:
         """The sink this endpoint answers through (how a failure is framed once streaming)."""
         return sink
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
         """A monitor for one stream (`capture`: keep the answer for the cache, up to this many
         bytes; `strip_usage`: drop the usage chunk the gateway asked for; `rewrite`: a
-        continuation's event hook)."""
+        continuation's event hook; `body`: the client's request, for a leg that echoes it)."""
         raise NotImplementedError(f"{self.name} does not stream")
 
     def whole(self, raw: bytes, capture: int) -> Whole:

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..messages.codec import CHAT_VIA_MESSAGES, MESSAGES, MESSAGES_VIA_CHAT
+from ..responses.chat_leg import RESPONSES_VIA_CHAT
 from ..responses.codec import RESPONSES
 from .chat import CHAT, COMPLETIONS, EMBEDDINGS
 from .codec import Endpoint
@@ -13,10 +14,12 @@ from .codec import Endpoint
 __all__ = ["ENDPOINTS", "explained"]
 
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES)}
-# Translating legs: a Messages client answered by an OpenAI backend's chat, a chat client by an
-# Anthropic backend's Messages API (messages/codec.py).
-MESSAGES.legs["openai"] = MESSAGES_VIA_CHAT
-CHAT.legs["anthropic"] = CHAT_VIA_MESSAGES
+# Translating legs, after the native way: a Messages client answered by an OpenAI backend's chat,
+# a chat client by an Anthropic backend's Messages API (messages/codec.py).
+MESSAGES.legs["openai"] = [MESSAGES_VIA_CHAT]
+CHAT.legs["anthropic"] = [CHAT_VIA_MESSAGES]
+# The Responses API from a backend that serves only chat (the local model): stateless parts.
+RESPONSES.legs["openai"].append(RESPONSES_VIA_CHAT)
 
 
 def explained(body: Mapping[str, Any]) -> Endpoint:

@@ -1,0 +1,123 @@
+"""The Responses API toward a backend that serves only chat completions (our local model, many
+self-hosted servers): a translating leg of the Responses codec (wire/codec.py `toward`).
+
+Stateless parts only (via_chat.py): a request that builds on stored state (`previous_response_id`,
+`conversation`) is pinned to the backend holding it, never translated. The backend holds nothing
+of the answer, so no id of it is recorded (a later GET of it is a 404, as for `store: false`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from ..cache.entry import Entry
+from ..wire.chat_monitor import ChatMonitor
+from ..wire.codec import Endpoint, NotAnAnswer, Whole
+from ..wire.monitor import Monitor, Rewrite, Verdict
+from .replay import replayable
+from .via_chat import DONE, ChatToResponsesStream, StreamOrderError, chat_completion_to_response, responses_to_chat
+from .wire import ResponsesRequest, stateful_refs
+
+__all__ = ["RESPONSES_VIA_CHAT", "ResponsesViaChat"]
+
+
+class ResponsesViaChat(Endpoint):
+    name, path, request, upstream = "responses", "/responses", ResponsesRequest, "chat"
+    kinds = frozenset()
+
+    def validate(self, body: Mapping[str, Any]) -> None:
+        if not stateful_refs(body):  # a follow-up goes to the backend holding its state (pinning), as it is
+            responses_to_chat(body)
+
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
+        return orjson.dumps({**responses_to_chat(body), "model": upstream_model})
+
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None,
+                body: Mapping[str, Any] | None = None) -> Monitor:
+        return ChatToResponsesMonitor(body or {}, capture=capture)
+
+    def whole(self, raw: bytes, capture: int) -> Whole:
+        try:
+            chat = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            chat = None
+        if not isinstance(chat, dict) or not isinstance(chat.get("choices"), list) or not chat["choices"]:
+            raise NotAnAnswer("the backend answered 200 with a body that is not a chat completion")
+        usage = chat.get("usage")
+        # The request is not at hand here: the Response echoes no settings (the SDK needs none).
+        body = orjson.dumps(chat_completion_to_response(chat, {}))
+        entry = Entry(body) if capture and len(body) <= capture and replayable(orjson.loads(body)) else None
+        return Whole(usage if isinstance(usage, dict) else None, entry, None, body)
+
+
+class ChatToResponsesMonitor:
+    """A chat stream read by the chat monitor, given to the client as Responses events."""
+
+    __slots__ = ("_chat", "_tr", "_ending", "_request", "out")
+
+    first = "first output"
+    unfinished = "backend {backend!r} ended its stream before its finish reason"
+    relays_failure = False  # the relay ends it with a Responses error event (ResponsesSink)
+    record = None  # the backend holds nothing under the ids this leg makes up
+
+    def __init__(self, request: Mapping[str, Any], *, capture: int = 0) -> None:
+        self._chat = ChatMonitor(capture=capture)
+        self._tr: ChatToResponsesStream | None = None
+        self._ending: bytes | None = None
+        self._request = request
+        self.out: bytes | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._chat.finished
+
+    @property
+    def failure(self) -> str | None:
+        return self._chat.failure
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return self._chat.usage
+
+    @property
+    def timed(self) -> bool:
+        return self._chat.timed
+
+    @property
+    def event(self) -> dict[str, Any] | None:
+        return None  # not continued elsewhere
+
+    def feed(self, data: bytes) -> Verdict:
+        v = self._chat.feed(data)
+        self.out = None
+        if v in (Verdict.CONTENT, Verdict.HELD, Verdict.DROP):
+            obj = orjson.loads(data)
+            tr = self._tr
+            if tr is None:
+                tr = self._tr = ChatToResponsesStream(str(obj.get("model") or self._request.get("model") or ""), self._request)
+            try:
+                self.out = tr.feed(obj)
+            except StreamOrderError as exc:  # arguments for a call already closed: not an answer we can give
+                self._chat.failure = f"untranslatable stream: {exc}"
+                return Verdict.FAILED
+        return v
+
+    @property
+    def ending(self) -> bytes:
+        if self._ending is None:
+            self._ending = b"" if self._tr is None else self._tr.feed(DONE)
+        return self._ending
+
+    def entry(self) -> Entry | None:
+        """The assembled chat answer, kept as the Response (what a Responses hit replays)."""
+        chat = self._chat.entry()
+        if chat is None:
+            return None
+        response = chat_completion_to_response(orjson.loads(chat.body), self._request)
+        return Entry(orjson.dumps(response)) if replayable(response) else None
+
+
+RESPONSES_VIA_CHAT = ResponsesViaChat()

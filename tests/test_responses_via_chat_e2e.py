@@ -1,0 +1,61 @@
+"""/v1/responses answered by a backend that serves only chat completions (the local model's shape):
+translated to chat and back, stateless parts only, with the official openai SDK as the client."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+WORDS = " ".join(f"w{i}" for i in range(5))
+
+
+def _policy(*ups, **extra):
+    p = {
+        "backends": {u.name: {"url": u.url, "models": ["m"], "endpoints": ["chat", "completions"]} for u in ups},
+        "reload": {"watch": False},
+    }
+    p.update(extra)
+    return p
+
+
+async def test_a_chat_only_backend_answers_the_responses_api(upstream, gateway):
+    up = await upstream("local", tokens=5, endpoints=("chat", "completions", "models"))
+    gw = await gateway(_policy(up, cache={"enabled": False}))
+    c = gw.client()
+    r = await c.responses.create(model="m", input="Say something", instructions="Be brief.", max_output_tokens=32)
+    assert r.status == "completed" and r.output_text.strip() == WORDS and r.usage.output_tokens > 0
+    sent = up.stats.last_body  # a chat request went out
+    assert sent["messages"][0] == {"role": "system", "content": "Be brief."} and sent["max_tokens"] == 32
+    assert up.stats.by_path.get("/v1/responses", 0) == 0
+    events, text = [], ""
+    stream = await c.responses.create(model="m", input="Say something", stream=True)
+    async for ev in stream:
+        events.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            text += ev.delta
+    assert events[0] == "response.created" and events[-1] == "response.completed" and text.strip() == WORDS
+    async with c.responses.stream(model="m", input="Say something") as s:
+        final = await s.get_final_response()
+    assert final.output_text.strip() == WORDS
+
+
+async def test_state_it_cannot_hold_is_refused_and_cached_answers_replay(upstream, gateway):
+    up = await upstream("local", tokens=3, endpoints=("chat", "completions", "models"))
+    gw = await gateway(_policy(up))
+    c = gw.client()
+    with pytest.raises(openai.NotFoundError):  # no backend holds it: pinning finds none, nothing is sent
+        await c.responses.create(model="m", input="go on", previous_response_id="resp_abc")
+    with pytest.raises(openai.BadRequestError, match="web_search"):
+        await c.responses.create(model="m", input="look it up", tools=[{"type": "web_search"}])
+    assert up.stats.requests == 0
+    body = {"model": "m", "input": "Say something", "temperature": 0}
+    async with aiohttp.ClientSession() as http:
+        for _ in range(2):
+            async with http.post(gw.url + "/v1/responses", json=body) as r:
+                first = await r.json()
+                cache = r.headers["x-gateway-cache"]
+        assert cache == "hit" and up.stats.requests == 1 and first["output"][0]["content"][0]["text"].strip() == "w0 w1 w2"
+        async with http.post(gw.url + "/v1/responses", json={**body, "stream": True}) as r:
+            raw = await r.read()
+            assert r.headers["x-gateway-cache"] == "hit" and b"response.completed" in raw
