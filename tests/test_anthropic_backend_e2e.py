@@ -150,3 +150,21 @@ async def test_the_anthropic_backend_is_probed_with_its_own_headers(fake_anthrop
     async with aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/readyz") as r:
             assert r.status == 200
+
+
+async def test_tokens_of_anthropic_answers_are_counted(fake_anthropic, gateway, clients):
+    """Usage read from an Anthropic backend (whole and streamed, natively and translated) reaches
+    the token accounting: quotas and gateway_tokens_total count it."""
+    policy = _policy(fake_anthropic)
+    policy["tenants"]["t"]["quota"] = {"tpm": 100000}
+    gw = await gateway(policy)
+    c, oc = clients(gw, "anthropic"), clients(gw, "openai")
+    await c.messages.create(model="a", max_tokens=64, messages=HELLO)
+    async with c.messages.stream(model="a", max_tokens=64, messages=HELLO) as s:
+        await s.get_final_message()
+    await oc.chat.completions.create(model="a", messages=HELLO)
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    line = next(ln for ln in text.splitlines() if ln.startswith("gateway_tokens_total{") and 'backend="an"' in ln and 'kind="completion"' in ln)
+    assert float(line.rsplit(" ", 1)[1]) == 3 * 6  # six words each, three answers

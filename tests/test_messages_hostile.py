@@ -1,0 +1,57 @@
+"""A hostile or careless caller of /v1/messages: every bad body is a clear Anthropic-shaped 400
+(413 for a body over the limit), nothing reaches a backend, and the gateway keeps answering."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+import pytest
+
+from gateway.tenants.auth import hash_key
+
+KEY = "sk-test"
+OK = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+
+BAD = [
+    (b"{not json", "JSON"),
+    (b"[1, 2]", "object"),
+    (orjson.dumps({**OK, "max_tokens": 0}), "max_tokens"),
+    (orjson.dumps({**OK, "max_tokens": "8"}), "max_tokens"),
+    (orjson.dumps({**OK, "messages": []}), "messages"),
+    (orjson.dumps({**OK, "messages": [{"role": "robot", "content": "hi"}]}), "role"),
+    (orjson.dumps({**OK, "messages": [{"role": "user", "content": [{"type": "tool_use", "id": "x", "name": "f", "input": {}}]}]}), "tool_use"),
+    (orjson.dumps({**OK, "stream": "yes"}), "stream"),
+    (orjson.dumps({**OK, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}), "document"),
+    (orjson.dumps({**OK, "thinking": {"type": "enabled", "budget_tokens": 1024}}), "thinking"),
+]
+
+
+@pytest.mark.parametrize("raw,word", BAD, ids=[w for _, w in BAD])
+async def test_bad_bodies_are_anthropic_400s_and_reach_no_backend(upstream, gateway, raw, word):
+    up = await upstream("a")
+    gw = await gateway({"backends": {"a": {"url": up.url, "models": ["m"]}}, "reload": {"watch": False},
+                        "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}})
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/messages", data=raw, headers={"x-api-key": KEY, "content-type": "application/json"}) as r:
+            body = await r.json(content_type=None)
+            assert r.status == 400, body
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert word.lower() in body["error"]["message"].lower(), body
+        async with http.post(gw.url + "/v1/messages", json=OK, headers={"x-api-key": KEY}) as r:
+            assert r.status == 200  # and the next caller is answered
+    assert up.stats.requests == 1
+
+
+async def test_a_body_over_the_limit_is_refused_unread_in_anthropics_shape(upstream, gateway):
+    up = await upstream("a")
+    gw = await gateway({"backends": {"a": {"url": up.url, "models": ["m"]}}, "reload": {"watch": False},
+                        "server": {"max_body_bytes": 4096}, "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}})
+    big = orjson.dumps({**OK, "messages": [{"role": "user", "content": "x" * 100_000}]})
+    async with aiohttp.ClientSession() as http:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            async with http.post(gw.url + path, data=big, headers={"x-api-key": KEY, "content-type": "application/json"}) as r:
+                body = await r.json(content_type=None)
+                assert r.status == 413 and body["type"] == "error", (path, body)
+        async with http.post(gw.url + "/v1/messages", data=big, headers={"x-api-key": "wrong"}) as r:
+            assert r.status == 401  # no key, nothing read
+    assert up.stats.requests == 0
