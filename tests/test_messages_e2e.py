@@ -189,3 +189,40 @@ async def test_the_key_may_come_as_x_api_key_or_bearer(upstream, gateway):
     status, _, raw = await _post(gw, body, {"x-api-key": "sk-nope"})
     assert status == 401 and orjson.loads(raw)["error"]["type"] == "authentication_error"
     assert "sk-nope" not in raw.decode() and KEY not in repr(up.stats.last_headers)  # keys never travel on
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+async def test_a_cut_stream_is_continued_as_one_message(upstream, gateway, prefill):
+    """A Messages stream answered through chat that breaks mid-answer is continued on the next
+    backend (restarted and the delivered text skipped, or prefilled): one message, whole."""
+    a = await upstream("a", tokens=8, mode="cut", fail_after=3)
+    b = await upstream("b", tokens=8)
+    policy = _policy(a, b)
+    policy["backends"]["b"]["prefill"] = prefill
+    gw = await gateway(policy)
+    status, _, raw = await _post(gw, {"model": "m", "max_tokens": 64, "messages": HELLO, "stream": True})
+    evs = _events(raw)
+    kinds = [d["type"] for _, d in evs if d["type"] != "ping"]
+    assert status == 200 and kinds.count("message_start") == 1 and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    assert kinds.count("content_block_start") == 1 and "error" not in kinds
+    text = "".join(d["delta"].get("text", "") for _, d in evs if d["type"] == "content_block_delta")
+    if prefill:  # b went on from the delivered text: its own words follow (the fake restarts its count)
+        assert text.startswith("w0 w1 w2") and len(text.split()) > 3, text
+    else:
+        assert text.strip() == " ".join(f"w{i}" for i in range(8)), text
+    assert b.stats.requests == 1
+    async with _client(gw).messages.stream(model="m", max_tokens=64, messages=HELLO) as stream:
+        final = await stream.get_final_message()
+    assert final.stop_reason == "end_turn" and final.content[0].text.startswith("w0 w1 w2")
+
+
+async def test_a_failover_before_the_first_token_starts_a_fresh_message(upstream, gateway):
+    """The first backend's stream fails before any content (its role chunk held, then an error
+    event): the next one answers, and the client's stream still opens with its message_start."""
+    a = await upstream("a", tokens=8, mode="error_event", fail_after=0)
+    b = await upstream("b", tokens=4)
+    gw = await gateway(_policy(a, b))
+    status, _, raw = await _post(gw, {"model": "m", "max_tokens": 64, "messages": HELLO, "stream": True})
+    kinds = [d["type"] for _, d in _events(raw) if d["type"] != "ping"]
+    assert status == 200 and kinds[0] == "message_start" and kinds.count("message_start") == 1, kinds
+    assert kinds[-1] == "message_stop" and a.stats.requests == 1 and b.stats.requests == 1

@@ -90,6 +90,8 @@ class Pool:
     kinds: frozenset[str] = frozenset({"openai"})  # the APIs its backends speak (BackendPolicy.kind)
     # endpoint -> the translating legs its backends would be reached by (checked at intake)
     translating: dict[str, tuple[Endpoint, ...]] = field(default_factory=dict)
+    # the endpoints whose streams may be continued on another backend: every backend's leg can
+    continues: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,12 +266,14 @@ class Runtime:
         enabled = rp.prefix_affinity.enabled
         affinity = len(picked) >= 2 and (enabled if enabled is not None else True) and strategy == "latency"
         mixed = any(b.local for b in picked) and not all(b.local for b in picked)
-        translating = {}
+        translating, continues = {}, set()
         for ep, codec in ENDPOINTS.items():
-            legs = {leg for b in picked if (leg := codec.toward(b.kind, b.policy.endpoints)) not in (None, codec)}
-            if legs:
-                translating[ep] = tuple(legs)
-        return Pool(picked, cands, selector, affinity, mixed, frozenset(b.kind for b in picked), translating)
+            legs = {leg for b in picked if (leg := codec.toward(b.kind, b.policy.endpoints)) is not None}
+            if legs - {codec}:
+                translating[ep] = tuple(legs - {codec})
+            if legs and all(leg.continues for leg in legs):
+                continues.add(ep)
+        return Pool(picked, cands, selector, affinity, mixed, frozenset(b.kind for b in picked), translating, frozenset(continues))
 
     def _health_for(self, b: Backend, model: str) -> Health:
         """`b.health_for(model)`, but while building without touching the live state: a model

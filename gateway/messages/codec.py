@@ -19,11 +19,12 @@ import orjson
 
 from ..cache.entry import Entry, is_complete
 from ..errors import GatewayError
+from ..relay.continuation import Transcript
 from ..web.sink import Sink, SinkWrapper
-from ..wire.chat_monitor import ChatMonitor
+from ..wire.chat_monitor import ChatMonitor, OverChat
 from ..wire.codec import Endpoint, NotAnAnswer, Whole
 from ..wire.monitor import Monitor, Rewrite, Verdict
-from .stream import DONE, ChatToMessagesStream
+from .stream import ChatToMessagesStream, StreamOrderError
 from ..wire.openai_wire import ChatRequest
 from .monitor import AnthropicMonitor, AnthropicToChatMonitor
 from .translate import (
@@ -46,6 +47,11 @@ class MessagesEndpoint(Endpoint):
 
     name, path, request = "messages", "/messages", MessagesRequest
     kinds = frozenset({"anthropic"})
+    continues = False  # an Anthropic stream is not continued elsewhere (its events are not chat chunks)
+
+    def continuable(self, body: Mapping[str, Any]) -> bool:
+        """Text a continuation can reproduce: no tools asked for (through chat, see MessagesViaChat)."""
+        return not body.get("tools")
     asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
 
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -60,7 +66,8 @@ class MessagesEndpoint(Endpoint):
     def wrap(self, sink: Sink) -> Sink:
         return MessagesSink(sink)
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
+                transcript: Any = None) -> Monitor:
         return AnthropicMonitor()
 
     def whole(self, raw: bytes, capture: int) -> Whole:
@@ -80,6 +87,13 @@ class MessagesViaChat(Endpoint):
 
     name, path, request, upstream = "messages", "/messages", MessagesRequest, "chat"
     kinds = frozenset()
+    continues = True  # as chat underneath: the transcript reads the chat chunks (ChatToMessagesMonitor.event)
+
+    def upstream_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return messages_to_chat(dict(body))
+
+    def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
+        return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
 
     def validate(self, body: Mapping[str, Any]) -> None:
         messages_to_chat(dict(body))  # raises Untranslatable / TranslationError (400s)
@@ -87,8 +101,9 @@ class MessagesViaChat(Endpoint):
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
         return orjson.dumps({**messages_to_chat(dict(body)), "model": upstream_model})
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
-        return ChatToMessagesMonitor(capture=capture)
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
+                transcript: Any = None) -> Monitor:
+        return ChatToMessagesMonitor(capture=capture, rewrite=rewrite, transcript=transcript)
 
     def whole(self, raw: bytes, capture: int) -> Whole:
         obj = _json(raw)
@@ -109,6 +124,7 @@ class ChatViaMessages(Endpoint):
 
     name, path, request, upstream = "chat", "/chat/completions", ChatRequest, "messages"
     kinds = frozenset()
+    continues = False
 
     def __init__(self, default_max_tokens: int = 4096) -> None:
         super().__init__()
@@ -120,7 +136,8 @@ class ChatViaMessages(Endpoint):
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
         return orjson.dumps({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model})
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
+                transcript: Any = None) -> Monitor:
         return AnthropicToChatMonitor(include_usage=not strip_usage)
 
     def whole(self, raw: bytes, capture: int) -> Whole:
@@ -170,59 +187,51 @@ def message_events(msg: Mapping[str, Any]) -> bytes:
     return b"".join(out)
 
 
-class ChatToMessagesMonitor:
+class ChatToMessagesMonitor(OverChat):
     """A chat stream read by the chat monitor (the relay's verdicts, usage, cache capture), its
-    events given to the client as Anthropic's (`out`; `ending`: message_delta and message_stop)."""
+    events given to the client as Anthropic's (`out`; `ending`: message_delta and message_stop).
 
-    __slots__ = ("_chat", "_tr", "_ending", "out")
+    A continuation (relay/continuation.py) works on the chat chunks underneath: `rewrite` applies
+    to them, `event` is the (rewritten) chunk the transcript reads, and the stream translator is
+    kept in the transcript (`carry`), so a continued answer goes on as the same message."""
+
+    __slots__ = ("_transcript", "out")
 
     first = "first token"
     unfinished = "backend {backend!r} ended its stream before its finish reason"
     relays_failure = False  # the relay ends a broken stream with an Anthropic error event (MessagesSink)
     record = None
 
-    def __init__(self, *, capture: int = 0) -> None:
-        self._chat = ChatMonitor(capture=capture)
-        self._tr: ChatToMessagesStream | None = None
+    def __init__(self, *, capture: int = 0, rewrite: Rewrite | None = None, transcript: Any = None) -> None:
+        self._chat = ChatMonitor(capture=capture, rewrite=rewrite)
+        self._transcript = transcript if isinstance(transcript, Transcript) else None
+        # A continuation goes on with the translator of the stream it continues (no second
+        # message_start); any other attempt starts its own (a failed one's events never left).
+        carried = self._transcript.carry if self._transcript is not None and rewrite is not None else None
+        self._tr: ChatToMessagesStream | None = carried if isinstance(carried, ChatToMessagesStream) else None
         self._ending: bytes | None = None
         self.out: bytes | None = None
 
     @property
-    def finished(self) -> bool:
-        return self._chat.finished
-
-    @property
-    def failure(self) -> str | None:
-        return self._chat.failure
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        return self._chat.usage
-
-    @property
-    def timed(self) -> bool:
-        return self._chat.timed
-
-    @property
     def event(self) -> dict[str, Any] | None:
-        return None  # no transcript: a Messages stream is not continued elsewhere
+        return self._chat.event  # the chat chunk underneath: what a continuation's transcript reads
 
     def feed(self, data: bytes) -> Verdict:
         v = self._chat.feed(data)
         self.out = None
-        if v in (Verdict.CONTENT, Verdict.HELD, Verdict.DROP):
-            obj = orjson.loads(data)  # the chat monitor parsed it: a JSON object
+        if v in (Verdict.CONTENT, Verdict.HELD):
+            obj = self._chat.event or {}  # parsed (and rewritten, in a continuation) by the chat monitor
             tr = self._tr
             if tr is None:  # input_tokens: the backend's usage comes at the end (message_delta)
                 tr = self._tr = ChatToMessagesStream(str(obj.get("model") or ""), message_id(), 1)
-            self.out = tr.feed(obj)
+            if v is Verdict.CONTENT and self._transcript is not None:
+                self._transcript.carry = tr  # the stream that gave the client content (a hedge's winner)
+            try:
+                self.out = tr.feed(obj)
+            except StreamOrderError as exc:  # arguments for a block already closed: no answer we can give
+                self._chat.failure = f"untranslatable stream: {exc}"
+                return Verdict.FAILED
         return v
-
-    @property
-    def ending(self) -> bytes:
-        if self._ending is None:
-            self._ending = b"" if self._tr is None else self._tr.feed(DONE)
-        return self._ending
 
     def entry(self) -> Entry | None:
         """The assembled chat answer, kept as the Message (what a Messages hit replays)."""

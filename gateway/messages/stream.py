@@ -28,7 +28,7 @@ from typing import Any
 
 import orjson
 
-from ..wire.openai_wire import SSE_DONE
+from ..wire.openai_wire import SSE_DONE, tool_call_delta
 from ..wire.openai_wire import sse_event as chat_event
 from .translate import FINISH_REASONS, anthropic_usage, chat_usage, stop_reason, tool_id
 from .wire import error_event
@@ -177,11 +177,7 @@ class ChatToMessagesStream:
         return out + (self._delta({"type": "input_json_delta", "partial_json": held}) if held else b"")
 
     def _tool(self, delta: Mapping[str, Any]) -> bytes:
-        at = delta.get("index", 0)
-        fn = delta.get("function")
-        fn = fn if isinstance(fn, dict) else {}
-        name, args = fn.get("name"), fn.get("arguments")
-        ident = delta.get("id") if isinstance(delta.get("id"), str) and delta.get("id") else None
+        at, ident, name, args = tool_call_delta(delta)
         call = self._calls.get(at)
         if call is None or (ident is not None and call.id is not None and ident != call.id):
             # a new call; a new id at a used index too (servers that send every call at index 0)

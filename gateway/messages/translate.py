@@ -77,6 +77,7 @@ from typing import Any
 import orjson
 
 from ..errors import BadRequest
+from ..wire.openai_wire import function_tool
 
 __all__ = [
     "BadAnswer",
@@ -300,12 +301,7 @@ def _tools_to_chat(tools: Any) -> list[dict[str, Any]]:
         for key, value in tool.items():
             if key not in _TOOL_KEYS and value is not None:
                 raise _refuse(f"tools[{i}].{key}")
-        fn: dict[str, Any] = {"name": tool.get("name"), "parameters": tool.get("input_schema") or {"type": "object"}}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        if tool.get("strict") is not None:
-            fn["strict"] = tool["strict"]
-        out.append({"type": "function", "function": fn})
+        out.append(function_tool(tool.get("name"), tool.get("input_schema") or {"type": "object"}, tool))
     return out
 
 

@@ -123,10 +123,11 @@ class Attempt:
         leg = self.leg
         upstream_model = backend.upstream_model(call.model)
         url = backend.urls[leg.upstream]
-        body = leg.upstream_body(call.body, upstream_model)  # translated for the backend's API (never continued)
-        if body is None:
-            body = call.body_for(upstream_model) if self.resume is None else \
-                self.resume.body(call.body, upstream_model, leg.prefill)
+        if self.resume is not None:  # the request in the backend's format, plus what was delivered
+            body = self.resume.body(leg.upstream_request(call.body), upstream_model, leg.prefill)
+        else:
+            translated = leg.upstream_body(call.body, upstream_model)  # in the backend's API's format
+            body = call.body_for(upstream_model) if translated is None else translated
         headers = {**backend.headers, "X-Request-Id": call.request_id}
         resp: UpstreamResponse | None = None
         timer = asyncio.timeout_at(self.first_deadline)  # one timer per attempt, moved as the phases change

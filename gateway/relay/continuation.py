@@ -36,7 +36,7 @@ class Transcript:
     """What one streamed answer delivered so far. `continuable` turns False for anything a
     continuation cannot reproduce (tool calls, several choices)."""
 
-    __slots__ = ("parts", "id", "model", "created", "continuable", "tokens", "backends")
+    __slots__ = ("parts", "id", "model", "created", "continuable", "tokens", "backends", "carry")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
@@ -46,6 +46,7 @@ class Transcript:
         self.continuable = True
         self.tokens = 0  # content events delivered (the completion tokens they stand for)
         self.backends: list[str] = []  # that streamed part of the answer, in order
+        self.carry: Any = None  # a translating leg's stream translator, kept across the answer's attempts
 
     @property
     def text(self) -> str:

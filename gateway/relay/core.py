@@ -54,9 +54,9 @@ class Relay(Rescue, Hedging):
         wait that cannot meet the deadline (admission is on). Raises a GatewayError
         (AllBackendsFailed, or a shed) when no backend answers."""
         call = self.call
-        # Continued only where every candidate answers natively: a transcript reads the client's events.
+        # Continued only where every candidate's leg can be (continuation.py reads chat chunks).
         if call.stream and self.route.routing.continuation and len(self.pool.backends) > 1 \
-                and call.endpoint.name not in self.pool.translating and call.endpoint.continuable(call.body):
+                and call.endpoint.name in self.pool.continues and call.endpoint.continuable(call.body):
             call.transcript = Transcript()
         try:
             await self._answer(shed)

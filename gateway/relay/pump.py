@@ -44,7 +44,8 @@ class Pump:
         call = att.call
         self.att, self.resp = att, resp
         rewrite = att.resume.rewrite if att.resume is not None else None
-        self.mon = att.leg.monitor(capture=call.cache.capture, strip_usage=call.asked.strip_usage, rewrite=rewrite, body=call.body)
+        self.mon = att.leg.monitor(capture=call.cache.capture, strip_usage=call.asked.strip_usage, rewrite=rewrite, body=call.body,
+                                   transcript=call.transcript)
         self.timer = asyncio.timeout_at(att.first_deadline)
         self.idle_s = _idle_s(att)
         self.first = self.saw_done = self.failed = False  # first: the first output reached the client

@@ -14,11 +14,11 @@ from typing import Any
 import orjson
 
 from ..cache.entry import Entry
-from ..wire.chat_monitor import ChatMonitor
+from ..wire.chat_monitor import ChatMonitor, OverChat
 from ..wire.codec import Endpoint, NotAnAnswer, Whole
 from ..wire.monitor import Monitor, Rewrite, Verdict
 from .replay import replayable
-from .via_chat import DONE, ChatToResponsesStream, StreamOrderError, chat_completion_to_response, responses_to_chat
+from .via_chat import ChatToResponsesStream, StreamOrderError, chat_completion_to_response, responses_to_chat
 from .wire import ResponsesRequest, stateful_refs
 
 __all__ = ["RESPONSES_VIA_CHAT", "ResponsesViaChat"]
@@ -27,6 +27,7 @@ __all__ = ["RESPONSES_VIA_CHAT", "ResponsesViaChat"]
 class ResponsesViaChat(Endpoint):
     name, path, request, upstream = "responses", "/responses", ResponsesRequest, "chat"
     kinds = frozenset()
+    continues = False
 
     def validate(self, body: Mapping[str, Any]) -> None:
         if not stateful_refs(body):  # a follow-up goes to the backend holding its state (pinning), as it is
@@ -36,7 +37,7 @@ class ResponsesViaChat(Endpoint):
         return orjson.dumps({**responses_to_chat(body), "model": upstream_model})
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None,
-                body: Mapping[str, Any] | None = None) -> Monitor:
+                body: Mapping[str, Any] | None = None, transcript: Any = None) -> Monitor:
         return ChatToResponsesMonitor(body or {}, capture=capture)
 
     def whole(self, raw: bytes, capture: int) -> Whole:
@@ -53,10 +54,10 @@ class ResponsesViaChat(Endpoint):
         return Whole(usage if isinstance(usage, dict) else None, entry, None, body)
 
 
-class ChatToResponsesMonitor:
+class ChatToResponsesMonitor(OverChat):
     """A chat stream read by the chat monitor, given to the client as Responses events."""
 
-    __slots__ = ("_chat", "_tr", "_ending", "_request", "out")
+    __slots__ = ("_request", "out")
 
     first = "first output"
     unfinished = "backend {backend!r} ended its stream before its finish reason"
@@ -69,22 +70,6 @@ class ChatToResponsesMonitor:
         self._ending: bytes | None = None
         self._request = request
         self.out: bytes | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self._chat.finished
-
-    @property
-    def failure(self) -> str | None:
-        return self._chat.failure
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        return self._chat.usage
-
-    @property
-    def timed(self) -> bool:
-        return self._chat.timed
 
     @property
     def event(self) -> dict[str, Any] | None:
@@ -104,12 +89,6 @@ class ChatToResponsesMonitor:
                 self._chat.failure = f"untranslatable stream: {exc}"
                 return Verdict.FAILED
         return v
-
-    @property
-    def ending(self) -> bytes:
-        if self._ending is None:
-            self._ending = b"" if self._tr is None else self._tr.feed(DONE)
-        return self._ending
 
     def entry(self) -> Entry | None:
         """The assembled chat answer, kept as the Response (what a Responses hit replays)."""

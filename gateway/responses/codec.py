@@ -52,7 +52,8 @@ class ResponsesEndpoint(Endpoint):
     def wrap(self, sink: Sink) -> Sink:
         return ResponsesSink(sink)
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
+                transcript: Any = None) -> Monitor:
         return ResponsesMonitor(capture=capture)
 
     def whole(self, raw: bytes, capture: int) -> Whole:

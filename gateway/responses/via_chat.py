@@ -81,6 +81,7 @@ from typing import Any
 import orjson
 
 from ..messages.translate import TranslationError, Untranslatable
+from ..wire.openai_wire import function_tool, tool_call_delta
 
 __all__ = [
     "DONE",
@@ -249,12 +250,7 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise TranslationError(f"tools[{i}].name: a string")
-        fn: dict[str, Any] = {"name": name, "parameters": tool.get("parameters") or {"type": "object", "properties": {}}}
-        if tool.get("description") is not None:
-            fn["description"] = tool["description"]
-        if tool.get("strict") is not None:
-            fn["strict"] = tool["strict"]
-        out.append({"type": "function", "function": fn})
+        out.append(function_tool(name, tool.get("parameters") or {"type": "object", "properties": {}}, tool))
     return out
 
 
@@ -679,12 +675,7 @@ class ChatToResponsesStream:
         return self._event("response.function_call_arguments.delta", item_id=call.iid, output_index=call.index, delta=piece)
 
     def _tool(self, delta: Mapping[str, Any]) -> bytes:
-        at = delta.get("index", 0)
-        at = at if isinstance(at, int) else 0
-        fn = delta.get("function")
-        fn = fn if isinstance(fn, dict) else {}
-        name, args = fn.get("name"), fn.get("arguments")
-        ident = delta.get("id") if isinstance(delta.get("id"), str) and delta.get("id") else None
+        at, ident, name, args = tool_call_delta(delta)
         call = self._calls.get(at)
         if call is None or (ident is not None and call.id is not None and ident != call.id):
             # a new call; a new id at a used index too (servers that send every call at index 0)

@@ -40,7 +40,8 @@ class ChatEndpoint(Endpoint):
             return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
         return {**body, "prompt": str(body.get("prompt", "")) + text}
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
+                transcript: Any = None) -> Monitor:
         return ChatMonitor(capture=capture, strip_usage=strip_usage, rewrite=rewrite)
 
     def whole(self, raw: bytes, capture: int) -> Whole:

@@ -18,7 +18,7 @@ from ..cache.entry import Entry, StreamAssembler
 from .monitor import Rewrite, Verdict
 from .openai_wire import SSE_DONE
 
-__all__ = ["ChatMonitor", "has_content"]
+__all__ = ["ChatMonitor", "OverChat", "has_content"]
 
 _DONE, _DROP, _MALFORMED, _HELD, _CONTENT, _FAILED = (
     Verdict.DONE, Verdict.DROP, Verdict.MALFORMED, Verdict.HELD, Verdict.CONTENT, Verdict.FAILED,
@@ -84,6 +84,39 @@ class ChatMonitor:
 
     def entry(self) -> Entry | None:
         return self._assembler.entry() if self._assembler is not None else None
+
+
+class OverChat:
+    """The part of a translating monitor that is its chat stream's: a monitor that reads a chat
+    stream with the ChatMonitor in `_chat` and gives the client another API's events."""
+
+    __slots__ = ("_chat", "_tr", "_ending")
+    _chat: ChatMonitor
+    _tr: Any  # the stream translator: feed(chunk | "[DONE]") -> the client's bytes
+    _ending: bytes | None
+
+    @property
+    def ending(self) -> bytes:
+        """The client's end of the stream: what the translator makes of [DONE] (once)."""
+        if self._ending is None:
+            self._ending = b"" if self._tr is None else self._tr.feed("[DONE]")
+        return self._ending
+
+    @property
+    def finished(self) -> bool:
+        return self._chat.finished
+
+    @property
+    def failure(self) -> str | None:
+        return self._chat.failure
+
+    @property
+    def usage(self) -> dict[str, Any] | None:
+        return self._chat.usage
+
+    @property
+    def timed(self) -> bool:
+        return self._chat.timed
 
 
 def has_content(obj: dict[str, Any]) -> bool:

@@ -77,6 +77,14 @@ class Endpoint:
         """The body a translating leg sends its backend; None: the client's own (the model mapped)."""
         return None
 
+    def upstream_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The request a continuation builds on, in the backend's format (`prefill` then applies)."""
+        return dict(body)
+
+    # Whether a stream through this codec (natively, or as a leg) can be continued on another
+    # backend when it breaks (relay/continuation.py: its events are chat chunks underneath).
+    continues = True
+
     def error_body(self, err: GatewayError) -> bytes:
         """An error answer's body in this endpoint's shape (OpenAI's by default)."""
         return err.to_body()
@@ -113,10 +121,13 @@ class Endpoint:
         """The sink this endpoint answers through (how a failure is framed once streaming)."""
         return sink
 
-    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None) -> Monitor:
+    def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
+                transcript: Any = None) -> Monitor:
         """A monitor for one stream (`capture`: keep the answer for the cache, up to this many
         bytes; `strip_usage`: drop the usage chunk the gateway asked for; `rewrite`: a
-        continuation's event hook; `body`: the client's request, for a leg that echoes it)."""
+        continuation's event hook; `body`: the client's request, for a leg that echoes it;
+        `transcript`: the answer's continuation.Transcript, where a translating leg keeps its
+        stream translator across the attempts of one answer)."""
         raise NotImplementedError(f"{self.name} does not stream")
 
     def whole(self, raw: bytes, capture: int) -> Whole:

@@ -6,6 +6,7 @@ to the backend untouched (extra="allow"), so new OpenAI parameters work without 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
@@ -14,6 +15,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from ..errors import BadRequest
 
 __all__ = [
+    "function_tool",
+    "tool_call_delta",
     "json_object",
     "ChatRequest",
     "RequestBody",
@@ -220,3 +223,24 @@ def event_data(event: bytes) -> bytes | None:
         return event[6:-2]  # the common single-line case, without a split
     data = [line[5:].removeprefix(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
     return b"\n".join(data) if data else None
+
+
+def function_tool(name: Any, parameters: Any, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat function tool: `name`, `parameters`, and `spec`'s description and strict when set
+    (the translations from the Messages and Responses APIs build it alike)."""
+    fn: dict[str, Any] = {"name": name, "parameters": parameters}
+    if spec.get("description") is not None:
+        fn["description"] = spec["description"]
+    if spec.get("strict") is not None:
+        fn["strict"] = spec["strict"]
+    return {"type": "function", "function": fn}
+
+
+def tool_call_delta(delta: Mapping[str, Any]) -> tuple[int, str | None, Any, Any]:
+    """A chat stream's tool call delta as (index, id, name piece, arguments piece); the id only
+    when one is given (servers repeat it, or send it once)."""
+    at = delta.get("index", 0)
+    fn = delta.get("function")
+    fn = fn if isinstance(fn, dict) else {}
+    ident = delta.get("id")
+    return (at if isinstance(at, int) else 0), (ident if isinstance(ident, str) and ident else None), fn.get("name"), fn.get("arguments")
