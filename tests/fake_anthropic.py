@@ -107,7 +107,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from tests.servers import serve_app
+from tests.servers import Served, serve_for
 
 __all__ = ["Behaviour", "FakeAnthropic", "Stats", "ERROR_TYPES", "Invalid", "validate", "segments", "prompt_tokens"]
 
@@ -465,7 +465,7 @@ def _text_of(content: Any) -> str:
     return " ".join(x.get("text", "") for x in content or [] if isinstance(x, dict) and x.get("type") == "text")
 
 
-class FakeAnthropic:
+class FakeAnthropic(Served):
     """One fake Anthropic upstream. `url` is its base URL (…/v1) once started; `root` the SDK's base_url."""
 
     def __init__(self, name: str = "anthropic", *, host: str = "127.0.0.1", port: int = 0,
@@ -491,22 +491,11 @@ class FakeAnthropic:
             web.get("/_stats", self._stats),
         ])
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
 
     @property
     def root(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def start(self) -> "FakeAnthropic":
-        self._runner, self.port = await serve_app(self.app, self.host, self.port)
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     async def __aenter__(self) -> "FakeAnthropic":
         return await self.start()
@@ -901,22 +890,8 @@ def main() -> None:
     args = parser.parse_args()
     behaviour = Behaviour(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Behaviour)})
 
-    async def run() -> None:
-        fake = await FakeAnthropic(args.name, host=args.host, port=args.port, behaviour=behaviour).start()
-        print(f"fake anthropic {args.name} on {fake.url} (exits by itself after {args.max_seconds:g} s)", flush=True)
-        try:
-            await asyncio.sleep(args.max_seconds)
-        finally:
-            await fake.stop()
-
-    try:
-        import uvloop
-
-        uvloop.run(run())
-    except ImportError:
-        asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
+    serve_for(FakeAnthropic(args.name, host=args.host, port=args.port, behaviour=behaviour).start, args.max_seconds,
+              lambda fake: f"fake anthropic {args.name} on {fake.url} (exits by itself after {args.max_seconds:g} s)")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.servers import serve_app
+from tests.servers import serve_app, serve_for
 
 __all__ = ["Options", "FakeReplica", "REPLICA", "prompt_text", "block_keys", "start"]
 
@@ -355,22 +355,8 @@ def main() -> None:
     args = parser.parse_args()
     opts = Options(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Options)})
 
-    async def run() -> None:
-        rep = await FakeReplica(opts).start(args.port, args.host)
-        print(f"fake replica {opts.name} on {rep.url} (exits by itself after {args.max_seconds:g} s)", flush=True)
-        try:
-            await asyncio.sleep(args.max_seconds)
-        finally:
-            await rep.stop()
-
-    try:
-        import uvloop
-
-        uvloop.run(run())
-    except ImportError:
-        asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
+    serve_for(lambda: FakeReplica(opts).start(args.port, args.host), args.max_seconds,
+              lambda rep: f"fake replica {opts.name} on {rep.url} (exits by itself after {args.max_seconds:g} s)")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ import orjson
 from aiohttp import web
 
 from tests.fake_responses import ResponsesFake
-from tests.servers import serve_app
+from tests.servers import Served
 
 __all__ = ["Behaviour", "FakeUpstream"]
 
@@ -98,7 +98,7 @@ def _word(i: int) -> str:
     return f"w{i} "
 
 
-class FakeUpstream:
+class FakeUpstream(Served):
     """One fake backend. `url` is its OpenAI base URL (…/v1) once started."""
 
     def __init__(self, behaviour: Behaviour | None = None, *, name: str = "fake", host: str = "127.0.0.1", port: int = 0) -> None:
@@ -128,18 +128,7 @@ class FakeUpstream:
             ]
         )
 
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
 
-    async def start(self) -> "FakeUpstream":
-        self._runner, self.port = await serve_app(self.app, self.host, self.port)
-        return self
-
-    async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
 
     def set(self, **changes: Any) -> None:
         if isinstance(changes.get("endpoints"), list):
