@@ -143,8 +143,11 @@ async def test_the_hedge_budget_caps_extra_calls(upstream, gateway):
 async def test_an_ejected_backend_is_probed_back_and_explain_shows_why_it_was_skipped(upstream, gateway):
     a = await upstream("a", mode="error_500")
     b = await upstream("b", tokens=1)
+    # Request probes off: this is the model-list probe's half-open path (a request probe that lands
+    # between the polls below would end the ejection at once, which test_recovery.py covers).
     policy = _policy(
-        a, b, strategy="ordered", health={"failures_to_eject": 2, "eject_ms": 60000, "probe_interval_ms": 100, "probe_timeout_ms": 500}
+        a, b, strategy="ordered", health={"failures_to_eject": 2, "eject_ms": 60000, "probe_interval_ms": 100, "probe_timeout_ms": 500,
+                                          "recovery_probe_interval_ms": 0}
     )
     gw = await gateway(policy)
     c = gw.client()
