@@ -59,3 +59,25 @@ async def test_state_it_cannot_hold_is_refused_and_cached_answers_replay(upstrea
         async with http.post(gw.url + "/v1/responses", json={**body, "stream": True}) as r:
             raw = await r.read()
             assert r.headers["x-gateway-cache"] == "hit" and b"response.completed" in raw
+
+
+async def test_state_is_made_and_kept_only_where_the_api_is_native(upstream, gateway):
+    """A conversation is made on a backend that speaks the Responses API, never on one reached
+    through translation, and its turns go there even though a chat-only backend ranks first."""
+    local = await upstream("local", tokens=3, endpoints=("chat", "completions", "models"))
+    prov = await upstream("prov", tokens=3)
+    gw = await gateway({
+        "backends": {"local": {"url": local.url, "models": ["m"], "endpoints": ["chat", "completions"]},
+                     "prov": {"url": prov.url, "models": ["m"]}},
+        "models": {"m": {"backends": ["local", "prov"], "strategy": "ordered"}},
+        "reload": {"watch": False}, "cache": {"enabled": False},
+    })
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/conversations", json={}) as r:
+            made = await r.json()
+            assert r.status == 200 and r.headers["x-gateway-backend"] == "prov", made
+    c = gw.client()
+    raw = await c.responses.with_raw_response.create(model="m", input="hello", conversation=made["id"])
+    assert raw.headers["x-gateway-backend"] == "prov"
+    plain = await c.responses.with_raw_response.create(model="m", input="hello")
+    assert plain.headers["x-gateway-backend"] == "local"  # a stateless request: the ranking's first, through chat

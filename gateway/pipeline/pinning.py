@@ -80,14 +80,15 @@ def not_yours(field: str, rid: str, code: str) -> NotFound:
 
 
 def serving(route: Route, endpoint: Endpoint) -> list[Backend]:
-    """The backends of a route (either class) that serve `endpoint`."""
+    """The backends of a route (either class) that serve `endpoint` natively: state (a response,
+    a conversation) lives only on a backend that speaks its API, never behind a translation."""
     out: list[Backend] = []
     for cls in ("simple", "complex"):
         try:
             pool = route.pool(cls, endpoint.name)
         except BadRequest:
             continue
-        out += [b for b in pool.backends if b not in out]
+        out += [b for b in pool.backends if b not in out and endpoint.toward(b.kind, b.policy.endpoints) is endpoint]
     return out
 
 
