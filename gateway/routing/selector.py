@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 from .health import Health
 from .latency import Tracker
-from .load import Load
+from .load import Load, LoadSample
 
 __all__ = ["Candidate", "Ranked", "Selector", "STRATEGIES", "skip_reason", "usable"]
 
@@ -54,30 +54,26 @@ class Candidate:
     load: Load | None = None  # the model server's own load gauges (metrics_url), when scraped
     local: bool = False  # a local model (routing.simple: local_first)
 
+    def _sample(self, now: float, stale_s: float) -> LoadSample | None:
+        return None if self.load is None else self.load.fresh(now, stale_s)
+
     def queued(self, now: float, stale_s: float) -> float:
         """Requests its model server reports waiting, by a fresh scrape (0 without one)."""
-        load = self.load
-        if load is None or load.sample is None or now - load.at > stale_s:
-            return 0.0
-        return load.sample.waiting
+        s = self._sample(now, stale_s)
+        return 0.0 if s is None else s.waiting
 
     def outstanding(self, now: float, stale_s: float) -> float:
         """Requests on it: ours in flight, or what its metrics report (running + waiting, everyone's,
         ours among them) when a fresh scrape says more."""
+        s = self._sample(now, stale_s)
         mine = float(self.tracker.inflight)
-        load = self.load
-        if load is None or load.sample is None or now - load.at > stale_s:
-            return mine
-        return max(mine, load.sample.running + load.sample.waiting)
+        return mine if s is None else max(mine, s.running + s.waiting)
 
     def queue_rounds(self, now: float, stale_s: float) -> float:
         """The server's queue in rounds of its batch (waiting / running, at least 1 running): how
         many predicted first tokens a new request waits behind, roughly."""
-        load = self.load
-        if load is None or load.sample is None or now - load.at > stale_s:
-            return 0.0
-        s = load.sample
-        return s.waiting / max(1.0, s.running)
+        s = self._sample(now, stale_s)
+        return 0.0 if s is None else s.waiting / max(1.0, s.running)
 
 
 class Ranked(NamedTuple):
