@@ -25,7 +25,8 @@ any top-level key the API does not know ("x: Extra inputs are not permitted"; ev
 2.14 sends is known); temperature / top_p in 0..1, top_k >= 0; stream a bool; stop_sequences a
 list of strings; system a string or a list of non-empty text blocks; metadata only user_id;
 messages a non-empty list whose roles alternate user/assistant starting with user (`alternate`;
-a `system` role gets the API's own message); content a non-empty string or a non-empty list of
+a `system` role gets the API's own message), a final assistant turn (a prefill) whose text does not
+end in whitespace; content a non-empty string or a non-empty list of
 known blocks; no empty or whitespace-only text; tool_use blocks ({id, name, input: object}) only in
 assistant turns, each answered by a tool_result in the very next user turn; a tool_result only for
 a tool_use of the assistant turn just before, and all tool_results before any other block of their
@@ -35,7 +36,7 @@ tool_choice an object of type auto / any / tool (with a name among the tools) / 
 only with tools. count_tokens checks the same, minus max_tokens, which it rejects (as the API
 does), as it does stream, stop_sequences and the sampling fields.
 
-The answer (deterministic): text "w0 w1 ... w{N-1}" with N = `words`, cut at max_tokens words
+The answer (deterministic): text "w0 w1 ... w{N-1}" with N = `words` (`word` changes the stem "w"), cut at max_tokens words
 (stop_reason max_tokens), or before the first stop_sequences entry found in it (stop_reason
 stop_sequence, stop_sequence set: stop "w3" gives "w0 w1 w2"), else end_turn. A trailing assistant
 turn (a prefill) is continued after the words it already has. usage.output_tokens is the number of
@@ -117,6 +118,7 @@ class Behaviour:
     key: str | None = None  # the API key it accepts; None: any non-empty key
     allow_bearer: bool = True  # accept the key as Authorization: Bearer too (the SDK 2.x sends it so)
     words: int = 8  # words of a text answer: w0 w1 ...
+    word: str = "w"  # the words' stem: "v" answers v0 v1 ... (a different answer to the same request)
     ttft_ms: float = 0.0  # before the first content (a stream's message_start goes out at once)
     itl_ms: float = 0.0  # between two deltas of a stream
     model: str | None = None  # the model to answer with; None: echo the request's
@@ -408,6 +410,10 @@ def _validate_messages(msgs: Any, alternate: bool) -> None:
         raise Invalid(f"messages: `tool_use` ids were found without `tool_result` blocks immediately after: "
                       f"{', '.join(sorted(pending))}. Each `tool_use` block must have a corresponding `tool_result` "
                       "block in the next message.")
+    last = msgs[-1].get("content")
+    final = last if isinstance(last, str) else (last[-1].get("text") if isinstance(last[-1], dict) else None)
+    if prev_role == "assistant" and isinstance(final, str) and final and final != final.rstrip():
+        raise Invalid("messages: final assistant content cannot end with trailing whitespace")
 
 
 # -- the prompt: tokens and the prompt cache ------------------------------------------------------
@@ -728,7 +734,7 @@ class FakeAnthropic(Served):
         if last.get("role") == "assistant":
             start = len(_text_of(last.get("content")).split())
         n = min(b.words, start + body["max_tokens"])
-        text = " ".join(f"w{i}" for i in range(start, n))
+        text = " ".join(f"{b.word}{i}" for i in range(start, n))
         stop, seq = ("max_tokens" if b.words > n else "end_turn"), None
         hits = [(text.find(s), s) for s in body.get("stop_sequences") or [] if s in text]
         if hits:
@@ -836,6 +842,7 @@ _HELP = {
     "key": "the API key it accepts (default: any non-empty key)",
     "allow_bearer": "accept the key as Authorization: Bearer too",
     "words": "words of a text answer (w0 w1 ...)",
+    "word": "the words' stem (v: v0 v1 ...)",
     "ttft_ms": "milliseconds before the first content",
     "itl_ms": "milliseconds between two deltas of a stream",
     "model": "the model to answer with (default: echo the request's)",

@@ -1,5 +1,7 @@
-"""Anthropic's Messages API (/v1/messages) as one endpoint codec (wire/codec.py), answered by the
-backends that serve chat completions, through translation (translate.py, stream.py).
+"""Anthropic's Messages API (/v1/messages) as one endpoint codec (wire/codec.py): natively by
+`kind: anthropic` backends (passed through), and by the backends that serve chat completions,
+through translation (translate.py, stream.py); and the leg of a chat request toward an Anthropic
+backend (ChatViaMessages).
 
 The request is validated as a Messages request and checked for translatability at intake (a
 feature chat cannot express is a 400 naming it, before any backend is called); each attempt
@@ -8,6 +10,12 @@ translated back into a Message; a stream's chat chunks into Anthropic's events, 
 by a monitor that wraps the chat monitor (so timing, failover, cut detection and usage are the
 chat stream's own). Cache entries keep the backend's chat answer and are replayed as a Message or
 its events. Errors are Anthropic-shaped, a status before the stream and an `error` event after.
+
+Every leg's stream can be continued on another backend when it breaks (relay/continuation.py):
+its monitor shows the transcript chat chunks and applies the continuation's rewrite to them, and a
+Messages client's stream translator is kept in the transcript (`carry`) across the answer's
+attempts, whichever legs they take (monitor.py, as_chat.py, ChatToMessagesMonitor). A prefill is
+Anthropic's own: the delivered text as the trailing assistant turn (wire.continue_message).
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from ..wire.codec import Endpoint, NotAnAnswer, Whole
 from ..wire.monitor import Monitor, Rewrite, Verdict
 from .stream import ChatToMessagesStream, StreamOrderError
 from ..wire.openai_wire import ChatRequest
-from .monitor import AnthropicMonitor, AnthropicToChatMonitor
+from .as_chat import AnthropicToChatMonitor, ResumedMessageMonitor
+from .monitor import AnthropicMonitor
 from .translate import (
     TranslationError,
     chat_completion_to_message,
@@ -36,7 +45,7 @@ from .translate import (
     message_to_chat_completion,
     messages_to_chat,
 )
-from .wire import MessagesRequest, error_event, error_type, gateway_error, sse_event
+from .wire import MessagesRequest, continue_message, error_event, error_type, gateway_error, sse_event
 
 __all__ = ["CHAT_VIA_MESSAGES", "MESSAGES", "MESSAGES_VIA_CHAT", "ChatViaMessages", "MessagesEndpoint", "MessagesSink",
            "MessagesViaChat", "message_events"]
@@ -47,12 +56,16 @@ class MessagesEndpoint(Endpoint):
 
     name, path, request = "messages", "/messages", MessagesRequest
     kinds = frozenset({"anthropic"})
-    continues = False  # an Anthropic stream is not continued elsewhere (its events are not chat chunks)
+    asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
+    prefill_trims = True  # Anthropic refuses a final assistant turn that ends in whitespace
 
     def continuable(self, body: Mapping[str, Any]) -> bool:
-        """Text a continuation can reproduce: no tools asked for (through chat, see MessagesViaChat)."""
-        return not body.get("tools")
-    asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
+        """Text a continuation can reproduce: no tools asked for, no extended thinking."""
+        thinking = body.get("thinking")
+        return not body.get("tools") and not (isinstance(thinking, dict) and thinking.get("type") == "enabled")
+
+    def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
+        return continue_message(body, text)
 
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         try:
@@ -68,7 +81,9 @@ class MessagesEndpoint(Endpoint):
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:
-        return AnthropicMonitor()
+        if rewrite is not None:  # a continuation of the client's message, whichever leg began it
+            return ResumedMessageMonitor(rewrite=rewrite, transcript=transcript)
+        return AnthropicMonitor(transcript if isinstance(transcript, Transcript) else None)
 
     def whole(self, raw: bytes, capture: int) -> Whole:
         msg = _json(raw)
@@ -124,7 +139,7 @@ class ChatViaMessages(Endpoint):
 
     name, path, request, upstream = "chat", "/chat/completions", ChatRequest, "messages"
     kinds = frozenset()
-    continues = False
+    prefill_trims = True  # Anthropic refuses a final assistant turn that ends in whitespace
 
     def __init__(self, default_max_tokens: int = 4096) -> None:
         super().__init__()
@@ -136,9 +151,15 @@ class ChatViaMessages(Endpoint):
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
         return orjson.dumps({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model})
 
+    def upstream_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        return chat_to_messages(body, self.default_max_tokens)
+
+    def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
+        return continue_message(body, text)
+
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:
-        return AnthropicToChatMonitor(include_usage=not strip_usage)
+        return AnthropicToChatMonitor(include_usage=not strip_usage, rewrite=rewrite, transcript=transcript)
 
     def whole(self, raw: bytes, capture: int) -> Whole:
         msg = _json(raw)

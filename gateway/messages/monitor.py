@@ -1,23 +1,30 @@
-"""Sans-io monitors of an Anthropic backend's stream (wire/monitor.py): native, for a Messages client,
-and translated into chat chunks, for a chat client.
+"""Sans-io monitors of an Anthropic backend's stream (wire/monitor.py), passed to a Messages client
+as it came; the ones that read it as chat chunks are in as_chat.py.
 
 A Messages stream is `event: <type>` + `data: {...}` events: message_start, content blocks
 (content_block_start / _delta / _stop; each delta is output), message_delta (the stop reason: the
 answer is finished, and the output tokens), message_stop (the end marker), ping, and `error`.
+
+Where the answer may be continued on another backend when the stream breaks
+(relay/continuation.py), the monitor also shows the transcript each event as a chat chunk
+(`event`) and keeps a ChatToMessagesStream in step with what the client got (`follow`): the
+translator a continuation's chunks go through, kept in the transcript's `carry`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
 from ..cache.entry import Entry
+from ..relay.continuation import Transcript
 from ..wire.monitor import Verdict
-from .stream import MessagesToChatStream
-from .translate import chat_usage
+from .stream import ChatToMessagesStream, MessagesToChatStream
+from .translate import chat_usage, message_id
 
-__all__ = ["AnthropicMonitor", "AnthropicToChatMonitor", "MESSAGE_STOP"]
+__all__ = ["AnthropicEvents", "AnthropicMonitor", "MESSAGE_STOP", "other_output"]
 
 MESSAGE_STOP = b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 _VERDICTS = {
@@ -27,23 +34,15 @@ _VERDICTS = {
 }
 
 
-class AnthropicMonitor:
-    """One Anthropic stream, passed through as it came (a Messages client, a `kind: anthropic` backend)."""
+class AnthropicEvents:
+    """Reads one Anthropic stream's events: each one's verdict, the stop reason, usage, an error's words."""
 
-    __slots__ = ("finished", "failure", "timed", "out", "event", "parsed", "_usage")
-
-    first = "first token"
-    unfinished = "backend {backend!r} ended its stream before its stop reason"
-    relays_failure = True  # its own error event is already in the client's shape, and ends the stream
-    ending = MESSAGE_STOP
-    record = None
+    __slots__ = ("finished", "failure", "timed", "parsed", "_usage")
 
     def __init__(self) -> None:
         self.finished = False
         self.failure: str | None = None
         self.timed = False
-        self.out: bytes | None = None
-        self.event: dict[str, Any] | None = None
         self.parsed: dict[str, Any] | None = None  # the last event, decoded
         self._usage: dict[str, Any] = {}
 
@@ -81,65 +80,60 @@ class AnthropicMonitor:
         if isinstance(usage, dict):
             self._usage.update({k: v for k, v in usage.items() if isinstance(v, int)})
 
+
+class AnthropicMonitor(AnthropicEvents):
+    """One Anthropic stream, passed through as it came (a Messages client, a `kind: anthropic`
+    backend). With a `transcript` (the answer may be continued elsewhere), each event is also
+    shown to it as a chat chunk (`event`), and the backend's own error event is left to the
+    relay while the answer can still be continued."""
+
+    __slots__ = ("out", "event", "_transcript", "_chunks", "_follow")
+
+    first = "first token"
+    unfinished = "backend {backend!r} ended its stream before its stop reason"
+    ending = MESSAGE_STOP
+    record = None
+
+    def __init__(self, transcript: Transcript | None = None) -> None:
+        super().__init__()
+        self.out: bytes | None = None  # passed through: never rewritten
+        self.event: dict[str, Any] | None = None
+        self._transcript = transcript
+        self._chunks: MessagesToChatStream | None = None  # the events as chat chunks, for the transcript
+        self._follow: ChatToMessagesStream | None = None  # what the client got, for a continuation
+
+    @property
+    def relays_failure(self) -> bool:
+        """The backend's error event is already in the client's shape and ends the stream, unless
+        the relay may still continue the answer elsewhere (it then writes its own, if it cannot)."""
+        return self._transcript is None or not self._transcript.continuable
+
+    def feed(self, data: bytes) -> Verdict:
+        v = super().feed(data)
+        self.event = None
+        if self._transcript is not None and v in (Verdict.HELD, Verdict.CONTENT):
+            self._show(self.parsed or {}, self._transcript, v)
+        return v
+
+    def _show(self, obj: dict[str, Any], transcript: Transcript, v: Verdict) -> None:
+        chunks, follow = self._chunks, self._follow
+        if chunks is None or follow is None:
+            msg = obj.get("message") or {}
+            model, ident = str(msg.get("model") or ""), str(msg.get("id") or "")
+            chunks = self._chunks = MessagesToChatStream(model, "chatcmpl-" + ident)
+            follow = self._follow = ChatToMessagesStream(model, ident or message_id(), 1)
+        follow.follow(obj)
+        self.event = chunks.chunk(obj)
+        if v is Verdict.CONTENT:
+            if other_output(obj):
+                transcript.continuable = False
+            transcript.carry = follow  # the stream that gave the client content (a hedge's winner)
+
     def entry(self) -> Entry | None:
         return None  # a streamed Message is not kept for the cache (a whole one is)
 
 
-class AnthropicToChatMonitor:
-    """An Anthropic stream read by AnthropicMonitor, given to a chat client as chat chunks."""
-
-    __slots__ = ("_in", "_tr", "_ending", "_include", "out")
-
-    first = "first token"
-    unfinished = AnthropicMonitor.unfinished
-    relays_failure = False  # the relay ends it with a chat error event
-    record = None
-
-    def __init__(self, *, include_usage: bool) -> None:
-        self._in = AnthropicMonitor()
-        self._tr: MessagesToChatStream | None = None
-        self._ending: bytes | None = None
-        self._include = include_usage
-        self.out: bytes | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self._in.finished
-
-    @property
-    def failure(self) -> str | None:
-        return self._in.failure
-
-    @property
-    def usage(self) -> dict[str, Any] | None:
-        return self._in.usage
-
-    @property
-    def timed(self) -> bool:
-        return self._in.timed
-
-    @property
-    def event(self) -> dict[str, Any] | None:
-        return None  # not continued elsewhere (a chat client's transcript would need chat chunks)
-
-    def feed(self, data: bytes) -> Verdict:
-        v = self._in.feed(data)
-        self.out = None
-        if v in (Verdict.HELD, Verdict.CONTENT):
-            obj = self._in.parsed or {}
-            tr = self._tr
-            if tr is None:
-                msg = obj.get("message") or {}
-                tr = self._tr = MessagesToChatStream(str(msg.get("model") or ""), "chatcmpl-" + str(msg.get("id") or ""),
-                                                     include_usage=self._include)
-            self.out = tr.feed(obj)
-        return v
-
-    @property
-    def ending(self) -> bytes:
-        if self._ending is None:
-            self._ending = b"data: [DONE]\n\n" if self._tr is None else self._tr.feed({"type": "message_stop"})
-        return self._ending
-
-    def entry(self) -> Entry | None:
-        return None
+def other_output(obj: Mapping[str, Any]) -> bool:
+    """An output event other than text (a tool's input, thinking, citations): what a
+    continuation, which goes on from the text, cannot reproduce."""
+    return obj.get("type") == "content_block_delta" and (obj.get("delta") or {}).get("type") != "text_delta"

@@ -11,10 +11,14 @@ message_stop. The finish reason and the usage chunk may come in separate chunks,
 both wait for [DONE] (or close()). At least one block is sent (an empty text block when the backend
 sent nothing), as Anthropic does.
 
+`follow` keeps a ChatToMessagesStream in step with a native Anthropic stream the client gets as it
+came, so that the chat chunks of its continuation on another backend go on as the same message.
+
 MessagesToChatStream: an Anthropic backend's events -> chat chunks: a role chunk, text and tool
 call deltas (the OpenAI tool index counts tool blocks only), a finish chunk at message_delta, the
 usage chunk when the client asked (stream_options.include_usage), then `data: [DONE]`. An `error`
-event raises UpstreamStreamError for the caller to end the stream its own way.
+event raises UpstreamStreamError for the caller to end the stream its own way. `chunk` gives one
+event's chunk decoded (what a continuation's transcript reads and rewrites, messages/as_chat.py).
 
 Mapping rules (stop reasons, usage) are translate.py's.
 """
@@ -139,6 +143,30 @@ class ChatToMessagesStream:
         self.done = True
         return error_event(err_type, message)
 
+    def follow(self, event: Mapping[str, Any]) -> None:
+        """Keep in step with an Anthropic stream the client gets as the backend sent it (a native
+        backend's), sending nothing: chat chunks fed afterwards (a continuation of that answer,
+        relay/continuation.py) go on with the same message, with no second message_start, the
+        open text block continued and new blocks numbered after the client's."""
+        kind = event.get("type")
+        if kind == "message_start":
+            self._started = True
+            message = event.get("message") or {}
+            self.message_id = str(message.get("id") or self.message_id)
+            self.model = str(message.get("model") or self.model)
+            tokens = (message.get("usage") or {}).get("input_tokens")
+            if isinstance(tokens, int) and tokens > 0:
+                self.input_tokens_estimate = tokens
+        elif kind == "content_block_start":
+            index, block = event.get("index"), event.get("content_block") or {}
+            if isinstance(index, int):
+                self._blocks = max(self._blocks, index + 1)
+            self._open = "text" if block.get("type") == "text" else "tool"  # "tool": any block text must not go on in
+        elif kind == "content_block_stop":
+            self._open = None
+        elif kind == "content_block_delta":
+            self._pieces += 1
+
     def _start(self) -> bytes:
         if self._started:
             return b""
@@ -222,6 +250,15 @@ class MessagesToChatStream:
         Raises UpstreamStreamError for an `error` event."""
         if self.done:
             return b""
+        if event.get("type") == "message_stop":
+            self.done = True
+            return (chat_event(self.usage_chunk()) if self.include_usage else b"") + SSE_DONE
+        chunk = self.chunk(event)
+        return b"" if chunk is None else chat_event(chunk)
+
+    def chunk(self, event: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The chat chunk one Anthropic event makes, decoded (None: none; message_stop's usage
+        chunk and [DONE] are `feed`'s). Raises UpstreamStreamError for an `error` event."""
         kind = event.get("type")
         if kind == "message_start":
             message = event.get("message") or {}
@@ -236,28 +273,26 @@ class MessagesToChatStream:
             delta = event.get("delta") or {}
             reason = delta.get("stop_reason")
             return self._chunk({}, finish=FINISH_REASONS.get(str(reason), "stop"), matched=delta.get("stop_sequence"))
-        if kind == "message_stop":
-            self.done = True
-            tail = b""
-            if self.include_usage:
-                tail = chat_event({"id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created,
-                                   "model": self.model, "choices": [], "usage": self.usage})
-            return tail + SSE_DONE
         if kind == "error":
             err = event.get("error") or {}
             raise UpstreamStreamError(str(err.get("type") or "api_error"), str(err.get("message") or "stream error"))
-        return b""  # ping, content_block_stop, and event types added later
+        return None  # ping, content_block_stop, message_stop, and event types added later
+
+    def usage_chunk(self) -> dict[str, Any]:
+        """The chunk with the answer's usage (so far) that ends a stream whose client asked for it."""
+        return {"id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [], "usage": self.usage}
 
     def _add_usage(self, usage: Any) -> None:
         if isinstance(usage, dict):
             self._usage.update({k: v for k, v in usage.items() if v is not None})
 
-    def _block_start(self, index: Any, block: Mapping[str, Any]) -> bytes:
+    def _block_start(self, index: Any, block: Mapping[str, Any]) -> dict[str, Any] | None:
         kind = block.get("type")
         if kind == "text" and block.get("text"):
             return self._chunk({"content": block["text"]})
         if kind != "tool_use" or not isinstance(index, int):
-            return b""  # thinking and other blocks the chat client did not ask for
+            return None  # thinking and other blocks the chat client did not ask for
         at = self._tools[index] = len(self._tools)
         args = ""
         if block.get("input"):  # whole input up front (Anthropic itself streams it as deltas)
@@ -267,18 +302,18 @@ class MessagesToChatStream:
                 "function": {"name": block.get("name"), "arguments": args}}
         return self._chunk({"tool_calls": [call]})
 
-    def _block_delta(self, index: Any, delta: Mapping[str, Any]) -> bytes:
+    def _block_delta(self, index: Any, delta: Mapping[str, Any]) -> dict[str, Any] | None:
         kind = delta.get("type")
         if kind == "text_delta" and delta.get("text"):
             return self._chunk({"content": delta["text"]})
         if kind == "input_json_delta" and delta.get("partial_json") and index in self._tools and index not in self._whole:
             piece = {"index": self._tools[index], "function": {"arguments": delta["partial_json"]}}
             return self._chunk({"tool_calls": [piece]})
-        return b""
+        return None
 
-    def _chunk(self, delta: dict[str, Any], *, finish: str | None = None, matched: Any = None) -> bytes:
+    def _chunk(self, delta: dict[str, Any], *, finish: str | None = None, matched: Any = None) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
         if isinstance(matched, str):
             choice["stop_reason"] = matched  # vLLM's field: the stop sequence that matched
-        return chat_event({"id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created,
-                           "model": self.model, "choices": [choice]})
+        return {"id": self.chunk_id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
+                "choices": [choice]}

@@ -1,5 +1,5 @@
 """Anthropic's Messages API (`POST /v1/messages`) on the wire: the request fields the gateway reads,
-and errors in Anthropic's shape.
+a continuation's prefill (`continue_message`), and errors in Anthropic's shape.
 
 The request model checks what the gateway and the translation to chat (translate.py) rely on and
 lets every other field through (extra="allow"): the official SDK sends new top-level fields
@@ -18,6 +18,7 @@ the way and keeps one status per error across the gateway's APIs. A backend's ow
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -36,6 +37,7 @@ __all__ = [
     "SystemBlock",
     "ToolChoice",
     "ToolParam",
+    "continue_message",
     "error_body",
     "error_event",
     "error_type",
@@ -213,6 +215,25 @@ def parse_messages(raw: bytes) -> tuple[MessagesRequest, dict[str, Any]]:
     Raises BadRequest naming the field ("invalid field 'messages[0].content[1]': a tool_use
     block needs ..."); gateway_error() turns it into Anthropic's shape."""
     return parse_body(raw, MessagesRequest)
+
+
+def continue_message(body: Mapping[str, Any], text: str) -> dict[str, Any]:
+    """A Messages request that asks for the rest of an answer that began with `text`: the text as
+    the trailing assistant turn (Anthropic's prefill), after the request's own prefill if it ends
+    with one (the answer went on from that)."""
+    messages = list(body.get("messages") or [])
+    last = messages[-1] if messages else None
+    if not (isinstance(last, dict) and last.get("role") == "assistant"):
+        return {**body, "messages": [*messages, {"role": "assistant", "content": text}]}
+    content = last.get("content")
+    if isinstance(content, list) and content and isinstance(content[-1], dict) and content[-1].get("type") == "text":
+        content = [*content[:-1], {**content[-1], "text": str(content[-1].get("text") or "") + text}]
+    elif isinstance(content, list):
+        content = [*content, {"type": "text", "text": text}]
+    else:
+        content = str(content or "") + text
+    messages[-1] = {**last, "content": content}
+    return {**body, "messages": messages}
 
 
 def error_type(status: int) -> str:

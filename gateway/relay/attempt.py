@@ -124,7 +124,7 @@ class Attempt:
         upstream_model = backend.upstream_model(call.model)
         url = backend.urls[leg.upstream]
         if self.resume is not None:  # the request in the backend's format, plus what was delivered
-            body = self.resume.body(leg.upstream_request(call.body), upstream_model, leg.prefill)
+            body = self.resume.body(leg.upstream_request(call.body), upstream_model, leg.prefill, trim=leg.prefill_trims)
         else:
             translated = leg.upstream_body(call.body, upstream_model)  # in the backend's API's format
             body = call.body_for(upstream_model) if translated is None else translated

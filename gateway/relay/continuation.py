@@ -5,7 +5,9 @@ created the client saw). When the stream is cut or stalls, the relay asks the ne
 the rest, in one of two ways (`Resume`):
 
 - ``prefill``: the original request plus the delivered text as a trailing assistant message, for
-  backends that continue such a message (`prefill: true`); everything it streams is new text;
+  backends that continue such a message (`prefill: true`); everything it streams is new text. A
+  backend that refuses a prefill ending in whitespace (Anthropic's API) gets the text without it,
+  and the continuation's leading whitespace, up to what was held back, is skipped;
 - ``restart``: the original request as it was, for the others; the new answer must begin with
   exactly the delivered text (a greedy or seeded answer does), which is skipped. A different
   beginning raises `Mismatch`: the client then gets an error event naming the original failure,
@@ -14,6 +16,11 @@ the rest, in one of two ways (`Resume`):
 Either way each event is re-encoded with the first stream's id, model and created; role-only
 events are dropped (the client already had one); the finish event carries `x_gateway`, saying
 which backends answered and how; usage counts the delivered tokens too.
+
+Everything here is chat chunks: a stream in another format is continued through a monitor that
+reads it as chat chunks (its `event`) and applies `rewrite` to them, then gives the client its own
+format again, keeping its stream translator in `Transcript.carry` across the answer's attempts
+(messages/codec.py, messages/as_chat.py: Anthropic's Messages streams, either way round).
 """
 
 from __future__ import annotations
@@ -87,7 +94,7 @@ def _text_of(choice: dict[str, Any]) -> str | None:
 class Resume:
     """One continuation attempt: the body to send, and how its events become the client's."""
 
-    __slots__ = ("transcript", "mode", "backend", "reason", "_pending", "_delivered_tokens")
+    __slots__ = ("transcript", "mode", "backend", "reason", "_pending", "_loose", "_delivered_tokens")
 
     def __init__(self, transcript: Transcript, mode: str, backend: str, reason: str) -> None:
         assert mode in ("prefill", "restart")
@@ -96,14 +103,20 @@ class Resume:
         self.backend = backend  # the backend this attempt goes to
         self.reason = reason  # why the original stream broke (for x_gateway and logs)
         self._pending = transcript.text if mode == "restart" else ""  # delivered text not yet matched
+        self._loose = ""  # a prefill's trailing whitespace held back: skipped where the continuation repeats it
         self._delivered_tokens = transcript.tokens
 
-    def body(self, body: dict[str, Any], upstream_model: str, prefill: Prefill) -> bytes:
+    def body(self, body: dict[str, Any], upstream_model: str, prefill: Prefill, *, trim: bool = False) -> bytes:
         """The request to send: the original, for `upstream_model`, plus the prefill if any
-        (`prefill(body, text)`: the endpoint's way to ask a backend to go on from `text`)."""
+        (`prefill(body, text)`: the endpoint's way to ask a backend to go on from `text`; `trim`:
+        the backend refuses a prefill that ends in whitespace, so it goes without)."""
         out = {**body, "model": upstream_model}
         if self.mode == "prefill":
-            out = prefill(out, self.transcript.text)
+            text = self.transcript.text
+            sent = text.rstrip() if trim else text
+            self._loose = text[len(sent):]
+            if sent:
+                out = prefill(out, sent)
         return orjson.dumps(out)
 
     def rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -138,7 +151,15 @@ class Resume:
         return obj
 
     def _skip(self, text: str) -> str:
-        """Drop what the client already has from a restarted answer's text."""
+        """Drop what the client already has from a restarted answer's text (or the whitespace a
+        prefill held back, where the continuation begins with it)."""
+        loose = self._loose
+        if loose:
+            n = 0
+            while n < len(loose) and n < len(text) and text[n] == loose[n]:
+                n += 1
+            self._loose = loose[n:] if n == len(text) else ""  # all of it was whitespace: the next piece may go on
+            text = text[n:]
         pending = self._pending
         if not pending:
             return text

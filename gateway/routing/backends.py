@@ -122,7 +122,8 @@ class Backend:
     def prefill(self) -> bool:
         """Whether it continues a trailing assistant message (see BackendPolicy.prefill)."""
         p = self.policy.prefill
-        return p if p is not None else self.policy.launch is not None
+        # Anthropic's Messages API continues a trailing assistant turn (its "prefill"), as our local model does.
+        return p if p is not None else (self.policy.launch is not None or self.policy.kind == "anthropic")
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, {self.base_url!r})"

@@ -82,7 +82,8 @@ class Endpoint:
         return dict(body)
 
     # Whether a stream through this codec (natively, or as a leg) can be continued on another
-    # backend when it breaks (relay/continuation.py: its events are chat chunks underneath).
+    # backend when it breaks (relay/continuation.py: its monitor gives the transcript chat chunks,
+    # its own or a translation of its events, and applies the continuation's rewrite to them).
     continues = True
 
     def error_body(self, err: GatewayError) -> bytes:
@@ -113,6 +114,10 @@ class Endpoint:
         """The body that asks a backend to go on from `text` (a continuation's prefill)."""
         raise NotImplementedError(f"{self.name} answers are not continued")
 
+    # The backend refuses a prefill that ends in whitespace (Anthropic's API): a continuation's
+    # prefill goes without it (continuation.Resume.body).
+    prefill_trims = False
+
     def recognises(self, body: Mapping[str, Any]) -> bool:
         """Whether /v1/route/explain should read `body` as this endpoint's (else as chat)."""
         return False
@@ -126,8 +131,9 @@ class Endpoint:
         """A monitor for one stream (`capture`: keep the answer for the cache, up to this many
         bytes; `strip_usage`: drop the usage chunk the gateway asked for; `rewrite`: a
         continuation's event hook; `body`: the client's request, for a leg that echoes it;
-        `transcript`: the answer's continuation.Transcript, where a translating leg keeps its
-        stream translator across the attempts of one answer)."""
+        `transcript`: the answer's continuation.Transcript, where a monitor that reads a stream
+        as chat chunks marks what cannot be continued, and a Messages client's stream
+        translator is kept across the attempts of one answer)."""
         raise NotImplementedError(f"{self.name} does not stream")
 
     def whole(self, raw: bytes, capture: int) -> Whole:
