@@ -1,0 +1,169 @@
+"""The admin plane's costs, in one run: the request log on the request path, and the requests view
+on a large log.
+
+    python bench/admin_plane.py [--duration 8] [--rounds 2] [--entries 100000]
+
+1. Throughput and CPU per request of one gateway worker with the request log on against the same
+   policy with it off (`request_log.enabled: false`), on the in-memory store and on Redis (a
+   redis-server of the benchmark's own), alternating on/off `--rounds` times (wrk, c=32, a
+   tenant's key, the fake upstream at zero delay). Target: throughput within 5 %.
+2. `GET /admin/requests` on a Redis log of `--entries` entries (written straight to the store, as
+   the writers would): the first page, a page deep in the log (its cursor), a page filtered by
+   tenant (its index) and one filtered by model and status (scanned). Target: first page < 200 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._load import lua_post, wrk  # noqa: E402
+from bench._procs import cpu_seconds, free_port, start, stop, wait_http  # noqa: E402
+from gateway.admin.log_store import RedisLogStore  # noqa: E402
+
+KEY, ADMIN = "sk-bench-tenant", "sk-bench-admin"
+BODY = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16})
+TENANTS = [f"team-{i}" for i in range(20)]
+
+
+def _policy(up_port: int, log_on: bool, redis_url: str | None) -> str:
+    sha = lambda k: hashlib.sha256(k.encode()).hexdigest()  # noqa: E731
+    store = f"store: {{url: '{redis_url}', timeout_ms: 200}}\n" if redis_url else ""
+    tenants = "".join(f"  {t}: {{key_sha256: ['{sha(t)}']}}\n" for t in TENANTS[1:])
+    return (f"backends:\n  up: {{url: 'http://127.0.0.1:{up_port}/v1', models: [gpt-test], max_concurrency: 1024}}\n"
+            f"tenants:\n  {TENANTS[0]}: {{key_sha256: ['{sha(KEY)}']}}\n{tenants}"
+            f"admin: {{key_sha256: ['{sha(ADMIN)}']}}\nrequest_log: {{enabled: {str(log_on).lower()}}}\n{store}"
+            "cache: {enabled: false}\nreload: {watch: false, channel: bench-admin-plane}\nserver: {drain_delay_ms: 0}\n")
+
+
+def _throughput(args: argparse.Namespace, tmp: Path, up_port: int, redis_url: str | None) -> dict[str, list[tuple[float, float]]]:
+    script = tmp / "post.lua"
+    script.write_text(lua_post(BODY, {"Authorization": f"Bearer {KEY}"}))
+    out: dict[str, list[tuple[float, float]]] = {"on": [], "off": []}
+    for _ in range(args.rounds):
+        for mode in ("on", "off"):
+            pol = tmp / f"{mode}.yaml"
+            pol.write_text(_policy(up_port, mode == "on", redis_url))
+            port = free_port()
+            gw = start(["-m", "gateway", "serve", "--policy", str(pol), "--port", str(port)], env={"GATEWAY_LOG_LEVEL": "WARNING"})
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+            try:
+                wait_http(f"http://127.0.0.1:{port}/healthz")
+                wrk(url, 32, 2, script)
+                c0 = cpu_seconds(gw.pid)
+                r = wrk(url, 32, args.duration, script)
+                out[mode].append((r["rps"], (cpu_seconds(gw.pid) - c0) / r["requests"] * 1e6))
+            finally:
+                stop(gw)
+    return out
+
+
+async def _fill(redis_url: str, n: int) -> None:
+    store = RedisLogStore(redis_url, n, prefix="gateway:admin:", timeout_s=30)
+    now = time.time() - n / 1000
+    batch = []
+    for i in range(n):
+        t = now + i / 1000
+        tenant = TENANTS[i % len(TENANTS)]
+        e = {"id": f"bench-{i:08d}", "time": round(t, 6), "tenant": tenant, "key_id": None, "endpoint": "chat",
+             "model": "gpt-test" if i % 7 else "other", "backend": "up", "class": "simple", "cache": "bypass",
+             "status": 200 if i % 50 else 503, "stream": False, "ttft_ms": 12.5, "duration_ms": 20.1, "prompt_tokens": 12,
+             "completion_tokens": 16, "cost_usd": 0.0, "attempts": ["up"], "finish": "ok", "rule": None,
+             "reasons": ["short prompt"], "error": None}  # fmt: skip
+        batch.append((int(t * 1e6), tenant, orjson.dumps(e)))
+        if len(batch) == 5000:
+            await store.append(batch)
+            batch = []
+    if batch:
+        await store.append(batch)
+    await store.close()
+
+
+async def _views(args: argparse.Namespace, tmp: Path, up_port: int, redis_url: str) -> dict[str, list[float]]:
+    await _fill(redis_url, args.entries)
+    pol = tmp / "views.yaml"
+    pol.write_text(_policy(up_port, True, redis_url).replace("request_log: {enabled: true}", f"request_log: {{size: {args.entries}}}"))
+    port = free_port()
+    gw = start(["-m", "gateway", "serve", "--policy", str(pol), "--port", str(port)], env={"GATEWAY_LOG_LEVEL": "WARNING"})
+    base = f"http://127.0.0.1:{port}/admin/requests"
+    h = {"Authorization": f"Bearer {ADMIN}"}
+    times: dict[str, list[float]] = {}
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz")
+        async with aiohttp.ClientSession() as http:
+            async with http.get(base + f"?limit=50&before={int((time.time() - args.entries / 2000) * 1e6)}", headers=h) as r:
+                deep = (await r.json())["next"]
+            queries = {
+                "first page (50)": "?limit=50",
+                "a page deep in the log (cursor)": f"?limit=50&before={deep}",
+                "filtered by tenant (50)": f"?limit=50&tenant={TENANTS[3]}",
+                "filtered by model and status (50)": "?limit=50&model=other&status=503",
+            }
+            for name, q in queries.items():
+                ts = []
+                for _ in range(30):
+                    t0 = time.perf_counter()
+                    async with http.get(base + q, headers=h) as r:
+                        body = await r.read()
+                        assert r.status == 200 and len(orjson.loads(body)["data"]) == 50, body[:200]
+                    ts.append((time.perf_counter() - t0) * 1000)
+                times[name] = ts
+    finally:
+        stop(gw)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--duration", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--entries", type=int, default=100_000)
+    args = ap.parse_args()
+    if not shutil.which("wrk") or not shutil.which("redis-server"):
+        sys.exit("needs wrk and redis-server: apt-get install wrk redis-server")
+    tmp = Path(tempfile.mkdtemp(prefix="bench-admin-"))
+    up_port, redis_port = free_port(), free_port()
+    upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"])
+    redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                             stdout=subprocess.DEVNULL)
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    try:
+        wait_http(f"http://127.0.0.1:{up_port}/healthz")
+        mem = _throughput(args, tmp, up_port, None)
+        red = _throughput(args, tmp, up_port, redis_url)
+        subprocess.run(["redis-cli", "-p", str(redis_port), "FLUSHALL"], check=True, capture_output=True)
+        views = asyncio.run(_views(args, tmp, up_port, redis_url))
+    finally:
+        stop(upstream)
+        redis.terminate()
+        redis.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\n{'request log on the request path (1 worker, c=32)':52} {'off':>10} {'on':>10} {'ratio':>7}")
+    for label, res in (("memory store", mem), ("redis store", red)):
+        off_rps = statistics.mean(r for r, _ in res["off"])
+        on_rps = statistics.mean(r for r, _ in res["on"])
+        off_cpu = statistics.mean(c for _, c in res["off"])
+        on_cpu = statistics.mean(c for _, c in res["on"])
+        print(f"{label + ': throughput (req/s)':52} {off_rps:10.0f} {on_rps:10.0f} {on_rps / off_rps:7.3f}")
+        print(f"{label + ': CPU per request (us)':52} {off_cpu:10.0f} {on_cpu:10.0f} {on_cpu / off_cpu:7.3f}")
+    print(f"\n{f'GET /admin/requests on {args.entries:,} entries (Redis)':52} {'p50 ms':>10} {'p95 ms':>10}")
+    for name, ts in views.items():
+        ts.sort()
+        print(f"{name:52} {statistics.median(ts):10.2f} {ts[int(0.95 * len(ts)) - 1]:10.2f}")
+
+
+if __name__ == "__main__":
+    main()

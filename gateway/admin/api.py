@@ -1,0 +1,240 @@
+"""The admin plane's HTTP API: who am I, virtual keys, the request log, an overview, the policy.
+
+Every endpoint needs an admin or a viewer key (`reads`), or an admin key (`writes`: a viewer gets
+403). Request bodies are read only after that check, and bounded.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import BadRequest, Conflict, Forbidden, GatewayError, Unauthorized, Unavailable
+from ..store.core import StoreError
+from ..tenants.auth import Role
+from ..web.http_call import api_key, error_response, json_response, read_bounded
+from ..web.keys import KEYBOOK, LIVE, LOOPBACK, REQUEST_LOG, WORKER
+from .log_store import Filter, scan
+from .overview import overview
+from .policy_view import check_text, redacted
+
+__all__ = ["reads", "writes", "routes"]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+_MAX_ADMIN_BODY = 64 * 1024
+_MAX_POLICY_BODY = 1024 * 1024
+_MAX_EXPIRY_S = 10 * 366 * 86400.0
+
+
+def _guard(need: Role) -> Callable[[Handler], Handler]:
+    def wrap(handler: Handler) -> Handler:
+        @functools.wraps(handler)
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            rt = request.app[LIVE].runtime
+            role = rt.tenants.role(api_key(request), loopback=request.app[LOOPBACK])
+            if role is Role.NONE:
+                return error_response(Unauthorized("admin endpoints need an admin key (policy `admin.key_sha256`) "
+                                                   "or, to read, a viewer key (`admin.viewer_key_sha256`)"))
+            if need is Role.ADMIN and role is not Role.ADMIN:
+                return error_response(Forbidden("a viewer key reads; this needs an admin key (policy `admin.key_sha256`)",
+                                                code="admin_key_required"))
+            try:
+                return await handler(request)
+            except GatewayError as err:
+                return error_response(err)
+            except StoreError as exc:
+                return error_response(Unavailable(f"the store did not answer: {exc}", retry_after_s=1))
+
+        return guarded
+
+    return wrap
+
+
+reads = _guard(Role.VIEWER)  # an admin or a viewer key
+writes = _guard(Role.ADMIN)  # an admin key
+
+
+@reads
+async def whoami(request: web.Request) -> web.Response:
+    role = request.app[LIVE].runtime.tenants.role(api_key(request), loopback=request.app[LOOPBACK])
+    return json_response({"role": role.value})
+
+
+# ---- virtual keys -------------------------------------------------------------------------------
+
+
+class _Create(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tenant: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=200)
+    expires_in_s: float | None = Field(None, gt=0, le=_MAX_EXPIRY_S)
+    models: list[str] | None = Field(None, min_length=1, max_length=1000)
+
+
+class _Rotate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    grace_s: float = Field(0.0, ge=0)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parsed(model: type[M], raw: bytes) -> M:
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise BadRequest(f"{where}: {err['msg']}", param=where if err["loc"] else None) from None
+
+
+def _writable(request: web.Request) -> None:
+    """Keys in a process's memory reach no other worker: issuing them needs a shared store."""
+    if not request.app[KEYBOOK].store.shared and request.app[WORKER] is not None:
+        raise Conflict("virtual keys are kept in the store, and this gateway runs several workers on the in-memory one: "
+                       "each worker would know only its own keys. Set `store.url` (Redis) to issue keys with --workers")
+
+
+@reads
+async def list_keys(request: web.Request) -> web.Response:
+    tenant = request.query.get("tenant") or None
+    return json_response({"object": "list", "data": await request.app[KEYBOOK].listing(tenant)})
+
+
+@writes
+async def create_key(request: web.Request) -> web.Response:
+    _writable(request)
+    body = _parsed(_Create, await read_bounded(request, _MAX_ADMIN_BODY))
+    tenants = request.app[LIVE].runtime.tenants
+    tenant = tenants.tenant(body.tenant)
+    if tenant is None:
+        raise BadRequest(f"no tenant {body.tenant!r} in the policy", param="tenant")
+    if body.models is not None:
+        public = set(request.app[LIVE].runtime.public_models)
+        bad = [m for m in body.models if m not in public or not tenant.may_use(m)]
+        if bad:
+            raise BadRequest(f"models: tenant {tenant.name!r} may not use {bad[0][:100]!r} (a key narrows the tenant's models)",
+                             param="models")
+    models = None if body.models is None else sorted(set(body.models))
+    made = await request.app[KEYBOOK].create(tenant.name, body.name, body.expires_in_s, models)
+    return json_response(made, status=201, headers={"Cache-Control": "no-store"})
+
+
+@writes
+async def rotate_key(request: web.Request) -> web.Response:
+    _writable(request)
+    body = _parsed(_Rotate, await read_bounded(request, _MAX_ADMIN_BODY))
+    made = await request.app[KEYBOOK].rotate(request.match_info["id"], body.grace_s)
+    return json_response(made, status=201, headers={"Cache-Control": "no-store"})
+
+
+@writes
+async def revoke_key(request: web.Request) -> web.Response:
+    _writable(request)
+    await request.app[KEYBOOK].revoke(request.match_info["id"])
+    return web.Response(status=204)
+
+
+# ---- the request log ----------------------------------------------------------------------------
+
+
+def _filter(q: Any) -> Filter:
+    status = q.get("status") or None
+    if status is not None and not (status.isdigit() and len(status) == 3):
+        raise BadRequest("status must be an HTTP status, e.g. 200 or 429", param="status")
+    return Filter(q.get("tenant") or None, q.get("model") or None, None if status is None else int(status))
+
+
+def _int(q: Any, name: str, default: int | None, low: int, high: int) -> int | None:
+    raw = q.get(name)
+    if not raw:
+        return default
+    if not raw.isdigit() or not low <= int(raw) <= high:
+        raise BadRequest(f"{name} must be a whole number from {low} to {high}", param=name)
+    return int(raw)
+
+
+@reads
+async def list_requests(request: web.Request) -> web.Response:
+    q = request.query
+    f, limit = _filter(q), _int(q, "limit", 50, 1, 1000)
+    before = _int(q, "before", None, 0, 2**62)
+    rlog = request.app[REQUEST_LOG]
+    await rlog.flush()  # what this process has not written yet is in its own answer
+    page = await rlog.store.page(f, limit or 50, before)
+    return json_response({"object": "list", "data": page.entries, "next": page.next,
+                          "scope": "shared" if _shared(request) else "this process"})
+
+
+@reads
+async def export_requests(request: web.Request) -> web.StreamResponse:
+    """The log (filtered) as JSON lines, newest first, streamed."""
+    f = _filter(request.query)
+    rlog = request.app[REQUEST_LOG]
+    await rlog.flush()
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
+                                       "Content-Disposition": 'attachment; filename="requests.jsonl"'})
+    await resp.prepare(request)
+    lines: list[bytes] = []
+    async for e in scan(rlog.store, f):
+        lines.append(orjson.dumps(e))
+        if len(lines) >= 1000:
+            await resp.write(b"\n".join(lines) + b"\n")
+            lines = []
+    if lines:
+        await resp.write(b"\n".join(lines) + b"\n")
+    await resp.write_eof()
+    return resp
+
+
+def _shared(request: web.Request) -> bool:
+    return request.app[LIVE].runtime.policy.store.url is not None
+
+
+@reads
+async def admin_overview(request: web.Request) -> web.Response:
+    rlog = request.app[REQUEST_LOG]
+    await rlog.flush()
+    return json_response(await overview(rlog.store, time.time()))
+
+
+# ---- the policy ---------------------------------------------------------------------------------
+
+
+@reads
+async def admin_policy(request: web.Request) -> web.Response:
+    rt = request.app[LIVE].runtime
+    return json_response({"policy_generation": rt.generation, "policy": redacted(rt.policy)})
+
+
+@reads
+async def check_policy(request: web.Request) -> web.Response:
+    """A pasted policy checked as `gateway check` would (nothing is applied)."""
+    raw = await read_bounded(request, _MAX_POLICY_BODY)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the policy must be UTF-8 text (YAML)") from None
+    return json_response(check_text(text))
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.get("/admin/whoami", whoami),
+        web.get("/admin/keys", list_keys),
+        web.post("/admin/keys", create_key),
+        web.post("/admin/keys/{id}/rotate", rotate_key),
+        web.delete("/admin/keys/{id}", revoke_key),
+        web.get("/admin/requests", list_requests),
+        web.get("/admin/requests/export", export_requests),
+        web.get("/admin/overview", admin_overview),
+        web.get("/admin/policy", admin_policy),
+        web.post("/admin/policy/check", check_policy),
+    ]

@@ -1,0 +1,269 @@
+"""Virtual keys: issued, listed, rotated and revoked through /admin/keys, without a deploy.
+
+A key acts as its tenant's key (the tenant's quotas, priority and models; a key may narrow the
+models). The store (admin/key_store.py) holds each key's record, with the sha256 digests of its
+secrets only: the secret is shown once, in the answer that made it. Every process keeps all
+records in memory (`KeyBook`), so a lookup on the request path is a dict lookup: no round trip. It
+polls the store's version every `admin.keys.poll_ms` and reloads when it moved, so a revoke or a
+rotation reaches every worker and replica within a poll; a store that is down leaves the keys
+this process knows working (and revoked ones refused).
+
+A record: {id, tenant, name, created_at, expires_at, models, revoked, revoked_at,
+digests: {digest: until}} where `until` is null for the current secret and the end of the grace
+for a rotated one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..config.policy import VirtualKeysPolicy
+from ..errors import BadRequest, Conflict, NotFound
+from ..tenants.auth import VIRTUAL_KEY_PREFIX
+from .key_store import KeyStore
+
+__all__ = ["KeyBook", "VirtualKey", "KEY_PREFIX"]
+
+log = logging.getLogger("gateway.admin.keys")
+
+KEY_PREFIX = VIRTUAL_KEY_PREFIX
+_TOUCH_EVERY_S = 5.0  # last_used_at is written in batches: a request costs a dict write, not a round trip
+# An unknown `sk-gw-` key asks the store whether keys changed, at most this often per process: a
+# key made on another replica a moment ago works at once, and a flood of made-up keys costs the
+# store a few reads a second (and each made-up key waits up to this for its 401).
+_CATCH_UP_EVERY_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualKey:
+    """One key as the request path sees it (one per digest: a rotated key's old secret too)."""
+
+    id: str
+    tenant: str
+    models: frozenset[str] | None  # None: the tenant's models
+    expires_at: float | None  # epoch seconds
+    until: float | None  # this secret's end (a rotated key's grace), epoch seconds
+
+    def live(self, now: float) -> bool:
+        return (self.expires_at is None or now < self.expires_at) and (self.until is None or now < self.until)
+
+
+class KeyBook:
+    """This process's copy of every virtual key, kept in step with the store."""
+
+    def __init__(self, store: KeyStore, policy: VirtualKeysPolicy, clock: Callable[[], float] = time.time) -> None:
+        self.store = store
+        self.policy = policy
+        self._clock = clock
+        self._by_digest: dict[str, VirtualKey] = {}
+        self._version = -1
+        self._used: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+        self._catching: asyncio.Future[None] | None = None
+        self._checked_at = 0.0  # time.monotonic() of the last version check
+
+    # ---- the request path ------------------------------------------------------------------------
+
+    def lookup(self, digest: str) -> VirtualKey | None:
+        """The live key with this secret digest, or None (unknown, revoked, expired, past its grace)."""
+        key = self._by_digest.get(digest)
+        if key is None:
+            return None
+        now = self._clock()
+        if not key.live(now):
+            return None
+        self._used[key.id] = now
+        return key
+
+    async def catch_up(self) -> None:
+        """Check the store for keys made since the last poll (a key this process does not know
+        yet). Concurrent callers share one check; checks are at least _CATCH_UP_EVERY_S apart."""
+        if self._catching is None:
+            self._catching = asyncio.ensure_future(self._catch_up())
+        await asyncio.shield(self._catching)
+
+    async def _catch_up(self) -> None:
+        try:
+            wait = self._checked_at + _CATCH_UP_EVERY_S - time.monotonic()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            await self._check()
+        except Exception:
+            pass  # the poll reports a store that fails
+        finally:
+            self._catching = None
+
+    async def _check(self) -> None:
+        self._checked_at = time.monotonic()
+        if await self.store.version() != self._version:
+            await self.refresh()
+
+    # ---- keeping in step -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the keys (a store that is down is retried by the poll) and start polling."""
+        with contextlib.suppress(Exception):
+            await self.refresh()
+        self._task = asyncio.create_task(self._poll(), name="virtual-keys-poll")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self._flush_used()
+        await self.store.close()
+
+    async def refresh(self) -> None:
+        """Reload every record from the store (StoreError when it cannot answer)."""
+        version, records = await self.store.records()
+        self._load(version, records)
+
+    async def _poll(self) -> None:
+        last_touch = time.monotonic()
+        while True:
+            await asyncio.sleep(self.policy.poll_ms / 1000)
+            try:
+                await self._check()
+                if time.monotonic() - last_touch >= _TOUCH_EVERY_S:
+                    last_touch = time.monotonic()
+                    await self._flush_used()
+                if self._failing:
+                    log.warning("virtual keys: the store answers again")
+                self._failing = False
+            except Exception as exc:  # a store outage: the keys known here keep working
+                if not self._failing:
+                    log.warning("virtual keys: cannot reach the store (the keys known here stay in force): %s", exc)
+                self._failing = True
+
+    async def _flush_used(self) -> None:
+        used, self._used = self._used, {}
+        try:
+            await self.store.touch(used)
+        except Exception:
+            for kid, t in used.items():  # kept for the next try
+                self._used[kid] = max(t, self._used.get(kid, 0.0))
+            raise
+
+    def _load(self, version: int, records: dict[str, dict[str, Any]]) -> None:
+        by_digest: dict[str, VirtualKey] = {}
+        for rec in records.values():
+            if rec.get("revoked"):
+                continue
+            models = rec.get("models")
+            for digest, until in (rec.get("digests") or {}).items():
+                by_digest[digest] = VirtualKey(rec["id"], rec["tenant"], None if models is None else frozenset(models),
+                                               rec.get("expires_at"), until)
+        self._by_digest, self._version = by_digest, version
+
+    # ---- the admin API ---------------------------------------------------------------------------
+
+    async def create(self, tenant: str, name: str, expires_in_s: float | None, models: list[str] | None) -> dict[str, Any]:
+        """A new key: its record's public view plus `key`, the secret (shown this once)."""
+        now = self._clock()
+        secret = _secret()
+        kid = "key_" + secrets.token_hex(8)
+        rec = {"id": kid, "tenant": tenant, "name": name, "created_at": round(now, 3),
+               "expires_at": None if expires_in_s is None else round(now + expires_in_s, 3),
+               "models": models, "revoked": False, "revoked_at": None, "digests": {_digest(secret): None}}  # fmt: skip
+
+        def add(records: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any] | None], None]:
+            writes: dict[str, dict[str, Any] | None] = dict.fromkeys(_forgotten(records, now, self.policy.keep_revoked_s))
+            if len(records) - len(writes) >= self.policy.max_keys:
+                raise Conflict(f"there are {len(records)} keys, the most `admin.keys.max_keys` allows: revoke some first "
+                               "(revoked keys are forgotten after `admin.keys.keep_revoked_s`)")
+            writes[kid] = rec
+            return writes, None
+
+        await self._change(add)
+        return {**public(rec), "key": secret}
+
+    async def rotate(self, kid: str, grace_s: float) -> dict[str, Any]:
+        """A new secret for key `kid`; the old one works `grace_s` more seconds (0: stops now)."""
+        if not 0 <= grace_s <= self.policy.max_grace_s:
+            raise BadRequest(f"grace_s must be between 0 and {self.policy.max_grace_s:g} (admin.keys.max_grace_s)", param="grace_s")
+        now = self._clock()
+        secret = _secret()
+
+        def swap(records: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any]]:
+            rec = _live_record(records, kid)
+            old = {d: u for d, u in rec["digests"].items() if u is not None and u > now}  # earlier graces still running
+            if grace_s > 0:
+                old.update({d: round(now + grace_s, 3) for d, u in rec["digests"].items() if u is None})
+            rec["digests"] = {**old, _digest(secret): None}
+            rec["rotated_at"] = round(now, 3)
+            return {kid: rec}, rec
+
+        rec = await self._change(swap)
+        return {**public(rec), "key": secret}
+
+    async def revoke(self, kid: str) -> None:
+        """Revoke key `kid` (every secret of it), everywhere within a poll. Revoking twice is fine."""
+        now = self._clock()
+
+        def drop(records: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any] | None], None]:
+            rec = records.get(kid)
+            if rec is None:
+                raise NotFound(f"no key {kid!r}")
+            if rec.get("revoked"):
+                return {}, None
+            rec.update(revoked=True, revoked_at=round(now, 3), digests={})
+            return {kid: rec}, None
+
+        await self._change(drop)
+
+    async def listing(self, tenant: str | None) -> list[dict[str, Any]]:
+        """Every key (of `tenant`), newest first, as the API shows it: never a secret or a digest."""
+        _, records = await self.store.records()
+        try:
+            used = await self.store.last_used()
+        except Exception:
+            used = {}
+        for kid, t in self._used.items():  # not yet written
+            used[kid] = max(t, used.get(kid, 0.0))
+        out = [{**public(r), "last_used_at": None if r["id"] not in used else round(used[r["id"]], 3)}
+               for r in records.values() if tenant is None or r["tenant"] == tenant]
+        out.sort(key=lambda r: r["created_at"], reverse=True)
+        return out
+
+    async def _change(self, change: Any) -> Any:
+        result = await self.store.change(change)
+        with contextlib.suppress(Exception):
+            await self.refresh()  # in force here at once; elsewhere within a poll
+        return result
+
+
+def public(rec: dict[str, Any]) -> dict[str, Any]:
+    """A record without its digests."""
+    return {k: rec.get(k) for k in ("id", "tenant", "name", "created_at", "expires_at", "models", "revoked", "revoked_at")}
+
+
+def _live_record(records: dict[str, dict[str, Any]], kid: str) -> dict[str, Any]:
+    rec = records.get(kid)
+    if rec is None:
+        raise NotFound(f"no key {kid!r}")
+    if rec.get("revoked"):
+        raise Conflict(f"key {kid!r} is revoked: make a new one")
+    return rec
+
+
+def _forgotten(records: dict[str, dict[str, Any]], now: float, keep_s: float) -> list[str]:
+    return [kid for kid, r in records.items() if r.get("revoked") and (r.get("revoked_at") or 0) + keep_s < now]
+
+
+def _secret() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()

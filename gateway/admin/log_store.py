@@ -1,0 +1,193 @@
+"""Where the request log lives: a Redis sorted set (shared by every replica) or this process's memory.
+
+Entries are ordered by the time a request ended (microseconds since the epoch: the score), newest
+first when read. A page is read from a cursor (`before`: the score of the last entry seen) and
+filtered by tenant (an index of its own: a tenant's page never scans other tenants' entries),
+model and status (read in chunks and filtered; a page scans at most `_MAX_SCAN` entries, and its
+cursor then says where to go on). The log keeps its newest `size` entries.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import orjson
+from redis.asyncio import Redis
+
+from ..store.redis_store import bounded
+
+__all__ = ["Filter", "Page", "LogStore", "MemoryLogStore", "RedisLogStore"]
+
+_MAX_SCAN = 20_000  # entries one page may read past while filtering (bounded work per request)
+_CHUNK = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Filter:
+    tenant: str | None = None
+    model: str | None = None
+    status: int | None = None
+
+    def keeps(self, e: dict[str, Any]) -> bool:
+        return ((self.tenant is None or e.get("tenant") == self.tenant) and (self.model is None or e.get("model") == self.model)
+                and (self.status is None or e.get("status") == self.status))
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    entries: list[dict[str, Any]]
+    next: str | None  # the cursor of the next (older) page; None at the end
+
+
+class LogStore(Protocol):
+    size: int  # entries kept
+
+    async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
+        """Add entries: (score, tenant, the entry as JSON)."""
+        ...
+
+    async def page(self, f: Filter, limit: int, before: int | None) -> Page:
+        """Up to `limit` entries older than `before` (None: the newest), newest first."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+async def scan(store: LogStore, f: Filter, before: int | None = None, chunk: int = 1000) -> AsyncIterator[dict[str, Any]]:
+    """Every entry matching `f`, newest first, page after page (the export)."""
+    while True:
+        page = await store.page(f, chunk, before)
+        for e in page.entries:
+            yield e
+        if page.next is None:
+            return
+        before = int(page.next)
+
+
+class MemoryLogStore:
+    """The log in this process: a list in score order (appends land at the end; a late one is
+    inserted in place), trimmed in steps so a trim is not paid per entry."""
+
+    def __init__(self, size: int, max_bytes: int = 64 << 20) -> None:
+        self.size = size
+        self.max_bytes = max_bytes
+        self._bytes = 0
+        self._scores: list[int] = []
+        self._entries: list[bytes] = []
+        self._tenants: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self._scores)
+
+    async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
+        for score, tenant, entry in batch:
+            self._bytes += len(entry)
+            if not self._scores or score >= self._scores[-1]:
+                self._scores.append(score)
+                self._entries.append(entry)
+                self._tenants.append(tenant)
+            else:
+                i = bisect.bisect_right(self._scores, score)
+                self._scores.insert(i, score)
+                self._entries.insert(i, entry)
+                self._tenants.insert(i, tenant)
+        extra = len(self._scores) - self.size
+        if extra > max(64, self.size // 16) or (extra > 0 and self.size < 1024):
+            self._drop(extra)
+        while self._bytes > self.max_bytes and self._scores:
+            self._drop(max(1, len(self._scores) // 16))
+
+    def _drop(self, n: int) -> None:
+        self._bytes -= sum(len(e) for e in self._entries[:n])
+        del self._scores[:n], self._entries[:n], self._tenants[:n]
+
+    async def page(self, f: Filter, limit: int, before: int | None) -> Page:
+        floor = max(0, len(self._scores) - self.size)  # entries past `size` waiting for the next trim
+        i = len(self._scores) if before is None else bisect.bisect_left(self._scores, before)
+        out: list[dict[str, Any]] = []
+        scanned = 0
+        while i > floor and len(out) < limit and scanned < _MAX_SCAN:
+            i -= 1
+            scanned += 1
+            if f.tenant is not None and self._tenants[i] != f.tenant:
+                continue
+            e = orjson.loads(self._entries[i])
+            if f.keeps(e):
+                out.append(e)
+        return Page(out, str(self._scores[i]) if i > floor else None)
+
+    async def close(self) -> None:
+        return None
+
+
+# Add a batch and keep the newest `size`; a tenant's index loses what the log lost. KEYS[1]: the
+# log, KEYS[2]: the tenant index prefix. ARGV[1]: size; ARGV[2]: the batch, one "score TAB tenant
+# TAB entry" line per entry (one argument: the gateway encodes one string, not three per entry;
+# JSON from orjson holds no raw tab or newline, a tenant name neither).
+_APPEND = r"""
+local size = tonumber(ARGV[1])
+local touched = {}
+for score, tenant, entry in string.gmatch(ARGV[2], "(%d+)\t([^\t\n]*)\t([^\n]*)\n") do
+  redis.call('ZADD', KEYS[1], score, entry)
+  redis.call('ZADD', KEYS[2] .. tenant, score, entry)
+  touched[tenant] = true
+end
+redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -size - 1)
+local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
+if oldest then
+  for t, _ in pairs(touched) do
+    redis.call('ZREMRANGEBYSCORE', KEYS[2] .. t, '-inf', '(' .. oldest)
+  end
+end
+return 1
+"""
+
+
+class RedisLogStore:
+    """The log in Redis: `{prefix}log` (every entry) and `{prefix}log:t:{tenant}` (a tenant's)."""
+
+    def __init__(self, url: str, size: int, *, prefix: str = "gateway:", timeout_s: float = 1.0) -> None:
+        self.size = size
+        self._redis: Any = Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._timeout_s = timeout_s
+        self._log, self._by_tenant = f"{prefix}log", f"{prefix}log:t:"
+        self._append = self._redis.register_script(_APPEND)
+
+    async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
+        lines = b"".join(b"%d\t%s\t%s\n" % (score, tenant.encode(), entry) for score, tenant, entry in batch)
+        await self._call("write the request log", self._append(keys=[self._log, self._by_tenant], args=[self.size, lines]))
+
+    async def page(self, f: Filter, limit: int, before: int | None) -> Page:
+        key = self._log if f.tenant is None else self._by_tenant + f.tenant
+        top: str = "+inf" if before is None else f"({before}"
+        out: list[dict[str, Any]] = []
+        scanned = 0
+        # Unfiltered (or by tenant alone: its own index), a page is one read of `limit` entries.
+        n = limit if f.model is None and f.status is None else _CHUNK
+        while True:
+            rows = await self._call("read the request log",
+                                    self._redis.zrevrangebyscore(key, top, "-inf", start=0, num=n, withscores=True))
+            last = 0
+            for member, score in rows:
+                scanned += 1
+                last = int(score)
+                e = orjson.loads(member)
+                if f.keeps(e):
+                    out.append(e)
+                    if len(out) == limit:
+                        return Page(out, str(last))
+            if len(rows) < n:
+                return Page(out, None)  # the oldest entry was read
+            if scanned >= _MAX_SCAN:
+                return Page(out, str(last))  # a short page: the cursor goes on from here
+            top = f"({last}"
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def _call(self, what: str, aw: Any) -> Any:
+        return await bounded(what, aw, self._timeout_s)

@@ -1,0 +1,61 @@
+"""The policy on the admin plane: the one in force with its secrets redacted, and a pasted one
+checked with the same path-named errors and warnings as `gateway check`."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from ..config.policy import Policy, PolicyError, parse_policy
+from ..tenants.auth import key_warnings
+
+__all__ = ["redacted", "check_text", "env_warnings"]
+
+_DIGEST_FIELDS = ("key_sha256", "viewer_key_sha256")
+_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", re.I)
+
+
+def redacted(policy: Policy) -> dict[str, Any]:
+    """The policy as JSON, with key digests counted instead of shown and passwords in URLs
+    (`redis://:secret@host`) replaced. Environment variable names stay: they are not secrets."""
+    out = _walk(policy.model_dump(mode="json"))
+    assert isinstance(out, dict)
+    return out
+
+
+def _walk(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {k: (_digests(x) if k in _DIGEST_FIELDS else _walk(x)) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_walk(x) for x in v]
+    if isinstance(v, str):
+        return _USERINFO.sub(r"\1<redacted>@", v)
+    return v
+
+
+def _digests(v: Any) -> Any:
+    return f"<{len(v)} digest(s)>" if isinstance(v, list) else v
+
+
+def env_warnings(policy: Policy) -> list[str]:
+    """The environment variables the policy names that are not set here."""
+    out = [f"backends.{name}.api_key_env: environment variable {b.api_key_env} is not set here"
+           for name, b in policy.backends.items() if b.api_key_env and not os.environ.get(b.api_key_env)]
+    holders = [(f"tenants.{n}", t.key_sha256_env) for n, t in policy.tenants.items()]
+    if policy.admin is not None:
+        holders += [("admin", policy.admin.key_sha256_env), ("admin.viewer", policy.admin.viewer_key_sha256_env)]
+    holders.append(("metrics", policy.metrics.key_sha256_env))
+    out += [f"{path}.key_sha256_env: environment variable {env} is not set here (the gateway refuses to start without it)"
+            for path, env in holders if env and not os.environ.get(env)]
+    return out
+
+
+def check_text(text: str) -> dict[str, Any]:
+    """{"ok", "errors", "warnings"} for a policy's text. The files it names (a classifier's
+    weights) are not opened: that check is `gateway check`'s, on the host."""
+    try:
+        policy = parse_policy(text, "<pasted>")
+    except PolicyError as exc:
+        return {"ok": False, "errors": [str(p) for p in exc.problems], "warnings": []}
+    return {"ok": True, "errors": [], "warnings": [*env_warnings(policy), *key_warnings(policy)]}

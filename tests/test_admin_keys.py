@@ -1,0 +1,229 @@
+"""Virtual keys across replicas: two `gateway serve` processes (one with two workers) on a
+redis-server of the test's own, the fake upstream on the test's loop, the official openai SDK and
+raw HTTP as clients. Create on one replica, use on the other, revoke and rotate within 2 s
+everywhere, expiry, a narrowed model list, roles, and a store outage."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import yaml
+
+from tests.procs import free_port, needs_redis_server, redis_server, serve
+
+TENANT_KEY = "sk-" + secrets.token_urlsafe(24)
+ADMIN = "sk-adm-" + secrets.token_urlsafe(24)
+VIEWER = "sk-view-" + secrets.token_urlsafe(24)
+A = {"Authorization": f"Bearer {ADMIN}"}
+V = {"Authorization": f"Bearer {VIEWER}"}
+
+
+def _sha(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _policy(up_url: str, redis_url: str | None) -> dict[str, Any]:
+    p: dict[str, Any] = {
+        "reload": {"watch": False, "channel": "test-keys-" + secrets.token_hex(4)},
+        "cache": {"enabled": False},
+        "backends": {"up": {"url": up_url, "models": ["m", "n"]}},
+        "tenants": {"acme": {"key_sha256": [_sha(TENANT_KEY)]}, "beta": {}},  # beta: virtual keys only
+        "admin": {"key_sha256": [_sha(ADMIN)], "viewer_key_sha256": [_sha(VIEWER)], "keys": {"poll_ms": 200}},
+    }
+    if redis_url is not None:
+        p["store"] = {"url": redis_url, "timeout_ms": 500}
+    return p
+
+
+async def _call(method: str, url: str, headers: dict[str, str] | None = None, js: Any = None) -> tuple[int, Any]:
+    """One request on a connection of its own (SO_REUSEPORT spreads them over the workers)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        async with http.request(method, url, headers=headers or {}, json=js) as r:
+            raw = await r.read()
+            try:
+                return r.status, await r.json(content_type=None) if raw else None
+            except ValueError:
+                return r.status, raw.decode(errors="replace")
+
+
+async def _chat(base: str, key: str, model: str = "m") -> int:
+    status, _ = await _call("POST", f"{base}/v1/chat/completions", {"Authorization": f"Bearer {key}"},
+                            {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    return status
+
+
+async def _until(check: Any, timeout_s: float) -> float:
+    """Seconds until `await check()` is true (AssertionError past `timeout_s`)."""
+    t0 = time.monotonic()
+    while not await check():
+        assert time.monotonic() - t0 < timeout_s, f"not within {timeout_s} s"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+async def test_a_key_made_on_one_replica_works_on_every_worker_of_the_other_and_dies_everywhere(upstream, tmp_path):
+    up = await upstream("up", tokens=2)
+    async with redis_server() as redis_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(yaml.safe_dump(_policy(up.url, redis_url)))
+        async with serve(path, tmp_path) as g1, serve(path, tmp_path, "--workers", "2") as g2:
+            st, made = await _call("POST", f"{g1.url}/admin/keys", A, {"tenant": "beta", "name": "ci-bot"})
+            assert st == 201 and made["key"].startswith("sk-gw-") and made["tenant"] == "beta"
+            assert set(made) >= {"id", "key", "tenant", "name", "created_at", "expires_at"}
+            key = made["key"]
+            # at once on the other replica (a key it does not know yet is looked up), every worker
+            assert [await _chat(g2.url, key) for _ in range(6)] == [200] * 6
+            sdk = openai.AsyncOpenAI(base_url=g1.url + "/v1", api_key=key, max_retries=0)
+            answer = await sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert answer.choices[0].message.content
+            await sdk.close()
+
+            st, listed = await _call("GET", f"{g2.url}/admin/keys?tenant=beta", V)
+            assert st == 200 and [k["id"] for k in listed["data"]] == [made["id"]]
+            row = listed["data"][0]
+            assert row["revoked"] is False and row["last_used_at"] is not None and row["name"] == "ci-bot"
+            text = str(listed)
+            assert key not in text and _sha(key) not in text  # never the secret, nor its digest
+
+            assert (await _call("DELETE", f"{g1.url}/admin/keys/{made['id']}", V))[0] == 403  # a viewer reads only
+            assert (await _call("DELETE", f"{g1.url}/admin/keys/{made['id']}", A))[0] == 204
+
+            async def refused() -> bool:
+                return [await _chat(g.url, key) for g in (g1, g2, g2, g2)] == [401] * 4
+
+            assert await _until(refused, 2.0) <= 2.0
+            st, listed = await _call("GET", f"{g1.url}/admin/keys", A)
+            assert [k["revoked"] for k in listed["data"] if k["id"] == made["id"]] == [True]
+            assert (await _call("DELETE", f"{g1.url}/admin/keys/{made['id']}", A))[0] == 204  # twice is fine
+            assert (await _call("DELETE", f"{g1.url}/admin/keys/key_nope", A))[0] == 404
+            # the policy's own keys keep working beside virtual ones
+            assert await _chat(g2.url, TENANT_KEY) == 200
+
+
+async def test_rotation_with_and_without_grace_expiry_and_a_narrowed_model_list(upstream, tmp_path):
+    up = await upstream("up", tokens=2)
+    async with redis_server() as redis_url:
+        path = tmp_path / "policy.yaml"
+        path.write_text(yaml.safe_dump(_policy(up.url, redis_url)))
+        async with serve(path, tmp_path) as g1, serve(path, tmp_path) as g2:
+            st, k = await _call("POST", f"{g1.url}/admin/keys", A, {"tenant": "acme", "name": "narrow", "models": ["m"]})
+            assert st == 201 and k["models"] == ["m"]
+            assert await _chat(g2.url, k["key"], "m") == 200
+            assert await _chat(g2.url, k["key"], "n") == 403  # the key narrows the tenant's models
+            st, models = await _call("GET", f"{g2.url}/v1/models", {"Authorization": f"Bearer {k['key']}"})
+            assert st == 200 and [m["id"] for m in models["data"]] == ["m"]
+            # a key cannot widen what its tenant may use, nor name a model nobody serves
+            st, err = await _call("POST", f"{g1.url}/admin/keys", A, {"tenant": "acme", "name": "x", "models": ["zzz"]})
+            assert st == 400 and err["error"]["param"] == "models"
+
+            # rotation with a grace: both secrets work, then only the new one
+            st, r1 = await _call("POST", f"{g1.url}/admin/keys/{k['id']}/rotate", A, {"grace_s": 1.5})
+            assert st == 201 and r1["id"] == k["id"] and r1["key"] != k["key"]
+            assert await _chat(g2.url, r1["key"]) == 200 and await _chat(g2.url, k["key"]) == 200
+
+            async def old_refused() -> bool:
+                return await _chat(g2.url, k["key"]) == 401 and await _chat(g1.url, k["key"]) == 401
+
+            assert await _until(old_refused, 4.0) <= 1.5 + 1.0  # the grace ends (plus a poll), not later
+            assert await _chat(g1.url, r1["key"]) == 200
+            # rotation without a grace: the old secret stops within 2 s everywhere
+            st, r2 = await _call("POST", f"{g2.url}/admin/keys/{k['id']}/rotate", A, {"grace_s": 0})
+            assert st == 201
+
+            async def swapped() -> bool:
+                return [await _chat(g.url, r2["key"]) for g in (g1, g2)] == [200, 200] and \
+                    [await _chat(g.url, r1["key"]) for g in (g1, g2)] == [401, 401]
+
+            assert await _until(swapped, 2.0) <= 2.0
+            assert (await _call("POST", f"{g1.url}/admin/keys/{k['id']}/rotate", A, {"grace_s": -1}))[0] == 400
+
+            # expiry
+            st, e = await _call("POST", f"{g1.url}/admin/keys", A, {"tenant": "acme", "name": "short", "expires_in_s": 1})
+            assert st == 201 and e["expires_at"] - e["created_at"] == pytest.approx(1, abs=0.01)
+            assert await _chat(g2.url, e["key"]) == 200
+            await asyncio.sleep(1.1)
+            assert await _chat(g2.url, e["key"]) == 401 and await _chat(g1.url, e["key"]) == 401
+
+
+async def test_roles_and_bad_input_on_the_key_endpoints(upstream, tmp_path):
+    up = await upstream("up", tokens=2)
+    async with serve(_policy(up.url, None), tmp_path) as g:
+        assert await _call("GET", f"{g.url}/admin/whoami", A) == (200, {"role": "admin"})
+        assert await _call("GET", f"{g.url}/admin/whoami", V) == (200, {"role": "viewer"})
+        for h in (None, {"Authorization": f"Bearer {TENANT_KEY}"}, {"Authorization": "Bearer sk-gw-made-up"}):
+            assert (await _call("GET", f"{g.url}/admin/keys", h))[0] == 401
+            assert (await _call("POST", f"{g.url}/admin/keys", h, {"tenant": "acme", "name": "x"}))[0] == 401
+        st, err = await _call("POST", f"{g.url}/admin/keys", V, {"tenant": "acme", "name": "x"})
+        assert st == 403 and err["error"]["type"] == "permission_error"
+        assert (await _call("POST", f"{g.url}/admin/reload", V))[0] == 403
+        for body, param in (({"tenant": "nope", "name": "x"}, "tenant"), ({"tenant": "acme"}, "name"),
+                            ({"tenant": "acme", "name": "x", "expires_in_s": 0}, "expires_in_s"),
+                            ({"tenant": "acme", "name": "x", "admin": True}, "admin"), ({"tenant": "acme", "name": ""}, "name")):
+            st, err = await _call("POST", f"{g.url}/admin/keys", A, body)
+            assert st == 400 and err["error"]["param"] == param, (body, err)
+        # a body bomb is refused unread past the admin plane's bound
+        st, _ = await _call("POST", f"{g.url}/admin/keys", A, {"tenant": "acme", "name": "x" * 200_000})
+        assert st == 413
+        assert (await _call("POST", f"{g.url}/admin/keys/key_nope/rotate", A, {}))[0] == 404
+        # a made-up sk-gw- key is a 401 like any other, and the endpoint stays quick
+        t0 = time.monotonic()
+        assert [await _chat(g.url, "sk-gw-" + secrets.token_urlsafe(8)) for _ in range(20)] == [401] * 20
+        assert time.monotonic() - t0 < 5
+
+
+async def test_in_memory_keys_with_one_process_and_a_refusal_with_workers(upstream, tmp_path):
+    up = await upstream("up", tokens=2)
+    async with serve(_policy(up.url, None), tmp_path) as g:
+        st, k = await _call("POST", f"{g.url}/admin/keys", A, {"tenant": "acme", "name": "local"})
+        assert st == 201 and await _chat(g.url, k["key"]) == 200
+    async with serve(_policy(up.url, None), tmp_path, "--workers", "2") as g:
+        st, err = await _call("POST", f"{g.url}/admin/keys", A, {"tenant": "acme", "name": "local"})
+        assert st == 409 and "store.url" in err["error"]["message"]
+
+
+@contextlib.asynccontextmanager
+async def _stoppable_redis() -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    exe = needs_redis_server()
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0", proc
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
+async def test_a_store_outage_keeps_known_keys_working(upstream, tmp_path: Path):
+    up = await upstream("up", tokens=2)
+    async with _stoppable_redis() as (redis_url, redis_proc):
+        path = tmp_path / "policy.yaml"
+        path.write_text(yaml.safe_dump(_policy(up.url, redis_url)))
+        async with serve(path, tmp_path) as g1, serve(path, tmp_path) as g2:
+            st, k = await _call("POST", f"{g1.url}/admin/keys", A, {"tenant": "acme", "name": "survivor"})
+            assert st == 201 and await _chat(g2.url, k["key"]) == 200
+            redis_proc.kill()
+            await redis_proc.wait()
+            await asyncio.sleep(0.5)  # a few polls fail
+            assert [await _chat(g.url, k["key"]) for g in (g1, g2)] == [200, 200]
+            assert await _chat(g2.url, "sk-gw-" + secrets.token_urlsafe(8)) == 401
+            st, err = await _call("POST", f"{g1.url}/admin/keys", A, {"tenant": "acme", "name": "new"})
+            assert st == 503 and "store" in err["error"]["message"]

@@ -1,0 +1,210 @@
+"""The request log: its stores (memory, and a redis-server of the test's own) page by page, filtered
+and bounded; its writer bounded under a slow store; and end to end through a gateway with the
+official openai SDK: what is kept, what is not (prompts), the cursor, the export, the overview."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+import redis.asyncio as aredis
+
+from gateway.admin.log_store import Filter, LogStore, MemoryLogStore, RedisLogStore, scan
+from gateway.admin.request_log import RequestLog
+from gateway.config.policy import RequestLogPolicy
+from tests.procs import redis_server
+
+TENANTS = ("acme", "beta", "gamma")
+
+
+def _entry(i: int) -> tuple[int, str, bytes]:
+    tenant = TENANTS[i % 3]
+    e = {"id": f"r{i}", "time": 1_700_000_000 + i / 1000, "tenant": tenant, "model": "m" if i % 2 else "n",
+         "status": 200 if i % 5 else 429}
+    return int(e["time"] * 1e6), tenant, orjson.dumps(e)  # type: ignore[operator]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def log_store(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """A factory of empty stores of `size` entries."""
+    if request.param == "memory":
+        yield MemoryLogStore
+        return
+    async with redis_server() as url:
+        made: list[RedisLogStore] = []
+
+        def make(size: int) -> RedisLogStore:
+            made.append(RedisLogStore(url, size, prefix=f"t{len(made)}:"))
+            return made[-1]
+
+        yield make
+        for s in made:
+            await s.close()
+
+
+async def _all(store: LogStore, f: Filter, limit: int) -> tuple[list[str], int]:
+    """Every entry's id through the cursor, and how many pages it took."""
+    ids: list[str] = []
+    before, pages = None, 0
+    while True:
+        page = await store.page(f, limit, before)
+        pages += 1
+        assert len(page.entries) <= limit
+        ids += [e["id"] for e in page.entries]
+        if page.next is None:
+            return ids, pages
+        before = int(page.next)
+
+
+async def test_pages_newest_first_through_the_cursor_with_filters(log_store):
+    store = log_store(10_000)
+    await store.append([_entry(i) for i in range(2500)])
+    ids, pages = await _all(store, Filter(), 300)
+    assert ids == [f"r{i}" for i in reversed(range(2500))] and pages in (9, 10)
+    ids, _ = await _all(store, Filter(tenant="beta"), 100)
+    assert ids == [f"r{i}" for i in reversed(range(2500)) if i % 3 == 1]
+    ids, _ = await _all(store, Filter(tenant="acme", model="m", status=429), 7)
+    assert ids == [f"r{i}" for i in reversed(range(2500)) if i % 3 == 0 and i % 2 and i % 5 == 0]
+    assert (await store.page(Filter(tenant="nobody"), 10, None)).entries == []
+    assert [e["id"] async for e in scan(store, Filter(model="n"), chunk=333)] == [f"r{i}" for i in reversed(range(2500)) if i % 2 == 0]
+
+
+async def test_the_log_keeps_its_newest_entries_and_a_late_one_lands_in_order(log_store):
+    store = log_store(1000)
+    for start in range(0, 5000, 500):
+        await store.append([_entry(i) for i in range(start, start + 500)])
+    ids, _ = await _all(store, Filter(), 1000)
+    assert ids == [f"r{i}" for i in reversed(range(4000, 5000))]
+    ids, _ = await _all(store, Filter(tenant="gamma"), 1000)  # a tenant's index loses what the log lost
+    assert ids == [f"r{i}" for i in reversed(range(4000, 5000)) if i % 3 == 2]
+    late = _entry(4500)
+    await store.append([(late[0] + 1, "acme", orjson.dumps({"id": "late", "time": 0, "tenant": "acme"}))])
+    first = (await store.page(Filter(), 501, None)).entries
+    assert [e["id"] for e in first[498:501]] == ["r4501", "late", "r4500"]
+
+
+async def test_the_writer_is_bounded_while_the_store_is_slow_and_resumes_after():
+    async with redis_server() as url:
+        store = RedisLogStore(url, 100_000, prefix="slow:")
+        dropped: list[tuple[str, int]] = []
+        rlog = RequestLog(store, RequestLogPolicy(queue=500, flush_ms=20, write_timeout_ms=100),
+                          on_drop=lambda reason, n: dropped.append((reason, n)))
+        rlog.start()
+        admin = aredis.Redis.from_url(url)
+        try:
+            await admin.execute_command("CLIENT", "PAUSE", "1000", "ALL")  # Redis answers no other client for 1 s
+            t0 = time.perf_counter()
+            queued = [rlog.put(_entry(i)) for i in range(5000)]  # while it sleeps: 500 wait, the rest are dropped
+            assert time.perf_counter() - t0 < 0.5 and 0 < sum(queued) <= 500
+            await asyncio.sleep(1.3)
+            assert sum(n for r, n in dropped if r == "store") >= 1  # a batch the sleeping store did not take in 100 ms
+            assert sum(n for r, n in dropped if r == "queue_full") >= 4500
+            assert rlog.put(_entry(9999))
+            await asyncio.sleep(0.2)
+            assert (await store.page(Filter(), 1, None)).entries[0]["id"] == "r9999"  # writing again
+        finally:
+            await admin.aclose()
+            await rlog.close()
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+
+KEY, PAYLOAD_KEY, ADMIN = "sk-acme-key-1", "sk-beta-key-1", "sk-admin-key-1"
+A = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def _sha(k: str) -> str:
+    return hashlib.sha256(k.encode()).hexdigest()
+
+
+def _policy(up_url: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "backends": {"up": {"url": up_url, "models": ["m"], "price": {"input_per_mtok": 1.0, "output_per_mtok": 2.0}}},
+        "tenants": {"acme": {"key_sha256": [_sha(KEY)]}, "beta": {"key_sha256": [_sha(PAYLOAD_KEY)], "log_payloads": True}},
+        "admin": {"key_sha256": [_sha(ADMIN)]},
+        "cache": {"enabled": False},
+        "reload": {"watch": False},
+        **extra,
+    }
+
+
+async def _get(url: str, headers: dict[str, str] = A) -> Any:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            return await r.json(content_type=None) if r.content_type == "application/json" else await r.text()
+
+
+async def test_each_request_is_logged_with_its_route_and_no_prompt_unless_the_tenant_asks(upstream, gateway):
+    up = await upstream("up", tokens=5, ttft_ms=20)
+    gw = await gateway(_policy(up.url))
+    acme, beta = gw.client(KEY), gw.client(PAYLOAD_KEY)
+    secret_prompt = "the launch code is 0451"
+    await acme.chat.completions.create(model="m", messages=[{"role": "user", "content": secret_prompt}],
+                                       extra_headers={"x-request-id": "req-plain"})
+    stream = await acme.chat.completions.create(model="m", messages=[{"role": "user", "content": secret_prompt}], stream=True,
+                                                extra_headers={"x-request-id": "req-stream"})
+    async for _ in stream:
+        pass
+    await beta.chat.completions.create(model="m", messages=[{"role": "user", "content": "log me"}], extra_headers={"x-request-id": "req-beta"})
+    async with aiohttp.ClientSession() as http:  # refused before authentication: not in the shared log
+        for _ in range(20):
+            async with http.post(gw.url + "/v1/chat/completions", json={"model": "m"}, headers={"Authorization": "Bearer nope"}) as r:
+                assert r.status == 401
+    log = await _get(gw.url + "/admin/requests?limit=50")
+    by_id = {e["id"]: e for e in log["data"]}
+    assert list(by_id) == ["req-beta", "req-stream", "req-plain"] and log["next"] is None
+    plain, streamed, beta_row = by_id["req-plain"], by_id["req-stream"], by_id["req-beta"]
+    assert plain["tenant"] == "acme" and plain["key_id"] is None and plain["backend"] == "up" and plain["status"] == 200
+    assert plain["attempts"] == ["up"] and plain["completion_tokens"] == 5 and plain["cost_usd"] > 0
+    assert plain["finish"] == "ok" and plain["cache"] == "bypass" and isinstance(plain["duration_ms"], float)
+    assert streamed["stream"] is True and streamed["ttft_ms"] >= 15
+    assert secret_prompt not in json.dumps(log["data"][1:]) and "prompt" not in plain and "answer" not in plain
+    assert beta_row["prompt"] == [{"role": "user", "content": "log me"}] and beta_row["answer"].startswith("w0")
+    assert [e["id"] for e in (await _get(gw.url + "/admin/requests?tenant=acme"))["data"]] == ["req-stream", "req-plain"]
+    page = await _get(gw.url + "/admin/requests?limit=2")
+    assert [e["id"] for e in page["data"]] == ["req-beta", "req-stream"] and page["next"]
+    rest = await _get(gw.url + f"/admin/requests?limit=2&before={page['next']}")
+    assert [e["id"] for e in rest["data"]] == ["req-plain"] and rest["next"] is None
+    lines = (await _get(gw.url + "/admin/requests/export?tenant=acme")).splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["req-stream", "req-plain"]
+    ov = await _get(gw.url + "/admin/overview")
+    assert ov["requests"] == 3 and ov["errors"] == 0 and ov["backends"]["up"]["requests"] == 3 and ov["unrouted"] == 0
+    assert ov["backends"]["up"]["ttft_ms_p50"] >= 15 and ov["backends"]["up"]["latency_ms_p95"] >= 15
+
+
+async def test_bad_query_values_are_400s_and_the_log_can_be_turned_off(upstream, gateway):
+    up = await upstream("up", tokens=2)
+    gw = await gateway(_policy(up.url, request_log={"enabled": False}))
+    async with aiohttp.ClientSession() as http:
+        for q in ("limit=0", "limit=1001", "limit=x", "before=-1", "status=abc", "status=2000"):
+            async with http.get(gw.url + "/admin/requests?" + q, headers=A) as r:
+                body = await r.json()
+                assert r.status == 400 and body["error"]["param"] == q.split("=")[0], q
+        async with http.get(gw.url + "/admin/requests", headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 401  # a tenant's key is not an admin key
+    await gw.client(KEY).chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert (await _get(gw.url + "/admin/requests"))["data"] == []
+
+
+async def test_payloads_are_cut_to_their_bound_and_the_memory_log_to_its_bytes(upstream, gateway):
+    up = await upstream("up", tokens=3)
+    gw = await gateway(_policy(up.url, request_log={"max_payload_chars": 100}))
+    long = "x" * 5000
+    await gw.client(PAYLOAD_KEY).chat.completions.create(model="m", messages=[{"role": "user", "content": long}])
+    e = (await _get(gw.url + "/admin/requests"))["data"][0]
+    assert e["prompt_truncated"] is True and len(e["prompt"]) == 100 and e["answer"] == "w0 w1 w2 "
+
+    store = MemoryLogStore(1_000_000, max_bytes=50_000)
+    for start in range(0, 3000, 100):
+        await store.append([_entry(i) for i in range(start, start + 100)])
+    kept = [e["id"] async for e in scan(store, Filter())]
+    assert 300 < len(kept) < 3000 and kept[0] == "r2999"  # the newest, as many as 50 kB hold
+    assert sum(len(orjson.dumps(e)) for e in [json.loads(orjson.dumps(x)) async for x in scan(store, Filter())]) <= 50_000
