@@ -19,7 +19,7 @@ WORKERS ?= 1
 # pip's own progress (Collecting / Downloading / Installing lines, bars on a terminal), not -q.
 PIPI   := $(PIP) install --progress-bar on
 
-.PHONY: install run test test-fast typecheck bench check clean
+.PHONY: install browser run test test-fast typecheck bench check clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo "==> [1/5] virtual environment in $(VENV)"
@@ -40,8 +40,20 @@ install: $(STAMP)
 run: $(STAMP)
 	$(PY) -m gateway serve --policy $(POLICY) --host $(HOST) --port $(PORT) --workers $(WORKERS)
 
+# Chromium for the web console's browser tests (tests/test_console_browser.py): Debian's package,
+# driven by Playwright (no browser download). Installed when /usr/bin/chromium is missing and
+# apt-get can be run as root; otherwise those tests skip (and fail under CI, which sets CI).
+browser:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "==> chromium (Debian's) for the web console's browser tests"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; \
+	else \
+		echo "==> no /usr/bin/chromium, and apt-get is not usable as root here: the browser tests will skip"; \
+	fi
+
 # The suite, after the type check: a type error fails `make test` (and CI) before any test runs.
-test: $(STAMP) typecheck
+test: $(STAMP) typecheck browser
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

@@ -29,22 +29,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(f"{exc.source}: {problem}", file=sys.stderr)
         print(f"{exc.source}: {len(exc.problems)} error(s)", file=sys.stderr)
         return 1
-    missing = [
-        f"backends.{name}.api_key_env: environment variable {b.api_key_env} is not set here"
-        for name, b in policy.backends.items()
-        if b.api_key_env and not os.environ.get(b.api_key_env)
-    ]
-    holders = [(f"tenants.{n}", t.key_sha256_env) for n, t in policy.tenants.items()]
-    holders.append(("admin", policy.admin.key_sha256_env if policy.admin else None))
-    holders.append(("metrics", policy.metrics.key_sha256_env))
-    missing += [
-        f"{path}.key_sha256_env: environment variable {env} is not set here (the gateway refuses to start without it)"
-        for path, env in holders
-        if env and not os.environ.get(env)
-    ]
+    from .admin.policy_view import env_warnings
     from .tenants.auth import key_warnings
 
-    for line in [*missing, *key_warnings(policy)]:
+    for line in [*env_warnings(policy), *key_warnings(policy)]:
         print(f"{args.file}: warning: {line}", file=sys.stderr)
     from .classify.classifier import Classifier
 

@@ -17,6 +17,7 @@ __all__ = [
     "PayloadTooLarge",
     "Unauthorized",
     "Forbidden",
+    "Conflict",
     "ModelNotFound",
     "NotFound",
     "RateLimited",
@@ -102,6 +103,14 @@ class NotFound(GatewayError):
 
 class ModelNotFound(NotFound):
     code = "model_not_found"
+
+
+class Conflict(GatewayError):
+    """The request is valid but the state it acts on does not allow it (a revoked key, a full table)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
 
 
 class RateLimited(GatewayError):

@@ -117,7 +117,8 @@ class BackendPolicy(_Section):
     endpoints: tuple[Endpoint, ...] = Field(("chat", "completions", "responses"), min_length=1)
     # Whether it continues a trailing assistant message (an assistant prefill) instead of starting a
     # new turn: how a stream cut elsewhere is continued here. None: the default for its kind (true
-    # for a launched local backend, false otherwise: OpenAI's own API starts a new message).
+    # for a launched local backend and for `kind: anthropic`, false otherwise: OpenAI's own API
+    # starts a new message).
     prefill: bool | None = None
     # The temperature this backend samples at when a request names none: a request without
     # temperature or seed is cached only when every backend that may answer it says 0 (greedy).
@@ -327,10 +328,14 @@ class _Keys(_Section):
     @field_validator("key_sha256")
     @classmethod
     def _hex_digests(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for digest in v:
-            if not re.fullmatch(r"[0-9a-f]{64}", digest):
-                raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
-        return v
+        return _digests(v)
+
+
+def _digests(v: tuple[str, ...]) -> tuple[str, ...]:
+    for digest in v:
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
+    return v
 
 
 class _KeysRequired(_Keys):
@@ -343,7 +348,10 @@ class _KeysRequired(_Keys):
         return self
 
 
-class TenantPolicy(_KeysRequired):
+class TenantPolicy(_Keys):
+    """A tenant: its keys (from the policy, and any number of virtual keys issued through
+    /admin/keys: a tenant may have only those), its priority, models, cache, quota."""
+
     # A ceiling: the highest band a request may ask for (x-priority, service_tier); an ask above it
     # is clamped, and a service_tier above it is not sent upstream (tenants/priority.py).
     priority: Priority = "default"
@@ -353,6 +361,7 @@ class TenantPolicy(_KeysRequired):
     cache: CacheOverride | None = None
     quota: QuotaPolicy | None = None
     weight: float = Field(1.0, gt=0)  # share of dispatches among tenants waiting in the same band
+    log_payloads: bool = False  # the request log (/admin/requests) keeps this tenant's prompts and answers
 
     @field_validator("default_priority")
     @classmethod
@@ -364,8 +373,45 @@ class TenantPolicy(_KeysRequired):
         return v
 
 
+class VirtualKeysPolicy(_Section):
+    """Keys issued through /admin/keys (admin/keys.py), kept hashed in the store."""
+
+    # How often each process asks the store whether the keys changed (a version number): a revoked
+    # key is refused everywhere within this (plus one store round trip).
+    poll_ms: int = Field(500, ge=50, le=60_000)
+    max_keys: int = Field(10_000, gt=0)  # live and revoked; revoked keys are forgotten after `keep_revoked_s`
+    keep_revoked_s: float = Field(7 * 86400.0, ge=0)
+    max_grace_s: float = Field(7 * 86400.0, ge=0)  # the most a rotation may keep the old secret working
+
+
 class AdminPolicy(_KeysRequired):
-    """Admin keys (key_sha256, key_sha256_env, as in a tenant): the admin endpoints need one."""
+    """Admin keys (key_sha256, key_sha256_env, as in a tenant): the admin endpoints need one.
+    Viewer keys (`viewer_key_sha256`, `viewer_key_sha256_env`) read them (GET) and the console."""
+
+    viewer_key_sha256: tuple[str, ...] = ()
+    viewer_key_sha256_env: str | None = None
+    keys: VirtualKeysPolicy = VirtualKeysPolicy()
+
+    @field_validator("viewer_key_sha256")
+    @classmethod
+    def _viewer_digests(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return _digests(v)
+
+
+class RequestLogPolicy(_Section):
+    """The request log (/admin/requests): each API request's metadata, newest first, in the store
+    (shared by every replica on a Redis store), written off the request path."""
+
+    enabled: bool = True
+    size: int = Field(100_000, gt=0, le=10_000_000)  # entries kept; the oldest go first
+    queue: int = Field(10_000, gt=0)  # entries waiting to be written; more are dropped and counted
+    flush_ms: int = Field(200, gt=0, le=10_000)  # how often the writer writes what came
+    write_timeout_ms: float = Field(1_000.0, gt=0)  # one batch's write; past it the batch is dropped and counted
+    # A `log_payloads` tenant's prompt and answer are each kept up to this many characters (JSON);
+    # longer ones are cut and marked (`prompt_truncated`, `answer_truncated`).
+    max_payload_chars: int = Field(8_192, ge=0, le=1_048_576)
+    # The in-memory log (no `store.url`) is also bounded by its bytes: the oldest entries go first.
+    memory_max_bytes: int = Field(64 * 1024 * 1024, gt=0)
 
 
 class MetricsPolicy(_Keys):
@@ -595,6 +641,7 @@ class Policy(_Section):
     metrics: MetricsPolicy = MetricsPolicy()
     classifier: ClassifierPolicy = ClassifierPolicy()
     log: LogPolicy = LogPolicy()
+    request_log: RequestLogPolicy = RequestLogPolicy()
     tracing: TracingPolicy | None = None
     responses: ResponsesPolicy = ResponsesPolicy()
 

@@ -16,7 +16,7 @@ from ..admission.gate import reserve_slots
 from ..cache.core import Cache, cache_key, cacheable_request
 from ..classify.classifier import Classifier, Rules, Verdict
 from ..errors import BadRequest, ModelNotFound
-from ..pipeline.call import Call
+from ..pipeline.call import CacheResult, Call
 from ..responses.affinity import Affinity
 from ..routing.affinity import PrefixMap
 from ..routing.backends import Backend, BackendState, Slots
@@ -228,6 +228,16 @@ class Runtime:
             stores.setdefault(sp, store)
         pa = self.routing.prefix_affinity
         self.prefixes.configure(pa.max_entries, pa.prefix_ttl_s)
+
+    def spend_usd(self, call: Call) -> float:
+        """What the answer cost at its backend's `price` (0 without a price, a usage or a backend,
+        and for a cache hit)."""
+        backend = self.backends.get(call.out.backend or "")
+        usage = call.out.usage
+        if backend is None or backend.policy.price is None or not usage or call.cache.result is CacheResult.HIT:
+            return 0.0
+        p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        return backend.policy.price.usd(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0)
 
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.

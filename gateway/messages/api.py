@@ -38,6 +38,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
     headers = {"x-request-id": request_id(request)}
     try:
+        await rt.tenants.catch_up(api_key(request))
         tenant = rt.tenants.authenticate(api_key(request))
         body = json_object(await read_bounded(request, rt.server.max_body_bytes))
         model = body.get("model")

@@ -159,6 +159,10 @@ class Metrics:
             "gateway_quota_degraded", "Quota operations answered by this replica's own counters (shared store failing)",
             registry=r,
         )
+        self.request_log_dropped = Counter(
+            "gateway_request_log_dropped", "Request log entries dropped: queue_full (the writer is behind), store (a write failed)",
+            ["reason"], registry=r,
+        )
 
     def _stage_and_affinity_metrics(self, r: CollectorRegistry) -> None:
         """Where each request's time went (STAGES), and the Responses API's affinity records."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
 
+from ..admin.request_log import RequestLog
 from ..config.policy import Policy, TracingPolicy
 from ..pipeline.call import Call, Finish
 from .metrics import Metrics
@@ -89,6 +90,7 @@ class Observer:
     def __init__(self, metrics: Metrics, *, force_access_log: bool = False) -> None:
         self.metrics = metrics
         self.force_access_log = force_access_log
+        self.request_log: RequestLog | None = None  # the admin plane's (admin/request_log.py), while the app runs
         self._access: AccessLog | None = None
         self._tracer: Any = None
         self._provider: Any = None
@@ -124,7 +126,7 @@ class Observer:
             m.prefix_affinity_of(model, call.cls, call.out.affinity.result.value).inc()
         usage = call.out.usage
         if usage and call.out.backend and call.out.backend != "cache":
-            tenant = rt.tenants.metric_label(call.tenant or "none")
+            tenant = rt.tenants.metric_label("none" if call.tenant is None else call.tenant.name)
             for kind, key in (("prompt", "prompt_tokens"), ("completion", "completion_tokens")):
                 n = usage.get(key)
                 if isinstance(n, int) and n > 0:
@@ -139,6 +141,10 @@ class Observer:
         hist = self.metrics.stages
         for name, seconds in st.items():
             hist[name].observe(seconds)
+        # Refused before authentication: in the metrics and the access log, not in the shared request log
+        # (an anonymous caller must not push the tenants' entries out of it).
+        if self.request_log is not None and call.tenant is not None and rt.policy.request_log.enabled:
+            self.request_log.add(call, rt, end, rt.spend_usd(call))
         if self.force_access_log or rt.policy.log.access:
             access = self._access or self._start_access_log()  # a reload may have turned it on
             access.write(_line(call, rt, st, end))
@@ -170,7 +176,7 @@ class Observer:
         end_ns = now_ns - int((time.perf_counter() - end) * 1e9)
         start_ns = end_ns - int((end - call.timing.t0) * 1e9)
         attrs: dict[str, Any] = {
-            "gateway.request_id": call.request_id, "gateway.tenant": call.tenant or "", "gen_ai.request.model": call.model,
+            "gateway.request_id": call.request_id, "gateway.tenant": "" if call.tenant is None else call.tenant.name, "gen_ai.request.model": call.model,
             "gateway.class": call.cls, "gateway.backend": call.out.backend or "", "gateway.cache": call.cache.result,
             "http.response.status_code": call.out.status, "gateway.stream": call.stream,
         }  # fmt: skip
@@ -236,7 +242,7 @@ def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
     line: dict[str, Any] = {
         "ts": round(time.time(), 3),
         "request_id": call.request_id,
-        "tenant": call.tenant,
+        "tenant": None if call.tenant is None else call.tenant.name,
         "endpoint": call.endpoint.name,
         "model": call.model,
         "class": call.cls,

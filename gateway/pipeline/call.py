@@ -14,6 +14,7 @@ from ..cache.entry import Entry
 from ..classify.classifier import Verdict
 from ..relay.continuation import Transcript
 from ..routing.affinity import Decision
+from ..tenants.auth import Tenant
 from ..wire.codec import Endpoint
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class Call:
     body: dict[str, Any] = field(default_factory=dict)
     model: str = ""
     stream: bool = False
-    tenant: str | None = None
+    tenant: Tenant | None = None  # who is calling (its name, and the virtual key it used)
     verdict: Verdict | None = None  # the classifier's, on a route that classifies
     prompt_tokens: int = 0  # an estimate, the same number for routing and the trackers
     prefix: tuple[bytes, ...] | None = None  # the prompt's block keys (routing/prefix.py), where a route learns them

@@ -31,8 +31,10 @@ def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     """The request's tenant and route, its class and its ticket; raises the GatewayError that
     refuses it (Unauthorized, BadRequest, Forbidden, NotFound)."""
     tenant = rt.tenants.authenticate(call.api_key)
-    call.tenant = tenant.name
+    call.tenant = tenant
     parse(call)
+    if tenant.log_payloads:  # the request log keeps its answer: captured as the cache would
+        call.cache.capture = rt.policy.cache.max_entry_bytes
     rt.tenants.authorize(tenant, call.model)
     cap(call, tenant)  # the band at most the tenant's priority; a service_tier above it not sent upstream
     route = rt.route(call.model)
@@ -86,7 +88,7 @@ def verdict_view(call: Call, tenant: Tenant) -> dict[str, Any]:
     return {
         "endpoint": call.endpoint.name,
         "model": call.model,
-        "tenant": call.tenant,
+        "tenant": tenant.name,
         "priority": call.asked.priority,
         "priority_ceiling": tenant.priority,  # the tenant's `priority`: the most a request may ask for
         "service_tier_upstream": call.body.get("service_tier"),  # what a backend would be sent (None: none)

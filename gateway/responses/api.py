@@ -65,7 +65,7 @@ async def _forward(request: web.Request, method: str, kind: str = "response", su
 
 async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: str, kind: str, suffix: str) -> web.StreamResponse:
     param = f"{kind}_id"
-    owner = by_id.authenticate().cache_namespace
+    owner = (await by_id.authenticate()).cache_namespace
     rid = _valid_id(request.match_info["id"], param)
     if "item_id" in request.match_info:
         suffix = suffix.replace("{item_id}", _valid_id(request.match_info["item_id"], "item_id"))
@@ -141,7 +141,7 @@ async def create_conversation(request: web.Request) -> web.StreamResponse:
 
 
 async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.StreamResponse:
-    tenant = by_id.authenticate()
+    tenant = await by_id.authenticate()
     body, model = _creation_body(await read_bounded(request, rt.server.max_body_bytes))
     await by_id.take()
     backend = _conversation_backend(rt, tenant, model)

@@ -67,9 +67,10 @@ class Passthrough:
         self.tenant: Tenant | None = None
         self.hold: Hold | None = None
 
-    def authenticate(self) -> Tenant:
+    async def authenticate(self) -> Tenant:
+        await self.rt.tenants.catch_up(self.call.api_key)
         tenant = self.tenant = self.rt.tenants.authenticate(self.call.api_key)
-        self.call.tenant = tenant.name
+        self.call.tenant = tenant
         return tenant
 
     async def take(self) -> None:

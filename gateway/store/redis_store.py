@@ -9,7 +9,8 @@ about `timeout_ms` (a refused connect fails at once) rather than waiting seconds
 from __future__ import annotations
 
 import asyncio
-from typing import cast
+from collections.abc import Awaitable
+from typing import TypeVar, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -20,7 +21,9 @@ from ..tenants import quota_lua
 from ..tenants.quota_counters import Ask, Decision, Settle, Usage
 from .core import StoreError
 
-__all__ = ["RedisStore"]
+__all__ = ["RedisStore", "bounded"]
+
+T = TypeVar("T")
 
 # delete_if: DEL only while the key holds the caller's value, in one step (no other client between).
 _DELETE_IF = """
@@ -184,3 +187,13 @@ def _error(op: str, exc: BaseException) -> StoreError:
     if isinstance(exc, TimeoutError) and not str(exc):
         return StoreError(f"redis {op}: timed out")
     return StoreError(f"redis {op}: {type(exc).__name__}: {exc}")
+
+
+async def bounded(what: str, aw: Awaitable[T], timeout_s: float) -> T:
+    """`await aw` within `timeout_s`; any Redis failure (down, slow, refused) as a StoreError
+    saying what could not be done."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await aw
+    except (RedisError, OSError, TimeoutError) as exc:
+        raise StoreError(f"cannot {what} in Redis: {type(exc).__name__}: {exc}") from exc

@@ -7,12 +7,15 @@ import hmac
 import ipaddress
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Protocol
 
 from ..config.policy import CacheOverride, Policy
 from ..errors import Forbidden, Unauthorized
 
 __all__ = [
+    "Role",
     "Tenant",
     "Tenants",
     "hash_key",
@@ -22,6 +25,8 @@ __all__ = [
     "open_mode_problem",
     "NEW_KEY_COMMAND",
 ]
+
+VIRTUAL_KEY_PREFIX = "sk-gw-"  # the secrets of keys made through /admin/keys (admin/keys.py)
 
 # The one command that makes a real key: it prints the key (give it to the tenant) and its digest.
 NEW_KEY_COMMAND = "gateway hash-key --new"
@@ -52,6 +57,7 @@ def key_warnings(policy: Policy) -> list[str]:
     lists = [(f"tenants.{n}.key_sha256", t.key_sha256) for n, t in policy.tenants.items()]
     if policy.admin is not None:
         lists.append(("admin.key_sha256", policy.admin.key_sha256))
+        lists.append(("admin.viewer_key_sha256", policy.admin.viewer_key_sha256))
     lists.append(("metrics.key_sha256", policy.metrics.key_sha256))
     out: list[str] = []
     for path, digests in lists:
@@ -60,6 +66,10 @@ def key_warnings(policy: Policy) -> list[str]:
                 out.append(f"{path}[{i}]: a placeholder no key matches; make a real key with `{NEW_KEY_COMMAND}`")
             elif digest in weak:
                 out.append(f"{path}[{i}]: the digest of the guessable key {weak[digest]!r}; make a real one with `{NEW_KEY_COMMAND}`")
+    for name, t in policy.tenants.items():
+        if not t.key_sha256 and not t.key_sha256_env and policy.admin is None:
+            out.append(f"tenants.{name}: no keys, and without an `admin` section no virtual key can be issued for it: "
+                       "no caller can reach it")
     if policy.open and not policy.server.open_access:
         out.append("tenants: none, so anyone may call; `gateway serve` allows that on a loopback address only")
     return out
@@ -102,6 +112,8 @@ class Tenant:
     cache_namespace: str = "default"  # whose cached answers this tenant may receive
     cache: CacheOverride | None = None
     default_priority: str | None = None  # the band of a request that asks for none; None: `priority`
+    key_id: str | None = None  # the virtual key (admin/keys.py) the caller used; None: a key from the policy
+    log_payloads: bool = False  # the request log keeps its prompts and answers
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -128,12 +140,41 @@ def env_digests(digests: tuple[str, ...], env: str | None, path: str) -> tuple[s
     return digests + extra
 
 
-class Tenants:
-    """Authenticates callers. A policy without tenants runs open: on a loopback address (local
-    development), or elsewhere only with `server.open_access` (see `open_mode_problem`)."""
+class IssuedKey(Protocol):
+    """A virtual key as authentication reads it (admin/keys.py's VirtualKey)."""
 
-    def __init__(self, policy: Policy) -> None:
+    @property
+    def id(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def models(self) -> frozenset[str] | None: ...
+
+
+class IssuedKeys(Protocol):
+    """The virtual keys (admin/keys.py's KeyBook): a lookup by digest, and a catch-up with the store."""
+
+    def lookup(self, digest: str) -> IssuedKey | None: ...
+    async def catch_up(self) -> None: ...
+
+
+class Role(Enum):
+    """What a key may do on the admin plane."""
+
+    ADMIN = "admin"  # read and write (admin.key_sha256)
+    VIEWER = "viewer"  # read only: GET endpoints and the console's views (admin.viewer_key_sha256)
+    NONE = "none"
+
+
+class Tenants:
+    """Authenticates callers: keys from the policy, then virtual keys (admin/keys.py). A policy
+    without tenants runs open: on a loopback address (local development), or elsewhere only with
+    `server.open_access` (see `open_mode_problem`)."""
+
+    def __init__(self, policy: Policy, keys: IssuedKeys | None = None) -> None:
         self._by_digest: dict[str, Tenant] = {}
+        self._by_name: dict[str, Tenant] = {}
+        self.keys = keys
         for name, tp in policy.tenants.items():
             tenant = Tenant(
                 name,
@@ -142,13 +183,18 @@ class Tenants:
                 cache_namespace=tp.cache_namespace or f"tenant:{name}",
                 cache=tp.cache,
                 default_priority=tp.default_priority,
+                log_payloads=tp.log_payloads,
             )
+            self._by_name[name] = tenant
             for digest in env_digests(tp.key_sha256, tp.key_sha256_env, f"tenants.{name}"):
                 self._by_digest[digest] = tenant
-        self._admin = set(env_digests(policy.admin.key_sha256, policy.admin.key_sha256_env, "admin")) if policy.admin else set()
+        a = policy.admin
+        self._admin = set(env_digests(a.key_sha256, a.key_sha256_env, "admin")) if a else set()
+        self._viewer = set(env_digests(a.viewer_key_sha256, a.viewer_key_sha256_env, "admin.viewer")) if a and (
+            a.viewer_key_sha256 or a.viewer_key_sha256_env) else set()
         self._metrics = set(env_digests(policy.metrics.key_sha256, policy.metrics.key_sha256_env, "metrics"))
         self._metrics_open = policy.metrics.open
-        self.open = not self._by_digest
+        self.open = policy.open  # no tenants (a tenant reached by virtual keys only still closes the doors)
         self.tenant_label = policy.metrics.tenant_label
         self._weights = {name: tp.weight for name, tp in policy.tenants.items()}
 
@@ -159,10 +205,38 @@ class Tenants:
         if not api_key:
             raise Unauthorized("missing API key: send `Authorization: Bearer <key>`")
         # The dict lookup is on a digest of the key, so timing reveals nothing about valid keys.
-        tenant = self._by_digest.get(hash_key(api_key))
+        digest = hash_key(api_key)
+        tenant = self._by_digest.get(digest)
         if tenant is None:
-            raise Unauthorized("invalid API key")
+            tenant = self._virtual(digest)
+            if tenant is None:
+                raise Unauthorized("invalid API key")
         return tenant
+
+    async def catch_up(self, api_key: str | None) -> None:
+        """Before `authenticate`: a virtual key this process does not know yet (made on another
+        replica since the last poll) is looked for in the store. Costs nothing for a known key."""
+        if self.keys is None or not api_key or not api_key.startswith(VIRTUAL_KEY_PREFIX):
+            return
+        digest = hash_key(api_key)
+        if digest not in self._by_digest and self.keys.lookup(digest) is None:
+            await self.keys.catch_up()
+
+    def _virtual(self, digest: str) -> Tenant | None:
+        """The tenant a live virtual key acts as (its models narrowed by the key's), or None."""
+        key = None if self.keys is None else self.keys.lookup(digest)
+        tenant = None if key is None else self._by_name.get(key.tenant)
+        if key is None or tenant is None:  # unknown, revoked, expired; or its tenant left the policy
+            return None
+        models = key.models if tenant.models is None or key.models is None else key.models & tenant.models
+        return replace(tenant, key_id=key.id, models=tenant.models if key.models is None else models)
+
+    def has(self, tenant: str) -> bool:
+        """Whether the policy names this tenant."""
+        return tenant in self._by_name
+
+    def tenant(self, name: str) -> Tenant | None:
+        return self._by_name.get(name)
 
     def authorize(self, tenant: Tenant, model: str) -> None:
         if not tenant.may_use(model):
@@ -171,9 +245,16 @@ class Tenants:
     def is_admin(self, api_key: str | None, *, loopback: bool = True) -> bool:
         """Admin endpoints need an admin key. A policy that lists none leaves them open only in
         loopback open mode: no tenants, served on a loopback address (local development)."""
+        return self.role(api_key, loopback=loopback) is Role.ADMIN
+
+    def role(self, api_key: str | None, *, loopback: bool = True) -> Role:
+        """What `api_key` may do on the admin plane: an admin key reads and writes, a viewer key
+        reads. Without admin keys, loopback open mode gives everyone ADMIN (local development)."""
         if self._admin:
-            return _matches(api_key, self._admin)
-        return self.open and loopback
+            if _matches(api_key, self._admin):
+                return Role.ADMIN
+            return Role.VIEWER if _matches(api_key, self._viewer) else Role.NONE
+        return Role.ADMIN if self.open and loopback else Role.NONE
 
     def may_scrape(self, api_key: str | None, *, loopback: bool = True) -> bool:
         """/metrics (per-tenant names, tokens and spend): with scrape keys (`metrics.key_sha256`,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config.runtime import Runtime
 from ..observe.metrics import Metrics
-from ..pipeline.call import CacheResult, Call
+from ..pipeline.call import Call
 from ..web.sink import Sink
 from .auth import Tenant
 from .quota import Hold, QuotaExceeded
@@ -50,17 +50,7 @@ class QuotaHold:
         hold, rt = self.hold, self.rt
         if hold is None or rt.quota is None:
             return
-        spend = _spend_usd(self.call, rt)
+        spend = rt.spend_usd(self.call)
         if spend:
             self.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
         rt.quota.settle(hold, self.call, spend)
-
-
-def _spend_usd(call: Call, rt: Runtime) -> float:
-    """What the answer cost at its backend's `price` (0 without a price, a usage or a backend)."""
-    backend = rt.backends.get(call.out.backend or "")
-    usage = call.out.usage
-    if backend is None or backend.policy.price is None or not usage or call.cache.result is CacheResult.HIT:
-        return 0.0
-    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return backend.policy.price.usd(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0)

@@ -15,19 +15,18 @@ from ..errors import BadRequest, GatewayError, InternalError, NotFound, Unauthor
 from ..observe.metrics import refresh_gauges
 from ..observe.observer import server_timing
 from ..process.control import ControlError, ask
+from ..admin.api import reads, routes as admin_routes, writes
+from ..console.routes import routes as console_routes
 from ..messages.api import routes as messages_extra
 from ..responses.api import routes as responses_by_id
 from ..routing.selector import usable
 from ..wire.codec import Endpoint
 from ..wire.endpoints import ENDPOINTS, explained
 from .http_call import accounted, api_key, body_if_authenticated, error_response, json_response, new_call, request_id
-from .keys import ADMISSION, DRAIN, LIVE, METRICS, PEERS, PIPELINE, RELOADER, WORKER
+from .keys import ADMISSION, DRAIN, LIVE, LOOPBACK, METRICS, PEERS, PIPELINE, RELOADER, WORKER
 from .sink import HttpSink
 
-__all__ = ["LOOPBACK", "backends_view", "routes"]
-
-# Whether the app is bound to a loopback address only (set by create_app from its `host`).
-LOOPBACK: web.AppKey[bool] = web.AppKey("loopback", bool)
+__all__ = ["backends_view", "routes"]
 
 log = logging.getLogger("gateway.api")
 
@@ -57,6 +56,7 @@ def _proxy(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamRe
 
 async def list_models(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
+    await rt.tenants.catch_up(api_key(request))
     try:
         tenant = rt.tenants.authenticate(api_key(request))
     except GatewayError as err:
@@ -135,19 +135,6 @@ async def metrics(request: web.Request) -> web.Response:
                         headers={"X-Content-Type-Options": "nosniff"})
 
 
-def _admin(handler: Handler) -> Handler:
-    """An admin endpoint: 401 without an admin key (except in loopback open mode)."""
-
-    @functools.wraps(handler)
-    async def guarded(request: web.Request) -> web.Response:
-        rt = request.app[LIVE].runtime
-        if not rt.tenants.is_admin(api_key(request), loopback=request.app[LOOPBACK]):
-            return error_response(Unauthorized("admin endpoints need an admin key (policy `admin.key_sha256`)"))
-        return await handler(request)
-
-    return guarded
-
-
 def backends_view(app: web.Application) -> dict[str, object]:
     """This process's view of its backends and admission (what /admin/backends shows)."""
     rt = app[LIVE].runtime
@@ -189,7 +176,7 @@ def backends_view(app: web.Application) -> dict[str, object]:
 _CONTROL_TIMEOUT_S = 15.0
 
 
-@_admin
+@reads
 async def admin_backends(request: web.Request) -> web.Response:
     """This process's view; with `--workers N`, also every worker's (`workers`, by index)."""
     body = backends_view(request.app)
@@ -203,7 +190,7 @@ async def admin_backends(request: web.Request) -> web.Response:
     return json_response(body)
 
 
-@_admin
+@reads
 async def admin_tenants(request: web.Request) -> web.Response:
     """Each tenant's limits and current use (window, in flight, today's tokens and spend)."""
     rt = request.app[LIVE].runtime
@@ -227,7 +214,7 @@ async def admin_tenants(request: web.Request) -> web.Response:
     return json_response({"policy_generation": rt.generation, "tenants": out})
 
 
-@_admin
+@writes
 async def admin_reload(request: web.Request) -> web.Response:
     """Reload every process of this gateway (all workers, and the replicas on the same Redis);
     the answer lists each one's result. 200 when this replica reloaded everywhere."""
@@ -274,5 +261,7 @@ def routes() -> list[web.RouteDef]:
         web.get("/admin/backends", admin_backends),
         web.get("/admin/tenants", admin_tenants),
         web.post("/admin/reload", admin_reload),
+        *admin_routes(),
+        *console_routes(),
         web.route("*", "/{tail:.*}", not_found),
     ]

@@ -12,8 +12,12 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ..admin.key_store import KeyStore, MemoryKeyStore, RedisKeyStore
+from ..admin.keys import KeyBook
+from ..admin.log_store import LogStore, MemoryLogStore, RedisLogStore
+from ..admin.request_log import RequestLog
 from ..admission.gate import Admission
-from ..config.policy import LaunchPolicy, Policy, StorePolicy, load_policy
+from ..config.policy import LaunchPolicy, Policy, StorePolicy, VirtualKeysPolicy, load_policy
 from ..config.reload import Live, Reloader
 from ..config.runtime import Runtime, build_runtime
 from ..observe.metrics import Metrics, refresh_gauges
@@ -32,10 +36,10 @@ from ..routing.scrape import run_scrapes
 from ..store.core import Store
 from ..tenants.auth import is_loopback, open_mode_problem
 from ..upstream.client import UpstreamPool
-from .api import LOOPBACK, backends_view, routes
+from .api import backends_view, routes
 from .drain import Drain
 from .edge import handler_args
-from .keys import ADMISSION, DRAIN, LIVE, METRICS, OBSERVER, PEERS, PIPELINE, RELAY, RELOADER, WORKER
+from .keys import ADMISSION, DRAIN, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, PEERS, PIPELINE, RELAY, RELOADER, REQUEST_LOG, WORKER
 
 __all__ = ["create_app"]
 
@@ -43,6 +47,7 @@ log = logging.getLogger("gateway.app")
 
 _GAUGES_EVERY_S = 1.0  # a worker's per-backend gauges, for scrapes served by any worker
 _LAUNCHED_TIMEOUT_S = 2.0  # the supervisor answers from memory
+_ADMIN_PREFIX = "gateway:admin:"  # the admin plane's keys in a shared Redis
 
 
 def create_app(
@@ -64,7 +69,11 @@ def create_app(
     metrics = Metrics()
     # One admission gate for the app's life: a reload changes its limits, never drops its queue.
     admission = Admission(loaded.admission.max_inflight, loaded.admission.max_queue)
-    snapshots = _Snapshots(metrics, admission, host, worker)
+    # The admin plane's state lives in the store named at start (a new `store.url` takes a restart).
+    keybook = KeyBook(_key_store(loaded), loaded.admin.keys if loaded.admin else VirtualKeysPolicy())
+    request_log = RequestLog(_log_store(loaded), loaded.request_log,
+                             on_drop=lambda reason, n: metrics.request_log_dropped.labels(reason).inc(n))
+    snapshots = _Snapshots(metrics, admission, host, worker, keybook, request_log)
     live = Live(snapshots.build(loaded, 1), snapshots.activate)
 
     def set_state(name: str, state: LaunchState) -> None:
@@ -85,6 +94,8 @@ def create_app(
     app[WORKER] = worker
     app[DRAIN] = Drain()
     app[OBSERVER] = Observer(metrics, force_access_log=access_log)
+    app[KEYBOOK] = keybook
+    app[REQUEST_LOG] = request_log
     app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap)
     app.add_routes(routes())
     _lifecycle(app, children, live, snapshots.stores, worker)
@@ -96,8 +107,10 @@ class _Snapshots:
     measurements (by name) and stores (by settings), recorded by each runtime when it is put in
     force (Runtime.activate), never while it is built."""
 
-    def __init__(self, metrics: Metrics, admission: Admission, host: str | None, worker: WorkerInfo | None) -> None:
+    def __init__(self, metrics: Metrics, admission: Admission, host: str | None, worker: WorkerInfo | None,
+                 keys: KeyBook, request_log: RequestLog) -> None:
         self.metrics, self.admission, self.host, self.worker = metrics, admission, host, worker
+        self.keys, self.request_log = keys, request_log
         self.states: dict[str, BackendState] = {}
         self.stores: dict[StorePolicy, Store] = {}
         self.prefixes = PrefixMap()  # learned prefix -> backend, kept across reloads like the states
@@ -108,7 +121,7 @@ class _Snapshots:
         if problem is not None:  # e.g. a reload that drops every tenant must not open the doors
             raise ValueError(problem)
         metrics, worker = self.metrics, self.worker
-        return build_runtime(
+        rt = build_runtime(
             p, self.states, generation, self.stores,
             on_cache_error=lambda op: metrics.cache_errors.labels(op).inc(),
             on_quota_degraded=metrics.quota_degraded.inc,
@@ -117,6 +130,8 @@ class _Snapshots:
             slot_share=lambda limit: share(limit, worker),
             prefixes=self.prefixes,
         )
+        rt.tenants.keys = self.keys  # virtual keys authenticate too (one book for the app's life)
+        return rt
 
     def activate(self, rt: Runtime) -> None:
         """A built runtime's limits in force, once, at its swap: the backends', the admission
@@ -125,6 +140,18 @@ class _Snapshots:
         a = rt.policy.admission
         self.admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())
         self.metrics.zero_series(sorted({rt.tenants.metric_label(t) for t in rt.policy.tenants}))
+        self.keys.policy = rt.policy.admin.keys if rt.policy.admin else VirtualKeysPolicy()
+        self.request_log.configure(rt.policy.request_log)
+
+
+def _key_store(policy: Policy) -> KeyStore:
+    url = policy.store.url
+    return MemoryKeyStore() if url is None else RedisKeyStore(url, prefix=_ADMIN_PREFIX)
+
+
+def _log_store(policy: Policy) -> LogStore:
+    url, rp = policy.store.url, policy.request_log
+    return MemoryLogStore(rp.size, rp.memory_max_bytes) if url is None else RedisLogStore(url, rp.size, prefix=_ADMIN_PREFIX)
 
 
 def _lifecycle(app: web.Application, children: Children, live: Live, stores: dict[StorePolicy, Store],
@@ -143,6 +170,7 @@ def _lifecycle(app: web.Application, children: Children, live: Live, stores: dic
     app.cleanup_ctx.append(_reload_watch)
     app.cleanup_ctx.append(_probes)
     app.cleanup_ctx.append(_observer)
+    app.cleanup_ctx.append(_admin_plane)
 
 
 def _apply(health: Health, state: LaunchState) -> None:
@@ -236,6 +264,18 @@ async def _observer(app: web.Application) -> AsyncIterator[None]:
     app[OBSERVER].start(app[LIVE].runtime.policy)
     yield
     app[OBSERVER].close()
+
+
+async def _admin_plane(app: web.Application) -> AsyncIterator[None]:
+    """Virtual keys kept in step with the store, and the request log's writer."""
+    keys, request_log = app[KEYBOOK], app[REQUEST_LOG]
+    await keys.start()
+    request_log.start()
+    app[OBSERVER].request_log = request_log
+    yield
+    app[OBSERVER].request_log = None
+    await request_log.close()
+    await keys.close()
 
 
 async def _close_stores(stores: dict[StorePolicy, Store], live: Live) -> AsyncIterator[None]:

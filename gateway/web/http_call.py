@@ -60,6 +60,7 @@ async def read_bounded(request: web.Request, limit: int) -> bytes:
 async def body_if_authenticated(request: web.Request, rt: Runtime) -> bytes:
     """The body when the key in the headers is valid; else nothing is read (b""), and the
     pipeline, which authenticates first, answers (and records) the 401."""
+    await rt.tenants.catch_up(api_key(request))
     try:
         rt.tenants.authenticate(api_key(request))
     except Unauthorized:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 if TYPE_CHECKING:
+    from ..admin.keys import KeyBook
+    from ..admin.request_log import RequestLog
     from ..admission.gate import Admission
     from ..config.reload import Live, Reloader
     from ..observe.metrics import Metrics
@@ -17,7 +19,8 @@ if TYPE_CHECKING:
     from ..relay.context import RelayContext
     from .drain import Drain
 
-__all__ = ["ADMISSION", "DRAIN", "LIVE", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "RELAY", "RELOADER", "WORKER"]
+__all__ = ["ADMISSION", "DRAIN", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "RELAY", "RELOADER",
+           "REQUEST_LOG", "WORKER"]
 
 LIVE: web.AppKey["Live"] = web.AppKey("live")
 METRICS: web.AppKey["Metrics"] = web.AppKey("metrics")
@@ -30,3 +33,8 @@ OBSERVER: web.AppKey["Observer"] = web.AppKey("observer")
 # Set in one process only (a single gateway); None in the workers of a supervisor, which has it.
 PEERS: web.AppKey["Peers | None"] = web.AppKey("peers")
 WORKER: web.AppKey["WorkerInfo | None"] = web.AppKey("worker")
+# Whether the app is bound to a loopback address only (set by create_app from its `host`).
+LOOPBACK: web.AppKey[bool] = web.AppKey("loopback", bool)
+# The admin plane's: virtual keys (admin/keys.py) and the request log (admin/request_log.py).
+KEYBOOK: web.AppKey["KeyBook"] = web.AppKey("keybook")
+REQUEST_LOG: web.AppKey["RequestLog"] = web.AppKey("request_log")
