@@ -31,6 +31,12 @@ def _entry(i: int) -> tuple[int, str, bytes]:
     return int(e["time"] * 1e6), tenant, orjson.dumps(e)  # type: ignore[operator]
 
 
+def _row(i: int) -> tuple[Any, ...]:
+    """A row as the request path queues it (gateway/admin/entry.py)."""
+    return (1, f"r{i}", time.time(), TENANTS[i % 3], None, "chat", "m", "up", "none", "bypass", 200, False, None, 0.001,
+            1, 2, 0.0, ["up"], "ok", None, [], None, None)
+
+
 @pytest.fixture(params=["memory", "redis"])
 async def log_store(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
     """A factory of empty stores of `size` entries."""
@@ -101,12 +107,12 @@ async def test_the_writer_is_bounded_while_the_store_is_slow_and_resumes_after()
         try:
             await admin.execute_command("CLIENT", "PAUSE", "1000", "ALL")  # Redis answers no other client for 1 s
             t0 = time.perf_counter()
-            queued = [rlog.put(_entry(i)) for i in range(5000)]  # while it sleeps: 500 wait, the rest are dropped
+            queued = [rlog.put(_row(i)) for i in range(5000)]  # while it sleeps: 500 wait, the rest are dropped
             assert time.perf_counter() - t0 < 0.5 and 0 < sum(queued) <= 500
             await asyncio.sleep(1.3)
             assert sum(n for r, n in dropped if r == "store") >= 1  # a batch the sleeping store did not take in 100 ms
             assert sum(n for r, n in dropped if r == "queue_full") >= 4500
-            assert rlog.put(_entry(9999))
+            assert rlog.put(_row(9999))
             await asyncio.sleep(0.2)
             assert (await store.page(Filter(), 1, None)).entries[0]["id"] == "r9999"  # writing again
         finally:

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import orjson
 from redis.asyncio import Redis
 
 from ..store.redis_store import bounded
+from .entry import decode
 
 __all__ = ["Filter", "Page", "LogStore", "MemoryLogStore", "RedisLogStore"]
 
@@ -115,7 +115,7 @@ class MemoryLogStore:
             scanned += 1
             if f.tenant is not None and self._tenants[i] != f.tenant:
                 continue
-            e = orjson.loads(self._entries[i])
+            e = decode(self._entries[i])
             if f.keeps(e):
                 out.append(e)
         return Page(out, str(self._scores[i]) if i > floor else None)
@@ -175,7 +175,7 @@ class RedisLogStore:
             for member, score in rows:
                 scanned += 1
                 last = int(score)
-                e = orjson.loads(member)
+                e = decode(member)
                 if f.keeps(e):
                     out.append(e)
                     if len(out) == limit:

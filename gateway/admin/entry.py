@@ -1,0 +1,117 @@
+"""One request log entry: taken on the request path as a row of values, stored as a JSON array,
+read back as an object.
+
+The request path only reads the Call into a tuple (a few attribute reads); the log's writer
+encodes it as it is, in batches, and reading turns seconds into milliseconds and rounds. Stored
+rows are arrays, not objects: a third the size, and the field names are paid once, here. The
+first element is the row's version: rows of another layout, and objects, still read back.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from ..pipeline.call import Call
+
+if TYPE_CHECKING:
+    from ..config.runtime import Runtime
+
+__all__ = ["FIELDS", "row_of", "encode", "decode"]
+
+_VERSION = 1
+FIELDS = (
+    "id", "time", "tenant", "key_id", "endpoint", "model", "backend", "class", "cache", "status", "stream", "ttft_ms",
+    "duration_ms", "prompt_tokens", "completion_tokens", "cost_usd", "attempts", "finish", "rule", "reasons", "error",
+)  # fmt: skip
+# Positions in a row (its version first): time and durations are stored in seconds, unrounded.
+_TIME, _TENANT = 2, 3
+Row = tuple[Any, ...]  # the version, FIELDS' values, then a dict of extras (affinity, payloads) or None
+
+
+def row_of(call: Call, rt: Runtime, end: float, spend_usd: float) -> Row:
+    """What the log keeps of one finished request, unencoded. The prompt and the answer only for a
+    tenant with `log_payloads`."""
+    out, t, v = call.out, call.tenant, call.verdict
+    usage = out.usage or {}
+    extras: dict[str, Any] | None = None
+    if out.affinity is not None:
+        extras = {"affinity": out.affinity.view()}
+    if t is not None and t.log_payloads:
+        extras = {**(extras or {}), **_payloads(call, rt.policy.request_log.max_payload_chars)}
+    return (
+        _VERSION, call.request_id, time.time(), None if t is None else t.name, None if t is None else t.key_id, call.endpoint.name,
+        call.model[:200], out.backend, call.cls, call.cache.result.value, out.status, call.stream, call.timing.ttft_s,
+        end - call.timing.t0, usage.get("prompt_tokens"), usage.get("completion_tokens"), spend_usd, tuple(out.attempts),
+        None if out.finish is None else out.finish.value, None if v is None else v.rule, tuple(call.reasons),
+        out.error[:300] if out.error else None, extras,
+    )  # fmt: skip
+
+
+def encode(row: Row) -> tuple[int, str, bytes]:
+    """A row as the store keeps it: (score: the time in microseconds, tenant, JSON array)."""
+    return int(row[_TIME] * 1e6), row[_TENANT] or "", orjson.dumps(row, default=str)
+
+
+def decode(raw: bytes) -> dict[str, Any]:
+    """A stored entry as the API shows it."""
+    data = orjson.loads(raw)
+    if isinstance(data, dict) or not isinstance(data, list) or data[:1] != [_VERSION]:
+        return data if isinstance(data, dict) else {"unreadable": True}
+    e = dict(zip(FIELDS, data[1:], strict=False))
+    extras = data[len(FIELDS) + 1] if len(data) > len(FIELDS) + 1 else None
+    if isinstance(extras, dict):
+        e.update(extras)
+    e["time"] = _rounded(e.get("time"), 1, 6)
+    e["ttft_ms"] = _rounded(e.get("ttft_ms"), 1000, 2)
+    e["duration_ms"] = _rounded(e.get("duration_ms"), 1000, 2)
+    e["cost_usd"] = _rounded(e.get("cost_usd"), 1, 8)
+    return e
+
+
+def _rounded(v: Any, scale: float, digits: int) -> Any:
+    return round(v * scale, digits) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+
+def _payloads(call: Call, limit: int) -> dict[str, Any]:
+    body = call.body
+    out: dict[str, Any] = {}
+    _cut(out, "prompt", body.get("messages", body.get("prompt", body.get("input"))), limit)
+    _cut(out, "answer", None if call.cache.entry is None else _text(call.cache.entry.answer()), limit)
+    return out
+
+
+def _cut(e: dict[str, Any], name: str, value: Any, limit: int) -> None:
+    """`value` under `name`, or its JSON text cut to `limit` characters (and `{name}_truncated`)."""
+    if value is None or (isinstance(value, str) and len(value) <= limit):
+        e[name] = value
+        return
+    text = value if isinstance(value, str) else orjson.dumps(value, default=str).decode()
+    if len(text) <= limit:
+        e[name] = value
+    else:
+        e[name], e[f"{name}_truncated"] = text[:limit], True
+
+
+def _text(obj: dict[str, Any]) -> str | None:
+    """An answer's text, in any of the shapes the gateway speaks (chat, completions, a Response,
+    a Message)."""
+    if isinstance(obj.get("output_text"), str):
+        return str(obj["output_text"])
+    parts: list[str] = []
+    for c in obj.get("choices") or ():
+        if isinstance(c, dict):
+            m = c.get("message")
+            text = m.get("content") if isinstance(m, dict) else c.get("text")
+            if isinstance(text, str):
+                parts.append(text)
+    for block in obj.get("content") or ():
+        if isinstance(block, dict) and block.get("type") == "text" and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+    for item in obj.get("output") or ():
+        for block in (item.get("content") or ()) if isinstance(item, dict) else ():
+            if isinstance(block, dict) and isinstance(block.get("text"), str):
+                parts.append(block["text"])
+    return "".join(parts) if parts else None
