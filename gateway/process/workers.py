@@ -15,11 +15,13 @@ __all__ = ["WorkerInfo", "share"]
 
 @dataclass(frozen=True, slots=True)
 class WorkerInfo:
-    """Worker `index` (0-based) of `count`; `control_dir` holds the supervisor's and workers' sockets."""
+    """Worker `index` (0-based) of `count`; `control_dir` holds the supervisor's and workers' sockets;
+    `supervisor_pid`: the process that started it (a worker whose parent is another one is orphaned)."""
 
     index: int
     count: int
     control_dir: Path
+    supervisor_pid: int = 0
 
     @property
     def socket(self) -> Path:
