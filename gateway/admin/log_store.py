@@ -10,8 +10,11 @@ cursor then says where to go on). The log keeps its newest `size` entries.
 from __future__ import annotations
 
 import bisect
+from array import array
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, Protocol
 
 from redis.asyncio import Redis
@@ -68,57 +71,72 @@ async def scan(store: LogStore, f: Filter, before: int | None = None, chunk: int
         before = int(page.next)
 
 
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    """One written batch, in score order: its entries in one blob (one allocation for the
+    allocator, not one per entry: many small long-lived objects pin the memory arenas that
+    each request's garbage goes to, and the process grows), its scores and ends in arrays."""
+
+    scores: array[int]
+    ends: array[int]  # where each entry ends in `blob`
+    tenants: tuple[str, ...]
+    blob: bytes
+
+    def entry(self, i: int) -> bytes:
+        return self.blob[self.ends[i - 1] if i else 0 : self.ends[i]]
+
+
 class MemoryLogStore:
-    """The log in this process: a list in score order (appends land at the end; a late one is
-    inserted in place), trimmed in steps so a trim is not paid per entry."""
+    """The log in this process: the written batches in order (one process writes them in time
+    order), the oldest dropped whole once the newer ones hold `size` entries or the log passes
+    `max_bytes`."""
 
     def __init__(self, size: int, max_bytes: int = 64 << 20) -> None:
         self.size = size
         self.max_bytes = max_bytes
+        self._chunks: deque[_Chunk] = deque()
+        self._count = 0
         self._bytes = 0
-        self._scores: list[int] = []
-        self._entries: list[bytes] = []
-        self._tenants: list[str] = []
 
     def __len__(self) -> int:
-        return len(self._scores)
+        return min(self._count, self.size)
 
     async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
-        for score, tenant, entry in batch:
-            self._bytes += len(entry)
-            if not self._scores or score >= self._scores[-1]:
-                self._scores.append(score)
-                self._entries.append(entry)
-                self._tenants.append(tenant)
-            else:
-                i = bisect.bisect_right(self._scores, score)
-                self._scores.insert(i, score)
-                self._entries.insert(i, entry)
-                self._tenants.insert(i, tenant)
-        extra = len(self._scores) - self.size
-        if extra > max(64, self.size // 16) or (extra > 0 and self.size < 1024):
-            self._drop(extra)
-        while self._bytes > self.max_bytes and self._scores:
-            self._drop(max(1, len(self._scores) // 16))
-
-    def _drop(self, n: int) -> None:
-        self._bytes -= sum(len(e) for e in self._entries[:n])
-        del self._scores[:n], self._entries[:n], self._tenants[:n]
+        if not batch:
+            return
+        batch = sorted(batch, key=lambda b: b[0])
+        chunk = _Chunk(array("q", (b[0] for b in batch)), array("q", accumulate(len(b[2]) for b in batch)),
+                       tuple(b[1] for b in batch), b"".join(b[2] for b in batch))
+        self._chunks.append(chunk)
+        self._count += len(batch)
+        self._bytes += len(chunk.blob)
+        while len(self._chunks) > 1 and (self._count - len(self._chunks[0].scores) >= self.size or self._bytes > self.max_bytes):
+            old = self._chunks.popleft()
+            self._count -= len(old.scores)
+            self._bytes -= len(old.blob)
 
     async def page(self, f: Filter, limit: int, before: int | None) -> Page:
-        floor = max(0, len(self._scores) - self.size)  # entries past `size` waiting for the next trim
-        i = len(self._scores) if before is None else bisect.bisect_left(self._scores, before)
         out: list[dict[str, Any]] = []
-        scanned = 0
-        while i > floor and len(out) < limit and scanned < _MAX_SCAN:
-            i -= 1
-            scanned += 1
-            if f.tenant is not None and self._tenants[i] != f.tenant:
-                continue
-            e = decode(self._entries[i])
-            if f.keeps(e):
-                out.append(e)
-        return Page(out, str(self._scores[i]) if i > floor else None)
+        seen = scanned = 0  # entries newer than this one (the log shows the newest `size`); entries read
+        for chunk in reversed(self._chunks):
+            i = len(chunk.scores) if before is None else bisect.bisect_left(chunk.scores, before)
+            seen += len(chunk.scores) - i
+            while i > 0:
+                i -= 1
+                seen += 1
+                if seen > self.size:
+                    return Page(out, None)
+                if scanned >= _MAX_SCAN:
+                    return Page(out, str(chunk.scores[i + 1] if i + 1 < len(chunk.scores) else chunk.scores[i] + 1))
+                scanned += 1
+                if f.tenant is not None and chunk.tenants[i] != f.tenant:
+                    continue
+                e = decode(chunk.entry(i))
+                if f.keeps(e):
+                    out.append(e)
+                    if len(out) == limit:
+                        return Page(out, str(chunk.scores[i]))
+        return Page(out, None)
 
     async def close(self) -> None:
         return None
