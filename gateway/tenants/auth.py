@@ -231,11 +231,8 @@ class Tenants:
         models = key.models if tenant.models is None or key.models is None else key.models & tenant.models
         return replace(tenant, key_id=key.id, models=tenant.models if key.models is None else models)
 
-    def has(self, tenant: str) -> bool:
-        """Whether the policy names this tenant."""
-        return tenant in self._by_name
-
     def tenant(self, name: str) -> Tenant | None:
+        """The policy's tenant of that name (None: the policy has none)."""
         return self._by_name.get(name)
 
     def authorize(self, tenant: Tenant, model: str) -> None:
