@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.config.policy import PolicyError, parse_policy
+from gateway.errors import Unauthorized
+from gateway.tenants.auth import Tenants, key_warnings
 
 GOOD = """
 version: 1
@@ -223,3 +225,18 @@ def test_a_default_temperature_is_set_once_and_in_range():
     assert any(p.startswith("backends.fast-a.launch.extra_args: set `default_temperature` in `launch` instead") for p in problems), problems
     problems = _problems(GOOD.replace("    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    default_temperature: 3\n", 1))
     assert any(p.startswith("backends.fast-a.default_temperature:") for p in problems), problems
+
+
+def test_a_tenant_without_keys_closes_the_gateway_and_is_reached_by_virtual_keys_only():
+    text = "backends: {b: {url: 'http://127.0.0.1:9/v1', models: [m]}}\ntenants: {ci: {}}\n"
+    p = parse_policy(text)
+    assert p.tenants["ci"].key_sha256 == () and not p.open
+    tenants = Tenants(p)
+    assert not tenants.open  # a tenant with no keys must never make the gateway open
+    with pytest.raises(Unauthorized):
+        tenants.authenticate("anything")
+    assert any("tenants.ci: no keys" in w for w in key_warnings(p))
+    with_admin = parse_policy(text + "admin: {key_sha256: ['%s'], viewer_key_sha256: ['%s']}\n" % ("a" * 64, "b" * 64))
+    assert not any("tenants.ci" in w for w in key_warnings(with_admin))
+    bad = _problems(text + "admin: {key_sha256: ['%s'], viewer_key_sha256: [nope]}\n" % ("a" * 64))
+    assert any(b.startswith("admin.viewer_key_sha256") for b in bad)
