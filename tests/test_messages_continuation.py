@@ -190,7 +190,10 @@ async def test_an_error_event_mid_message_is_continued_not_passed_on(claude, gat
     raw = await _post(gw, "/v1/messages", {"model": "m", "max_tokens": 64, "messages": HELLO, "stream": True})
     seq = grammar(raw)
     assert "".join(d["delta"]["text"] for d in seq if d["type"] == "content_block_delta") == WORDS
-    assert b"overloaded_error" not in raw and b.stats.requests == 1
+    assert b"event: error" not in raw and not any(d["type"] == "error" for d in seq) and b.stats.requests == 1
+    delta = [d for d in seq if d["type"] == "message_delta"]
+    assert len(delta) == 1 and delta[0]["x_gateway"]["backends"] == ["a", "b"]  # the failure is named there only
+    assert "overloaded_error" in delta[0]["x_gateway"]["after"]
 
 
 async def test_a_second_cut_goes_on_from_the_first_continuation(claude, gateway):
@@ -322,6 +325,8 @@ def test_a_prefilled_native_continuation_counts_the_delivered_tokens():
     seq = [d for _, d in sse(raw + mon.ending)]
     assert [d["type"] for d in seq] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]
     assert seq[0]["index"] == 0 and seq[2]["delta"]["stop_reason"] == "max_tokens" and seq[2]["usage"]["output_tokens"] == 3
+    # the message_delta says which backends answered and how, as a chat client's finish chunk does
+    assert seq[2]["x_gateway"] == {"backends": ["a", "b"], "continued": "prefill", "after": "cut"}
 
 
 def test_a_chat_clients_continuation_from_an_anthropic_stream_is_rewritten():

@@ -85,6 +85,7 @@ class ChatToMessagesStream:
         self._finish: str | None = None
         self._matched: Any = None  # vLLM's stop_reason: the stop string that matched
         self._pieces = 0  # text and argument pieces: the output count when no usage comes
+        self._gateway: Any = None  # a continued answer's `x_gateway` (relay/continuation.py), for message_delta
 
     def feed(self, chunk: Mapping[str, Any] | str) -> bytes:
         """One chat chunk (a parsed `data:` payload), or DONE: the events it makes."""
@@ -96,6 +97,8 @@ class ChatToMessagesStream:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
+        if chunk.get("x_gateway") is not None:
+            self._gateway = chunk["x_gateway"]
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
@@ -132,8 +135,11 @@ class ChatToMessagesStream:
             full = anthropic_usage(self.usage, self.input_tokens_estimate)
             usage = {"input_tokens": full["input_tokens"], "output_tokens": full["output_tokens"],
                      "cache_read_input_tokens": full["cache_read_input_tokens"]}
-        out.append(anthropic_event({"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                    "usage": usage}))
+        delta_event: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                       "usage": usage}
+        if self._gateway is not None:  # which backends answered a continued message, and how (as chat's finish chunk says)
+            delta_event["x_gateway"] = self._gateway
+        out.append(anthropic_event(delta_event))
         out.append(anthropic_event({"type": "message_stop"}))
         self.done = True
         return b"".join(out)
