@@ -19,6 +19,10 @@ import openai
 import pytest
 import yaml
 
+from gateway.admin.key_store import MemoryKeyStore
+from gateway.admin.keys import KeyBook
+from gateway.config.policy import VirtualKeysPolicy
+from gateway.errors import Conflict
 from tests.procs import free_port, needs_redis_server, redis_server, serve
 
 TENANT_KEY = "sk-" + secrets.token_urlsafe(24)
@@ -227,3 +231,21 @@ async def test_a_store_outage_keeps_known_keys_working(upstream, tmp_path: Path)
             assert await _chat(g2.url, "sk-gw-" + secrets.token_urlsafe(8)) == 401
             st, err = await _call("POST", f"{g1.url}/admin/keys", A, {"tenant": "acme", "name": "new"})
             assert st == 503 and "store" in err["error"]["message"]
+
+
+async def test_the_book_is_bounded_and_forgets_keys_that_ended_long_ago():
+    now = [1_000_000.0]
+    book = KeyBook(MemoryKeyStore(), VirtualKeysPolicy(max_keys=3, keep_revoked_s=100), clock=lambda: now[0])
+    a = await book.create("acme", "a", None, None)
+    b = await book.create("acme", "b", 10, None)  # expires at +10 s
+    await book.create("acme", "c", None, None)
+    with pytest.raises(Conflict):
+        await book.create("acme", "d", None, None)
+    await book.revoke(a["id"])
+    now[0] += 50  # a revoked 50 s ago, b expired 40 s ago: both still listed, still counted
+    with pytest.raises(Conflict):
+        await book.create("acme", "d", None, None)
+    now[0] += 100
+    await book.create("acme", "d", None, None)  # both forgotten now: room again
+    assert sorted(k["name"] for k in await book.listing(None)) == ["c", "d"]
+    assert b["id"] not in {k["id"] for k in await book.listing("acme")}

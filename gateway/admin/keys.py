@@ -258,7 +258,14 @@ def _live_record(records: dict[str, dict[str, Any]], kid: str) -> dict[str, Any]
 
 
 def _forgotten(records: dict[str, dict[str, Any]], now: float, keep_s: float) -> list[str]:
-    return [kid for kid, r in records.items() if r.get("revoked") and (r.get("revoked_at") or 0) + keep_s < now]
+    """Keys revoked, or expired, more than `keep_s` ago: no longer listed, no longer counted."""
+    def ended(r: dict[str, Any]) -> float | None:
+        if r.get("revoked"):
+            return float(r.get("revoked_at") or 0)
+        exp = r.get("expires_at")
+        return float(exp) if isinstance(exp, (int, float)) else None
+
+    return [kid for kid, r in records.items() if (end := ended(r)) is not None and end + keep_s < now]
 
 
 def _secret() -> str:

@@ -379,7 +379,7 @@ class VirtualKeysPolicy(_Section):
     # How often each process asks the store whether the keys changed (a version number): a revoked
     # key is refused everywhere within this (plus one store round trip).
     poll_ms: int = Field(500, ge=50, le=60_000)
-    max_keys: int = Field(10_000, gt=0)  # live and revoked; revoked keys are forgotten after `keep_revoked_s`
+    max_keys: int = Field(10_000, gt=0)  # live, revoked and expired ones; those are forgotten `keep_revoked_s` after they ended
     keep_revoked_s: float = Field(7 * 86400.0, ge=0)
     max_grace_s: float = Field(7 * 86400.0, ge=0)  # the most a rotation may keep the old secret working
 
