@@ -76,6 +76,13 @@ def needs_redis_server() -> str:
 @asynccontextmanager
 async def redis_server() -> AsyncIterator[str]:
     """A redis-server of our own on a free port (no persistence); yields its URL."""
+    async with redis_process() as (url, _proc):
+        yield url
+
+
+@asynccontextmanager
+async def redis_process() -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
+    """redis_server, also yielding its process: a test may kill it (a store outage)."""
     exe = needs_redis_server()
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
@@ -90,9 +97,10 @@ async def redis_server() -> AsyncIterator[str]:
                 break
             except OSError:
                 await asyncio.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
+        yield f"redis://127.0.0.1:{port}/0", proc
     finally:
-        proc.terminate()
+        if proc.returncode is None:
+            proc.terminate()
         await proc.wait()
 
 

@@ -6,11 +6,9 @@ everywhere, expiry, a narrowed model list, roles, and a store outage."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import secrets
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +21,7 @@ from gateway.admin.key_store import MemoryKeyStore
 from gateway.admin.keys import KeyBook
 from gateway.config.policy import VirtualKeysPolicy
 from gateway.errors import Conflict
-from tests.procs import free_port, needs_redis_server, redis_server, serve
+from tests.procs import redis_process, redis_server, serve
 
 TENANT_KEY = "sk-" + secrets.token_urlsafe(24)
 ADMIN = "sk-adm-" + secrets.token_urlsafe(24)
@@ -195,30 +193,9 @@ async def test_in_memory_keys_with_one_process_and_a_refusal_with_workers(upstre
         assert st == 409 and "store.url" in err["error"]["message"]
 
 
-@contextlib.asynccontextmanager
-async def _stoppable_redis() -> AsyncIterator[tuple[str, asyncio.subprocess.Process]]:
-    exe = needs_redis_server()
-    port = free_port()
-    proc = await asyncio.create_subprocess_exec(exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                                                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", port)
-                w.close()
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0", proc
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            await proc.wait()
-
-
 async def test_a_store_outage_keeps_known_keys_working(upstream, tmp_path: Path):
     up = await upstream("up", tokens=2)
-    async with _stoppable_redis() as (redis_url, redis_proc):
+    async with redis_process() as (redis_url, redis_proc):
         path = tmp_path / "policy.yaml"
         path.write_text(yaml.safe_dump(_policy(up.url, redis_url)))
         async with serve(path, tmp_path) as g1, serve(path, tmp_path) as g2:

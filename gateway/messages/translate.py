@@ -77,7 +77,7 @@ from typing import Any
 import orjson
 
 from ..errors import BadRequest
-from ..wire.openai_wire import function_tool
+from ..wire.openai_wire import first_message, function_tool
 
 __all__ = [
     "BadAnswer",
@@ -735,12 +735,7 @@ def chat_completion_to_message(resp: Mapping[str, Any], model: str, input_tokens
     """A chat.completion (an OpenAI backend's answer) as an Anthropic message.
 
     Raises BadAnswer when a tool call's arguments are not a JSON object (Anthropic's input is one)."""
-    choices = resp.get("choices")
-    choice: dict[str, Any] = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    message: dict[str, Any] = choice["message"] if isinstance(choice.get("message"), dict) else {}
-    content = message.get("content")
-    if isinstance(content, list):  # content parts
-        content = "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    choice, message, content = first_message(resp)
     finish = choice.get("finish_reason")
     if not content and isinstance(message.get("refusal"), str):
         content, finish = message["refusal"], "content_filter"

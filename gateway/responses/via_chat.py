@@ -81,7 +81,7 @@ from typing import Any
 import orjson
 
 from ..messages.translate import TranslationError, Untranslatable
-from ..wire.openai_wire import function_tool, tool_call_delta
+from ..wire.openai_wire import first_message, function_tool, tool_call_delta
 
 __all__ = [
     "DONE",
@@ -451,12 +451,7 @@ def _call_item(call_id: str, name: str, arguments: str, iid: str | None = None, 
 
 def chat_completion_to_response(chat: Mapping[str, Any], request: Mapping[str, Any]) -> dict[str, Any]:
     """A chat.completion (a chat backend's answer) as the Response to the Responses `request`."""
-    choices = chat.get("choices")
-    choice: dict[str, Any] = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
-    message: dict[str, Any] = choice["message"] if isinstance(choice.get("message"), dict) else {}
-    content = message.get("content")
-    if isinstance(content, list):  # content parts
-        content = "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    choice, message, content = first_message(chat)
     parts = [_text_part(content)] if isinstance(content, str) and content else []
     if isinstance(message.get("refusal"), str) and message["refusal"]:
         parts.append({"type": "refusal", "refusal": message["refusal"]})

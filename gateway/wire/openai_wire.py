@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from ..errors import BadRequest
 
 __all__ = [
+    "first_message",
     "function_tool",
     "tool_call_delta",
     "json_object",
@@ -244,3 +245,15 @@ def tool_call_delta(delta: Mapping[str, Any]) -> tuple[int, str | None, Any, Any
     fn = fn if isinstance(fn, dict) else {}
     ident = delta.get("id")
     return (at if isinstance(at, int) else 0), (ident if isinstance(ident, str) and ident else None), fn.get("name"), fn.get("arguments")
+
+
+def first_message(chat: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    """A chat.completion's first choice, its message ({} where absent or malformed) and the
+    message's content, content parts joined into one text."""
+    choices = chat.get("choices")
+    choice: dict[str, Any] = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    message: dict[str, Any] = choice["message"] if isinstance(choice.get("message"), dict) else {}
+    content = message.get("content")
+    if isinstance(content, list):  # content parts
+        content = "".join(str(p.get("text") or "") for p in content if isinstance(p, dict))
+    return choice, message, content
