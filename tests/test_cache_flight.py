@@ -100,6 +100,9 @@ class Delayed:
     async def quota_settle(self, tenant: str, settle: Settle) -> None:
         await self.inner.quota_settle(tenant, settle)
 
+    def take_now(self, tenant: str, ask: Ask) -> Decision | None:
+        return None  # as RedisStore: every call goes through the (delayed) async path
+
     def settle_now(self, tenant: str, settle: Settle) -> bool:
         return False  # as RedisStore: every call goes through the (delayed) async path
 

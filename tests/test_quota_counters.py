@@ -159,3 +159,40 @@ def test_expired_leases_come_back_by_themselves():
     assert not q.take("t", Ask((scope,), 0, "l2", 1_000)).ok
     clock.now += 1.01  # the replica holding l1 died: its lease expires
     assert q.take("t", Ask((scope,), 0, "l2", 1_000)).ok
+
+
+def test_window_totals_follow_a_sliding_window_and_a_clock_that_steps_back():
+    """The memory counters keep running totals: they match the buckets as seconds leave the
+    window, after settles, and when the wall clock steps back (the count joins the newest
+    bucket, so it stays counted at least as long as it should)."""
+    clock = Clock()
+    q = MemoryQuota(clock=clock)
+    scope = Scope("", rpm=1000, tpm=10_000)
+    first = q.take("t", _ask(scope, tokens=100))
+    clock.now += 30
+    second = q.take("t", _ask(scope, tokens=200))
+    assert q.usage("t", "").window_requests == 2 and q.usage("t", "").window_tokens == 300
+    q.settle("t", Settle(("",), first.bucket, first.day, -60, 0, "x"))  # used 40 of 100
+    assert q.usage("t", "").window_tokens == 240
+    clock.now -= 10  # the wall clock steps back: counted in the newest second, not an older one
+    back = q.take("t", _ask(scope, tokens=50))
+    assert back.ok and back.bucket == second.bucket
+    assert back.reset_requests_s == pytest.approx(first.bucket + 61 - clock.now)
+    clock.now += 10 + 31.5  # the first second left the window, the others not
+    u = q.usage("t", "")
+    assert (u.window_requests, u.window_tokens) == (2, 250)
+    q.settle("t", Settle(("",), first.bucket, first.day, -40, 0, "x"))  # a bucket that left: nothing to correct
+    assert q.usage("t", "").window_tokens == 250
+    clock.now += 61
+    assert (q.usage("t", "").window_requests, q.usage("t", "").window_tokens) == (0, 0)
+
+
+async def test_only_the_memory_store_takes_without_a_round_trip():
+    memory = MemoryStore()
+    d = memory.take_now("t", _ask(Scope("", rpm=1)))
+    assert d is not None and d.ok and memory.take_now("t", _ask(Scope("", rpm=1))).ok is False  # type: ignore[union-attr]
+    redis = RedisStore(REDIS_URL, prefix=f"test:quota:{uuid.uuid4().hex}:")
+    try:
+        assert redis.take_now("t", _ask(Scope("", rpm=1))) is None
+    finally:
+        await redis.close()

@@ -62,6 +62,11 @@ class Store(Protocol):
         """Correct a reservation with what was used, and release its lease."""
         ...
 
+    def take_now(self, tenant: str, ask: Ask) -> Decision | None:
+        """quota_take at once when it needs no round trip (this process's own counters); None,
+        having done nothing, when it does (await quota_take)."""
+        ...
+
     def settle_now(self, tenant: str, settle: Settle) -> bool:
         """quota_settle at once when it needs no round trip (this process's own counters): True.
         False, having done nothing, when it does (call quota_settle)."""
@@ -153,6 +158,9 @@ class MemoryStore:
 
     async def quota_settle(self, tenant: str, settle: Settle) -> None:
         self.quota.settle(tenant, settle)
+
+    def take_now(self, tenant: str, ask: Ask) -> Decision | None:
+        return self.quota.take(tenant, ask)
 
     def settle_now(self, tenant: str, settle: Settle) -> bool:
         self.quota.settle(tenant, settle)

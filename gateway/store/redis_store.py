@@ -127,6 +127,9 @@ class RedisStore:
             reset_requests_s=float(r[8]), limit_tokens=int(r[9]), remaining_tokens=int(r[10]), reset_tokens_s=float(r[11]),
         )
 
+    def take_now(self, tenant: str, ask: Ask) -> Decision | None:
+        return None  # a round trip: quota_take
+
     def settle_now(self, tenant: str, settle: Settle) -> bool:
         return False  # a round trip: quota_settle, in a task
 

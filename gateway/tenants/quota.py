@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import orjson
 from ..config.policy import LimitsPolicy, Policy, QuotaPolicy
 from ..errors import RateLimited
 from ..pipeline.call import CacheResult, Call
+from ..pipeline.ids import fresh_id
 from ..store.core import Store, StoreError
 from ..web.sink import Sink
 from .auth import Tenant
@@ -50,11 +50,26 @@ class QuotaExceeded(RateLimited):
 
 
 @dataclass(frozen=True, slots=True)
+class _Limits:
+    """What a request for one model takes: its scopes, their names, and the reservation's cap."""
+
+    scopes: tuple[Scope, ...]
+    names: tuple[str, ...]
+    cap: int
+
+    @classmethod
+    def of(cls, scopes: tuple[Scope, ...]) -> _Limits:
+        return cls(scopes, tuple(s.name for s in scopes), _cap(scopes))
+
+
+@dataclass(frozen=True, slots=True)
 class _Plan:
     tenant: Scope
     models: dict[str, Scope]
     default_max_tokens: int
     counts_tokens: bool  # some limit needs the real token count
+    any_model: _Limits  # a model without limits of its own: the tenant's
+    per_model: dict[str, _Limits]  # built once: a request only looks its model up
 
 
 @dataclass(slots=True)
@@ -117,8 +132,10 @@ class Quota:
             q = tp.quota
             if q is None or not q.any():
                 continue
+            tenant, models = _scope("", q), {m: _scope(m, lp) for m, lp in q.models.items()}
             self.plans[name] = _Plan(
-                _scope("", q), {m: _scope(m, lp) for m, lp in q.models.items()}, q.default_max_tokens, _counts_tokens(q)
+                tenant, models, q.default_max_tokens, _counts_tokens(q),
+                _Limits.of((tenant,)), {m: _Limits.of((tenant, s)) for m, s in models.items()},
             )
 
     def __bool__(self) -> bool:
@@ -130,18 +147,19 @@ class Quota:
         plan = self.plans.get(tenant.name)
         if plan is None:
             return None
-        scopes = (plan.tenant,) if call.model not in plan.models else (plan.tenant, plan.models[call.model])
+        limits = plan.per_model.get(call.model, plan.any_model)
         reserved = call.prompt_tokens + self._completion_estimate(call, plan)
-        lease = os.urandom(8).hex()
-        ask = Ask(scopes, reserved, lease, int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
-        store, decision = await self._take(tenant.name, ask)
+        ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
+        store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
+        if decision is None:
+            store, decision = await self._take(tenant.name, ask)
         _headers(sink.set_header, decision)
         if not decision.ok:
             assert decision.limit is not None
-            raise _exceeded(tenant.name, decision, scopes)
+            raise _exceeded(tenant.name, decision, limits.scopes)
         if plan.counts_tokens:
             _ask_for_usage(call)
-        return Hold(tenant.name, tuple(s.name for s in scopes), store, decision, min(reserved, _cap(scopes)), lease)
+        return Hold(tenant.name, limits.names, store, decision, min(reserved, limits.cap), ask.lease)
 
     async def reserve_request(self, tenant: Tenant, timeout_s: float, set_header: Callable[[str, str], None]) -> Hold | None:
         """Take one request from the tenant's request limits (`rpm`, `concurrency`) for a call that
@@ -154,7 +172,7 @@ class Quota:
             return None
         t = plan.tenant
         scopes = (Scope(t.name, rpm=t.rpm, concurrency=t.concurrency),)
-        lease = os.urandom(8).hex()
+        lease = fresh_id(64)
         ask = Ask(scopes, 0, lease, int(timeout_s * 1000) + _LEASE_MARGIN_MS)
         store, decision = await self._take(tenant.name, ask)
         _headers(set_header, decision)

@@ -4,7 +4,6 @@ Shared by the /v1 handlers (api.py) and the Responses API's by-id handlers (resp
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from decimal import Decimal, InvalidOperation
@@ -17,6 +16,7 @@ from ..cache.core import cache_control
 from ..errors import BadRequest, GatewayError, Unauthorized
 from ..observe.observer import parse_traceparent
 from ..pipeline.call import Asked, Call, Timing
+from ..pipeline.ids import fresh_id
 from ..tenants.priority import Band
 from ..wire.codec import Endpoint
 from .body import read_body
@@ -74,7 +74,7 @@ def request_id(request: web.Request) -> str:
     rid = request.headers.get("x-request-id")
     if rid and _REQUEST_ID.match(rid):
         return rid
-    return os.urandom(12).hex()
+    return fresh_id(96)
 
 
 def _timeout_ms(asked: str | None, server_timeout_ms: int) -> int:
