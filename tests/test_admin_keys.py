@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import secrets
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -183,14 +185,53 @@ async def test_roles_and_bad_input_on_the_key_endpoints(upstream, tmp_path):
         assert time.monotonic() - t0 < 5
 
 
-async def test_in_memory_keys_with_one_process_and_a_refusal_with_workers(upstream, tmp_path):
+async def test_in_memory_keys_with_one_process_and_shared_by_the_workers_through_their_supervisor(upstream, tmp_path):
     up = await upstream("up", tokens=2)
     async with serve(_policy(up.url, None), tmp_path) as g:
         st, k = await _call("POST", f"{g.url}/admin/keys", A, {"tenant": "acme", "name": "local"})
         assert st == 201 and await _chat(g.url, k["key"]) == 200
-    async with serve(_policy(up.url, None), tmp_path, "--workers", "2") as g:
-        st, err = await _call("POST", f"{g.url}/admin/keys", A, {"tenant": "acme", "name": "local"})
-        assert st == 409 and "store.url" in err["error"]["message"]
+    # --workers N without Redis: the keys and the log live in the supervisor (admin/relayed.py)
+    async with serve(_policy(up.url, None), tmp_path, "--workers", "3") as g:
+        st, made = await _call("POST", f"{g.url}/admin/keys", A, {"tenant": "beta", "name": "w"})
+        assert st == 201
+        key = made["key"]
+        assert [await _chat(g.url, key) for _ in range(12)] == [200] * 12  # connections spread over the workers
+
+        async def logged() -> bool:  # every worker's requests in one log
+            st, page = await _call("GET", f"{g.url}/admin/requests?tenant=beta&limit=100", V)
+            return st == 200 and page["scope"] == "shared" and len(page["data"]) >= 12
+
+        await _until(logged, 3.0)
+        st, page = await _call("GET", f"{g.url}/admin/requests?tenant=beta&limit=100", V)
+        assert {e["key_id"] for e in page["data"]} == {made["id"]}
+        times = [e["time"] for e in page["data"]]
+        assert times == sorted(times, reverse=True)  # newest first across the workers' batches
+
+        # a worker that restarts finds every key in the supervisor
+        workers = [int(c) for c in Path(f"/proc/{g.proc.pid}/task/{g.proc.pid}/children").read_text().split()]
+        os.kill(workers[0], signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        assert [await _chat(g.url, key) for _ in range(9)] == [200] * 9
+
+        st, rotated = await _call("POST", f"{g.url}/admin/keys/{made['id']}/rotate", A, {"grace_s": 0})
+        assert st == 201
+
+        async def switched() -> bool:
+            return [await _chat(g.url, key) for _ in range(6)] == [401] * 6 and \
+                [await _chat(g.url, rotated["key"]) for _ in range(6)] == [200] * 6
+
+        assert await _until(switched, 2.0) <= 2.0
+        assert (await _call("DELETE", f"{g.url}/admin/keys/{made['id']}", A))[0] == 204
+
+        async def refused() -> bool:
+            return [await _chat(g.url, rotated["key"]) for _ in range(6)] == [401] * 6
+
+        assert await _until(refused, 2.0) <= 2.0
+        st, listed = await _call("GET", f"{g.url}/admin/keys?tenant=beta", V)
+        assert st == 200 and [(k["id"], k["revoked"]) for k in listed["data"]] == [(made["id"], True)]
+        # refused there as here: a revoked key cannot be rotated, an unknown one is a 404
+        assert (await _call("POST", f"{g.url}/admin/keys/{made['id']}/rotate", A, {}))[0] == 409
+        assert (await _call("DELETE", f"{g.url}/admin/keys/key_nope", A))[0] == 404
 
 
 async def test_a_store_outage_keeps_known_keys_working(upstream, tmp_path: Path):

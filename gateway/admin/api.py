@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import BadRequest, Conflict, Forbidden, GatewayError, Unauthorized, Unavailable
+from ..errors import BadRequest, Forbidden, GatewayError, Unauthorized, Unavailable
 from ..store.core import StoreError
 from ..tenants.auth import Role
 from ..web.http_call import api_key, error_response, json_response, read_bounded
@@ -95,13 +95,6 @@ def _parsed(model: type[M], raw: bytes) -> M:
         raise BadRequest(f"{where}: {err['msg']}", param=where if err["loc"] else None) from None
 
 
-def _writable(request: web.Request) -> None:
-    """Keys in a process's memory reach no other worker: issuing them needs a shared store."""
-    if not request.app[KEYBOOK].store.shared and request.app[WORKER] is not None:
-        raise Conflict("virtual keys are kept in the store, and this gateway runs several workers on the in-memory one: "
-                       "each worker would know only its own keys. Set `store.url` (Redis) to issue keys with --workers")
-
-
 @reads
 async def list_keys(request: web.Request) -> web.Response:
     tenant = request.query.get("tenant") or None
@@ -110,7 +103,6 @@ async def list_keys(request: web.Request) -> web.Response:
 
 @writes
 async def create_key(request: web.Request) -> web.Response:
-    _writable(request)
     body = _parsed(_Create, await read_bounded(request, _MAX_ADMIN_BODY))
     tenants = request.app[LIVE].runtime.tenants
     tenant = tenants.tenant(body.tenant)
@@ -129,7 +121,6 @@ async def create_key(request: web.Request) -> web.Response:
 
 @writes
 async def rotate_key(request: web.Request) -> web.Response:
-    _writable(request)
     body = _parsed(_Rotate, await read_bounded(request, _MAX_ADMIN_BODY))
     made = await request.app[KEYBOOK].rotate(request.match_info["id"], body.grace_s)
     return json_response(made, status=201, headers={"Cache-Control": "no-store"})
@@ -137,7 +128,6 @@ async def rotate_key(request: web.Request) -> web.Response:
 
 @writes
 async def revoke_key(request: web.Request) -> web.Response:
-    _writable(request)
     await request.app[KEYBOOK].revoke(request.match_info["id"])
     return web.Response(status=204)
 
@@ -195,7 +185,8 @@ async def export_requests(request: web.Request) -> web.StreamResponse:
 
 
 def _shared(request: web.Request) -> bool:
-    return request.app[LIVE].runtime.policy.store.url is not None
+    """Whether the log holds more than this process's requests (Redis, or the workers' supervisor)."""
+    return request.app[LIVE].runtime.policy.store.url is not None or request.app[WORKER] is not None
 
 
 @reads

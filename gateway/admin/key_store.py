@@ -8,7 +8,6 @@ secrets.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import orjson
@@ -17,12 +16,9 @@ from redis.exceptions import WatchError
 
 from ..store.core import StoreError
 from ..store.redis_store import bounded
+from .key_ops import KeyOp, apply
 
-__all__ = ["KeyStore", "MemoryKeyStore", "RedisKeyStore", "Change"]
-
-# A change to the records: given them all (id -> record), returns the records to write (id ->
-# record, None to delete) and a result for the caller; raises to refuse (nothing is written).
-Change = Callable[[dict[str, dict[str, Any]]], tuple[dict[str, dict[str, Any] | None], Any]]
+__all__ = ["KeyStore", "MemoryKeyStore", "RedisKeyStore"]
 
 
 class KeyStore(Protocol):
@@ -36,8 +32,8 @@ class KeyStore(Protocol):
         """The version and every record, read together."""
         ...
 
-    async def change(self, change: Change) -> Any:
-        """Apply `change` atomically (no other change in between); its result."""
+    async def change(self, op: KeyOp) -> Any:
+        """Apply `op` (key_ops.apply) atomically, no other change in between; its result."""
         ...
 
     async def touch(self, used: dict[str, float]) -> None:
@@ -67,8 +63,8 @@ class MemoryKeyStore:
     async def records(self) -> tuple[int, dict[str, dict[str, Any]]]:
         return self._version, {k: dict(v) for k, v in self._records.items()}
 
-    async def change(self, change: Change) -> Any:
-        writes, result = change({k: dict(v) for k, v in self._records.items()})
+    async def change(self, op: KeyOp) -> Any:
+        writes, result = apply(op, {k: dict(v) for k, v in self._records.items()})
         _apply(self._records, writes)
         for kid, rec in writes.items():
             if rec is None:
@@ -112,14 +108,14 @@ class RedisKeyStore:
         result: tuple[int, dict[str, dict[str, Any]]] = await self._call("read the keys", read())
         return result
 
-    async def change(self, change: Change) -> Any:
+    async def change(self, op: KeyOp) -> Any:
         async def attempt() -> Any:
             for _ in range(self._TRIES):
                 async with self._redis.pipeline(transaction=True) as pipe:
                     try:
                         await pipe.watch(self._hash)
                         raw = await pipe.hgetall(self._hash)
-                        writes, result = change({_s(k): orjson.loads(v) for k, v in raw.items()})
+                        writes, result = apply(op, {_s(k): orjson.loads(v) for k, v in raw.items()})
                         pipe.multi()
                         for kid, rec in writes.items():
                             if rec is None:

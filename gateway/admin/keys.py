@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config.policy import VirtualKeysPolicy
-from ..errors import BadRequest, Conflict, NotFound
+from ..errors import BadRequest
 from ..tenants.auth import VIRTUAL_KEY_PREFIX
+from .key_ops import Add, KeyOp, Revoke, Rotate
 from .key_store import KeyStore
 
 __all__ = ["KeyBook", "VirtualKey", "KEY_PREFIX"]
@@ -177,50 +178,20 @@ class KeyBook:
                "expires_at": None if expires_in_s is None else round(now + expires_in_s, 3),
                "models": models, "revoked": False, "revoked_at": None, "digests": {_digest(secret): None}}  # fmt: skip
 
-        def add(records: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any] | None], None]:
-            writes: dict[str, dict[str, Any] | None] = dict.fromkeys(_forgotten(records, now, self.policy.keep_revoked_s))
-            if len(records) - len(writes) >= self.policy.max_keys:
-                raise Conflict(f"there are {len(records)} keys, the most `admin.keys.max_keys` allows: revoke some first "
-                               "(revoked keys are forgotten after `admin.keys.keep_revoked_s`)")
-            writes[kid] = rec
-            return writes, None
-
-        await self._change(add)
+        await self._change(Add(rec, now, self.policy.keep_revoked_s, self.policy.max_keys))
         return {**public(rec), "key": secret}
 
     async def rotate(self, kid: str, grace_s: float) -> dict[str, Any]:
         """A new secret for key `kid`; the old one works `grace_s` more seconds (0: stops now)."""
         if not 0 <= grace_s <= self.policy.max_grace_s:
             raise BadRequest(f"grace_s must be between 0 and {self.policy.max_grace_s:g} (admin.keys.max_grace_s)", param="grace_s")
-        now = self._clock()
         secret = _secret()
-
-        def swap(records: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any] | None], dict[str, Any]]:
-            rec = _live_record(records, kid)
-            old = {d: u for d, u in rec["digests"].items() if u is not None and u > now}  # earlier graces still running
-            if grace_s > 0:
-                old.update({d: round(now + grace_s, 3) for d, u in rec["digests"].items() if u is None})
-            rec["digests"] = {**old, _digest(secret): None}
-            rec["rotated_at"] = round(now, 3)
-            return {kid: rec}, rec
-
-        rec = await self._change(swap)
+        rec = await self._change(Rotate(kid, self._clock(), grace_s, _digest(secret)))
         return {**public(rec), "key": secret}
 
     async def revoke(self, kid: str) -> None:
         """Revoke key `kid` (every secret of it), everywhere within a poll. Revoking twice is fine."""
-        now = self._clock()
-
-        def drop(records: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, Any] | None], None]:
-            rec = records.get(kid)
-            if rec is None:
-                raise NotFound(f"no key {kid!r}")
-            if rec.get("revoked"):
-                return {}, None
-            rec.update(revoked=True, revoked_at=round(now, 3), digests={})
-            return {kid: rec}, None
-
-        await self._change(drop)
+        await self._change(Revoke(kid, self._clock()))
 
     async def listing(self, tenant: str | None) -> list[dict[str, Any]]:
         """Every key (of `tenant`), newest first, as the API shows it: never a secret or a digest."""
@@ -236,7 +207,7 @@ class KeyBook:
         out.sort(key=lambda r: r["created_at"], reverse=True)
         return out
 
-    async def _change(self, change: Any) -> Any:
+    async def _change(self, change: KeyOp) -> Any:
         result = await self.store.change(change)
         with contextlib.suppress(Exception):
             await self.refresh()  # in force here at once; elsewhere within a poll
@@ -246,26 +217,6 @@ class KeyBook:
 def public(rec: dict[str, Any]) -> dict[str, Any]:
     """A record without its digests."""
     return {k: rec.get(k) for k in ("id", "tenant", "name", "created_at", "expires_at", "models", "revoked", "revoked_at")}
-
-
-def _live_record(records: dict[str, dict[str, Any]], kid: str) -> dict[str, Any]:
-    rec = records.get(kid)
-    if rec is None:
-        raise NotFound(f"no key {kid!r}")
-    if rec.get("revoked"):
-        raise Conflict(f"key {kid!r} is revoked: make a new one")
-    return rec
-
-
-def _forgotten(records: dict[str, dict[str, Any]], now: float, keep_s: float) -> list[str]:
-    """Keys revoked, or expired, more than `keep_s` ago: no longer listed, no longer counted."""
-    def ended(r: dict[str, Any]) -> float | None:
-        if r.get("revoked"):
-            return float(r.get("revoked_at") or 0)
-        exp = r.get("expires_at")
-        return float(exp) if isinstance(exp, (int, float)) else None
-
-    return [kid for kid, r in records.items() if (end := ended(r)) is not None and end + keep_s < now]
 
 
 def _secret() -> str:

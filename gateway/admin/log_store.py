@@ -10,6 +10,7 @@ cursor then says where to go on). The log keeps its newest `size` entries.
 from __future__ import annotations
 
 import bisect
+import heapq
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator
@@ -87,9 +88,9 @@ class _Chunk:
 
 
 class MemoryLogStore:
-    """The log in this process: the written batches in order (one process writes them in time
-    order), the oldest dropped whole once the newer ones hold `size` entries or the log passes
-    `max_bytes`."""
+    """The log in this process: the written batches in the order they came (each in time order;
+    several writers' batches may interleave), the oldest dropped whole once the newer ones hold
+    `size` entries or the log passes `max_bytes`."""
 
     def __init__(self, size: int, max_bytes: int = 64 << 20) -> None:
         self.size = size
@@ -116,26 +117,38 @@ class MemoryLogStore:
             self._bytes -= len(old.blob)
 
     async def page(self, f: Filter, limit: int, before: int | None) -> Page:
-        out: list[dict[str, Any]] = []
+        # The batches' entries merged newest first: one process writes its batches in time order,
+        # but the supervisor's log (admin/relayed.py) takes every worker's, and theirs interleave.
+        chunks = list(self._chunks)
+        heads: list[tuple[int, int, int]] = []  # (-score, chunk, index) of each chunk's next entry
         seen = scanned = 0  # entries newer than this one (the log shows the newest `size`); entries read
-        for chunk in reversed(self._chunks):
+        for n, chunk in enumerate(chunks):
             i = len(chunk.scores) if before is None else bisect.bisect_left(chunk.scores, before)
             seen += len(chunk.scores) - i
-            while i > 0:
-                i -= 1
-                seen += 1
-                if seen > self.size:
-                    return Page(out, None)
-                if scanned >= _MAX_SCAN:
-                    return Page(out, str(chunk.scores[i + 1] if i + 1 < len(chunk.scores) else chunk.scores[i] + 1))
-                scanned += 1
-                if f.tenant is not None and chunk.tenants[i] != f.tenant:
-                    continue
-                e = decode(chunk.entry(i))
-                if f.keeps(e):
-                    out.append(e)
-                    if len(out) == limit:
-                        return Page(out, str(chunk.scores[i]))
+            if i:
+                heads.append((-chunk.scores[i - 1], n, i - 1))
+        heapq.heapify(heads)
+        out: list[dict[str, Any]] = []
+        while heads:
+            neg, n, i = heads[0]
+            seen += 1
+            if seen > self.size:
+                return Page(out, None)
+            if scanned >= _MAX_SCAN:
+                return Page(out, str(-neg + 1))  # the next page starts with this entry
+            scanned += 1
+            chunk = chunks[n]
+            if i:
+                heapq.heapreplace(heads, (-chunk.scores[i - 1], n, i - 1))
+            else:
+                heapq.heappop(heads)
+            if f.tenant is not None and chunk.tenants[i] != f.tenant:
+                continue
+            e = decode(chunk.entry(i))
+            if f.keeps(e):
+                out.append(e)
+                if len(out) == limit:
+                    return Page(out, str(chunk.scores[i]))
         return Page(out, None)
 
     async def close(self) -> None:

@@ -26,14 +26,20 @@ __all__ = ["ControlError", "ask", "ask_all", "serve_unix"]
 log = logging.getLogger("gateway.control")
 
 Handler = Callable[[], Awaitable[dict[str, Any]]]
+# A handler of a request with a JSON body (the supervisor's shared admin stores: admin/relayed.py).
+DataHandler = Callable[[Any], Awaitable[dict[str, Any]]]
+_MAX_BODY = 64 << 20  # a private socket; a request log batch of a busy worker is a few MB at most
 
 
 class ControlError(RuntimeError):
     """A process on the control channel did not answer."""
 
 
-async def serve_unix(path: Path, handlers: dict[tuple[str, str], Handler]) -> web.AppRunner:
-    """Serve `handlers` ((method, path) -> coroutine returning JSON) on a unix socket at `path`."""
+async def serve_unix(
+    path: Path, handlers: dict[tuple[str, str], Handler], data_handlers: dict[tuple[str, str], DataHandler] | None = None
+) -> web.AppRunner:
+    """Serve `handlers` ((method, path) -> coroutine returning JSON) on a unix socket at `path`;
+    `data_handlers` are given the request's JSON body."""
 
     def wrap(fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def handle(_request: web.Request) -> web.Response:
@@ -41,9 +47,21 @@ async def serve_unix(path: Path, handlers: dict[tuple[str, str], Handler]) -> we
 
         return handle
 
-    app = web.Application()
+    def wrap_data(fn: DataHandler) -> Callable[[web.Request], Awaitable[web.Response]]:
+        async def handle(request: web.Request) -> web.Response:
+            try:
+                data = orjson.loads(await request.read())
+            except orjson.JSONDecodeError as exc:
+                return web.Response(status=400, text=f"not JSON: {exc}")
+            return web.Response(body=orjson.dumps(await fn(data)), content_type="application/json")
+
+        return handle
+
+    app = web.Application(client_max_size=_MAX_BODY)
     for (method, route), fn in handlers.items():
         app.router.add_route(method, route, wrap(fn))
+    for (method, route), dfn in (data_handlers or {}).items():
+        app.router.add_route(method, route, wrap_data(dfn))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     with contextlib.suppress(FileNotFoundError):
@@ -54,13 +72,15 @@ async def serve_unix(path: Path, handlers: dict[tuple[str, str], Handler]) -> we
     return runner
 
 
-async def ask(path: Path, method: str, route: str, timeout_s: float) -> dict[str, Any]:
-    """One JSON request to the process listening on `path`; ControlError when it cannot answer."""
+async def ask(path: Path, method: str, route: str, timeout_s: float, data: Any = None) -> dict[str, Any]:
+    """One JSON request (with `data` as its JSON body, when given) to the process listening on
+    `path`; ControlError when it cannot answer."""
     try:
         async with aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=str(path)), timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as http:
-            async with http.request(method, f"http://gateway{route}") as resp:
+            body = None if data is None else orjson.dumps(data)
+            async with http.request(method, f"http://gateway{route}", data=body) as resp:
                 body = await resp.read()
                 if resp.status != 200:
                     raise ControlError(f"{path.name} answered {method} {route} with HTTP {resp.status}")

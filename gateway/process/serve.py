@@ -30,6 +30,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import multiprocess
 
+from ..admin.relayed import SharedAdmin
 from ..config.policy import PolicyError, load_policy
 from ..config.reload import _digest, _stat
 from ..web.app import create_app
@@ -244,6 +245,10 @@ class _Supervisor:
         # Here, not in run(): the control socket may ask for a reload (reload_everywhere) before
         # the subscription is up. Started in run().
         self.peers = Peers(self.policy, on_reload=self.reload_all)
+        # Without Redis the virtual keys and the request log live here, shared by the workers
+        # (admin/relayed.py); a `store.url` set later takes a restart, as in every process.
+        rp = self.policy.request_log
+        self.admin = SharedAdmin(rp.size, rp.memory_max_bytes) if self.policy.store.url is None else None
         self._tasks: set[asyncio.Task[Any]] = set()  # the policy watcher, SIGHUP reloads: see _background
 
     # ---- life ---------------------------------------------------------------------------------
@@ -259,7 +264,9 @@ class _Supervisor:
                 ("POST", "/reload"): lambda: self.reload_everywhere("admin"),
                 ("GET", "/backends"): self.views,
                 ("GET", "/launched"): self.launched,
+                **(self.admin.handlers() if self.admin else {}),
             },
+            self.admin.data_handlers() if self.admin else None,
         )
         await self.children.reconcile(self._launch_specs())
         for i in range(self.count):
@@ -353,6 +360,8 @@ class _Supervisor:
             return {"ok": False, "error": str(exc)}
         self.policy = policy
         self.generation += 1
+        if self.admin is not None:
+            self.admin.resize(policy.request_log.size, policy.request_log.memory_max_bytes)
         await self.children.reconcile(self._launch_specs())
         return {"ok": True}
 

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from ..admin.key_store import KeyStore, MemoryKeyStore, RedisKeyStore
 from ..admin.keys import KeyBook
+from ..admin.relayed import RelayedKeyStore, RelayedLogStore
 from ..admin.log_store import LogStore, MemoryLogStore, RedisLogStore
 from ..admin.request_log import RequestLog
 from ..admission.gate import Admission
@@ -70,8 +71,8 @@ def create_app(
     # One admission gate for the app's life: a reload changes its limits, never drops its queue.
     admission = Admission(loaded.admission.max_inflight, loaded.admission.max_queue)
     # The admin plane's state lives in the store named at start (a new `store.url` takes a restart).
-    keybook = KeyBook(_key_store(loaded), loaded.admin.keys if loaded.admin else VirtualKeysPolicy())
-    request_log = RequestLog(_log_store(loaded), loaded.request_log,
+    keybook = KeyBook(_key_store(loaded, worker), loaded.admin.keys if loaded.admin else VirtualKeysPolicy())
+    request_log = RequestLog(_log_store(loaded, worker), loaded.request_log,
                              on_drop=lambda reason, n: metrics.request_log_dropped.labels(reason).inc(n))
     snapshots = _Snapshots(metrics, admission, host, worker, keybook, request_log)
     live = Live(snapshots.build(loaded, 1), snapshots.activate)
@@ -144,14 +145,20 @@ class _Snapshots:
         self.request_log.configure(rt.policy.request_log)
 
 
-def _key_store(policy: Policy) -> KeyStore:
+def _key_store(policy: Policy, worker: WorkerInfo | None) -> KeyStore:
+    """Redis when the policy names one; else this process's memory, or, for a worker of
+    `serve --workers N`, the supervisor's (shared by the workers: admin/relayed.py)."""
     url = policy.store.url
-    return MemoryKeyStore() if url is None else RedisKeyStore(url, prefix=_ADMIN_PREFIX)
+    if url is not None:
+        return RedisKeyStore(url, prefix=_ADMIN_PREFIX)
+    return MemoryKeyStore() if worker is None else RelayedKeyStore(worker.supervisor_socket)
 
 
-def _log_store(policy: Policy) -> LogStore:
+def _log_store(policy: Policy, worker: WorkerInfo | None) -> LogStore:
     url, rp = policy.store.url, policy.request_log
-    return MemoryLogStore(rp.size, rp.memory_max_bytes) if url is None else RedisLogStore(url, rp.size, prefix=_ADMIN_PREFIX)
+    if url is not None:
+        return RedisLogStore(url, rp.size, prefix=_ADMIN_PREFIX)
+    return MemoryLogStore(rp.size, rp.memory_max_bytes) if worker is None else RelayedLogStore(worker.supervisor_socket, rp.size)
 
 
 def _lifecycle(app: web.Application, children: Children, live: Live, stores: dict[StorePolicy, Store],
