@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import aiohttp
@@ -24,13 +26,15 @@ def lua_post(body: bytes, headers: dict[str, str] | None = None) -> str:
 
 def lua_post_unique(template: str, headers: dict[str, str] | None = None) -> str:
     """A wrk script that POSTs a JSON body made from `template` with `{n}` replaced by a token
-    unique to each request (its wrk thread and a counter): every request a cache miss."""
+    unique to each request (the wrk run, its thread and a counter): every request a cache miss,
+    in a warm-up and the measured run after it too (`wrk()` gives each run its own id)."""
     head, tail = template.split("{n}")
     lines = ['wrk.method = "POST"', 'wrk.headers["Content-Type"] = "application/json"']
     lines += [f'wrk.headers["{k}"] = "{v}"' for k, v in (headers or {}).items()]
     lines += [
         "local counter = 1",
-        "function setup(thread) thread:set('tid', counter); counter = counter + 1 end",
+        "local run = os.getenv('WRK_RUN') or ''",
+        "function setup(thread) thread:set('tid', run .. '-' .. counter); counter = counter + 1 end",
         "local n = 0",
         "request = function()",
         "  n = n + 1",
@@ -43,7 +47,7 @@ def lua_post_unique(template: str, headers: dict[str, str] | None = None) -> str
 def wrk(url: str, connections: int, duration: int, script: Path) -> dict[str, float]:
     out = subprocess.run(
         ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
-        capture_output=True, text=True, check=True,
+        capture_output=True, text=True, check=True, env={**os.environ, "WRK_RUN": uuid.uuid4().hex[:12]},
     ).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
