@@ -16,13 +16,16 @@ from typing import Any
 
 import aiohttp
 import openai
+import orjson
 import pytest
 import yaml
 
+from gateway.admin import key_ops
+from gateway.admin.key_ops import Add, Revoke, Rotate
 from gateway.admin.key_store import MemoryKeyStore
 from gateway.admin.keys import KeyBook
 from gateway.config.policy import VirtualKeysPolicy
-from gateway.errors import Conflict
+from gateway.errors import BadRequest, Conflict, NotFound
 from tests.procs import redis_process, redis_server, serve
 
 TENANT_KEY = "sk-" + secrets.token_urlsafe(24)
@@ -267,3 +270,25 @@ async def test_the_book_is_bounded_and_forgets_keys_that_ended_long_ago():
     await book.create("acme", "d", None, None)  # both forgotten now: room again
     assert sorted(k["name"] for k in await book.listing(None)) == ["c", "d"]
     assert b["id"] not in {k["id"] for k in await book.listing("acme")}
+
+
+def test_key_changes_travel_as_data_and_garbage_is_refused():
+    """What a worker sends its supervisor (admin/relayed.py): each op round-trips through JSON and
+    applies alike; anything else is a 400, not a crash of the supervisor's handler."""
+    rec = {"id": "key_1", "tenant": "acme", "name": "n", "created_at": 1.0, "expires_at": None, "models": None,
+           "revoked": False, "revoked_at": None, "digests": {"d0": None}}
+    ops = [Add(rec, 2.0, 100.0, 10), Rotate("key_1", 3.0, 5.0, "d1"), Revoke("key_1", 4.0)]
+    records: dict[str, Any] = {}
+    for op in ops:
+        again = key_ops.from_json(orjson.loads(orjson.dumps(key_ops.to_json(op))))
+        assert again == op
+        writes, _ = key_ops.apply(again, {k: dict(v) for k, v in records.items()})
+        records.update(writes)  # type: ignore[arg-type]
+    assert records["key_1"]["revoked"] is True and records["key_1"]["digests"] == {}
+    for junk in ({}, {"op": "drop-table"}, {"op": "revoke"}, {"op": "add", "rec": {}, "now": 1}):
+        with pytest.raises(BadRequest):
+            key_ops.from_json(junk)
+    with pytest.raises(NotFound):
+        key_ops.apply(Revoke("key_nope", 1.0), records)
+    with pytest.raises(Conflict):
+        key_ops.apply(Rotate("key_1", 5.0, 0.0, "d2"), records)

@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-__all__ = ["ControlError", "ask", "ask_all", "serve_unix"]
+__all__ = ["ControlError", "DataHandler", "Handler", "ask", "ask_all", "serve_unix"]
 
 log = logging.getLogger("gateway.control")
 
