@@ -123,6 +123,28 @@ async def test_the_writer_is_bounded_while_the_store_is_slow_and_resumes_after()
             await rlog.close()
 
 
+async def test_a_flush_writes_what_was_queued_and_leaves_the_rest_for_the_next_one():
+    """A store with a round trip: requests keep coming while a batch is written. A flush writes
+    what was queued when it began, in batches of at most 1,000, and returns; it does not chase
+    the tail with a stream of small writes (~150 a second at 5,000 req/s)."""
+    appended: list[int] = []
+
+    class SlowStore(MemoryLogStore):
+        async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
+            appended.append(len(batch))
+            await asyncio.sleep(0.01)  # meanwhile, more requests end
+            rlog.put(_row(100_000 + len(appended)))
+            await super().append(batch)
+
+    rlog = RequestLog(SlowStore(100_000), RequestLogPolicy(flush_ms=10_000), on_drop=lambda reason, n: None)
+    for i in range(2500):
+        rlog.put(_row(i))
+    await rlog.flush()
+    assert appended == [1000, 1000, 500]  # three writes, then it returned with 3 new rows queued
+    await rlog.flush()
+    assert appended[3:] == [3]
+
+
 # ---- end to end -----------------------------------------------------------------------------------
 
 KEY, PAYLOAD_KEY, ADMIN = "sk-acme-key-1", "sk-beta-key-1", "sk-admin-key-1"

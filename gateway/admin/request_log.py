@@ -86,8 +86,13 @@ class RequestLog:
             await self._flush()
 
     async def _flush(self) -> None:
-        while self._q:
-            batch = [encode(self._q.popleft()) for _ in range(min(len(self._q), 1000))]
+        # What is queued now, in batches of at most 1,000; what comes while they are written waits
+        # for the next flush. (Draining until the queue is empty chased the requests' tail on a
+        # store with round trips: ~150 small writes a second at 5,000 req/s instead of 5.)
+        left = len(self._q)
+        while left > 0 and self._q:
+            batch = [encode(self._q.popleft()) for _ in range(min(left, len(self._q), 1000))]
+            left -= len(batch)
             try:
                 async with asyncio.timeout(self.policy.write_timeout_ms / 1000):
                     await self.store.append(batch)
