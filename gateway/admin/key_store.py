@@ -22,8 +22,6 @@ __all__ = ["KeyStore", "MemoryKeyStore", "RedisKeyStore"]
 
 
 class KeyStore(Protocol):
-    shared: bool  # whether other processes see it (else a change reaches only this process)
-
     async def version(self) -> int:
         """A number that moves whenever a record changes."""
         ...
@@ -49,8 +47,6 @@ class KeyStore(Protocol):
 
 class MemoryKeyStore:
     """The records in this process (the embedded default: one process sees them)."""
-
-    shared = False
 
     def __init__(self) -> None:
         self._records: dict[str, dict[str, Any]] = {}
@@ -87,7 +83,6 @@ class RedisKeyStore:
     last use of each key in `{prefix}keys:used`. A change is a WATCH/MULTI transaction on the
     hash, retried when another change got in first."""
 
-    shared = True
     _TRIES = 5
 
     def __init__(self, url: str, *, prefix: str = "gateway:", timeout_s: float = 2.0) -> None:

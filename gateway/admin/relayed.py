@@ -32,8 +32,6 @@ _ERRORS: dict[int, type[GatewayError]] = {400: BadRequest, 404: NotFound, 409: C
 class RelayedKeyStore:
     """A worker's view of the supervisor's keys (admin/key_store.KeyStore)."""
 
-    shared = True  # every worker sees the same records
-
     def __init__(self, socket: Path, timeout_s: float = 2.0) -> None:
         self._socket, self._timeout_s = socket, timeout_s
 
