@@ -8,12 +8,13 @@ secrets.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol
 
 import orjson
-from redis.asyncio import Redis
-from redis.exceptions import WatchError
 
+from ..config.policy import StoreTlsPolicy
+from ..store.connect import ADMIN_CONNECTIONS, close_client, connect
 from ..store.core import StoreError
 from ..store.redis_store import bounded
 from .key_ops import KeyOp, apply
@@ -78,50 +79,66 @@ class MemoryKeyStore:
         return None
 
 
+# The records and their version, read together (one step: no change in between).
+_READ = """
+return {redis.call('GET', KEYS[1]) or '0', redis.call('HGETALL', KEYS[2])}
+"""
+
+# A change made against version ARGV[1]: written only while the version is still that (else 0 and
+# nothing written: another change got in first); ARGV[2..] are (id, record JSON or "" to delete).
+_WRITE = """
+if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then
+  return 0
+end
+for i = 2, #ARGV, 2 do
+  if ARGV[i + 1] == '' then
+    redis.call('HDEL', KEYS[2], ARGV[i])
+    redis.call('HDEL', KEYS[3], ARGV[i])
+  else
+    redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
+  end
+end
+return redis.call('INCR', KEYS[1])
+"""
+
+
 class RedisKeyStore:
-    """The records in one Redis hash (`{prefix}keys`), the version in `{prefix}keys:version`, the
-    last use of each key in `{prefix}keys:used`. A change is a WATCH/MULTI transaction on the
-    hash, retried when another change got in first."""
+    """The records in one Redis hash (`{prefix}{keys}`), the version in `{prefix}{keys}:version`,
+    the last use of each key in `{prefix}{keys}:used`: one hash slot (the `{keys}` tag), so the
+    scripts run on a Cluster too. A change is computed from a read and written by a script only
+    while the version is still the one read; retried when another change got in first."""
 
     _TRIES = 5
 
-    def __init__(self, url: str, *, prefix: str = "gateway:", timeout_s: float = 2.0) -> None:
-        self._redis: Any = Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    def __init__(
+        self, url: str, *, prefix: str = "gateway:", timeout_s: float = 2.0, tls: StoreTlsPolicy | None = None
+    ) -> None:
+        self._redis: Any = connect(url, tls, timeout_s=timeout_s, max_connections=ADMIN_CONNECTIONS,
+                                   name=f"gw-keys-{os.getpid()}")
         self._timeout_s = timeout_s
-        self._hash, self._version, self._used = f"{prefix}keys", f"{prefix}keys:version", f"{prefix}keys:used"
+        self._version, self._hash, self._used = f"{prefix}{{keys}}:version", f"{prefix}{{keys}}", f"{prefix}{{keys}}:used"
+        self._read = self._redis.register_script(_READ)
+        self._write = self._redis.register_script(_WRITE)
 
     async def version(self) -> int:
         raw = await self._call("read the keys' version", self._redis.get(self._version))
         return int(raw or 0)
 
     async def records(self) -> tuple[int, dict[str, dict[str, Any]]]:
-        async def read() -> tuple[int, dict[str, dict[str, Any]]]:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                version, raw = await pipe.get(self._version).hgetall(self._hash).execute()
-            return int(version or 0), {_s(k): orjson.loads(v) for k, v in raw.items()}
-
-        result: tuple[int, dict[str, dict[str, Any]]] = await self._call("read the keys", read())
-        return result
+        version, raw = await self._call("read the keys", self._read(keys=[self._version, self._hash]))
+        pairs = iter(raw)  # HGETALL inside a script: a flat list of field, value
+        return int(version), {_s(k): orjson.loads(v) for k, v in zip(pairs, pairs, strict=True)}
 
     async def change(self, op: KeyOp) -> Any:
         async def attempt() -> Any:
             for _ in range(self._TRIES):
-                async with self._redis.pipeline(transaction=True) as pipe:
-                    try:
-                        await pipe.watch(self._hash)
-                        raw = await pipe.hgetall(self._hash)
-                        writes, result = apply(op, {_s(k): orjson.loads(v) for k, v in raw.items()})
-                        pipe.multi()
-                        for kid, rec in writes.items():
-                            if rec is None:
-                                pipe.hdel(self._hash, kid).hdel(self._used, kid)
-                            else:
-                                pipe.hset(self._hash, kid, orjson.dumps(rec))
-                        pipe.incr(self._version)
-                        await pipe.execute()
-                        return result
-                    except WatchError:
-                        continue
+                version, records = await self.records()
+                writes, result = apply(op, records)
+                args: list[Any] = [version]
+                for kid, rec in writes.items():
+                    args += [kid, b"" if rec is None else orjson.dumps(rec)]
+                if await self._write(keys=[self._version, self._hash, self._used], args=args):
+                    return result
             raise StoreError(f"the keys changed {self._TRIES} times while this change was made; try again")
 
         return await self._call("change the keys", attempt())
@@ -135,7 +152,7 @@ class RedisKeyStore:
         return {_s(k): float(v) for k, v in raw.items()}
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await close_client(self._redis)
 
     async def _call(self, what: str, aw: Any) -> Any:
         return await bounded(what, aw, self._timeout_s)

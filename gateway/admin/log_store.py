@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import os
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Protocol
 
-from redis.asyncio import Redis
 
+from ..config.policy import StoreTlsPolicy
+from ..store.connect import ADMIN_CONNECTIONS, close_client, connect
 from ..store.redis_store import bounded
 from .entry import decode
 
@@ -179,13 +181,18 @@ return 1
 
 
 class RedisLogStore:
-    """The log in Redis: `{prefix}log` (every entry) and `{prefix}log:t:{tenant}` (a tenant's)."""
+    """The log in Redis: `{prefix}{log}` (every entry) and `{prefix}{log}:t:{tenant}` (a tenant's):
+    one hash slot (the `{log}` tag), so the append script, which names the tenants' keys itself,
+    runs on a Cluster too (on one of its nodes: the log is bounded by `size`)."""
 
-    def __init__(self, url: str, size: int, *, prefix: str = "gateway:", timeout_s: float = 1.0) -> None:
+    def __init__(
+        self, url: str, size: int, *, prefix: str = "gateway:", timeout_s: float = 1.0, tls: StoreTlsPolicy | None = None
+    ) -> None:
         self.size = size
-        self._redis: Any = Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._redis: Any = connect(url, tls, timeout_s=timeout_s, max_connections=ADMIN_CONNECTIONS,
+                                   name=f"gw-log-{os.getpid()}")
         self._timeout_s = timeout_s
-        self._log, self._by_tenant = f"{prefix}log", f"{prefix}log:t:"
+        self._log, self._by_tenant = f"{prefix}{{log}}", f"{prefix}{{log}}:t:"
         self._append = self._redis.register_script(_APPEND)
 
     async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
@@ -218,7 +225,7 @@ class RedisLogStore:
             top = f"({last}"
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        await close_client(self._redis)
 
     async def _call(self, what: str, aw: Any) -> Any:
         return await bounded(what, aw, self._timeout_s)

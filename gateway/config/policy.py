@@ -17,6 +17,8 @@ from typing import Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from ..store.target import parse_target
+
 __all__ = [
     "Policy",
     "PolicyError",
@@ -526,22 +528,53 @@ class HealthPolicy(_Section):
     recovery_probe_interval_ms: int = Field(1_000, ge=0)
 
 
+class StoreTlsPolicy(_Section):
+    """TLS to Redis (`rediss://`, `rediss+sentinel://`, `rediss+cluster://`): the CA that signed
+    the server's certificate and, for mutual TLS, this gateway's certificate and key (PEM files)."""
+
+    ca_file: str | None = None  # omitted: the system's CAs
+    cert_file: str | None = None
+    key_file: str | None = None
+    check_hostname: bool = True
+
+    @model_validator(mode="after")
+    def _pair(self) -> Self:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("cert_file and key_file go together (a client certificate and its key)")
+        return self
+
+
 class StorePolicy(_Section):
     """Where the cache and the quota counters live: Redis shared by every replica, or (url omitted)
-    this process's memory."""
+    this process's memory. docs/policy.md has an example of each kind of `url`."""
 
-    url: str | None = None  # redis://host:port/db, rediss://..., unix:///path.sock
+    # redis://host:port/db, rediss://..., unix:///path.sock, a master through Sentinel
+    # (redis+sentinel://host:26379,host:26379/service[/db]) or a Cluster
+    # (redis+cluster://host:port,host:port: seed nodes); rediss+sentinel / rediss+cluster for TLS.
+    url: str | None = None
+    tls: StoreTlsPolicy | None = None
     timeout_ms: float = Field(10.0, gt=0)  # a slow store is a miss, not a wait
     quota_timeout_ms: float = Field(250.0, gt=0)  # past this, quotas fall back to per-replica counters
+    # Connections per pool (cache, quotas, Responses records: three per process), per Redis node.
+    # replicas x workers x (3 x max_connections + 7) must stay under the server's maxclients:
+    # `gateway check` and the start-up log warn when it does not (docs/operations.md).
     max_connections: int = Field(64, gt=0)
+    # How many gateway replicas share this store, for the connection budget's warning only.
+    replicas: int = Field(1, ge=1)
     memory_max_bytes: int = Field(256 * 1024 * 1024, gt=0)  # the in-memory store's size
 
     @field_validator("url")
     @classmethod
     def _redis_url(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^(redis|rediss|unix)://", v):
-            raise ValueError(f"must be a redis://, rediss:// or unix:// URL, got {v!r}")
+        if v is not None:
+            parse_target(v)  # ValueError: what is wrong with it
         return v
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> Self:
+        if self.tls is not None and (self.url is None or not parse_target(self.url).tls):
+            raise ValueError("`tls` applies to a rediss://, rediss+sentinel:// or rediss+cluster:// url")
+        return self
 
 
 class CachePolicy(_Section):

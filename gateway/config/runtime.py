@@ -443,4 +443,5 @@ def open_store(sp: StorePolicy) -> Store:
     """The store a policy names (no connection is made until it is used)."""
     if sp.url is None:
         return MemoryStore(max_bytes=sp.memory_max_bytes)
-    return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections, quota_timeout_ms=sp.quota_timeout_ms)
+    return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections, quota_timeout_ms=sp.quota_timeout_ms,
+                      tls=sp.tls)

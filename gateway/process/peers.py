@@ -21,10 +21,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from ..config.policy import Policy
+from ..store.connect import ADMIN_CONNECTIONS, close_client, connect, relearn
 
 __all__ = ["Peers"]
 
@@ -40,6 +40,7 @@ class Peers:
 
     def __init__(self, policy: Policy, on_reload: Callable[[str], Awaitable[dict[str, Any]]]) -> None:
         self.url = policy.store.url
+        self.tls = policy.store.tls
         self.channel = policy.reload.channel
         self.node = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(4).hex()}"
         self._on_reload = on_reload
@@ -55,7 +56,11 @@ class Peers:
         """Subscribe (in the background: a Redis that is down is retried, never fatal)."""
         if not self.enabled:
             return
-        self._redis = Redis.from_url(self.url, socket_connect_timeout=2.0)  # type: ignore[arg-type]
+        assert self.url is not None
+        # The subscription holds one connection of its own (on a Cluster: a node's; a PUBLISH on
+        # any node reaches every node's subscribers); announcing takes one more.
+        self._redis = connect(self.url, self.tls, timeout_s=2.0, max_connections=ADMIN_CONNECTIONS,
+                              name=f"gw-peers-{os.getpid()}")
         self._task = asyncio.create_task(self._listen(), name="peers-listen")
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(2.0):
@@ -67,7 +72,7 @@ class Peers:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         if self._redis is not None:
-            await self._redis.aclose()
+            await close_client(self._redis)
 
     async def announce(self) -> list[dict[str, Any]]:
         """Ask every other replica to reload; their results (those that answered in time)."""
@@ -95,15 +100,20 @@ class Peers:
         while True:
             pubsub = self._redis.pubsub()
             try:
+                # A Cluster's client learns its slots on its first command: before it, it cannot
+                # tell which node a subscription goes to.
+                await self._redis.ping()
                 await pubsub.subscribe(self.channel)
                 self._subscribed.set()
                 async for msg in pubsub.listen():
                     if msg.get("type") == "message":
                         await self._answer(msg["data"])
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a listener that died would miss every reload after
                 self._subscribed.clear()
-                log.warning("reload channel %s: %s; resubscribing in %.0f s", self.channel, exc, _RETRY_S)
+                log.warning("reload channel %s: %s: %s; resubscribing in %.0f s", self.channel, type(exc).__name__, exc, _RETRY_S)
                 await asyncio.sleep(_RETRY_S)
+                with contextlib.suppress(Exception):
+                    await relearn(self._redis)  # a Cluster's failover moved the channel's node
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()

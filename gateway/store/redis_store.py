@@ -1,5 +1,7 @@
-"""The Redis Store: one pooled redis.asyncio client (hiredis parser when installed), every call
-bounded by a few milliseconds, every failure turned into StoreError so callers fail open.
+"""The Redis Store: pooled redis.asyncio clients (hiredis parser when installed) on one Redis, a
+Sentinel master or a Cluster (store/connect.py), every call bounded by a few milliseconds, every
+failure turned into StoreError so callers fail open. Multi-key scripts keep their keys in one
+hash slot (a `{tag}` in each name), so they run on a Cluster too.
 
 Reconnecting needs no supervisor: a dead pooled connection is dropped and the next call opens a
 fresh one. The connect timeout equals the call timeout, so while Redis is down each call fails in
@@ -9,16 +11,16 @@ about `timeout_ms` (a refused connect fails at once) rather than waiting seconds
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Awaitable
 from typing import TypeVar, cast
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
+from ..config.policy import StoreTlsPolicy
 from ..tenants import quota_lua
 from ..tenants.quota_counters import Ask, Decision, Settle, Usage
+from .connect import close_client, connect
 from .core import StoreError
 
 __all__ = ["RedisStore", "bounded"]
@@ -35,12 +37,11 @@ return 0
 
 
 class RedisStore:
-    """A Store on Redis. `url` as redis-py reads it (redis://host:port/db, rediss://, unix://);
-    `prefix` is prepended to every key (a namespace per deployment or per test)."""
+    """A Store on Redis. `url`: a `store.url` (store/target.py: one Redis, Sentinel or Cluster);
+    `tls`: its `store.tls`; `prefix` is prepended to every key (a namespace per deployment or per test)."""
 
     __slots__ = (
-        "_pool", "_redis", "_timeout_s", "prefix", "_qpool", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage",
-        "_delete_if",
+        "_redis", "_timeout_s", "prefix", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage", "_delete_if",
     )  # fmt: skip
     shared = True  # every replica on this Redis sees it
 
@@ -52,20 +53,20 @@ class RedisStore:
         max_connections: int = 64,
         prefix: str = "",
         quota_timeout_ms: float = 250.0,
+        tls: StoreTlsPolicy | None = None,
     ) -> None:
         if timeout_ms <= 0 or quota_timeout_ms <= 0:
             raise ValueError("timeout_ms and quota_timeout_ms must be positive")
         self._timeout_s = timeout_ms / 1000
         self.prefix = prefix
-        self._pool = _pool(url, max_connections, self._timeout_s)
-        self._redis = Redis(connection_pool=self._pool)
+        pid = os.getpid()
+        self._redis = connect(url, tls, timeout_s=self._timeout_s, max_connections=max_connections, name=f"gw-store-{pid}")
         self._delete_if = self._redis.register_script(_DELETE_IF)  # EVALSHA, as the quota scripts below
         # Quotas get their own pool and a longer bound: a cache lookup that is slow is a miss,
         # but a quota decision that gives up falls back to per-replica counters, which are not
         # exact across replicas. A Redis that is down still fails at once (connection refused).
         self._quota_timeout_s = quota_timeout_ms / 1000
-        self._qpool = _pool(url, max_connections, self._quota_timeout_s)
-        self._qredis = Redis(connection_pool=self._qpool)
+        self._qredis = connect(url, tls, timeout_s=self._quota_timeout_s, max_connections=max_connections, name=f"gw-quota-{pid}")
         # EVALSHA, loading the script again after a Redis restart (NOSCRIPT) by itself.
         self._take = self._qredis.register_script(quota_lua.TAKE)
         self._settle = self._qredis.register_script(quota_lua.SETTLE)
@@ -163,23 +164,8 @@ class RedisStore:
             pass
 
     async def close(self) -> None:
-        await self._redis.aclose()
-        await self._pool.aclose()
-        await self._qredis.aclose()
-        await self._qpool.aclose()
-
-
-def _pool(url: str, max_connections: int, t: float) -> BlockingConnectionPool:
-    return BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=t,  # waiting for a free pooled connection counts against the same budget
-        socket_timeout=t,
-        socket_connect_timeout=t,
-        # One immediate retry: after a Redis restart, the first command on each stale pooled
-        # connection fails; the retry on a fresh connection hides that. No backoff: we have ms.
-        retry=Retry(NoBackoff(), 1),
-    )
+        await close_client(self._redis)
+        await close_client(self._qredis)
 
 
 def _s(v: bytes | str) -> str:

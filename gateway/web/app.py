@@ -150,14 +150,14 @@ def _key_store(policy: Policy, worker: WorkerInfo | None) -> KeyStore:
     `serve --workers N`, the supervisor's (shared by the workers: admin/relayed.py)."""
     url = policy.store.url
     if url is not None:
-        return RedisKeyStore(url, prefix=_ADMIN_PREFIX)
+        return RedisKeyStore(url, prefix=_ADMIN_PREFIX, tls=policy.store.tls)
     return MemoryKeyStore() if worker is None else RelayedKeyStore(worker.supervisor_socket)
 
 
 def _log_store(policy: Policy, worker: WorkerInfo | None) -> LogStore:
     url, rp = policy.store.url, policy.request_log
     if url is not None:
-        return RedisLogStore(url, rp.size, prefix=_ADMIN_PREFIX)
+        return RedisLogStore(url, rp.size, prefix=_ADMIN_PREFIX, tls=policy.store.tls)
     return MemoryLogStore(rp.size, rp.memory_max_bytes) if worker is None else RelayedLogStore(worker.supervisor_socket, rp.size)
 
 

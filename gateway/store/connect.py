@@ -1,0 +1,152 @@
+"""Every Redis client of the gateway is made here, from the policy's `store` section: one Redis
+(`redis://`, `rediss://`, `unix://`), a master found through Sentinel (`redis+sentinel://`), or a
+Cluster (`redis+cluster://`); TLS from the URL's scheme (`rediss...`) and `store.tls`.
+
+Each client has a bounded pool (`max_connections`) that callers wait on, within their own
+timeout, instead of opening more: a single Redis through redis-py's BlockingConnectionPool, a
+Sentinel master and a Cluster (whose pools refuse rather than wait) through a semaphore in front
+of their commands. So a process holds at most the sum of its clients' bounds, whatever the load
+(docs/operations.md, "Connection budget").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.backoff import NoBackoff
+
+from ..config.policy import StorePolicy, StoreTlsPolicy
+from .target import Topology, parse_target
+
+__all__ = ["connect", "close_client", "relearn", "budget", "ADMIN_CONNECTIONS"]
+
+
+def connect(
+    url: str, tls: StoreTlsPolicy | None, *, timeout_s: float, max_connections: int, name: str, retries: int = 1
+) -> Any:
+    """A redis.asyncio client of the store at `url` (a `store.url`; `tls`: its `store.tls`): every
+    command bounded by `timeout_s` (socket, connect, and the wait for a pooled connection), at
+    most `max_connections` connections (per node), each named `name` on the server (CLIENT LIST
+    shows whose they are)."""
+    target = parse_target(url)
+    common: dict[str, Any] = {
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "client_name": name,
+        **_tls(target.tls, tls),
+    }
+    if target.topology is Topology.SINGLE:
+        pool = BlockingConnectionPool.from_url(
+            target.url,
+            max_connections=max_connections,
+            timeout=timeout_s,  # waiting for a free pooled connection counts against the same budget
+            # One immediate retry: after a Redis restart, the first command on each stale pooled
+            # connection fails; the retry on a fresh connection hides that. No backoff: we have ms.
+            retry=Retry(NoBackoff(), retries),
+            **common,
+        )
+        return Redis(connection_pool=pool)
+    auth = {"username": target.username, "password": target.password}
+    if target.tls:
+        common["ssl"] = True  # their clients take no scheme: TLS is a flag
+    if target.topology is Topology.SENTINEL:
+        # Asking the sentinels where the master is happens once per new connection: give it a
+        # few hundred ms even when the calls have ten (the calls' own timeout still bounds them).
+        t = max(timeout_s, 0.25)
+        asking = {**common, "socket_timeout": t, "socket_connect_timeout": t}
+        del asking["client_name"]
+        sentinel = Sentinel(list(target.hosts), sentinel_kwargs=asking)  # type: ignore[no-untyped-call]
+        spool = SentinelConnectionPool(  # type: ignore[no-untyped-call]
+            target.service,
+            sentinel,
+            is_master=True,
+            max_connections=max_connections,
+            db=target.db,
+            retry=Retry(NoBackoff(), retries),
+            **auth,
+            **common,
+        )
+        return _GatedRedis(connection_pool=spool, gate=max_connections)
+    return _GatedCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in target.hosts],
+        max_connections=max_connections,  # per node; the gate keeps the sum at this too
+        gate=max_connections,
+        # A node that is down fails the command at once; the client re-reads the topology on
+        # the next one, so a promoted replica is found without us (and without a restart).
+        retry=Retry(NoBackoff(), retries),
+        **auth,
+        **common,
+    )
+
+
+async def close_client(client: Any) -> None:
+    """Close a client of connect() and every connection of its pool."""
+    await client.aclose()
+    pool = getattr(client, "connection_pool", None)
+    if pool is not None:  # a Cluster's client closes its nodes' pools itself
+        await pool.aclose()
+
+
+async def relearn(client: Any) -> None:
+    """Have a Cluster's client read the slots' masters again now (its commands do it by themselves
+    after errors; a pub/sub subscription, which is not a command, does not)."""
+    if isinstance(client, RedisCluster):
+        await client.nodes_manager.initialize()
+
+
+def budget(sp: StorePolicy, *, admin: bool, peers: bool) -> int:
+    """The most connections one gateway process opens to each Redis node of `sp`: the cache and
+    quota pools, the Responses records' pool, and the admin plane's and reload channel's few."""
+    n = 3 * sp.max_connections  # cache, quota, response records (runtime.open_store)
+    if admin:
+        n += 2 * ADMIN_CONNECTIONS  # keys, request log
+    if peers:
+        n += ADMIN_CONNECTIONS + 1  # publish and read answers, and the subscription
+    return n
+
+
+ADMIN_CONNECTIONS = 2  # the pool of each admin-plane client (keys, request log, reload channel)
+
+
+class _Gate:
+    """Mixin: at most `gate` commands in flight through this client; the rest wait their turn
+    (within the caller's timeout) rather than have the pool refuse them."""
+
+    _gate: asyncio.Semaphore
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        async with self._gate:
+            return await super().execute_command(*args, **options)  # type: ignore[misc]
+
+
+class _GatedRedis(_Gate, Redis):  # type: ignore[misc]  # redis-py's own bases disagree
+    def __init__(self, *args: Any, gate: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate = asyncio.Semaphore(gate)
+
+
+class _GatedCluster(_Gate, RedisCluster):  # type: ignore[misc]
+    def __init__(self, *args: Any, gate: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._gate = asyncio.Semaphore(gate)
+
+
+def _tls(on: bool, tls: StoreTlsPolicy | None) -> dict[str, Any]:
+    if not on:
+        return {}
+    if tls is None:
+        return {}  # the system's CAs, hostname checked (redis-py's defaults)
+    out: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": tls.check_hostname}
+    if tls.ca_file:
+        out["ssl_ca_certs"] = os.path.expanduser(tls.ca_file)
+    if tls.cert_file:
+        out["ssl_certfile"] = os.path.expanduser(tls.cert_file)
+    if tls.key_file:
+        out["ssl_keyfile"] = os.path.expanduser(tls.key_file)
+    return out

@@ -1,0 +1,94 @@
+"""What a `store.url` names: one Redis, a master behind Sentinel, or a Cluster. Parsed here (no
+redis import), so the policy checks a URL when it is loaded and the clients are built from the
+same reading (store/connect.py)."""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from urllib.parse import parse_qs, unquote
+
+__all__ = ["Topology", "Target", "parse_target"]
+
+
+class Topology(enum.Enum):
+    SINGLE = "single"
+    SENTINEL = "sentinel"
+    CLUSTER = "cluster"
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a store URL points. `hosts` are the sentinels or the cluster's seed nodes."""
+
+    topology: Topology
+    url: str
+    tls: bool
+    hosts: tuple[tuple[str, int], ...] = ()
+    service: str = ""
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+
+
+_MULTI = re.compile(r"^(redis|rediss)\+(sentinel|cluster)://(?:(?P<auth>[^@/]*)@)?(?P<hosts>[^/?#]+)(?P<path>/[^?#]*)?(?:\?(?P<query>[^#]*))?$")
+_DEFAULT_PORT = {Topology.SENTINEL: 26379, Topology.CLUSTER: 6379}
+
+
+def parse_target(url: str) -> Target:
+    """The topology a store URL names; ValueError saying what is wrong with it.
+
+    `redis+sentinel://[user:password@]host:port,host:port/service[/db]` (the password is the
+    master's; sentinels are asked without one), `redis+cluster://[user:password@]host:port,...`
+    (seed nodes: the client learns the others), and `rediss+...` for TLS to every node."""
+    if re.match(r"^(redis|rediss|unix)://", url):
+        return Target(Topology.SINGLE, url, tls=url.startswith("rediss://"))
+    m = _MULTI.match(url)
+    if m is None:
+        raise ValueError(
+            f"must be a redis://, rediss://, unix://, redis+sentinel://host:port,.../service or "
+            f"redis+cluster://host:port,... URL (rediss+ for TLS), got {_hide(url)!r}"
+        )
+    topology = Topology.SENTINEL if m.group(2) == "sentinel" else Topology.CLUSTER
+    username = password = None
+    if m.group("auth"):
+        user, _, pw = m.group("auth").partition(":")
+        username, password = unquote(user) or None, unquote(pw) or None
+    hosts = tuple(_host(h, _DEFAULT_PORT[topology], url) for h in m.group("hosts").split(","))
+    parts = [p for p in (m.group("path") or "").split("/") if p]
+    service, db = "", 0
+    if topology is Topology.SENTINEL:
+        if not parts or len(parts) > 2:
+            raise ValueError(f"a Sentinel URL names its service after the hosts (…/mymaster or …/mymaster/0), got {_hide(url)!r}")
+        service = unquote(parts[0])
+        if len(parts) == 2:
+            db = _int(parts[1], "database", url)
+    elif parts:
+        raise ValueError(f"a Cluster URL has no path (a cluster has one database), got {_hide(url)!r}")
+    if m.group("query"):
+        raise ValueError(f"options of {m.group(1)}+{m.group(2)}:// go in the policy's `store` section, not the URL: {sorted(parse_qs(m.group('query')))}")
+    return Target(topology, url, m.group(1) == "rediss", hosts, service, db, username, password)
+
+
+def _host(text: str, default_port: int, url: str) -> tuple[str, int]:
+    host, sep, port = text.strip().rpartition(":")
+    if not sep:
+        host, port = text.strip(), str(default_port)
+    if not host:
+        raise ValueError(f"empty host in {_hide(url)!r}")
+    return host.strip("[]"), _int(port, "port", url)
+
+
+def _int(text: str, what: str, url: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise ValueError(f"{what} {text!r} is not a number in {_hide(url)!r}") from None
+    if v < 0:
+        raise ValueError(f"{what} {text!r} is negative in {_hide(url)!r}")
+    return v
+
+
+def _hide(url: str) -> str:
+    return re.sub(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", r"\1<redacted>@", url, flags=re.I)

@@ -1,0 +1,215 @@
+"""The store past one Redis: URLs of every kind, every Redis client of the gateway on a real
+Cluster (3 masters, 3 replicas) and behind real Sentinels, and pools that stay within their bound
+while Redis is slow. Real redis-server processes on loopback (tests/redis_topology.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import redis
+
+from gateway.admin.key_ops import Add, Revoke
+from gateway.admin.key_store import RedisKeyStore
+from gateway.admin.log_store import Filter, RedisLogStore
+from gateway.config.policy import PolicyError, StorePolicy, parse_policy
+from gateway.process.peers import Peers
+from gateway.store.connect import budget
+from gateway.store.core import StoreError
+from gateway.store.redis_store import RedisStore
+from gateway.store.target import Topology, parse_target
+from gateway.tenants.quota_counters import Ask, Scope, Settle
+from tests.procs import redis_server
+from tests.redis_topology import redis_cluster, redis_sentinel
+
+# ------------------------------------------------------------------------------------------- URLs
+
+
+def test_each_kind_of_url_is_read_with_its_hosts_service_and_credentials():
+    t = parse_target("redis+sentinel://:s3cret@10.0.0.1:26379,10.0.0.2,[::1]:5000/mymaster/2")
+    assert (t.topology, t.hosts, t.service, t.db, t.password, t.tls) == (
+        Topology.SENTINEL, (("10.0.0.1", 26379), ("10.0.0.2", 26379), ("::1", 5000)), "mymaster", 2, "s3cret", False,
+    )  # fmt: skip
+    t = parse_target("rediss+cluster://app:pw@n1:7000,n2:7001")
+    assert (t.topology, t.hosts, t.username, t.password, t.tls) == (Topology.CLUSTER, (("n1", 7000), ("n2", 7001)), "app", "pw", True)
+    for url in ("redis://h:1/0", "rediss://h", "unix:///tmp/r.sock"):
+        assert parse_target(url).topology is Topology.SINGLE
+    assert parse_target("rediss://h").tls and not parse_target("redis://h").tls
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://h:6379", "must be a redis://"),
+        ("redis+sentinel://h:26379", "names its service"),
+        ("redis+sentinel://h:26379/a/b/c", "names its service"),
+        ("redis+cluster://h:7000/0", "has no path"),
+        ("redis+cluster://h:x", "port 'x' is not a number"),
+        ("redis+cluster://h:7000?timeout=1", "go in the policy's `store` section"),
+        ("redis+cluster://:pw@h:x", "<redacted>@"),  # a password is never repeated in an error
+    ],
+)
+def test_a_bad_store_url_is_refused_at_load_with_what_is_wrong(url, says):
+    with pytest.raises(PolicyError) as err:
+        parse_policy(f"version: 1\nstore:\n  url: '{url}'\n")
+    assert says in str(err.value)
+    assert "pw@" not in str(err.value).split("input_value")[0]
+
+
+def test_tls_options_need_a_tls_url_and_a_certificate_needs_its_key():
+    assert StorePolicy(url="rediss+cluster://h:1", tls={"ca_file": "/ca.pem"}).tls is not None
+    with pytest.raises(ValueError, match="applies to a rediss://"):
+        StorePolicy(url="redis://h:1", tls={"ca_file": "/ca.pem"})
+    with pytest.raises(ValueError, match="go together"):
+        StorePolicy(url="rediss://h:1", tls={"cert_file": "/c.pem"})
+
+
+def test_the_budget_counts_every_pool_of_a_process():
+    sp = StorePolicy(url="redis://h:1", max_connections=10)
+    assert budget(sp, admin=False, peers=False) == 30
+    assert budget(sp, admin=True, peers=True) == 30 + 4 + 3
+
+
+# ------------------------------------------------------------------- every client on a topology
+
+
+async def _exercise(url: str) -> None:
+    """Every Redis client of the gateway, on the store at `url`: the Store (cache entries across
+    slots, locks, quotas with two scopes), the keys, the request log, and the reload channel."""
+    prefix = f"t{secrets.token_hex(3)}:"
+    store = RedisStore(url, timeout_ms=500, quota_timeout_ms=500, max_connections=4, prefix=prefix)
+    keys = RedisKeyStore(url, prefix=prefix)
+    log = RedisLogStore(url, 100, prefix=prefix)
+    try:
+        for i in range(40):  # 40 keys land on every master of a cluster
+            await store.set(f"k{i}", b"v%d" % i, 30)
+        assert [await store.get(f"k{i}") for i in range(40)] == [b"v%d" % i for i in range(40)]
+        await store.delete("k0")
+        assert await store.get("k0") is None
+        assert await store.add("lock", b"me", 5) and not await store.add("lock", b"you", 5)
+        assert not await store.delete_if("lock", b"you") and await store.delete_if("lock", b"me")
+
+        ask = Ask((Scope("", rpm=3), Scope("m", rpm=10)), tokens=5, lease="l1", lease_ttl_ms=5000)
+        decisions = [await store.quota_take("acme", ask) for _ in range(4)]
+        assert [d.ok for d in decisions] == [True, True, True, False] and decisions[3].limit == "rpm"
+        d = decisions[0]
+        await store.quota_settle("acme", Settle(("", "m"), d.bucket, d.day, token_delta=2, spend_micro=7, lease="l1"))
+        usage = await store.quota_usage("acme", "m")
+        assert (usage.window_requests, usage.window_tokens) == (3, 17)
+
+        now = time.time()
+        await keys.change(Add({"id": "k1", "tenant": "acme", "name": "ci", "digests": {"d": None}}, now, 60, 100))
+        version, records = await keys.records()
+        assert version == 1 and set(records) == {"k1"}
+        await keys.touch({"k1": now})
+        assert await keys.last_used() == {"k1": now}
+        await keys.change(Revoke("k1", now))
+        version, records = await keys.records()
+        assert version == 2 and records["k1"]["revoked"]
+
+        await log.append([(1000 + i, "acme" if i % 2 else "beta", b'{"id":"r%d","tenant":"%s"}' % (i, b"acme" if i % 2 else b"beta"))
+                          for i in range(10)])  # fmt: skip
+        page = await log.page(Filter(tenant="acme"), 3, None)
+        assert [e["id"] for e in page.entries] == ["r9", "r7", "r5"]
+        assert len((await log.page(Filter(), 100, None)).entries) == 10
+    finally:
+        await store.close()
+        await keys.close()
+        await log.close()
+    await _reload_announced(url)
+
+
+async def _reload_announced(url: str) -> None:
+    """Two replicas' reload channels on `url`: an announcement by one is answered by the other."""
+    policy = parse_policy(f"version: 1\nbackends: {{b: {{url: 'http://127.0.0.1:9', models: [m]}}}}\n"
+                          f"store:\n  url: '{url}'\nreload:\n  channel: ch-{secrets.token_hex(3)}\n")
+    heard: list[str] = []
+
+    async def on_reload(why: str) -> dict[str, Any]:
+        heard.append(why)
+        return {"ok": True, "policy_generation": 2}
+
+    a, b = Peers(policy, on_reload), Peers(policy, on_reload)
+    await a.start()
+    await b.start()
+    try:
+        answers = await a.announce()
+        assert answers == [{"node": b.node, "ok": True, "policy_generation": 2}]
+        assert heard == [f"announced by {a.node}"]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_every_client_works_on_a_cluster():
+    async with redis_cluster() as cluster:
+        await _exercise(cluster.url)
+
+
+async def test_every_client_works_behind_sentinels():
+    async with redis_sentinel() as sentinels:
+        await _exercise(sentinels.url)
+
+
+# ----------------------------------------------------------------------------- the pool's bound
+
+
+@asynccontextmanager
+async def _topology(kind: str) -> AsyncIterator[tuple[str, list[int]]]:
+    """The URL of a fresh store of `kind` and the ports of its data nodes (the masters)."""
+    if kind == "single":
+        async with redis_server() as url:
+            yield url, [int(url.rsplit(":", 1)[1].split("/")[0])]
+    elif kind == "sentinel":
+        async with redis_sentinel() as s:
+            yield s.url, [s.master_port()]
+    else:
+        async with redis_cluster() as c:
+            yield c.url, [p for _, p in c.seeds]
+
+
+def _ours(port: int, name: str) -> int:
+    with redis.Redis(port=port) as r:
+        return sum(1 for c in r.client_list() if c.get("name") == name)
+
+
+@pytest.mark.parametrize("kind", ["single", "sentinel", "cluster"])
+async def test_a_slow_redis_makes_callers_wait_and_time_out_within_the_pools_bound(kind):
+    async with _topology(kind) as (url, ports):
+        store = RedisStore(url, timeout_ms=150, max_connections=3)
+        name = f"gw-store-{os.getpid()}"
+        try:
+            await store.set("warm", b"1", 10)
+            # Every master stops answering clients for a second (CLIENT PAUSE), and a 10x burst of
+            # callers arrives: each one gives up within its timeout, none opens a connection
+            # past the bound.
+            for p in ports:
+                with redis.Redis(port=p) as r:
+                    r.execute_command("CLIENT", "PAUSE", 1000, "ALL")
+            paused = time.monotonic()
+            t0 = time.monotonic()
+            results = await asyncio.gather(*(store.get(f"k{i}") for i in range(30)), return_exceptions=True)
+            took = time.monotonic() - t0
+            assert all(isinstance(r, StoreError) for r in results), results
+            assert took < 0.6, f"callers waited {took:.2f} s for a 150 ms timeout"
+            await asyncio.sleep(max(0.0, 1.1 - (time.monotonic() - paused)))
+            assert all(_ours(p, name) <= 3 for p in ports), [_ours(p, name) for p in ports]
+            # Afterwards the same pool answers again.
+            async with asyncio.timeout(5):
+                while True:
+                    with contextlib.suppress(StoreError):
+                        if await store.get("warm") == b"1":
+                            break
+                    await asyncio.sleep(0.05)
+            await asyncio.gather(*(store.get(f"k{i}") for i in range(30)))
+            assert all(_ours(p, name) <= 3 for p in ports)
+        finally:
+            await store.close()
+
