@@ -63,6 +63,7 @@ class ResponsesFake:
             "id": rid, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
             "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "error": None,
             "previous_response_id": body.get("previous_response_id"), "background": bool(body.get("background")),
+            "store": body.get("store") is not False,  # as OpenAI's: whether it is kept for follow-ups
             "usage": None if status != "completed" else {
                 "input_tokens": size // 4, "output_tokens": n, "total_tokens": size // 4 + n,
                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0},

@@ -538,7 +538,7 @@ class BrokenStore:
             raise StoreError("redis get: timed out")
         return await self.inner.get(key)
 
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def set(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> None:
         if self.down:
             raise StoreError("redis set: ConnectionError: refused")
         await self.inner.set(key, value, ttl_s)

@@ -75,7 +75,7 @@ class Delayed:
         await self._wait("get", key)
         return await self.inner.get(key)
 
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def set(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> None:
         await self._wait("set", key)
         await self.inner.set(key, value, ttl_s)
 
@@ -83,7 +83,7 @@ class Delayed:
         await self._wait("delete", key)
         await self.inner.delete(key)
 
-    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+    async def add(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> bool:
         await self._wait("add", key)
         return await self.inner.add(key, value, ttl_s)
 

@@ -171,11 +171,11 @@ class _Down(MemoryStore):
         self.calls += 1
         raise StoreError("down")
 
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def set(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> None:
         self.calls += 1
         raise StoreError("down")
 
-    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+    async def add(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> bool:
         self.calls += 1
         raise StoreError("down")
 
@@ -206,7 +206,7 @@ async def test_a_slow_record_write_gets_its_own_timeout_and_a_retry_that_finds_i
 
         hung = False
 
-        async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+        async def add(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> bool:
             stored = await super().add(key, value, ttl_s)
             if not self.hung:
                 self.hung = True

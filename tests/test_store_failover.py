@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import openai
+import pytest
 
 from tests.conftest import RunningGateway, simple_policy
+from tests.procs import redis_server
 from tests.redis_topology import redis_cluster, redis_sentinel
 
 KEY = "sk-" + secrets.token_urlsafe(24)
@@ -95,7 +98,8 @@ async def _chaos(
             "store": {"url": redis_set.url, "timeout_ms": 100, "quota_timeout_ms": 250},
             "cache": {"ttl_s": 600},
             "tenants": {"t": {"key_sha256": [hashlib.sha256(KEY.encode()).hexdigest()], "quota": {"rpm": 1_000_000}}},
-            "responses": {"record_timeout_ms": 1000, "record_attempts": 6},
+            # Each id is on a replica before its answer is released: the failover cannot lose it.
+            "responses": {"record_timeout_ms": 1000, "record_attempts": 6, "record_replicas": 1},
             "reload": {"watch": False, "channel": None},
         }
         gws = [await gateway(policy, name=f"policy-{i}.yaml") for i in range(2)]
@@ -149,3 +153,22 @@ async def test_a_sentinel_master_killed_under_load_loses_no_request_and_nothing_
 
 
 
+
+
+async def test_with_record_replicas_and_no_replica_attached_a_stateful_answer_is_not_released(upstream: Any, gateway: Any) -> None:
+    up = await upstream("up", tokens=4)
+    async with redis_server() as url:  # a master alone: nothing can acknowledge a write
+        policy = simple_policy(up) | {
+            "store": {"url": url},
+            "responses": {"record_timeout_ms": 300, "record_attempts": 2, "record_replicas": 1},
+            "reload": {"watch": False, "channel": None},
+        }
+        gw = await gateway(policy)
+        client = gw.client()
+        with pytest.raises(openai.APIStatusError) as err:
+            await client.responses.create(model="gpt-test", input="remember", store=True)
+        assert err.value.status_code == 503 and err.value.response.headers.get("retry-after")
+        assert err.value.body["code"] == "response_record_failed"  # type: ignore[index]
+        # An answer nobody can follow up needs no record: it is answered.
+        done = await client.responses.create(model="gpt-test", input="forget", store=False)
+        assert done.status == "completed"

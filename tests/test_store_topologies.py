@@ -213,3 +213,35 @@ async def test_a_slow_redis_makes_callers_wait_and_time_out_within_the_pools_bou
         finally:
             await store.close()
 
+
+
+# ------------------------------------------------------------------- writes replicas acknowledge
+
+
+@pytest.mark.parametrize("kind", ["sentinel", "cluster"])
+async def test_a_write_can_wait_for_its_replicas_and_fails_when_too_few_hold_it(kind):
+    async with _topology(kind) as (url, _ports):
+        store = RedisStore(url, timeout_ms=300, max_connections=4)
+        try:
+            for i in range(12):  # keys on every master of a cluster
+                assert await store.add(f"r{i}", b"x", 30, replicas=1)
+                await store.set(f"r{i}", b"y", 30, replicas=1)
+            assert not await store.add("r0", b"z", 30, replicas=1)  # NX: taken, and nothing waited for
+            t0 = time.monotonic()
+            with pytest.raises(StoreError, match="1 of 2 replica"):
+                await store.set("r1", b"z", 30, replicas=2)  # each master has one replica
+            assert time.monotonic() - t0 < 0.5
+            assert await store.get("r1") == b"z"  # it stands on the master (and its one replica)
+        finally:
+            await store.close()
+
+
+async def test_on_a_redis_without_replicas_a_write_that_asks_for_one_fails():
+    async with redis_server() as url:
+        store = RedisStore(url, timeout_ms=200, max_connections=2)
+        try:
+            with pytest.raises(StoreError, match="0 of 1 replica"):
+                await store.add("k", b"v", 10, replicas=1)
+            await store.set("k2", b"v", 10)  # without: the master's word
+        finally:
+            await store.close()

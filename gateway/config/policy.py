@@ -630,6 +630,11 @@ class ResponsesPolicy(_Section):
     # nobody owns); after record_attempts tries the answer is not released (503).
     record_timeout_ms: float = Field(250.0, gt=0)
     record_attempts: int = Field(3, ge=1, le=10)
+    # On Sentinel or a Cluster: a record counts as written once this many replicas hold it too
+    # (Redis WAIT), so a failover cannot lose an id a client was given. While fewer replicas than
+    # this are attached, stateful answers get 503 + Retry-After (docs/operations.md). 0: the
+    # master's word (replication is asynchronous: a failover may lose the last records).
+    record_replicas: int = Field(0, ge=0, le=5)
     # The migration mode: an id the gateway has no record of is searched for on the backends and
     # recorded as the first asking tenant's. Off: such ids are 404s, never adopted.
     adopt_unknown_ids: bool = False

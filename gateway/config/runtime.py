@@ -436,7 +436,7 @@ def build_runtime(
 def _affinity(policy: Policy, store: Store, on_event: Callable[[str, str], None] | None) -> Affinity:
     rp = policy.responses
     return Affinity(store, rp.affinity_ttl_s, on_event, timeout_s=rp.record_timeout_ms / 1000,
-                    attempts=rp.record_attempts, adopt_unknown=rp.adopt_unknown_ids)
+                    attempts=rp.record_attempts, adopt_unknown=rp.adopt_unknown_ids, replicas=rp.record_replicas)
 
 
 def open_store(sp: StorePolicy) -> Store:

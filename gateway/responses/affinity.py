@@ -10,7 +10,9 @@ Each record names its owner (the tenant's cache namespace), and ownership fails 
   unless the policy's migration mode (`responses.adopt_unknown_ids`) is on;
 - a record is never overwritten by another owner (`OwnerConflict`, a 409; the record stays);
 - the write that makes an answer followable has its own timeout and retries
-  (`responses.record_timeout_ms`, `responses.record_attempts`), not the cache's few milliseconds;
+  (`responses.record_timeout_ms`, `responses.record_attempts`), not the cache's few milliseconds,
+  and, with `responses.record_replicas`, counts only once that many Redis replicas hold it (so a
+  master's failover cannot lose it);
   when it still fails the answer is not released (`RecordFailed`, a 503), so no id goes out that
   another tenant could later claim;
 - a lookup the store cannot answer is a 503 (`MapUnavailable`), not a miss.
@@ -87,7 +89,7 @@ class Affinity:
     each gets; `adopt_unknown` is the migration mode (ids without a record may be searched for
     and recorded as the first asker's)."""
 
-    __slots__ = ("store", "ttl_s", "timeout_s", "attempts", "adopt_unknown", "_on_event", "_last_warn")
+    __slots__ = ("store", "ttl_s", "timeout_s", "attempts", "adopt_unknown", "replicas", "_on_event", "_last_warn")
 
     def __init__(
         self,
@@ -98,6 +100,7 @@ class Affinity:
         timeout_s: float = 0.25,
         attempts: int = 3,
         adopt_unknown: bool = False,
+        replicas: int = 0,
     ) -> None:
         if timeout_s <= 0 or attempts < 1:
             raise ValueError("timeout_s must be positive and attempts at least 1")
@@ -106,6 +109,7 @@ class Affinity:
         self.timeout_s = timeout_s
         self.attempts = attempts
         self.adopt_unknown = adopt_unknown
+        self.replicas = replicas
         self._on_event = on_event
         self._last_warn = -_WARN_EVERY_S
 
@@ -141,7 +145,7 @@ class Affinity:
     async def _claim(self, rid: str, value: bytes, owner: str) -> None:
         key = _PREFIX + rid
         for _ in range(3):
-            if await self.store.add(key, value, self.ttl_s):
+            if await self.store.add(key, value, self.ttl_s, replicas=self.replicas):
                 return
             raw = await self.store.get(key)
             if raw is None:
@@ -149,7 +153,9 @@ class Affinity:
             if _holder(raw).owner != owner:
                 raise OwnerConflict("this answer names a response or conversation that belongs to another owner; "
                                     "it is not released")
-            await self.store.set(key, value, self.ttl_s)  # ours: a conversation in use stays known
+            # ours: a conversation in use stays known (and a write whose replicas did not all
+            # acknowledge it in an earlier try is acknowledged now)
+            await self.store.set(key, value, self.ttl_s, replicas=self.replicas)
             return
         raise StoreError(f"the record of {rid!r} kept disappearing while it was written")
 

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.exceptions import SlotNotCoveredError
 
 from ..config.policy import StorePolicy, StoreTlsPolicy
 from .target import Topology, parse_target
 
-__all__ = ["connect", "close_client", "relearn", "budget", "ADMIN_CONNECTIONS"]
+__all__ = ["connect", "close_client", "relearn", "write_acked", "budget", "ADMIN_CONNECTIONS"]
 
 
 def connect(
@@ -98,6 +99,31 @@ async def relearn(client: Any) -> None:
     after errors; a pub/sub subscription, which is not a command, does not)."""
     if isinstance(client, RedisCluster):
         await client.nodes_manager.initialize()
+
+
+async def write_acked(client: Any, command: tuple[Any, ...], replicas: int, wait_ms: int) -> tuple[Any, int]:
+    """Send `command` (a write of the key `command[1]`) and WAIT for `replicas` replicas on one
+    connection (WAIT counts the writes of its own connection); its reply and how many replicas
+    acknowledged it within `wait_ms`."""
+    if not isinstance(client, RedisCluster):
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.execute_command(*command)
+            pipe.execute_command("WAIT", replicas, wait_ms)
+            got, acks = await pipe.execute()
+        return got, int(acks)
+    # A Cluster's client sends WAIT to every node (and sums the answers): the pair goes to the
+    # key's master on one of its connections, as the client's own pipelines do.
+    await client.initialize()  # a no-op once the slots are known
+    node = client.get_node_from_key(command[1])
+    if node is None:
+        raise SlotNotCoveredError(f"no master serves the slot of {command[1]!r}")
+    pair = [PipelineCommand(0, *command), PipelineCommand(1, "WAIT", replicas, wait_ms)]
+    await node.execute_pipeline(pair)
+    for c in pair:
+        if isinstance(c.result, Exception):
+            await relearn(client)  # MOVED after a failover: the next try goes to the new master
+            raise c.result
+    return pair[0].result, int(cast("int", pair[1].result))
 
 
 def budget(sp: StorePolicy, *, admin: bool, peers: bool) -> int:

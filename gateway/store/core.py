@@ -32,17 +32,19 @@ class Store(Protocol):
         """The value under `key`, or None when absent or expired."""
         ...
 
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        """Store `value` under `key` for `ttl_s` seconds (replacing any previous value)."""
+    async def set(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> None:
+        """Store `value` under `key` for `ttl_s` seconds (replacing any previous value). With
+        `replicas`, only once that many replicas hold it too (StoreError when fewer acknowledged
+        in time: the write may stand on the master alone); a store without replicas ignores it."""
         ...
 
     async def delete(self, key: str) -> None:
         """Remove `key`; absent keys are fine."""
         ...
 
-    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+    async def add(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> bool:
         """Store `value` under `key` only when no live value is there; True when it was stored
-        (a short lock: cache/shared_flight.py)."""
+        (a short lock: cache/shared_flight.py). `replicas` as for set."""
         ...
 
     async def delete_if(self, key: str, value: bytes) -> bool:
@@ -122,7 +124,7 @@ class MemoryStore:
         self._items.move_to_end(key)
         return item[0]
 
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def set(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> None:
         if key in self._items:
             self._drop(key)
         size = len(key) + len(value)
@@ -137,7 +139,7 @@ class MemoryStore:
         if key in self._items:
             self._drop(key)
 
-    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+    async def add(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> bool:
         if await self.get(key) is not None:
             return False
         await self.set(key, value, ttl_s)

@@ -13,14 +13,14 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Awaitable
-from typing import TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from redis.exceptions import RedisError
 
 from ..config.policy import StoreTlsPolicy
 from ..tenants import quota_lua
 from ..tenants.quota_counters import Ask, Decision, Settle, Usage
-from .connect import close_client, connect
+from .connect import close_client, connect, write_acked
 from .core import StoreError
 
 __all__ = ["RedisStore", "bounded"]
@@ -80,22 +80,38 @@ class RedisStore:
         except (RedisError, OSError, TimeoutError) as exc:
             raise _error("get", exc) from None
 
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+    async def set(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> None:
         try:
             async with asyncio.timeout(self._timeout_s):
                 if ttl_s <= 0:
                     await self._redis.delete(self.prefix + key)
+                elif replicas:
+                    await self._acked(replicas, "SET", self.prefix + key, value, "PX", max(1, round(ttl_s * 1000)))
                 else:
                     await self._redis.set(self.prefix + key, value, px=max(1, round(ttl_s * 1000)))
         except (RedisError, OSError, TimeoutError) as exc:
             raise _error("set", exc) from None
 
-    async def add(self, key: str, value: bytes, ttl_s: float) -> bool:
+    async def add(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> bool:
         try:
             async with asyncio.timeout(self._timeout_s):
+                if replicas:
+                    args = ("SET", self.prefix + key, value, "PX", max(1, round(ttl_s * 1000)), "NX")
+                    return bool(await self._acked(replicas, *args))
                 return bool(await self._redis.set(self.prefix + key, value, px=max(1, round(ttl_s * 1000)), nx=True))
         except (RedisError, OSError, TimeoutError) as exc:
             raise _error("add", exc) from None
+
+    async def _acked(self, replicas: int, *command: Any) -> Any:
+        """`command` (a write of one key), then WAIT for `replicas` replicas on the same connection;
+        StoreError when fewer acknowledged it before the call's timeout."""
+        # WAIT answers with its count at its own timeout, which must come before ours (that would
+        # lose the count); Redis sees a blocked client's timeout up to 100 ms late (hz 10).
+        t_ms = self._timeout_s * 1000
+        got, acks = await write_acked(self._redis, command, replicas, max(1, round(min(t_ms / 2, t_ms - 120))))
+        if acks < replicas:
+            raise StoreError(f"redis: {acks} of {replicas} replica(s) acknowledged the write in time")
+        return got
 
     async def delete(self, key: str) -> None:
         try:
