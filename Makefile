@@ -19,7 +19,7 @@ WORKERS ?= 1
 # pip's own progress (Collecting / Downloading / Installing lines, bars on a terminal), not -q.
 PIPI   := $(PIP) install --progress-bar on
 
-.PHONY: install browser run test test-fast typecheck bench check clean
+.PHONY: install browser redis run test test-fast typecheck bench check clean
 
 $(STAMP): pyproject.toml Makefile
 	@echo "==> [1/5] virtual environment in $(VENV)"
@@ -52,8 +52,19 @@ browser:
 		echo "==> no /usr/bin/chromium, and apt-get is not usable as root here: the browser tests will skip"; \
 	fi
 
+# redis-server, redis-cli (for the Cluster and Sentinel tests: tests/redis_topology.py) and openssl
+# (the TLS test's certificates), Debian's packages, installed the same way when one is missing.
+redis:
+	@if command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v openssl >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "==> redis-server, redis-cli and openssl (Debian's) for the store tests"; \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server redis-tools openssl; \
+	else \
+		echo "==> redis-server, redis-cli or openssl is missing, and apt-get is not usable as root here: those tests will skip"; \
+	fi
+
 # The suite, after the type check: a type error fails `make test` (and CI) before any test runs.
-test: $(STAMP) typecheck browser
+test: $(STAMP) typecheck browser redis
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP)

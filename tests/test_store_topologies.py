@@ -8,25 +8,30 @@ import asyncio
 import contextlib
 import os
 import secrets
+import shutil
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import redis
 
 from gateway.admin.key_ops import Add, Revoke
 from gateway.admin.key_store import RedisKeyStore
 from gateway.admin.log_store import Filter, RedisLogStore
-from gateway.config.policy import PolicyError, StorePolicy, parse_policy
+from gateway.config.policy import PolicyError, StorePolicy, StoreTlsPolicy, parse_policy
 from gateway.process.peers import Peers
 from gateway.store.connect import budget
 from gateway.store.core import StoreError
 from gateway.store.redis_store import RedisStore
 from gateway.store.target import Topology, parse_target
 from gateway.tenants.quota_counters import Ask, Scope, Settle
-from tests.procs import redis_server
+from tests.conftest import simple_policy
+from tests.procs import free_port, needs_redis_server, redis_server, serve
 from tests.redis_topology import redis_cluster, redis_sentinel
 
 # ------------------------------------------------------------------------------------------- URLs
@@ -71,10 +76,23 @@ def test_tls_options_need_a_tls_url_and_a_certificate_needs_its_key():
         StorePolicy(url="rediss://h:1", tls={"cert_file": "/c.pem"})
 
 
-def test_the_budget_counts_every_pool_of_a_process():
+def test_the_budget_counts_every_pool_of_every_process_of_a_replica():
     sp = StorePolicy(url="redis://h:1", max_connections=10)
-    assert budget(sp, admin=False, peers=False) == 30
-    assert budget(sp, admin=True, peers=True) == 30 + 4 + 3
+    assert budget(sp, 1) == 30 + 4 + 3
+    assert budget(sp, 4) == 4 * (30 + 4) + 3
+
+
+async def test_a_budget_past_the_servers_maxclients_is_a_warning_at_start(tmp_path):
+    async with redis_server() as url:
+        fits = {"version": 1, "backends": {"b": {"url": "http://127.0.0.1:9", "models": ["m"]}},
+                "store": {"url": url, "max_connections": 64, "replicas": 3}}
+        over = {**fits, "store": {"url": url, "max_connections": 2000, "replicas": 3}}
+        async with serve(fits, tmp_path, "--workers", "2") as ok, serve(over, tmp_path) as big:
+            await asyncio.sleep(1.0)  # the check runs in the background at start
+            assert "connections may be opened" not in ok.log.read_text()
+            text = big.log.read_text()
+            assert "3 replica(s) x (1 worker(s) x (3 x store.max_connections 2000 + 4) + 3) = 18021" in text
+            assert "more than its maxclients 10000" in text
 
 
 # ------------------------------------------------------------------- every client on a topology
@@ -245,3 +263,77 @@ async def test_on_a_redis_without_replicas_a_write_that_asks_for_one_fails():
             await store.set("k2", b"v", 10)  # without: the master's word
         finally:
             await store.close()
+
+
+# ---------------------------------------------------------------------------------------- TLS
+
+
+def _certs(d: Path) -> dict[str, str]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, signed by it (openssl)."""
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca", "-keyout", "ca.key", "-out", "ca.pem")
+    for who, ext in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={who}", "-keyout", f"{who}.key", "-out", f"{who}.csr")
+        (d / f"{who}.ext").write_text(ext + "\n")
+        run("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-days", "1",
+            "-extfile", f"{who}.ext", "-out", f"{who}.pem")
+    return {n: str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")}
+
+
+@asynccontextmanager
+async def _tls_redis(d: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
+    """A redis-server that speaks only TLS and wants a client certificate."""
+    if shutil.which("openssl") is None:  # as for redis-server: a skip here, a failure under CI
+        if os.environ.get("CI"):
+            pytest.fail("openssl is needed to make the test's certificates")
+        pytest.skip("openssl is not installed")
+    certs = _certs(d)
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        needs_redis_server(), "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        "--tls-cert-file", certs["server.pem"], "--tls-key-file", certs["server.key"], "--tls-ca-cert-file", certs["ca.pem"],
+        "--tls-auth-clients", "yes", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        for _ in range(100):
+            with contextlib.suppress(OSError):
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                break
+            await asyncio.sleep(0.05)
+        yield f"rediss://127.0.0.1:{port}/0", certs
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+async def test_a_tls_redis_with_client_certificates(tmp_path, upstream, gateway):
+    async with _tls_redis(tmp_path) as (url, certs):
+        tls = {"ca_file": certs["ca.pem"], "cert_file": certs["client.pem"], "key_file": certs["client.key"]}
+        store = RedisStore(url, timeout_ms=1000, tls=StoreTlsPolicy(**tls))
+        try:
+            await store.set("k", b"over tls", 10)
+            assert await store.get("k") == b"over tls"
+        finally:
+            await store.close()
+        # Without its certificate the client is refused; without the CA the server is not trusted.
+        for partial in ({"ca_file": certs["ca.pem"]}, {"cert_file": certs["client.pem"], "key_file": certs["client.key"]}):
+            store = RedisStore(url, timeout_ms=1000, tls=StoreTlsPolicy(**partial))
+            try:
+                with pytest.raises(StoreError):
+                    await store.set("k", b"x", 10)
+            finally:
+                await store.close()
+        # Through the policy: the second answer comes from the cache on that Redis.
+        up = await upstream("up", tokens=3)
+        gw = await gateway(simple_policy(up, store={"url": url, "tls": tls, "timeout_ms": 1000}))
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "gpt-test", "messages": [{"role": "user", "content": "tls?"}], "temperature": 0}
+            seen = []
+            for _ in range(2):
+                async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200
+                    seen.append(r.headers["x-gateway-cache"])
+        assert seen == ["miss", "hit"]

@@ -33,6 +33,7 @@ from prometheus_client import multiprocess
 from ..admin.relayed import SharedAdmin
 from ..config.policy import PolicyError, load_policy
 from ..config.reload import _digest, _stat
+from ..store.connect import warn_over_budget
 from ..web.app import create_app
 from ..web.edge import EdgeRunner
 from ..web.keys import DRAIN, LIVE, RELAY
@@ -273,6 +274,7 @@ class _Supervisor:
             self._spawn(i)
         await self.peers.start()
         self._background(self._watch_file(), "policy-watch")
+        self._background(warn_over_budget(self.policy.store, self.count), "store-budget")
         code = 0
         try:
             code = await self._monitor()

@@ -12,6 +12,7 @@ of their commands. So a process holds at most the sum of its clients' bounds, wh
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from typing import Any, cast
 
@@ -25,7 +26,9 @@ from redis.exceptions import SlotNotCoveredError
 from ..config.policy import StorePolicy, StoreTlsPolicy
 from .target import Topology, parse_target
 
-__all__ = ["connect", "close_client", "relearn", "write_acked", "budget", "ADMIN_CONNECTIONS"]
+log = logging.getLogger("gateway.store")
+
+__all__ = ["connect", "close_client", "relearn", "write_acked", "budget", "budget_warning", "warn_over_budget", "ADMIN_CONNECTIONS"]
 
 
 def connect(
@@ -126,15 +129,45 @@ async def write_acked(client: Any, command: tuple[Any, ...], replicas: int, wait
     return pair[0].result, int(cast("int", pair[1].result))
 
 
-def budget(sp: StorePolicy, *, admin: bool, peers: bool) -> int:
-    """The most connections one gateway process opens to each Redis node of `sp`: the cache and
-    quota pools, the Responses records' pool, and the admin plane's and reload channel's few."""
-    n = 3 * sp.max_connections  # cache, quota, response records (runtime.open_store)
-    if admin:
-        n += 2 * ADMIN_CONNECTIONS  # keys, request log
-    if peers:
-        n += ADMIN_CONNECTIONS + 1  # publish and read answers, and the subscription
-    return n
+def budget(sp: StorePolicy, workers: int) -> int:
+    """The most connections one replica (`workers` processes serving) opens to each Redis node
+    of `sp`: per process the cache's, the quotas' and the Responses records' pools and the admin
+    plane's two small ones; per replica the reload channel's."""
+    per_process = 3 * sp.max_connections + 2 * ADMIN_CONNECTIONS
+    return workers * per_process + ADMIN_CONNECTIONS + 1  # + the subscription's own connection
+
+
+async def budget_warning(sp: StorePolicy, workers: int) -> str | None:
+    """What is wrong with the connection budget, asked of the server: `store.replicas` replicas
+    of `workers` processes each against its `maxclients` (INFO clients, which managed services
+    allow where CONFIG GET is refused). None when it fits or the server cannot say."""
+    assert sp.url is not None
+    client = connect(sp.url, sp.tls, timeout_s=2.0, max_connections=1, name=f"gw-check-{os.getpid()}", retries=0)
+    try:
+        async with asyncio.timeout(3.0):
+            if isinstance(client, RedisCluster):  # every node, by name: the tightest counts
+                infos = list((await client.info("clients", target_nodes=RedisCluster.ALL_NODES)).values())
+            else:
+                infos = [await client.info("clients")]
+    except Exception:  # noqa: BLE001 - the store is down or refuses INFO: the calls will say so
+        return None
+    finally:
+        await close_client(client)
+    tightest = min(infos, key=lambda i: int(i.get("maxclients", 0) or 0))
+    maxclients, connected = int(tightest.get("maxclients", 0) or 0), int(tightest.get("connected_clients", 0) or 0)
+    need = sp.replicas * budget(sp, workers)
+    if not maxclients or need <= maxclients:
+        return None
+    return (f"store: {sp.replicas} replica(s) x ({workers} worker(s) x (3 x store.max_connections {sp.max_connections} + "
+            f"{2 * ADMIN_CONNECTIONS}) + {ADMIN_CONNECTIONS + 1}) = {need} connections may be opened to each Redis node, "
+            f"more than its maxclients {maxclients} ({connected} connected now): lower store.max_connections, or raise "
+            "maxclients, or callers past it are refused by Redis (docs/operations.md, connection budget)")
+
+
+async def warn_over_budget(sp: StorePolicy, workers: int) -> None:
+    """Log budget_warning's finding, if any (at start, in the background: it waits on Redis)."""
+    if sp.url is not None and (problem := await budget_warning(sp, workers)) is not None:
+        log.warning("%s", problem)
 
 
 ADMIN_CONNECTIONS = 2  # the pool of each admin-plane client (keys, request log, reload channel)

@@ -34,6 +34,7 @@ from ..routing.backends import BackendState
 from ..routing.health import Health
 from ..routing.probes import run_probes
 from ..routing.scrape import run_scrapes
+from ..store.connect import warn_over_budget
 from ..store.core import Store
 from ..tenants.auth import is_loopback, open_mode_problem
 from ..upstream.client import UpstreamPool
@@ -205,10 +206,13 @@ async def _peers(app: web.Application) -> AsyncIterator[None]:
         ok, detail = await app[RELOADER].reload(trigger)
         return _reload_result(app, ok, detail)
 
-    peers = Peers(app[LIVE].runtime.policy, on_reload)
+    policy = app[LIVE].runtime.policy
+    peers = Peers(policy, on_reload)
     await peers.start()
     app[PEERS] = peers
+    budget = asyncio.create_task(warn_over_budget(policy.store, 1), name="store-budget")
     yield
+    budget.cancel()
     await peers.close()
 
 
