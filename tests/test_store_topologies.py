@@ -80,6 +80,8 @@ def test_the_budget_counts_every_pool_of_every_process_of_a_replica():
     sp = StorePolicy(url="redis://h:1", max_connections=10)
     assert budget(sp, 1) == 30 + 4 + 3
     assert budget(sp, 4) == 4 * (30 + 4) + 3
+    # A Cluster's clients each keep one more connection, to the node they read the topology from.
+    assert budget(StorePolicy(url="redis+cluster://h:1", max_connections=10), 4) == 4 * (33 + 6) + 4
 
 
 async def test_a_budget_past_the_servers_maxclients_is_a_warning_at_start(tmp_path):
@@ -91,7 +93,7 @@ async def test_a_budget_past_the_servers_maxclients_is_a_warning_at_start(tmp_pa
             await asyncio.sleep(1.0)  # the check runs in the background at start
             assert "connections may be opened" not in ok.log.read_text()
             text = big.log.read_text()
-            assert "3 replica(s) x (1 worker(s) x (3 x store.max_connections 2000 + 4) + 3) = 18021" in text
+            assert "3 replica(s) x 6007 connections (1 worker(s), store.max_connections 2000) = 18021 may be opened" in text
             assert "more than its maxclients 10000" in text
 
 
@@ -193,6 +195,12 @@ async def _topology(kind: str) -> AsyncIterator[tuple[str, list[int]]]:
             yield c.url, [p for _, p in c.seeds]
 
 
+def _bound(kind: str, pool: int) -> int:
+    """The most connections one client of a pool of `pool` holds to a node: a Cluster's client
+    also keeps one to the node it last read the topology from (budget() counts it)."""
+    return pool + (kind == "cluster")
+
+
 def _ours(port: int, name: str) -> int:
     with redis.Redis(port=port) as r:
         return sum(1 for c in r.client_list() if c.get("name") == name)
@@ -205,29 +213,36 @@ async def test_a_slow_redis_makes_callers_wait_and_time_out_within_the_pools_bou
         name = f"gw-store-{os.getpid()}"
         try:
             await store.set("warm", b"1", 10)
-            # Every master stops answering clients for a second (CLIENT PAUSE), and a 10x burst of
-            # callers arrives: each one gives up within its timeout, none opens a connection
-            # past the bound.
-            for p in ports:
-                with redis.Redis(port=p) as r:
-                    r.execute_command("CLIENT", "PAUSE", 1000, "ALL")
-            paused = time.monotonic()
-            t0 = time.monotonic()
-            results = await asyncio.gather(*(store.get(f"k{i}") for i in range(30)), return_exceptions=True)
-            took = time.monotonic() - t0
-            assert all(isinstance(r, StoreError) for r in results), results
-            assert took < 0.6, f"callers waited {took:.2f} s for a 150 ms timeout"
-            await asyncio.sleep(max(0.0, 1.1 - (time.monotonic() - paused)))
-            assert all(_ours(p, name) <= 3 for p in ports), [_ours(p, name) for p in ports]
-            # Afterwards the same pool answers again.
-            async with asyncio.timeout(5):
-                while True:
-                    with contextlib.suppress(StoreError):
-                        if await store.get("warm") == b"1":
-                            break
-                    await asyncio.sleep(0.05)
-            await asyncio.gather(*(store.get(f"k{i}") for i in range(30)))
-            assert all(_ours(p, name) <= 3 for p in ports)
+            for _ in range(2):  # and again: nothing left over from the first time adds up
+                # Every master stops answering clients for a while (CLIENT PAUSE), and a 10x
+                # burst of callers arrives: each one gives up within its timeout, none opens a
+                # connection past the bound.
+                for p in ports:
+                    with redis.Redis(port=p) as r:
+                        # 400 ms: shorter than the sentinels' down-after (500 ms), so no failover
+                        r.execute_command("CLIENT", "PAUSE", 400, "ALL")
+                paused = time.monotonic()
+                results = await asyncio.gather(*(store.get(f"k{i}") for i in range(30)), return_exceptions=True)
+                took = time.monotonic() - paused
+                # Every caller is answered or told the store failed (a Cluster's client may find a
+                # node to serve a few), nothing else.
+                assert all(r is None or isinstance(r, StoreError) for r in results), results
+                assert sum(isinstance(r, StoreError) for r in results) >= 20, results
+                # Sentinel's and Cluster's callers end at their deadline; one Redis's within its
+                # documented bound (store/connect.py: redis-py may absorb the cancellation once).
+                limit = 0.15 + (2 * (0.15 + 0.05) if kind == "single" else 0.0)
+                assert took < limit + 0.1, f"callers waited {took:.2f} s for a 150 ms timeout"
+                await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - paused)))
+                assert all(_ours(p, name) <= _bound(kind, 3) for p in ports), [_ours(p, name) for p in ports]
+                # Afterwards the same pool answers again, to a burst too.
+                async with asyncio.timeout(5):
+                    while True:
+                        with contextlib.suppress(StoreError):
+                            if await store.get("warm") == b"1":
+                                break
+                        await asyncio.sleep(0.05)
+                await asyncio.gather(*(store.get(f"k{i}") for i in range(30)))
+                assert all(_ours(p, name) <= _bound(kind, 3) for p in ports), [_ours(p, name) for p in ports]
         finally:
             await store.close()
 

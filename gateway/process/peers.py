@@ -21,10 +21,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from redis.exceptions import RedisError
 
 from ..config.policy import Policy
-from ..store.connect import ADMIN_CONNECTIONS, close_client, connect, relearn
+from ..store.connect import ADMIN_CONNECTIONS, FAILURES, close_client, connect, relearn
 
 __all__ = ["Peers"]
 
@@ -88,7 +87,7 @@ class Peers:
             while len(got) < expected and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
                 got = await self._redis.lrange(key, 0, -1)
-        except (RedisError, OSError) as exc:
+        except FAILURES as exc:
             log.warning("reload announcement on %s failed: %s", self.channel, exc)
             return [{"ok": False, "error": f"could not announce the reload on Redis: {exc}"}]
         out = [orjson.loads(g) for g in got]

@@ -21,14 +21,18 @@ from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
-from redis.exceptions import SlotNotCoveredError
+from redis.exceptions import RedisClusterException, RedisError, SlotNotCoveredError
 
 from ..config.policy import StorePolicy, StoreTlsPolicy
 from .target import Topology, parse_target
 
 log = logging.getLogger("gateway.store")
 
-__all__ = ["connect", "close_client", "relearn", "write_acked", "budget", "budget_warning", "warn_over_budget", "ADMIN_CONNECTIONS"]
+__all__ = ["FAILURES", "connect", "close_client", "relearn", "write_acked", "budget", "budget_warning", "warn_over_budget", "ADMIN_CONNECTIONS"]
+
+# What a Redis call can fail with: a Cluster's client also raises RedisClusterException (no
+# RedisError), for one when no node answers while it re-reads the topology.
+FAILURES = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 
 def connect(
@@ -39,9 +43,15 @@ def connect(
     most `max_connections` connections (per node), each named `name` on the server (CLIENT LIST
     shows whose they are)."""
     target = parse_target(url)
+    # The callers bound each call with asyncio.timeout(timeout_s), and redis-py's own timeouts are
+    # a backstop 50 ms past it: when both expire together, Python 3.11's nested timeouts can turn
+    # the caller's cancellation into redis-py's TimeoutError, which its retry then absorbs (a
+    # 150 ms call took 450 ms). One Redis: a call then ends within timeout + (retries + 1) x
+    # backstop at worst; Sentinel and Cluster: at its deadline (_Gated).
+    backstop = timeout_s + 0.05
     common: dict[str, Any] = {
-        "socket_timeout": timeout_s,
-        "socket_connect_timeout": timeout_s,
+        "socket_timeout": backstop,
+        "socket_connect_timeout": backstop,
         "client_name": name,
         **_tls(target.tls, tls),
     }
@@ -49,7 +59,7 @@ def connect(
         pool = BlockingConnectionPool.from_url(
             target.url,
             max_connections=max_connections,
-            timeout=timeout_s,  # waiting for a free pooled connection counts against the same budget
+            timeout=backstop,  # waiting for a free pooled connection counts against the caller's budget
             # One immediate retry: after a Redis restart, the first command on each stale pooled
             # connection fails; the retry on a fresh connection hides that. No backoff: we have ms.
             retry=Retry(NoBackoff(), retries),
@@ -133,8 +143,10 @@ def budget(sp: StorePolicy, workers: int) -> int:
     """The most connections one replica (`workers` processes serving) opens to each Redis node
     of `sp`: per process the cache's, the quotas' and the Responses records' pools and the admin
     plane's two small ones; per replica the reload channel's."""
-    per_process = 3 * sp.max_connections + 2 * ADMIN_CONNECTIONS
-    return workers * per_process + ADMIN_CONNECTIONS + 1  # + the subscription's own connection
+    # A Cluster's client keeps one more connection to the node it reads the topology from.
+    extra = 1 if sp.url is not None and parse_target(sp.url).topology is Topology.CLUSTER else 0
+    per_process = 3 * (sp.max_connections + extra) + 2 * (ADMIN_CONNECTIONS + extra)
+    return workers * per_process + ADMIN_CONNECTIONS + extra + 1  # + the subscription's own connection
 
 
 async def budget_warning(sp: StorePolicy, workers: int) -> str | None:
@@ -158,8 +170,8 @@ async def budget_warning(sp: StorePolicy, workers: int) -> str | None:
     need = sp.replicas * budget(sp, workers)
     if not maxclients or need <= maxclients:
         return None
-    return (f"store: {sp.replicas} replica(s) x ({workers} worker(s) x (3 x store.max_connections {sp.max_connections} + "
-            f"{2 * ADMIN_CONNECTIONS}) + {ADMIN_CONNECTIONS + 1}) = {need} connections may be opened to each Redis node, "
+    return (f"store: {sp.replicas} replica(s) x {budget(sp, workers)} connections ({workers} worker(s), "
+            f"store.max_connections {sp.max_connections}) = {need} may be opened to each Redis node, "
             f"more than its maxclients {maxclients} ({connected} connected now): lower store.max_connections, or raise "
             "maxclients, or callers past it are refused by Redis (docs/operations.md, connection budget)")
 
@@ -173,24 +185,43 @@ async def warn_over_budget(sp: StorePolicy, workers: int) -> None:
 ADMIN_CONNECTIONS = 2  # the pool of each admin-plane client (keys, request log, reload channel)
 
 
-class _Gate:
-    """Mixin: at most `gate` commands in flight through this client; the rest wait their turn
-    (within the caller's timeout) rather than have the pool refuse them."""
+class _Gated:
+    """Mixin for the clients of Sentinel and Cluster: at most `gate` commands in flight, the rest
+    wait their turn within their caller's timeout (their pools refuse rather than wait), and the
+    callers' deadlines hold. Their command paths can absorb a cancellation (on Python 3.11 a
+    timeout nested in their reconnects and retries turns it into a retry that goes on), so each
+    command runs in a task of its own that the caller stops waiting for at its deadline; the task
+    keeps its place at the gate until it ends, so the bound holds."""
 
     _gate: asyncio.Semaphore
 
     async def execute_command(self, *args: Any, **options: Any) -> Any:
-        async with self._gate:
-            return await super().execute_command(*args, **options)  # type: ignore[misc]
+        await self._gate.acquire()
+        try:
+            task = asyncio.ensure_future(super().execute_command(*args, **options))  # type: ignore[misc]
+        except BaseException:
+            self._gate.release()
+            raise
+        task.add_done_callback(self._ended)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+
+    def _ended(self, task: asyncio.Future[Any]) -> None:
+        self._gate.release()
+        if not task.cancelled():
+            task.exception()  # an abandoned command's failure was already its caller's timeout
 
 
-class _GatedRedis(_Gate, Redis):  # type: ignore[misc]  # redis-py's own bases disagree
+class _GatedRedis(_Gated, Redis):  # type: ignore[misc]  # redis-py's own bases disagree
     def __init__(self, *args: Any, gate: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._gate = asyncio.Semaphore(gate)
 
 
-class _GatedCluster(_Gate, RedisCluster):  # type: ignore[misc]
+class _GatedCluster(_Gated, RedisCluster):  # type: ignore[misc]
     def __init__(self, *args: Any, gate: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._gate = asyncio.Semaphore(gate)

@@ -15,12 +15,10 @@ import os
 from collections.abc import Awaitable
 from typing import Any, TypeVar, cast
 
-from redis.exceptions import RedisError
-
 from ..config.policy import StoreTlsPolicy
 from ..tenants import quota_lua
 from ..tenants.quota_counters import Ask, Decision, Settle, Usage
-from .connect import close_client, connect, write_acked
+from .connect import FAILURES, close_client, connect, write_acked
 from .core import StoreError
 
 __all__ = ["RedisStore", "bounded"]
@@ -77,7 +75,7 @@ class RedisStore:
             async with asyncio.timeout(self._timeout_s):
                 # the pool does not decode (no decode_responses): a value comes back as bytes
                 return cast("bytes | None", await self._redis.get(self.prefix + key))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except FAILURES as exc:
             raise _error("get", exc) from None
 
     async def set(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> None:
@@ -89,7 +87,7 @@ class RedisStore:
                     await self._acked(replicas, "SET", self.prefix + key, value, "PX", max(1, round(ttl_s * 1000)))
                 else:
                     await self._redis.set(self.prefix + key, value, px=max(1, round(ttl_s * 1000)))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except FAILURES as exc:
             raise _error("set", exc) from None
 
     async def add(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> bool:
@@ -99,7 +97,7 @@ class RedisStore:
                     args = ("SET", self.prefix + key, value, "PX", max(1, round(ttl_s * 1000)), "NX")
                     return bool(await self._acked(replicas, *args))
                 return bool(await self._redis.set(self.prefix + key, value, px=max(1, round(ttl_s * 1000)), nx=True))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except FAILURES as exc:
             raise _error("add", exc) from None
 
     async def _acked(self, replicas: int, *command: Any) -> Any:
@@ -117,14 +115,14 @@ class RedisStore:
         try:
             async with asyncio.timeout(self._timeout_s):
                 await self._redis.delete(self.prefix + key)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except FAILURES as exc:
             raise _error("delete", exc) from None
 
     async def delete_if(self, key: str, value: bytes) -> bool:
         try:
             async with asyncio.timeout(self._timeout_s):
                 return bool(await self._delete_if(keys=[self.prefix + key], args=[value]))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except FAILURES as exc:
             raise _error("delete_if", exc) from None
 
     async def quota_take(self, tenant: str, ask: Ask) -> Decision:
@@ -136,7 +134,7 @@ class RedisStore:
         try:
             async with asyncio.timeout(self._quota_timeout_s):
                 r = await self._take(keys=keys, args=args)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except FAILURES as exc:
             raise _error("quota", exc) from None
         return Decision(
             ok=int(r[0]) == 1, limit=_s(r[1]) or None, scope=_s(r[2]), retry_after_s=float(r[3]),
@@ -158,14 +156,14 @@ class RedisStore:
         try:
             async with asyncio.timeout(self._quota_timeout_s):
                 await self._settle(keys=keys, args=args)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except FAILURES as exc:
             raise _error("quota settle", exc) from None
 
     async def quota_usage(self, tenant: str, scope: str) -> Usage:
         try:
             async with asyncio.timeout(self._quota_timeout_s):
                 r = await self._usage(keys=quota_lua.scope_keys(self.prefix, tenant, scope))
-        except (RedisError, OSError, TimeoutError) as exc:
+        except FAILURES as exc:
             raise _error("quota usage", exc) from None
         return Usage(*(int(x) for x in r))
 
@@ -176,7 +174,7 @@ class RedisStore:
         try:
             async with asyncio.timeout(timeout_s):
                 await asyncio.gather(self._redis.ping(), self._qredis.ping())
-        except (RedisError, OSError, TimeoutError):
+        except FAILURES:
             pass
 
     async def close(self) -> None:
@@ -200,5 +198,5 @@ async def bounded(what: str, aw: Awaitable[T], timeout_s: float) -> T:
     try:
         async with asyncio.timeout(timeout_s):
             return await aw
-    except (RedisError, OSError, TimeoutError) as exc:
+    except FAILURES as exc:
         raise StoreError(f"cannot {what} in Redis: {type(exc).__name__}: {exc}") from exc
