@@ -407,11 +407,11 @@ def build_runtime(
     registry: Mapping[StorePolicy, Store] = stores if stores is not None else {}
     used: dict[StorePolicy, Store] = {}
 
-    def store_of(sp: StorePolicy) -> Store:
+    def store_of(sp: StorePolicy, role: str = "store") -> Store:
         store = used.get(sp)
         if store is None:
             store = registry.get(sp)
-            used[sp] = store = store if store is not None else open_store(sp)
+            used[sp] = store = store if store is not None else open_store(sp, role)
         return store
 
     cache = None
@@ -427,7 +427,7 @@ def build_runtime(
     # would drop records under load, and an answer without its record is not released.
     sp = policy.store
     record_sp = sp if sp.url is None else sp.model_copy(update={"timeout_ms": max(sp.timeout_ms, policy.responses.record_timeout_ms)})
-    affinity = _affinity(policy, store_of(record_sp), on_affinity)
+    affinity = _affinity(policy, store_of(record_sp, "records"), on_affinity)
     share = slot_share if slot_share is not None else (lambda n: n)
     slot_limits = {name: share(bp.max_concurrency) for name, bp in policy.backends.items()}
     return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits, prefixes)
@@ -439,9 +439,10 @@ def _affinity(policy: Policy, store: Store, on_event: Callable[[str, str], None]
                     attempts=rp.record_attempts, adopt_unknown=rp.adopt_unknown_ids, replicas=rp.record_replicas)
 
 
-def open_store(sp: StorePolicy) -> Store:
-    """The store a policy names (no connection is made until it is used)."""
+def open_store(sp: StorePolicy, role: str = "store") -> Store:
+    """The store a policy names (no connection is made until it is used); `role` names its
+    connections on a Redis (CLIENT LIST: gw-<role>-<pid>)."""
     if sp.url is None:
         return MemoryStore(max_bytes=sp.memory_max_bytes)
     return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections, quota_timeout_ms=sp.quota_timeout_ms,
-                      tls=sp.tls)
+                      tls=sp.tls, role=role)

@@ -36,7 +36,8 @@ return 0
 
 class RedisStore:
     """A Store on Redis. `url`: a `store.url` (store/target.py: one Redis, Sentinel or Cluster);
-    `tls`: its `store.tls`; `prefix` is prepended to every key (a namespace per deployment or per test)."""
+    `tls`: its `store.tls`; `prefix` is prepended to every key (a namespace per deployment or per
+    test); `role` names its connections (gw-<role>-<pid>; the quotas' pool: gw-quota-<pid>)."""
 
     __slots__ = (
         "_redis", "_timeout_s", "prefix", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage", "_delete_if",
@@ -52,13 +53,14 @@ class RedisStore:
         prefix: str = "",
         quota_timeout_ms: float = 250.0,
         tls: StoreTlsPolicy | None = None,
+        role: str = "store",
     ) -> None:
         if timeout_ms <= 0 or quota_timeout_ms <= 0:
             raise ValueError("timeout_ms and quota_timeout_ms must be positive")
         self._timeout_s = timeout_ms / 1000
         self.prefix = prefix
         pid = os.getpid()
-        self._redis = connect(url, tls, timeout_s=self._timeout_s, max_connections=max_connections, name=f"gw-store-{pid}")
+        self._redis = connect(url, tls, timeout_s=self._timeout_s, max_connections=max_connections, name=f"gw-{role}-{pid}")
         self._delete_if = self._redis.register_script(_DELETE_IF)  # EVALSHA, as the quota scripts below
         # Quotas get their own pool and a longer bound: a cache lookup that is slow is a miss,
         # but a quota decision that gives up falls back to per-replica counters, which are not
