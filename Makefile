@@ -86,6 +86,7 @@ bench: $(STAMP)
 	$(PY) bench/affinity.py
 	$(PY) bench/cache.py
 	$(PY) bench/quota.py
+	$(PY) bench/store_failover.py
 	$(PY) bench/overload.py
 	$(PY) bench/faults.py
 	$(PY) bench/classifier.py

@@ -6,7 +6,8 @@ Each client has a bounded pool (`max_connections`) that callers wait on, within 
 timeout, instead of opening more: a single Redis through redis-py's BlockingConnectionPool, a
 Sentinel master and a Cluster (whose pools refuse rather than wait) through a semaphore in front
 of their commands. So a process holds at most the sum of its clients' bounds, whatever the load
-(docs/operations.md, "Connection budget").
+(docs/operations.md, "Connection budget"). Also here: writes acknowledged by replicas (WAIT),
+and the start-up check of the budget against the server's maxclients.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ FAILURES = (RedisError, RedisClusterException, OSError, TimeoutError)
 def connect(
     url: str, tls: StoreTlsPolicy | None, *, timeout_s: float, max_connections: int, name: str, retries: int = 1
 ) -> Any:
-    """A redis.asyncio client of the store at `url` (a `store.url`; `tls`: its `store.tls`): every
-    command bounded by `timeout_s` (socket, connect, and the wait for a pooled connection), at
-    most `max_connections` connections (per node), each named `name` on the server (CLIENT LIST
-    shows whose they are)."""
+    """A redis.asyncio client of the store at `url` (a `store.url`; `tls`: its `store.tls`) for
+    callers that bound each call by `timeout_s` (asyncio.timeout): at most `max_connections`
+    connections per node, waited for within that timeout, each named `name` on the server
+    (CLIENT LIST shows whose they are); `retries` immediate retries of a failed command."""
     target = parse_target(url)
     # The callers bound each call with asyncio.timeout(timeout_s), and redis-py's own timeouts are
     # a backstop 50 ms past it: when both expire together, Python 3.11's nested timeouts can turn
@@ -228,10 +229,8 @@ class _GatedCluster(_Gated, RedisCluster):  # type: ignore[misc]
 
 
 def _tls(on: bool, tls: StoreTlsPolicy | None) -> dict[str, Any]:
-    if not on:
-        return {}
-    if tls is None:
-        return {}  # the system's CAs, hostname checked (redis-py's defaults)
+    if not on or tls is None:
+        return {}  # plain, or TLS with the system's CAs and the hostname checked (redis-py's defaults)
     out: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": tls.check_hostname}
     if tls.ca_file:
         out["ssl_ca_certs"] = os.path.expanduser(tls.ca_file)
