@@ -44,7 +44,7 @@ def test_each_kind_of_url_is_read_with_its_hosts_service_and_credentials():
     )  # fmt: skip
     t = parse_target("rediss+cluster://app:pw@n1:7000,n2:7001")
     assert (t.topology, t.hosts, t.username, t.password, t.tls) == (Topology.CLUSTER, (("n1", 7000), ("n2", 7001)), "app", "pw", True)
-    for url in ("redis://h:1/0", "rediss://h", "unix:///tmp/r.sock"):
+    for url in ("redis://h:1/0", "rediss://h", "unix:///tmp/r.sock", "redis://h/0?ssl_cert_reqs=none"):
         assert parse_target(url).topology is Topology.SINGLE
     assert parse_target("rediss://h").tls and not parse_target("redis://h").tls
 
@@ -59,6 +59,8 @@ def test_each_kind_of_url_is_read_with_its_hosts_service_and_credentials():
         ("redis+cluster://h:x", "port 'x' is not a number"),
         ("redis+cluster://h:7000?timeout=1", "go in the policy's `store` section"),
         ("redis+cluster://:pw@h:x", "<redacted>@"),  # a password is never repeated in an error
+        ("redis://h:6379/0?max_connections=5000", "max_connections in the URL"),  # would undo the pool's bound
+        ("rediss://h/0?ssl_cert_reqs=none&socket_timeout=9", "socket_timeout in the URL"),
     ],
 )
 def test_a_bad_store_url_is_refused_at_load_with_what_is_wrong(url, says):

@@ -556,8 +556,9 @@ class StorePolicy(_Section):
     timeout_ms: float = Field(10.0, gt=0)  # a slow store is a miss, not a wait
     quota_timeout_ms: float = Field(250.0, gt=0)  # past this, quotas fall back to per-replica counters
     # Connections per pool (cache, quotas, Responses records: three per process), per Redis node.
-    # replicas x workers x (3 x max_connections + 7) must stay under the server's maxclients:
-    # `gateway check` and the start-up log warn when it does not (docs/operations.md).
+    # replicas x (workers x (3 x max_connections + 4) + 3) must stay under the server's
+    # maxclients (a Cluster: a few more, store/connect.budget); the start-up log warns when it
+    # does not (docs/operations.md, connection budget).
     max_connections: int = Field(64, gt=0)
     # How many gateway replicas share this store, for the connection budget's warning only.
     replicas: int = Field(1, ge=1)
@@ -630,10 +631,11 @@ class ResponsesPolicy(_Section):
     # nobody owns); after record_attempts tries the answer is not released (503).
     record_timeout_ms: float = Field(250.0, gt=0)
     record_attempts: int = Field(3, ge=1, le=10)
-    # On Sentinel or a Cluster: a record counts as written once this many replicas hold it too
-    # (Redis WAIT), so a failover cannot lose an id a client was given. While fewer replicas than
-    # this are attached, stateful answers get 503 + Retry-After (docs/operations.md). 0: the
-    # master's word (replication is asynchronous: a failover may lose the last records).
+    # With Redis replicas (Sentinel, a Cluster, or one server's): a record counts as written once
+    # this many replicas hold it too (Redis WAIT), so a failover cannot lose an id a client was
+    # given. While fewer replicas than this are attached, stateful answers get 503 + Retry-After
+    # (docs/operations.md). 0: the master's word (replication is asynchronous: a failover may
+    # lose the last records).
     record_replicas: int = Field(0, ge=0, le=5)
     # The migration mode: an id the gateway has no record of is searched for on the backends and
     # recorded as the first asking tenant's. Off: such ids are 404s, never adopted.

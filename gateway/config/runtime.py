@@ -445,4 +445,4 @@ def open_store(sp: StorePolicy, role: str = "store") -> Store:
     if sp.url is None:
         return MemoryStore(max_bytes=sp.memory_max_bytes)
     return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections, quota_timeout_ms=sp.quota_timeout_ms,
-                      tls=sp.tls, role=role)
+                      tls=sp.tls, role=role, quotas=role != "records")

@@ -37,7 +37,8 @@ return 0
 class RedisStore:
     """A Store on Redis. `url`: a `store.url` (store/target.py: one Redis, Sentinel or Cluster);
     `tls`: its `store.tls`; `prefix` is prepended to every key (a namespace per deployment or per
-    test); `role` names its connections (gw-<role>-<pid>; the quotas' pool: gw-quota-<pid>)."""
+    test); `role` names its connections (gw-<role>-<pid>; the quotas' pool: gw-quota-<pid>);
+    `quotas`: False for a store that holds none (no pool of their own)."""
 
     __slots__ = (
         "_redis", "_timeout_s", "prefix", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage", "_delete_if",
@@ -54,6 +55,7 @@ class RedisStore:
         quota_timeout_ms: float = 250.0,
         tls: StoreTlsPolicy | None = None,
         role: str = "store",
+        quotas: bool = True,
     ) -> None:
         if timeout_ms <= 0 or quota_timeout_ms <= 0:
             raise ValueError("timeout_ms and quota_timeout_ms must be positive")
@@ -66,7 +68,9 @@ class RedisStore:
         # but a quota decision that gives up falls back to per-replica counters, which are not
         # exact across replicas. A Redis that is down still fails at once (connection refused).
         self._quota_timeout_s = quota_timeout_ms / 1000
-        self._qredis = connect(url, tls, timeout_s=self._quota_timeout_s, max_connections=max_connections, name=f"gw-quota-{pid}")
+        # (A store that holds no quotas, the Responses records', sends any on its own pool.)
+        self._qredis = self._redis if not quotas else connect(
+            url, tls, timeout_s=self._quota_timeout_s, max_connections=max_connections, name=f"gw-quota-{pid}")
         # EVALSHA, loading the script again after a Redis restart (NOSCRIPT) by itself.
         self._take = self._qredis.register_script(quota_lua.TAKE)
         self._settle = self._qredis.register_script(quota_lua.SETTLE)
@@ -175,13 +179,16 @@ class RedisStore:
         the calls that follow (they fail open)."""
         try:
             async with asyncio.timeout(timeout_s):
-                await asyncio.gather(self._redis.ping(), self._qredis.ping())
+                await asyncio.gather(*(c.ping() for c in self._clients()))
         except FAILURES:
             pass
 
     async def close(self) -> None:
-        await close_client(self._redis)
-        await close_client(self._qredis)
+        for c in self._clients():
+            await close_client(c)
+
+    def _clients(self) -> list[Any]:
+        return [self._redis] if self._qredis is self._redis else [self._redis, self._qredis]
 
 
 def _s(v: bytes | str) -> str:

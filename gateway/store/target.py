@@ -33,6 +33,8 @@ class Target:
 
 
 _MULTI = re.compile(r"^(redis|rediss)\+(sentinel|cluster)://(?:(?P<auth>[^@/]*)@)?(?P<hosts>[^/?#]+)(?P<path>/[^?#]*)?(?:\?(?P<query>[^#]*))?$")
+_OWNED = {"max_connections", "socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
+          "client_name", "health_check_interval"}
 _DEFAULT_PORT = {Topology.SENTINEL: 26379, Topology.CLUSTER: 6379}
 
 
@@ -43,6 +45,12 @@ def parse_target(url: str) -> Target:
     master's; sentinels are asked without one), `redis+cluster://[user:password@]host:port,...`
     (seed nodes: the client learns the others), and `rediss+...` for TLS to every node."""
     if re.match(r"^(redis|rediss|unix)://", url):
+        query = parse_qs(url.partition("?")[2].partition("#")[0])
+        if owned := sorted(set(query) & _OWNED):
+            # redis-py lets a URL's options override the client's: these would undo the pool's
+            # bound and the calls' deadlines.
+            raise ValueError(f"{', '.join(owned)} in the URL: the policy's `store` section sets those "
+                             f"(max_connections, timeout_ms, quota_timeout_ms), not the URL")
         return Target(Topology.SINGLE, url, tls=url.startswith("rediss://"))
     m = _MULTI.match(url)
     if m is None:
