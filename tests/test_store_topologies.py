@@ -230,10 +230,7 @@ async def test_a_slow_redis_makes_callers_wait_and_time_out_within_the_pools_bou
                 # node to serve a few), nothing else.
                 assert all(r is None or isinstance(r, StoreError) for r in results), results
                 assert sum(isinstance(r, StoreError) for r in results) >= 20, results
-                # Sentinel's and Cluster's callers end at their deadline; one Redis's within its
-                # documented bound (store/connect.py: redis-py may absorb the cancellation once).
-                limit = 0.15 + (2 * (0.15 + 0.05) if kind == "single" else 0.0)
-                assert took < limit + 0.1, f"callers waited {took:.2f} s for a 150 ms timeout"
+                assert took < 0.25, f"callers waited {took:.2f} s for a 150 ms timeout"
                 await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - paused)))
                 assert all(_ours(p, name) <= _bound(kind, 3) for p in ports), [_ours(p, name) for p in ports]
                 # Afterwards the same pool answers again, to a burst too.

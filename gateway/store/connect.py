@@ -44,11 +44,10 @@ def connect(
     connections per node, waited for within that timeout, each named `name` on the server
     (CLIENT LIST shows whose they are); `retries` immediate retries of a failed command."""
     target = parse_target(url)
-    # The callers bound each call with asyncio.timeout(timeout_s), and redis-py's own timeouts are
-    # a backstop 50 ms past it: when both expire together, Python 3.11's nested timeouts can turn
-    # the caller's cancellation into redis-py's TimeoutError, which its retry then absorbs (a
-    # 150 ms call took 450 ms). One Redis: a call then ends within timeout + (retries + 1) x
-    # backstop at worst; Sentinel and Cluster: at its deadline (_Gated).
+    # The callers bound each call with asyncio.timeout(timeout_s). redis-py's own timeouts, where
+    # kept, are a backstop 50 ms past it: when both expired together, Python 3.11's nested
+    # timeouts could turn the caller's cancellation into redis-py's TimeoutError, which its retry
+    # then absorbed (a 150 ms call took 450 ms).
     backstop = timeout_s + 0.05
     common: dict[str, Any] = {
         "socket_timeout": backstop,
@@ -64,7 +63,13 @@ def connect(
             # One immediate retry: after a Redis restart, the first command on each stale pooled
             # connection fails; the retry on a fresh connection hides that. No backoff: we have ms.
             retry=Retry(NoBackoff(), retries),
-            **common,
+            # No read or write timeout of redis-py's own on one Redis: the caller's bounds each
+            # call, and a cancelled read drops its connection. Theirs could absorb the caller's
+            # cancellation (a 150 ms call took 950 ms even with them 50 ms past it; without them,
+            # 150 ms in 30 of 30 stalls), and a send under them is a task per command. Sentinel
+            # and Cluster keep theirs: their callers abandon a command at its deadline, and it
+            # must still end by itself.
+            **{**common, "socket_timeout": None},
         )
         return Redis(connection_pool=pool)
     auth = {"username": target.username, "password": target.password}
