@@ -96,6 +96,11 @@ async def _gateways(tmp: Path, up: int, url: str, replicas: int, workers: int) -
     finally:
         for p in procs:
             stop(p)
+        for log in sorted(tmp.glob("gateway-*.log")):  # an internal error's cause, before the logs go
+            text = log.read_text(errors="replace")
+            if "Traceback" in text:
+                print(f"{log.name}: " + text[text.index("Traceback"):][:2500], file=sys.stderr)
+                break
 
 
 @dataclass
@@ -104,6 +109,7 @@ class _Seen:
     kind: str  # repeated, new, capped
     status: int
     cache: str
+    detail: str = ""  # a 5xx's body (what failed)
 
 
 @dataclass
@@ -132,10 +138,11 @@ class _Load:
         t = time.monotonic()
         try:
             async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
-                await r.read()
-                self.seen.append(_Seen(t, kind, r.status, r.headers.get("x-gateway-cache", "")))
-        except (aiohttp.ClientError, TimeoutError):
-            self.seen.append(_Seen(t, kind, 0, ""))
+                text = await r.read()
+                detail = text[:300].decode("utf-8", "replace") if r.status >= 500 else ""
+                self.seen.append(_Seen(t, kind, r.status, r.headers.get("x-gateway-cache", ""), detail))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.seen.append(_Seen(t, kind, 0, "", repr(exc)))
 
 
 async def _metric(http: aiohttp.ClientSession, url: str, name: str) -> float:
@@ -268,6 +275,7 @@ async def main() -> None:
     ap.add_argument("--rate", type=float, default=200.0)
     ap.add_argument("--after-s", type=float, default=15.0)
     ap.add_argument("--hits", type=int, default=400)
+    ap.add_argument("--only", choices=["cluster", "sentinel"], help="one failover run, nothing else")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
@@ -281,12 +289,16 @@ async def main() -> None:
                 c.kill(port)
                 return port
 
-            runs = [
-                await _failover("cluster", redis_cluster, kill_cluster, lambda c, _old: c.wait_ok(30.0),
-                                lambda c: [n.port for n in c.nodes() if n.role == "master"], args, tmp, up_port),
-                await _failover("sentinel", redis_sentinel, lambda s: s.kill_master(), lambda s, old: s.wait_promoted(old, 30.0),
-                                lambda s: [s.master_port()], args, tmp, up_port),
-            ]  # fmt: skip
+            runs = []
+            if args.only in (None, "cluster"):
+                runs.append(await _failover("cluster", redis_cluster, kill_cluster, lambda c, _old: c.wait_ok(30.0),
+                                            lambda c: [n.port for n in c.nodes() if n.role == "master"], args, tmp, up_port))
+            if args.only in (None, "sentinel"):
+                runs.append(await _failover("sentinel", redis_sentinel, lambda s: s.kill_master(),
+                                            lambda s, old: s.wait_promoted(old, 30.0), lambda s: [s.master_port()], args, tmp, up_port))
+            if args.only:
+                _report_failover(runs, args)
+                return
             async with redis_server() as single:
                 one = await _hits(tmp, up_port, single, args.hits)
             async with redis_cluster() as cluster:
@@ -297,15 +309,7 @@ async def main() -> None:
 
 
 def _report(runs: list[_Failover], one: tuple[float, float], many: tuple[float, float], args: argparse.Namespace) -> None:
-    print(f"\nFailover: 3 replicas x 2 workers, {args.rate:g} req/s, the quota counters' master SIGKILLed, {args.after_s:g} s after")
-    print("| store | answers | 200 | 429 (capped tenant) | 5xx | other | promoted in | quotas fell back for | repeated prompts missed for | capped admitted past its limit (bound 720) | ids found |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in runs:
-        status = Counter(s.status for s in r.seen)
-        other = sum(n for st, n in status.items() if st not in (200, 429) and st < 500)
-        over = sum(1 for s in r.seen if s.kind == "capped" and s.status == 200 and s.t >= r.killed_at)
-        print(f"| {r.name} | {len(r.seen)} | {status[200]} | {status[429]} | {sum(n for st, n in status.items() if st >= 500)} "
-              f"| {other} | {r.promoted_s:.1f} s | {r.degraded_s:.1f} s | {r.misses_s:.1f} s | {over} | {r.found}/{r.ids} |")
+    _report_failover(runs, args)
     conns = next(r.connections for r in runs if r.name == "cluster")
     print(f"\nConnections under a 10x burst ({args.rate * 10:g} req/s for 1 s), Cluster, store.max_connections {POOL}: "
           "the most of one pool of one process on one node (bound: the pool + 1 for the Cluster client's topology reads)")
@@ -318,6 +322,22 @@ def _report(runs: list[_Failover], one: tuple[float, float], many: tuple[float, 
     print(f"| one Redis | {one[0]:.2f} ms | {one[1]:.2f} ms |")
     print(f"| Cluster (3 masters) | {many[0]:.2f} ms | {many[1]:.2f} ms |")
     print(f"| difference | {many[0] - one[0]:+.2f} ms (target: within 0.3 ms) | {many[1] - one[1]:+.2f} ms |")
+
+
+def _report_failover(runs: list[_Failover], args: argparse.Namespace) -> None:
+    print(f"\nFailover: 3 replicas x 2 workers, {args.rate:g} req/s, the quota counters' master SIGKILLed, {args.after_s:g} s after")
+    print("| store | answers | 200 | 429 (capped tenant) | 5xx | other | promoted in | quotas fell back for | repeated prompts missed for | capped admitted past its limit (bound 720) | ids found |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in runs:
+        status = Counter(s.status for s in r.seen)
+        other = sum(n for st, n in status.items() if st not in (200, 429) and st < 500)
+        over = sum(1 for s in r.seen if s.kind == "capped" and s.status == 200 and s.t >= r.killed_at)
+        print(f"| {r.name} | {len(r.seen)} | {status[200]} | {status[429]} | {sum(n for st, n in status.items() if st >= 500)} "
+              f"| {other} | {r.promoted_s:.1f} s | {r.degraded_s:.1f} s | {r.misses_s:.1f} s | {over} | {r.found}/{r.ids} |")
+    for r in runs:
+        for s in r.seen:
+            if s.status >= 500 or s.status == 0:
+                print(f"  {r.name}: {s.status} at {s.t - r.killed_at:+.2f} s from the kill ({s.kind}): {s.detail}")
 
 
 if __name__ == "__main__":

@@ -247,6 +247,52 @@ async def test_a_slow_redis_makes_callers_wait_and_time_out_within_the_pools_bou
 
 
 
+async def test_a_master_killed_under_concurrent_callers_fails_them_only_as_store_failures():
+    # redis-py's Cluster client races with its own reconnects while a master fails over (a command
+    # sent on a connection another task just closed raised AttributeError): every failure a
+    # caller sees must be a StoreError, which it fails open on, never anything else (a 500).
+    async with redis_cluster() as cluster:
+        store = RedisStore(cluster.url, timeout_ms=50, quota_timeout_ms=250, max_connections=8)
+        other: list[BaseException] = []
+        stop = asyncio.Event()
+
+        async def caller(i: int) -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                try:
+                    await store.get(f"k{i}-{n % 50}")
+                    await store.set(f"k{i}-{n % 50}", b"v", 30)
+                    await store.quota_take("t", Ask((Scope("", rpm=10**6),), 0, f"l{i}-{n}", 5000))
+                except StoreError:
+                    pass
+                except Exception as exc:  # noqa: BLE001 - what the test is looking for
+                    other.append(exc)
+                await asyncio.sleep(0.001)
+
+        callers = [asyncio.create_task(caller(i)) for i in range(30)]
+        try:
+            await asyncio.sleep(1.0)
+            cluster.kill(cluster.master_of("{gwq:t}"))
+            await cluster.wait_ok(20.0)
+            await asyncio.sleep(1.5)
+        finally:
+            stop.set()
+            await asyncio.gather(*callers)
+            await store.close()
+        assert not other, other[:5]
+        assert await _answers(store_url=cluster.url), "the store answers again after the promotion"
+
+
+async def _answers(store_url: str) -> bool:
+    store = RedisStore(store_url, timeout_ms=500)
+    try:
+        await store.set("after", b"1", 10)
+        return await store.get("after") == b"1"
+    finally:
+        await store.close()
+
+
 # ------------------------------------------------------------------- writes replicas acknowledge
 
 

@@ -22,6 +22,7 @@ from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError, SlotNotCoveredError
 
 from ..config.policy import StorePolicy, StoreTlsPolicy
@@ -132,12 +133,17 @@ async def write_acked(client: Any, command: tuple[Any, ...], replicas: int, wait
         return got, int(acks)
     # A Cluster's client sends WAIT to every node (and sums the answers): the pair goes to the
     # key's master on one of its connections, as the client's own pipelines do.
-    await client.initialize()  # a no-op once the slots are known
-    node = client.get_node_from_key(command[1])
-    if node is None:
-        raise SlotNotCoveredError(f"no master serves the slot of {command[1]!r}")
     pair = [PipelineCommand(0, *command), PipelineCommand(1, "WAIT", replicas, wait_ms)]
-    await node.execute_pipeline(pair)
+    try:
+        await client.initialize()  # a no-op once the slots are known
+        node = client.get_node_from_key(command[1])
+        if node is None:
+            raise SlotNotCoveredError(f"no master serves the slot of {command[1]!r}")
+        await node.execute_pipeline(pair)
+    except FAILURES:
+        raise
+    except Exception as exc:
+        raise _client_failure(exc) from exc
     for c in pair:
         if isinstance(c.result, Exception):
             await relearn(client)  # MOVED after a failover: the next try goes to the new master
@@ -204,7 +210,7 @@ class _Gated:
     async def execute_command(self, *args: Any, **options: Any) -> Any:
         await self._gate.acquire()
         try:
-            task = asyncio.ensure_future(super().execute_command(*args, **options))  # type: ignore[misc]
+            task = asyncio.ensure_future(self._command(*args, **options))
         except BaseException:
             self._gate.release()
             raise
@@ -215,10 +221,26 @@ class _Gated:
             task.cancel()
             raise
 
+    async def _command(self, *args: Any, **options: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **options)  # type: ignore[misc]
+        except FAILURES:
+            raise
+        except Exception as exc:
+            raise _client_failure(exc) from exc
+
     def _ended(self, task: asyncio.Future[Any]) -> None:
         self._gate.release()
         if not task.cancelled():
             task.exception()  # an abandoned command's failure was already its caller's timeout
+
+
+def _client_failure(exc: Exception) -> RedisConnectionError:
+    """A failure of the client itself, as a store failure (callers fail open): redis-py's
+    Sentinel and Cluster clients race with their own reconnects while a master fails over (a
+    command sent on a connection another task just closed: AttributeError on its writer; a slot
+    looked up while the topology is re-read: KeyError)."""
+    return RedisConnectionError(f"the Redis client failed: {type(exc).__name__}: {exc}")
 
 
 class _GatedRedis(_Gated, Redis):  # type: ignore[misc]  # redis-py's own bases disagree
