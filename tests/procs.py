@@ -67,9 +67,15 @@ def shared_redis(db: int) -> redis.Redis:
 
 def needs_redis_server() -> str:
     """The path of redis-server; redis_missing() when it is not installed."""
-    exe = shutil.which("redis-server")
+    return needs_tool("redis-server")
+
+
+def needs_tool(name: str) -> str:
+    """The path of the program `name` (redis-server, redis-cli, openssl); redis_missing() (a skip,
+    or a failure under CI) when it is not installed."""
+    exe = shutil.which(name)
     if exe is None:
-        redis_missing("redis-server is not installed")
+        redis_missing(f"{name} is not installed")
     return exe
 
 

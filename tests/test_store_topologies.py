@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -31,7 +30,7 @@ from gateway.store.redis_store import RedisStore
 from gateway.store.target import Topology, parse_target
 from gateway.tenants.quota_counters import Ask, Scope, Settle
 from tests.conftest import simple_policy
-from tests.procs import free_port, needs_redis_server, redis_server, serve
+from tests.procs import free_port, needs_redis_server, needs_tool, redis_server, serve
 from tests.redis_topology import redis_cluster, redis_sentinel
 
 # ------------------------------------------------------------------------------------------- URLs
@@ -345,10 +344,7 @@ def _certs(d: Path) -> dict[str, str]:
 @asynccontextmanager
 async def _tls_redis(d: Path) -> AsyncIterator[tuple[str, dict[str, str]]]:
     """A redis-server that speaks only TLS and wants a client certificate."""
-    if shutil.which("openssl") is None:  # as for redis-server: a skip here, a failure under CI
-        if os.environ.get("CI"):
-            pytest.fail("openssl is needed to make the test's certificates")
-        pytest.skip("openssl is not installed")
+    needs_tool("openssl")  # as for redis-server: a skip here, a failure under CI
     certs = _certs(d)
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
