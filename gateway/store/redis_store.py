@@ -4,8 +4,9 @@ failure turned into StoreError so callers fail open. Multi-key scripts keep thei
 hash slot (a `{tag}` in each name), so they run on a Cluster too.
 
 Reconnecting needs no supervisor: a dead pooled connection is dropped and the next call opens a
-fresh one. The connect timeout equals the call timeout, so while Redis is down each call fails in
-about `timeout_ms` (a refused connect fails at once) rather than waiting seconds for a socket.
+fresh one. Each call is bounded by its own timeout (asyncio.timeout), so while Redis is down or
+stalled it fails in about `timeout_ms` (a refused connect fails at once) rather than waiting
+seconds for a socket.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class RedisStore:
         self._redis = connect(url, tls, timeout_s=self._timeout_s, max_connections=max_connections, name=f"gw-{role}-{pid}")
         self._delete_if = self._redis.register_script(_DELETE_IF)  # EVALSHA, as the quota scripts below
         # Quotas get their own pool and a longer bound: a cache lookup that is slow is a miss,
-        # but a quota decision that gives up falls back to per-replica counters, which are not
+        # but a quota decision that gives up falls back to this process's own counters, which are not
         # exact across replicas. A Redis that is down still fails at once (connection refused).
         self._quota_timeout_s = quota_timeout_ms / 1000
         # (A store that holds no quotas, the Responses records', sends any on its own pool.)
