@@ -31,13 +31,12 @@ import hashlib
 import re
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,8 +45,8 @@ import aiohttp
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._procs import ROOT, free_port, start, stop, wait_http  # noqa: E402
-from tests.procs import redis_server  # noqa: E402
+from bench._procs import free_port, start, stop, wait_http  # noqa: E402
+from tests.procs import redis_server, serve  # noqa: E402
 from tests.redis_topology import redis_cluster, redis_sentinel  # noqa: E402
 
 MAIN, CAPPED = "sk-bench-main", "sk-bench-capped"
@@ -78,29 +77,17 @@ async def _gateways(tmp: Path, up: int, url: str, replicas: int, workers: int) -
     """`replicas` x `gateway serve --workers N` on the store at `url`; their base URLs."""
     pol = tmp / f"policy-{secrets.token_hex(3)}.yaml"
     pol.write_text(_policy(up, url, replicas))
-    procs, urls = [], []
-    try:
-        for _ in range(replicas):
-            port = free_port()
-            log = tmp / f"gateway-{port}.log"  # a file: a chatty gateway never blocks on a full pipe
-            with log.open("wb") as err:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "gateway", "serve", "--policy", str(pol), "--port", str(port), "--workers", str(workers)],
-                    cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                ))  # fmt: skip
-            urls.append(f"http://127.0.0.1:{port}")
-        for u, p in zip(urls, procs, strict=True):
-            log = tmp / f"gateway-{u.rsplit(':', 1)[1]}.log"
-            await asyncio.to_thread(wait_http, u + "/readyz", 90, p, lambda log=log: log.read_text()[-3000:])
-        yield urls
-    finally:
-        for p in procs:
-            stop(p)
-        for log in sorted(tmp.glob("gateway-*.log")):  # an internal error's cause, before the logs go
-            text = log.read_text(errors="replace")
-            if "Traceback" in text:
-                print(f"{log.name}: " + text[text.index("Traceback"):][:2500], file=sys.stderr)
-                break
+    async with AsyncExitStack() as stack:
+        gws = [await stack.enter_async_context(serve(pol, tmp, "--workers", str(workers), ready="/readyz", wait_s=90))
+               for _ in range(replicas)]
+        try:
+            yield [g.url for g in gws]
+        finally:
+            for g in gws:
+                await g.stop()
+                text = g.log.read_text(errors="replace")
+                if "Traceback" in text:  # an internal error's cause, before the logs go
+                    print(f"{g.log.name}: " + text[text.index("Traceback"):][:2500], file=sys.stderr)
 
 
 @dataclass

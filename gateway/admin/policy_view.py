@@ -4,16 +4,15 @@ checked with the same path-named errors and warnings as `gateway check`."""
 from __future__ import annotations
 
 import os
-import re
 from typing import Any
 
 from ..config.policy import Policy, PolicyError, parse_policy
+from ..store.target import hide_password
 from ..tenants.auth import key_warnings
 
 __all__ = ["redacted", "check_text", "env_warnings"]
 
 _DIGEST_FIELDS = ("key_sha256", "viewer_key_sha256")
-_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", re.I)
 
 
 def redacted(policy: Policy) -> dict[str, Any]:
@@ -30,7 +29,7 @@ def _walk(v: Any) -> Any:
     if isinstance(v, list):
         return [_walk(x) for x in v]
     if isinstance(v, str):
-        return _USERINFO.sub(r"\1<redacted>@", v)
+        return hide_password(v)
     return v
 
 

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote
 
-__all__ = ["Topology", "Target", "parse_target"]
+__all__ = ["Topology", "Target", "parse_target", "hide_password"]
 
 
 class Topology(enum.Enum):
@@ -33,6 +33,7 @@ class Target:
 
 
 _MULTI = re.compile(r"^(redis|rediss)\+(sentinel|cluster)://(?:(?P<auth>[^@/]*)@)?(?P<hosts>[^/?#]+)(?P<path>/[^?#]*)?(?:\?(?P<query>[^#]*))?$")
+_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", re.I)
 _OWNED = {"max_connections", "socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
           "client_name", "health_check_interval"}
 _DEFAULT_PORT = {Topology.SENTINEL: 26379, Topology.CLUSTER: 6379}
@@ -56,7 +57,7 @@ def parse_target(url: str) -> Target:
     if m is None:
         raise ValueError(
             f"must be a redis://, rediss://, unix://, redis+sentinel://host:port,.../service or "
-            f"redis+cluster://host:port,... URL (rediss+ for TLS), got {_hide(url)!r}"
+            f"redis+cluster://host:port,... URL (rediss+ for TLS), got {hide_password(url)!r}"
         )
     topology = Topology.SENTINEL if m.group(2) == "sentinel" else Topology.CLUSTER
     username = password = None
@@ -68,12 +69,12 @@ def parse_target(url: str) -> Target:
     service, db = "", 0
     if topology is Topology.SENTINEL:
         if not parts or len(parts) > 2:
-            raise ValueError(f"a Sentinel URL names its service after the hosts (…/mymaster or …/mymaster/0), got {_hide(url)!r}")
+            raise ValueError(f"a Sentinel URL names its service after the hosts (…/mymaster or …/mymaster/0), got {hide_password(url)!r}")
         service = unquote(parts[0])
         if len(parts) == 2:
             db = _int(parts[1], "database", url)
     elif parts:
-        raise ValueError(f"a Cluster URL has no path (a cluster has one database), got {_hide(url)!r}")
+        raise ValueError(f"a Cluster URL has no path (a cluster has one database), got {hide_password(url)!r}")
     if m.group("query"):
         raise ValueError(f"options of {m.group(1)}+{m.group(2)}:// go in the policy's `store` section, not the URL: {sorted(parse_qs(m.group('query')))}")
     return Target(topology, url, m.group(1) == "rediss", hosts, service, db, username, password)
@@ -84,7 +85,7 @@ def _host(text: str, default_port: int, url: str) -> tuple[str, int]:
     if not sep:
         host, port = text.strip(), str(default_port)
     if not host:
-        raise ValueError(f"empty host in {_hide(url)!r}")
+        raise ValueError(f"empty host in {hide_password(url)!r}")
     return host.strip("[]"), _int(port, "port", url)
 
 
@@ -92,11 +93,13 @@ def _int(text: str, what: str, url: str) -> int:
     try:
         v = int(text)
     except ValueError:
-        raise ValueError(f"{what} {text!r} is not a number in {_hide(url)!r}") from None
+        raise ValueError(f"{what} {text!r} is not a number in {hide_password(url)!r}") from None
     if v < 0:
-        raise ValueError(f"{what} {text!r} is negative in {_hide(url)!r}")
+        raise ValueError(f"{what} {text!r} is negative in {hide_password(url)!r}")
     return v
 
 
-def _hide(url: str) -> str:
-    return re.sub(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", r"\1<redacted>@", url, flags=re.I)
+def hide_password(url: str) -> str:
+    """`url` with the credentials before its `@` replaced (`redis://:secret@h` -> `redis://<redacted>@h`):
+    for errors, logs and the admin plane's view of the policy."""
+    return _USERINFO.sub(r"\1<redacted>@", url)
