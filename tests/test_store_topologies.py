@@ -105,7 +105,9 @@ async def _exercise(url: str) -> None:
     """Every Redis client of the gateway, on the store at `url`: the Store (cache entries across
     slots, locks, quotas with two scopes), the keys, the request log, and the reload channel."""
     prefix = f"t{secrets.token_hex(3)}:"
-    store = RedisStore(url, timeout_ms=500, quota_timeout_ms=500, max_connections=4, prefix=prefix)
+    # Generous timeouts: this checks that each call works on the topology, not how fast; a fresh
+    # Cluster client's first call also reads the slots and loads the script (slow on a busy CI).
+    store = RedisStore(url, timeout_ms=3000, quota_timeout_ms=3000, max_connections=4, prefix=prefix)
     keys = RedisKeyStore(url, prefix=prefix)
     log = RedisLogStore(url, 100, prefix=prefix)
     try:
