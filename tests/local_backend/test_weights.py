@@ -10,6 +10,7 @@ from local_backend.llama.weights import (
     Int4Linear,
     Int8Linear,
     W8A8Linear,
+    _onednn_int8,
     dequantized,
     make_embedding,
     quantize_int4,
@@ -96,9 +97,20 @@ def test_w8a8_kernels_give_the_same_bits(weight: torch.Tensor, residual_pass: bo
     # oneDNN's packed int8 matmul and torch._int_mm both sum int32 exactly: the same fp32 out.
     x = torch.randn(9, 128).bfloat16()
     fallback = W8A8Linear(weight, residual_pass=residual_pass, onednn=False)(x)
-    if torch.backends.mkldnn.is_available():
+    if _onednn_int8():  # the CPUs oneDNN's int8 kernel is used on (exact: VNNI or AMX)
         assert torch.equal(W8A8Linear(weight, residual_pass=residual_pass, onednn=True)(x), fallback)
     assert fallback.dtype == torch.float32 and fallback.shape == (9, 96)
+
+
+def test_onednn_int8_only_where_it_sums_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without VNNI (or AMX) oneDNN's u8 x s8 kernel saturates pairs of products at 16 bits (AVX2's
+    # vpmaddubsw): W8A8Linear then takes torch._int_mm, whatever the CPU it runs on.
+    import local_backend.llama.weights as w
+
+    monkeypatch.setattr(w, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert not w._onednn_int8() and W8A8Linear(torch.randn(8, 64)).qweight_t is not None
+    monkeypatch.setattr(w, "cpu_flags", lambda: frozenset({"avx2", "avx512_vnni"}))
+    assert w._onednn_int8() == (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise"))
 
 
 def test_w8a8_residual_pass_is_close_to_the_weight_only_result(weight: torch.Tensor) -> None:
