@@ -67,7 +67,7 @@ class Gateway:
     async def relay(self, body: dict[str, Any]) -> tuple[Call, RecordingSink, Relay]:
         """The relay alone, after intake (what the pipeline runs once a request is admitted)."""
         call, sink = self.call(body), RecordingSink()
-        route, _tenant = intake(call, self.rt)
+        route, _tenant = await intake(call, self.rt)
         relay = Relay(call, route, self.ctx, sink)
         await relay.run(shed=False)
         return call, sink, relay

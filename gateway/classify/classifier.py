@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -23,7 +24,7 @@ import orjson
 
 from gateway.classify.features import MODEL_FEATURES, extract, hash_index
 
-__all__ = ["Classifier", "Rules", "Verdict", "DEFAULT_WEIGHTS", "WEIGHTS_FORMAT"]
+__all__ = ["Classifier", "Rules", "Stage", "Verdict", "read_json", "DEFAULT_WEIGHTS", "WEIGHTS_FORMAT"]
 
 DEFAULT_WEIGHTS = Path(__file__).with_name("weights.json")
 WEIGHTS_FORMAT = "gateway-classifier/1"
@@ -40,6 +41,15 @@ class Rules:
     complex_over_max_tokens: int | None = None      # requested max_tokens above this
 
 
+class Stage(StrEnum):
+    """What decided a request's class (explain's `stage`, gateway_classifier_decisions_total)."""
+
+    RULE = "rule"          # a rule forced complex (tools, a long prompt, ...)
+    LEXICAL = "lexical"    # the lexical score: outside the cascade's uncertain band, or alone
+    ENCODER = "encoder"    # inside the band: the encoder's score blended with the lexical one
+    DEADLINE = "deadline"  # inside the band, the encoder too late or too busy: complex (recall first)
+
+
 @dataclass(frozen=True, slots=True)
 class Verdict:
     """The classifier's answer for one request, with what decided it."""
@@ -50,6 +60,9 @@ class Verdict:
     rule: str | None        # the rule that forced the class, if any
     features: dict[str, float | int | str | bool]
     reasons: list[str] = field(default_factory=list)
+    stage: Stage = Stage.LEXICAL
+    lexical_score: float | None = None  # set when a later stage decided (score is then its own)
+    encoder_score: float | None = None
 
 
 # Labels for reasons; a feature without one is not worth naming to an operator.
@@ -119,13 +132,7 @@ class Classifier:
         """Load a weights file (None: the one shipped with the package). Raises ValueError
         naming the file and the problem when it is missing or malformed."""
         p = Path(path) if path is not None else DEFAULT_WEIGHTS
-        try:
-            doc = orjson.loads(p.read_bytes())
-        except OSError as e:
-            raise ValueError(f"classifier weights {p}: cannot read: {e.strerror or e}") from e
-        except orjson.JSONDecodeError as e:
-            raise ValueError(f"classifier weights {p}: not valid JSON: {e}") from e
-        return cls.from_dict(doc, source=str(p))
+        return cls.from_dict(read_json(p, "classifier weights"), source=str(p))
 
     @classmethod
     def from_dict(cls, doc: Any, *, source: str = "<dict>") -> Classifier:
@@ -189,7 +196,18 @@ class Classifier:
 
         rule = _forced(ext.features, rules)
         cls = COMPLEX if rule is not None or score >= thr else SIMPLE
-        return Verdict(cls, score, thr, rule, f, _reasons(cls, rule, contribs, term_contribs))
+        return Verdict(cls, score, thr, rule, f, _reasons(cls, rule, contribs, term_contribs),
+                       Stage.LEXICAL if rule is None else Stage.RULE)
+
+
+def read_json(p: Path, what: str) -> Any:
+    """A JSON file's document; ValueError naming `what`, the file and the problem otherwise."""
+    try:
+        return orjson.loads(p.read_bytes())
+    except OSError as e:
+        raise ValueError(f"{what} {p}: cannot read: {e.strerror or e}") from e
+    except orjson.JSONDecodeError as e:
+        raise ValueError(f"{what} {p}: not valid JSON: {e}") from e
 
 
 def _is_number(x: Any) -> TypeGuard[float]:

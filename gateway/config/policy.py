@@ -285,6 +285,24 @@ class ClassifierRulesPolicy(_Section):
     complex_over_max_tokens: int | None = Field(None, gt=0)
 
 
+class EncoderPolicy(_Section):
+    """The classifier cascade's second stage (gateway/classify/cascade.py): a small encoder that
+    decides the requests the lexical scorer is unsure of. Loaded once per process, at start (a
+    change here takes a restart); `deadline_ms` applies on reload."""
+
+    # None ("auto"): on when torch, tokenizers and safetensors are installed (the `local` extra),
+    # else the lexical scorer alone and a log line; true: a missing install or bad weights is
+    # logged as an error (the lexical scorer still decides); false: never loaded.
+    enabled: bool | None = None
+    weights_dir: str | None = None  # None: the shipped encoder (gateway/classify/encoder/)
+    # An uncertain request the encoder has not scored by then goes to `complex` (recall first).
+    deadline_ms: float = Field(12.0, gt=0, le=10_000)
+    max_batch: int = Field(8, ge=1, le=256)  # requests scored together (one forward pass)
+    max_waiting: int = Field(64, ge=1, le=100_000)  # more waiting: `complex` at once, not queued
+    threads: int = Field(1, ge=1, le=256)  # torch's threads for the encoder (CPU)
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when torch sees one
+
+
 class ClassifierPolicy(_Section):
     # The complex recall to aim for: the threshold is the one the weights file tabulates for it,
     # measured on leave-one-source-out scores (so on sources the model never saw). Recall first:
@@ -294,6 +312,7 @@ class ClassifierPolicy(_Section):
     weights_file: str | None = None  # None: the shipped weights
     rules: ClassifierRulesPolicy = ClassifierRulesPolicy()
     classify_all: bool = False  # also classify models that do not route by class (for metrics/headers)
+    encoder: EncoderPolicy = EncoderPolicy()
 
 
 class LimitsPolicy(_Section):

@@ -8,13 +8,18 @@ backends it shares with the running one (health thresholds, slots) apply once, a
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..admission.gate import reserve_slots
 from ..cache.core import Cache, cache_key, cacheable_request
-from ..classify.classifier import Classifier, Rules, Verdict
+from ..classify.cascade import Cascade, EncoderWorker, band_for
+from ..classify.classifier import DEFAULT_WEIGHTS, Classifier, Rules, Verdict
+from ..classify.encoder_meta import meta_of
 from ..errors import BadRequest, ModelNotFound
 from ..pipeline.call import CacheResult, Call
 from ..responses.affinity import Affinity
@@ -43,6 +48,8 @@ from .policy import (
 
 __all__ = ["Runtime", "Route", "Pool", "HedgeBudget", "CachePlan", "build_runtime", "open_store"]
 
+
+log = logging.getLogger("gateway.runtime")
 
 _UNCLASSIFIED = Verdict("complex", 0.0, 1.0, None, {}, ["not classified: this model does not route by class"])
 
@@ -163,6 +170,7 @@ class Runtime:
         stores: dict[StorePolicy, Store] | None = None,
         slot_limits: dict[str, int] | None = None,
         prefixes: PrefixMap | None = None,
+        cascade: Cascade | None = None,
     ) -> None:
         self.policy = policy
         self.prefixes = prefixes if prefixes is not None else PrefixMap()
@@ -189,6 +197,7 @@ class Runtime:
         self.threshold = cp.threshold if cp.threshold is not None \
             else classifier.threshold_for_recall(cp.complex_recall_target)
         self.classify_all = cp.classify_all
+        self.cascade = cascade if cascade is not None else Cascade(None, None, 0.0)
         self.rules = Rules(**cp.rules.model_dump())
         self.cache = cache
         self.quota = quota  # None: no tenant has limits
@@ -347,11 +356,37 @@ class Runtime:
         threshold = route.threshold if route.threshold is not None else self.threshold
         return self.classifier.classify(call.endpoint.classify_view(call.body), threshold=threshold, rules=self.rules)
 
+    def uncertain(self, v: Verdict, route: Route) -> bool:
+        """Whether the cascade's encoder decides `v`: a lexical score in the uncertain band, on a
+        route without a threshold of its own (an explicit threshold is the lexical scorer's)."""
+        return route.threshold is None and self.cascade.uncertain(v)
+
     def route(self, model: str) -> Route:
         route = self.routes.get(model)
         if route is None:
             raise ModelNotFound(f"the model {model!r} does not exist", param="model")
         return route
+
+
+def _cascade(policy: Policy, encoder: EncoderWorker | None) -> Cascade:
+    """The cascade for `policy`: the band encoder.json gives for its recall target, when the
+    encoder is on and some route classifies. None (the lexical scorer alone) under an explicit
+    `classifier.threshold`, or lexical weights other than those the band was calibrated on.
+    Raises ValueError for an encoder folder whose encoder.json is unreadable or malformed."""
+    cp = policy.classifier
+    ep = cp.encoder
+    classifies = cp.classify_all or any(r.backends is None for r in policy.models.values())
+    if ep.enabled is False or not classifies or cp.threshold is not None:
+        return Cascade(None, None, 0.0)
+    folder = Path(ep.weights_dir) if ep.weights_dir else None
+    meta = meta_of(folder)
+    band = band_for(meta, cp.complex_recall_target)
+    lexical = Path(cp.weights_file) if cp.weights_file else DEFAULT_WEIGHTS
+    if meta.get("lexical_sha256") != hashlib.sha256(lexical.read_bytes()).hexdigest():
+        log.warning("classifier: the encoder's band was calibrated on other lexical weights than %s: "
+                    "the lexical scorer decides alone", lexical)
+        return Cascade(None, None, 0.0)
+    return Cascade(encoder, band, ep.deadline_ms / 1000)
 
 
 def _serves(b: Backend, codec: Endpoint) -> bool:
@@ -385,6 +420,7 @@ def build_runtime(
     on_affinity: Callable[[str, str], None] | None = None,
     slot_share: Callable[[int], int] | None = None,
     prefixes: PrefixMap | None = None,
+    encoder: EncoderWorker | None = None,
 ) -> Runtime:
     """Build a complete Runtime from `policy`, changing nothing live: backend measurements carry
     over from `states` (by name) and stores from `stores` (a store is reused while its settings
@@ -404,6 +440,7 @@ def build_runtime(
         backends[name] = Backend(name, bp, state)
     # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
     classifier = Classifier.load(policy.classifier.weights_file)
+    cascade = _cascade(policy, encoder)
     registry: Mapping[StorePolicy, Store] = stores if stores is not None else {}
     used: dict[StorePolicy, Store] = {}
 
@@ -430,7 +467,7 @@ def build_runtime(
     affinity = _affinity(policy, store_of(record_sp, "records"), on_affinity)
     share = slot_share if slot_share is not None else (lambda n: n)
     slot_limits = {name: share(bp.max_concurrency) for name, bp in policy.backends.items()}
-    return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits, prefixes)
+    return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits, prefixes, cascade)
 
 
 def _affinity(policy: Policy, store: Store, on_event: Callable[[str, str], None] | None) -> Affinity:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 from ..admission.gate import BANDS
+from ..classify.classifier import Stage
 
 if TYPE_CHECKING:
     from ..admission.gate import Admission
@@ -26,6 +27,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2.5)
 _SHED_REASONS = ("queue_full", "deadline", "expired", "standing_queue")
 _QUOTA_LIMITS = ("rpm", "tpm", "concurrency", "tokens_per_day", "spend_per_day_usd")
+_ENCODER_BUCKETS = (0.001, 0.002, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1)
 _QUEUE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
 
@@ -46,6 +48,7 @@ class Metrics:
         self.stages = {s: self.stage.labels(s) for s in STAGES}
         self.lookup = {res: self.cache_lookups.labels(res) for res in ("hit", "miss", "bypass")}
         self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
+        self.per_stage = {s: self.classifier_decisions.labels(s.value) for s in Stage}
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
@@ -129,6 +132,14 @@ class Metrics:
         )
         self.classified = Counter(
             "gateway_classified", "Requests per class from the classifier", ["class"], registry=r
+        )
+        self.classifier_decisions = Counter(
+            "gateway_classifier_decisions", "Classified requests by the cascade stage that decided: rule, lexical, "
+            "encoder, deadline (the encoder too late or too busy: complex)", ["stage"], registry=r,
+        )
+        self.classifier_encoder_seconds = Histogram(
+            "gateway_classifier_encoder_seconds", "What an uncertain request waited for the classifier's encoder "
+            "(queue and scoring; a deadline ends it)", buckets=_ENCODER_BUCKETS, registry=r,
         )
         self.hedges = Counter(
             "gateway_hedges", "Hedged requests: started, won (the hedge answered first), lost, budget_exhausted, no_candidate",

@@ -246,6 +246,7 @@ def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
         "endpoint": call.endpoint.name,
         "model": call.model,
         "class": call.cls,
+        "class_stage": None if call.cls == "none" or call.verdict is None else call.verdict.stage,  # what decided it
         "backend": call.out.backend,
         "attempts": call.out.attempts,
         "cache": call.cache.result,

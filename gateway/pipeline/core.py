@@ -53,7 +53,7 @@ class Pipeline:
     async def run(self, call: Call, rt: Runtime, sink: Sink) -> None:
         """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
         try:
-            route, tenant = intake(call, rt)
+            route, tenant = await intake(call, rt)
             async with self.quota.hold(rt, call, tenant, sink):
                 self._announce(call, sink)
                 pinned = await _pin(call, route, rt, tenant, learn=True)
@@ -84,7 +84,7 @@ class Pipeline:
     async def explain(self, call: Call, rt: Runtime) -> dict[str, Any]:
         """What the gateway would do with this request: the same stages, calling no backend and
         taking nothing (no quota, no admission, no flight)."""
-        route, tenant = intake(call, rt)
+        route, tenant = await intake(call, rt)
         pinned = await _pin(call, route, rt, tenant, learn=False)
         route = route if pinned is None else pinned.route
         ticket = call.ticket if call.ticket is not None else Ticket()
@@ -104,6 +104,8 @@ class Pipeline:
         if call.cls != "none":
             sink.set_header("x-gateway-class", call.cls)
             self.ctx.metrics.per_class[call.cls].inc()
+            if call.verdict is not None:
+                self.ctx.metrics.per_stage[call.verdict.stage].inc()
 
 
 async def _pin(call: Call, route: Route, rt: Runtime, tenant: Tenant, *, learn: bool) -> Pinned | None:

@@ -7,6 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..admission.gate import Ticket
+from ..classify.classifier import Stage
 from ..config.runtime import Route, Runtime
 from ..routing.prefix import prefix_keys
 from ..tenants.auth import Tenant
@@ -27,9 +28,10 @@ def parse(call: Call) -> None:
     call.asked.priority = asked_band(call.asked.priority, body)
 
 
-def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
+async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     """The request's tenant and route, its class and its ticket; raises the GatewayError that
-    refuses it (Unauthorized, BadRequest, Forbidden, NotFound)."""
+    refuses it (Unauthorized, BadRequest, Forbidden, NotFound). Waits only for the classifier's
+    encoder, on a request the lexical scorer is unsure of (bounded by its deadline)."""
     tenant = rt.tenants.authenticate(call.api_key)
     call.tenant = tenant
     parse(call)
@@ -40,7 +42,10 @@ def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     route = rt.route(call.model)
     call.prompt_tokens = len(call.raw) // 4  # cheap; the classifier's estimate replaces it when it runs
     if call.endpoint.classifies:
-        call.verdict = verdict = rt.classify(call, route)
+        verdict = rt.classify(call, route)
+        if rt.uncertain(verdict, route):
+            verdict = await rt.cascade.decide(verdict, call.endpoint.classify_view(call.body))
+        call.verdict = verdict
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
             call.prompt_tokens = estimate
@@ -64,7 +69,7 @@ def _prefix(call: Call, route: Route, tenant: Tenant) -> None:
     if v is None or v.cls != "simple" or not route.split or not pa.sticky_class or route.prefixes is None:
         return
     if route.prefixes.previous_class(keys) == "complex":
-        call.verdict = replace(v, cls="complex", rule=v.rule or "sticky_class",
+        call.verdict = replace(v, cls="complex", rule=v.rule or "sticky_class", stage=Stage.RULE,
                                reasons=[*v.reasons, "sticky: an earlier turn of this conversation was answered as complex"])
 
 
@@ -93,8 +98,12 @@ def verdict_view(call: Call, tenant: Tenant) -> dict[str, Any]:
         "priority_ceiling": tenant.priority,  # the tenant's `priority`: the most a request may ask for
         "service_tier_upstream": call.body.get("service_tier"),  # what a backend would be sent (None: none)
         "class": call.cls if v is None else v.cls,
+        # which stage decided (rule, lexical, encoder, deadline), and that stage's score
+        "stage": None if v is None or not v.features else v.stage.value,
         "score": None if v is None else round(v.score, 4),
         "threshold": None if v is None else round(v.threshold, 4),
+        "lexical_score": None if v is None else round(v.score if v.lexical_score is None else v.lexical_score, 4),
+        "encoder_score": None if v is None or v.encoder_score is None else round(v.encoder_score, 4),
         "rule": None if v is None else v.rule,
         "reasons": call.reasons if v is None else v.reasons,
         "features": {} if v is None else v.features,

@@ -16,6 +16,7 @@ from ..observe.metrics import refresh_gauges
 from ..observe.observer import server_timing
 from ..process.control import ControlError, ask
 from ..admin.api import reads, routes as admin_routes, writes
+from ..classify.cascade import EncoderState
 from ..console.routes import routes as console_routes
 from ..messages.api import routes as messages_extra
 from ..responses.api import routes as responses_by_id
@@ -23,7 +24,7 @@ from ..routing.selector import usable
 from ..wire.codec import Endpoint
 from ..wire.endpoints import ENDPOINTS, explained
 from .http_call import accounted, api_key, body_if_authenticated, error_response, json_response, new_call, request_id
-from .keys import ADMISSION, DRAIN, LIVE, LOOPBACK, METRICS, PEERS, PIPELINE, RELOADER, WORKER
+from .keys import ADMISSION, DRAIN, ENCODER, LIVE, LOOPBACK, METRICS, PEERS, PIPELINE, RELOADER, WORKER
 from .sink import HttpSink
 
 __all__ = ["backends_view", "routes"]
@@ -111,17 +112,24 @@ async def readyz(request: web.Request) -> web.Response:
     ]
     # Launched models not up yet, each with why: starting, or a failed launch and when it is retried.
     not_ready = {b.name: b.health.starting_reason() for b in rt.backends.values() if not b.health.ready}
+    # The classifier's encoder still loading: requests would be classified by the lexical scorer
+    # alone for a second or two, so a load balancer waits (a failed load does not hold it back).
+    encoder = request.app[ENCODER]
+    loading = rt.cascade.band is not None and encoder.state is EncoderState.LOADING
     body: dict[str, object] = {
-        "status": "not ready" if unserved else "ready",
+        "status": "not ready" if unserved or loading else "ready",
         "policy_generation": rt.generation,
         "healthy_backends": healthy,
         "models_without_backend": unserved,
         "backends_not_ready": not_ready,
+        "classifier_encoder": encoder.state.value if rt.cascade.band is not None else EncoderState.OFF.value,
     }
     if unserved:
         why = "".join(f"; {name}: {reason}" for name, reason in not_ready.items())
         body["detail"] = "no usable backend (starting, or none configured) for: " + ", ".join(unserved) + why
-    return json_response(body, status=503 if unserved else 200)
+    elif loading:
+        body["detail"] = "the classifier's encoder is loading"
+    return json_response(body, status=503 if unserved or loading else 200)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -18,6 +18,7 @@ from ..admin.relayed import RelayedKeyStore, RelayedLogStore
 from ..admin.log_store import LogStore, MemoryLogStore, RedisLogStore
 from ..admin.request_log import RequestLog
 from ..admission.gate import Admission
+from ..classify.cascade import EncoderWorker
 from ..config.policy import LaunchPolicy, Policy, StorePolicy, VirtualKeysPolicy, load_policy
 from ..config.reload import Live, Reloader
 from ..config.runtime import Runtime, build_runtime
@@ -41,7 +42,7 @@ from ..upstream.client import UpstreamPool
 from .api import backends_view, routes
 from .drain import Drain
 from .edge import handler_args
-from .keys import ADMISSION, DRAIN, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, PEERS, PIPELINE, RELAY, RELOADER, REQUEST_LOG, WORKER
+from .keys import ADMISSION, DRAIN, ENCODER, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, PEERS, PIPELINE, RELAY, RELOADER, REQUEST_LOG, WORKER
 
 __all__ = ["create_app"]
 
@@ -75,8 +76,12 @@ def create_app(
     keybook = KeyBook(_key_store(loaded, worker), loaded.admin.keys if loaded.admin else VirtualKeysPolicy())
     request_log = RequestLog(_log_store(loaded, worker), loaded.request_log,
                              on_drop=lambda reason, n: metrics.request_log_dropped.labels(reason).inc(n))
-    snapshots = _Snapshots(metrics, admission, host, worker, keybook, request_log)
-    live = Live(snapshots.build(loaded, 1), snapshots.activate)
+    # The classifier's encoder: loaded once per process, in its own thread, when a policy first
+    # needs it (a route that classifies); its settings are read at start.
+    encoder = EncoderWorker(loaded.classifier.encoder, observe=metrics.classifier_encoder_seconds.observe)
+    snapshots = _Snapshots(metrics, admission, host, worker, keybook, request_log, encoder)
+    live = Live(snapshots.build(loaded, 1), snapshots.activate)  # loads the encoder here, if needed
+    snapshots.started = True
 
     def set_state(name: str, state: LaunchState) -> None:
         b = live.runtime.backends.get(name)
@@ -98,6 +103,7 @@ def create_app(
     app[OBSERVER] = Observer(metrics, force_access_log=access_log)
     app[KEYBOOK] = keybook
     app[REQUEST_LOG] = request_log
+    app[ENCODER] = encoder
     app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap)
     app.add_routes(routes())
     _lifecycle(app, children, live, snapshots.stores, worker)
@@ -110,9 +116,10 @@ class _Snapshots:
     force (Runtime.activate), never while it is built."""
 
     def __init__(self, metrics: Metrics, admission: Admission, host: str | None, worker: WorkerInfo | None,
-                 keys: KeyBook, request_log: RequestLog) -> None:
+                 keys: KeyBook, request_log: RequestLog, encoder: EncoderWorker) -> None:
         self.metrics, self.admission, self.host, self.worker = metrics, admission, host, worker
-        self.keys, self.request_log = keys, request_log
+        self.keys, self.request_log, self.encoder = keys, request_log, encoder
+        self.started = False  # the first runtime is in force (later ones come from reloads)
         self.states: dict[str, BackendState] = {}
         self.stores: dict[StorePolicy, Store] = {}
         self.prefixes = PrefixMap()  # learned prefix -> backend, kept across reloads like the states
@@ -131,6 +138,7 @@ class _Snapshots:
             # max_concurrency holds across the workers: each its share
             slot_share=lambda limit: share(limit, worker),
             prefixes=self.prefixes,
+            encoder=self.encoder,
         )
         rt.tenants.keys = self.keys  # virtual keys authenticate too (one book for the app's life)
         return rt
@@ -144,6 +152,8 @@ class _Snapshots:
         self.metrics.zero_series(sorted({rt.tenants.metric_label(t) for t in rt.policy.tenants}))
         self.keys.policy = rt.policy.admin.keys if rt.policy.admin else VirtualKeysPolicy()
         self.request_log.configure(rt.policy.request_log)
+        if rt.cascade.band is not None:  # the first policy that needs it (idempotent): at start,
+            self.encoder.start(block=not self.started)  # before the port opens; on a reload, in its thread
 
 
 def _key_store(policy: Policy, worker: WorkerInfo | None) -> KeyStore:
@@ -179,6 +189,7 @@ def _lifecycle(app: web.Application, children: Children, live: Live, stores: dic
     app.cleanup_ctx.append(_probes)
     app.cleanup_ctx.append(_observer)
     app.cleanup_ctx.append(_admin_plane)
+    app.cleanup_ctx.append(_encoder)
 
 
 def _apply(health: Health, state: LaunchState) -> None:
@@ -275,6 +286,11 @@ async def _observer(app: web.Application) -> AsyncIterator[None]:
     app[OBSERVER].start(app[LIVE].runtime.policy)
     yield
     app[OBSERVER].close()
+
+
+async def _encoder(app: web.Application) -> AsyncIterator[None]:
+    yield
+    await asyncio.to_thread(app[ENCODER].close)  # ends after its batch in progress
 
 
 async def _admin_plane(app: web.Application) -> AsyncIterator[None]:

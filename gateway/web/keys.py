@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from ..admin.keys import KeyBook
     from ..admin.request_log import RequestLog
     from ..admission.gate import Admission
+    from ..classify.cascade import EncoderWorker
     from ..config.reload import Live, Reloader
     from ..observe.metrics import Metrics
     from ..observe.observer import Observer
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from ..relay.context import RelayContext
     from .drain import Drain
 
-__all__ = ["ADMISSION", "DRAIN", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "RELAY", "RELOADER",
+__all__ = ["ADMISSION", "DRAIN", "ENCODER", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "RELAY", "RELOADER",
            "REQUEST_LOG", "WORKER"]
 
 LIVE: web.AppKey["Live"] = web.AppKey("live")
@@ -38,3 +39,5 @@ LOOPBACK: web.AppKey[bool] = web.AppKey("loopback", bool)
 # The admin plane's: virtual keys (admin/keys.py) and the request log (admin/request_log.py).
 KEYBOOK: web.AppKey["KeyBook"] = web.AppKey("keybook")
 REQUEST_LOG: web.AppKey["RequestLog"] = web.AppKey("request_log")
+# The classifier cascade's encoder (classify/cascade.py): one per process, loaded in the background.
+ENCODER: web.AppKey["EncoderWorker"] = web.AppKey("encoder")
