@@ -54,6 +54,10 @@ def _policy(local: Any, provider: Any, big: Any | None = None, *, routing: dict[
                             "complex": complex_pool or [big.name if big is not None else provider.name]}},
         "reload": {"watch": False},
         "cache": {"enabled": False},  # every request reaches a backend
+        # These tests are about where a class goes, so each prompt's class must not depend on this
+        # machine's load: the lexical scorer alone (the cascade's encoder has a deadline, and its
+        # own tests: test_classifier_cascade_e2e.py).
+        "classifier": {"encoder": {"enabled": False}},
         **extra,
     }
     if routing is not None:
