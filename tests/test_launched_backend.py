@@ -30,6 +30,8 @@ def _policy(port: int, model: str, served: str) -> dict:
         },
         "models": {"auto": {"simple": ["local"], "complex": ["local"]}},
         "reload": {"watch": False},
+        # launching is what these test: each gateway process spares the encoder's 2-3 s of loading
+        "classifier": {"encoder": {"enabled": False}},
     }
 
 

@@ -117,7 +117,7 @@ class _Job:
 
 
 class EncoderWorker:
-    """The app's encoder: loaded in the background, run by one thread over the requests waiting
+    """The app's encoder: loaded at start (see `start`), run by one thread over the requests waiting
     for it, as one batch each time (up to `max_batch`). At most `max_waiting` requests wait; a
     request past that is not queued (it goes to the big model), so a flood cannot grow memory
     or delay everyone behind it."""
