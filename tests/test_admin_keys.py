@@ -95,9 +95,15 @@ async def test_a_key_made_on_one_replica_works_on_every_worker_of_the_other_and_
             assert answer.choices[0].message.content
             await sdk.close()
 
-            st, listed = await _call("GET", f"{g2.url}/admin/keys?tenant=beta", V)
-            assert st == 200 and [k["id"] for k in listed["data"]] == [made["id"]]
-            row = listed["data"][0]
+            # last_used_at is written every 5 s (api.md): within that, plus a poll, on any worker
+            deadline = asyncio.get_running_loop().time() + 6.0
+            while True:
+                st, listed = await _call("GET", f"{g2.url}/admin/keys?tenant=beta", V)
+                assert st == 200 and [k["id"] for k in listed["data"]] == [made["id"]]
+                row = listed["data"][0]
+                if row["last_used_at"] is not None or asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.25)
             assert row["revoked"] is False and row["last_used_at"] is not None and row["name"] == "ci-bot"
             text = str(listed)
             assert key not in text and _sha(key) not in text  # never the secret, nor its digest
