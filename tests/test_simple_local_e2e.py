@@ -109,9 +109,10 @@ async def test_simple_prompts_go_to_the_local_model_though_a_provider_is_faster(
 
 
 async def test_routing_simple_latency_ranks_the_simple_class_by_predicted_latency(upstream, gateway):
-    # 80 ms vs 5 ms: clearly past prefix affinity's max_slowdown (3x), so a new prompt's rendezvous
-    # home is never the local one even with loopback overhead on a loaded machine.
-    local = await upstream("local", ttft_ms=80, tokens=2)
+    # 300 ms vs 5 ms: clearly past prefix affinity's max_slowdown (3x), so a new prompt's rendezvous
+    # home is never the local one even with loopback overhead on a loaded machine (80 ms was not:
+    # the provider's first sample, a new connection on a busy 2-core machine, passed 27 ms).
+    local = await upstream("local", ttft_ms=300, tokens=2)
     prov = await upstream("prov", ttft_ms=5, tokens=2)
     big = await upstream("big", ttft_ms=5, tokens=2)
     gw = await gateway(_policy(local, prov, big, routing={"simple": "latency"}))
@@ -204,7 +205,9 @@ async def test_a_simple_prompt_spills_when_the_local_model_would_miss_its_deadli
 
 async def test_complex_prompts_are_not_pulled_to_the_local_model(upstream, gateway):
     # The complex pool mixes the (slower) local model and a provider: local_first is for `simple` only.
-    local = await upstream("local", ttft_ms=80, tokens=2)
+    # 300 ms vs 5 ms: past prefix affinity's max_slowdown (3x) even when the provider's first
+    # sample is slow (as above).
+    local = await upstream("local", ttft_ms=300, tokens=2)
     prov = await upstream("prov", ttft_ms=5, tokens=2)
     gw = await gateway(_policy(local, prov, complex_pool=["local", "prov"]))
     c = gw.client()
