@@ -36,14 +36,15 @@ from gateway.classify.cascade import Cascade, EncoderWorker, band_for  # noqa: E
 from gateway.classify.classifier import Classifier, Rules, Verdict  # noqa: E402
 from gateway.classify.encoder import DEFAULT_DIR, load_meta  # noqa: E402
 from gateway.config.policy import ClassifierPolicy, EncoderPolicy  # noqa: E402
+from local_backend.llama.native import cpu_flags  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared/eval"
 NO_RULES = Rules(complex_over_prompt_tokens=None)
 
 
 def cpu() -> str:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    kind = "AVX-512" if " avx512f" in flags else ("AVX2" if " avx2" in flags else "no AVX2")
+    flags = cpu_flags()
+    kind = "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "no AVX2")
     return f"{platform.processor() or platform.machine()}, {kind}, {os.cpu_count()} cores"
 
 

@@ -11,6 +11,7 @@ microseconds, a 2,000-token prompt included (see bench/classifier.py).
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import math
 import os
@@ -101,7 +102,7 @@ class Classifier:
     """A loaded scorer. Immutable after construction; safe to share between requests."""
 
     __slots__ = ("_weights", "_bias", "_hash_dim", "_hash_weights", "default_threshold",
-                 "recall_thresholds", "metadata")
+                 "recall_thresholds", "metadata", "sha256")
 
     def __init__(self, weights: Mapping[str, float], bias: float, hash_weights: list[float],
                  threshold: float, metadata: Mapping[str, Any] | None = None,
@@ -114,6 +115,7 @@ class Classifier:
         # (complex recall, threshold) pairs measured on leave-one-source-out scores, by recall
         self.recall_thresholds = tuple(sorted((float(r), float(t)) for r, t in recall_thresholds))
         self.metadata: dict[str, Any] = dict(metadata or {})
+        self.sha256: str | None = None  # the weights file's digest, when loaded from one
 
     def threshold_for_recall(self, target: float | None) -> float:
         """The threshold for a target complex recall: the one tabulated for the smallest recall
@@ -132,7 +134,10 @@ class Classifier:
         """Load a weights file (None: the one shipped with the package). Raises ValueError
         naming the file and the problem when it is missing or malformed."""
         p = Path(path) if path is not None else DEFAULT_WEIGHTS
-        return cls.from_dict(read_json(p, "classifier weights"), source=str(p))
+        raw = read_bytes(p, "classifier weights")
+        loaded = cls.from_dict(parse_json(raw, p, "classifier weights"), source=str(p))
+        loaded.sha256 = hashlib.sha256(raw).hexdigest()  # what the cascade's band was fitted on, or not
+        return loaded
 
     @classmethod
     def from_dict(cls, doc: Any, *, source: str = "<dict>") -> Classifier:
@@ -200,14 +205,25 @@ class Classifier:
                        Stage.LEXICAL if rule is None else Stage.RULE)
 
 
-def read_json(p: Path, what: str) -> Any:
-    """A JSON file's document; ValueError naming `what`, the file and the problem otherwise."""
+def read_bytes(p: Path, what: str) -> bytes:
+    """A file's bytes; ValueError naming `what`, the file and the problem otherwise."""
     try:
-        return orjson.loads(p.read_bytes())
+        return p.read_bytes()
     except OSError as e:
         raise ValueError(f"{what} {p}: cannot read: {e.strerror or e}") from e
+
+
+def parse_json(raw: bytes, p: Path, what: str) -> Any:
+    """`raw`, read from `p`, as JSON; ValueError naming `what`, the file and the problem otherwise."""
+    try:
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ValueError(f"{what} {p}: not valid JSON: {e}") from e
+
+
+def read_json(p: Path, what: str) -> Any:
+    """A JSON file's document; ValueError naming `what`, the file and the problem otherwise."""
+    return parse_json(read_bytes(p, what), p, what)
 
 
 def _is_number(x: Any) -> TypeGuard[float]:

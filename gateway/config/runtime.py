@@ -8,10 +8,10 @@ backends it shares with the running one (health thresholds, slots) apply once, a
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -349,12 +349,13 @@ class Runtime:
             prefixes=self.prefixes if learns else None,
         )
 
-    def classify(self, call: Call, route: Route) -> Verdict:
-        """simple|complex for routes that split by class (or every route with `classify_all`)."""
+    def classify(self, view: Mapping[str, Any], route: Route) -> Verdict:
+        """simple|complex, by the lexical scorer and the rules, of a request's classify view, for
+        routes that split by class (or every route with `classify_all`)."""
         if not (route.split or self.classify_all):
             return _UNCLASSIFIED
         threshold = route.threshold if route.threshold is not None else self.threshold
-        return self.classifier.classify(call.endpoint.classify_view(call.body), threshold=threshold, rules=self.rules)
+        return self.classifier.classify(view, threshold=threshold, rules=self.rules)
 
     def uncertain(self, v: Verdict, route: Route) -> bool:
         """Whether the cascade's encoder decides `v`: a lexical score in the uncertain band, on a
@@ -368,7 +369,7 @@ class Runtime:
         return route
 
 
-def _cascade(policy: Policy, encoder: EncoderWorker | None) -> Cascade:
+def _cascade(policy: Policy, lexical: Classifier, encoder: EncoderWorker | None) -> Cascade:
     """The cascade for `policy`: the band encoder.json gives for its recall target, when the
     encoder is on and some route classifies. None (the lexical scorer alone) under an explicit
     `classifier.threshold`, or lexical weights other than those the band was calibrated on.
@@ -381,10 +382,9 @@ def _cascade(policy: Policy, encoder: EncoderWorker | None) -> Cascade:
     folder = Path(ep.weights_dir) if ep.weights_dir else None
     meta = meta_of(folder)
     band = band_for(meta, cp.complex_recall_target)
-    lexical = Path(cp.weights_file) if cp.weights_file else DEFAULT_WEIGHTS
-    if meta.get("lexical_sha256") != hashlib.sha256(lexical.read_bytes()).hexdigest():
+    if meta.get("lexical_sha256") != lexical.sha256:
         log.warning("classifier: the encoder's band was calibrated on other lexical weights than %s: "
-                    "the lexical scorer decides alone", lexical)
+                    "the lexical scorer decides alone", cp.weights_file or DEFAULT_WEIGHTS)
         return Cascade(None, None, 0.0)
     return Cascade(encoder, band, ep.deadline_ms / 1000)
 
@@ -440,7 +440,7 @@ def build_runtime(
         backends[name] = Backend(name, bp, state)
     # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
     classifier = Classifier.load(policy.classifier.weights_file)
-    cascade = _cascade(policy, encoder)
+    cascade = _cascade(policy, classifier, encoder)
     registry: Mapping[StorePolicy, Store] = stores if stores is not None else {}
     used: dict[StorePolicy, Store] = {}
 

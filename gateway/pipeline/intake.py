@@ -42,9 +42,10 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     route = rt.route(call.model)
     call.prompt_tokens = len(call.raw) // 4  # cheap; the classifier's estimate replaces it when it runs
     if call.endpoint.classifies:
-        verdict = rt.classify(call, route)
+        view = call.endpoint.classify_view(call.body)  # a translation for some endpoints: once
+        verdict = rt.classify(view, route)
         if rt.uncertain(verdict, route):
-            verdict = await rt.cascade.decide(verdict, call.endpoint.classify_view(call.body))
+            verdict = await rt.cascade.decide(verdict, view)
         call.verdict = verdict
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
