@@ -87,7 +87,9 @@ def _decisions(gw: Any, stage: str) -> float:
 
 async def test_uncertain_requests_go_to_the_encoder_and_say_so(upstream, gateway) -> None:
     small, big = await upstream("small"), await upstream("big")
-    gw = await gateway(_policy(small, big))
+    # what decided and what it reports: a deadline no busy CI machine reaches (the deadline's own
+    # test is the flood below)
+    gw = await gateway(_policy(small, big, encoder={"deadline_ms": 2000}))
     async with aiohttp.ClientSession() as http:
         ready = await _ready(gw, http)
         assert ready["classifier_encoder"] == "ready"
@@ -111,7 +113,7 @@ async def test_uncertain_requests_go_to_the_encoder_and_say_so(upstream, gateway
 
     client = gw.client()
     asked = uncertain[:4] + sure[:4]
-    for p in asked:  # one at a time: each within the deadline on a quiet machine
+    for p in asked:  # one at a time
         raw = await client.chat.completions.with_raw_response.create(model="auto", messages=[{"role": "user", "content": p}])
         assert raw.headers["x-gateway-class"] in ("simple", "complex")
         assert raw.headers["x-gateway-backend"] == ("big" if raw.headers["x-gateway-class"] == "complex" else "small")
