@@ -379,3 +379,57 @@ async def test_the_head_size_counts_the_head_only_even_when_its_blank_line_strad
     big = (_HEAD + f"X-Pad: {'p' * 1100}\r\n").encode()
     a = await asyncio.to_thread(exchange, port, big, (), wait_close=True, timeout=5)
     assert _json_answer(a, 431)["code"] == "request_header_fields_too_large" and a.closed
+
+
+# ---- 5. plain routes without the router ----------------------------------------------------------
+
+
+async def test_plain_routes_skip_the_router_and_answer_as_it_would(upstream, edge_gateway):
+    """A plain route named exactly goes straight to its handler (edge._Dispatch); the same route
+    reached through the router (a query string, an Expect header) answers the same, and what the
+    table does not hold (another method, an unknown path) gets the router's answers."""
+    import aiohttp
+
+    up = await upstream("a", tokens=3)
+    port = await edge_gateway(_policy(up))
+    base = f"http://127.0.0.1:{port}"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as http:
+        answers = {}
+        for name, path, expect in (("direct", "/v1/chat/completions", False), ("query", "/v1/chat/completions?trace=1", False),
+                                   ("expect", "/v1/chat/completions", True)):
+            async with http.post(base + path, data=CHAT, headers={**auth, "Content-Type": "application/json"}, expect100=expect) as r:
+                answers[name] = (r.status, r.headers.get("x-gateway-backend"), (await r.json())["object"])
+        assert set(answers.values()) == {(200, "a", "chat.completion")}, answers
+        async with http.get(base + "/v1/chat/completions", headers=auth) as r:  # a method the table lacks: the catch-all
+            assert r.status == 404 and json_error(await r.read()) is not None, r.status
+        async with http.head(base + "/healthz") as r:
+            assert r.status == 200 and await r.read() == b""
+        async with http.get(base + "/healthz") as r, http.get(base + "/healthz?x=1") as q:
+            assert (r.status, await r.json()) == (q.status, await q.json()) == (200, {"status": "ok"})
+        async with http.get(base + "/v1/models", headers=auth) as r, http.get(base + "/v1/models?limit=1", headers=auth) as q:
+            assert r.status == q.status == 200 and await r.json() == await q.json()
+        async with http.post(base + "/v1/chat/completion", data=CHAT, headers=auth) as r:  # no such route
+            assert r.status == 404 and json_error(await r.read()) is not None
+    assert up.stats.requests == 3
+
+
+async def test_the_dispatch_table_holds_the_plain_routes_only(upstream, tmp_path):
+    """What the table holds: every method of every route without variables, none with."""
+    from gateway.web.edge import _Dispatch
+
+    up = await upstream("a")
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(_policy(up)))
+    runner = EdgeRunner(create_app(path), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        handler = runner.server.request_handler  # type: ignore[union-attr]
+        assert isinstance(handler, _Dispatch)
+        table = handler._routes
+        assert {("POST", "/v1/chat/completions"), ("POST", "/v1/responses"), ("POST", "/v1/messages"),
+                ("GET", "/healthz"), ("HEAD", "/healthz"), ("GET", "/metrics")} <= set(table)
+        assert not any("{" in p for _, p in table) and all(m != "*" for m, _ in table)
+        assert all(info.route.resource is not None and info.route.resource.canonical == p for (_, p), info in table.items())
+    finally:
+        await runner.cleanup()
