@@ -268,3 +268,23 @@ async def test_classify_all_labels_requests_to_fixed_routes_too(upstream, gatewa
     async with aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/metrics") as r:
             assert "gateway_classified_total{class=" in await r.text()
+
+
+async def test_a_request_hashes_its_key_once(upstream, gateway, monkeypatch):
+    """The edge authenticates the key before it reads the body and hands the tenant to the
+    pipeline, which does not hash it again; a wrong key is still a 401 with nothing sent upstream."""
+    import openai
+    import pytest
+
+    from gateway.tenants import auth
+
+    up = await upstream("a", tokens=2)
+    gw = await gateway({**simple_policy(up), "tenants": {"acme": {"key_sha256": [auth.hash_key("sk-acme")]}}})
+    hashed: list[str] = []
+    real = auth.hash_key
+    monkeypatch.setattr(auth, "hash_key", lambda key: hashed.append(key) or real(key))
+    r = await gw.client("sk-acme").chat.completions.create(model="gpt-test", messages=MSG)
+    assert r.choices[0].message.content == "w0 w1 " and hashed == ["sk-acme"]
+    with pytest.raises(openai.AuthenticationError):
+        await gw.client("sk-wrong").chat.completions.create(model="gpt-test", messages=MSG)
+    assert up.stats.requests == 1

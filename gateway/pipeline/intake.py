@@ -32,7 +32,8 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     """The request's tenant and route, its class and its ticket; raises the GatewayError that
     refuses it (Unauthorized, BadRequest, Forbidden, NotFound). Waits only for the classifier's
     encoder, on a request the lexical scorer is unsure of (bounded by its deadline)."""
-    tenant = rt.tenants.authenticate(call.api_key)
+    # The HTTP edge authenticated the key already (against this runtime) before reading the body.
+    tenant = call.tenant if call.tenant is not None else rt.tenants.authenticate(call.api_key)
     call.tenant = tenant
     parse(call)
     if tenant.log_payloads:  # the request log keeps its answer: captured as the cache would

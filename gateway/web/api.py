@@ -41,8 +41,8 @@ def _proxy(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamRe
     async def handler(request: web.Request) -> web.StreamResponse:
         rt = request.app[LIVE].runtime  # one snapshot for the whole request
         try:
-            raw = await body_if_authenticated(request, rt)
-            call = new_call(request, endpoint, raw, rt.server.request_timeout_ms)
+            raw, tenant = await body_if_authenticated(request, rt)
+            call = new_call(request, endpoint, raw, rt.server.request_timeout_ms, tenant=tenant)
         except GatewayError as err:
             return error_response(err, {"x-request-id": request_id(request)}, endpoint.error_body(err))
         sink = HttpSink(request, {"x-request-id": call.request_id, "x-gateway-queue-ms": "0"}, functools.partial(server_timing, call))
@@ -74,8 +74,8 @@ async def list_models(request: web.Request) -> web.Response:
 async def route_explain(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
     try:
-        raw = await body_if_authenticated(request, rt)
-        call = new_call(request, _explained(raw), raw, rt.server.request_timeout_ms)
+        raw, tenant = await body_if_authenticated(request, rt)
+        call = new_call(request, _explained(raw), raw, rt.server.request_timeout_ms, tenant=tenant)
         return json_response(await request.app[PIPELINE].explain(call, rt), headers={"x-request-id": call.request_id})
     except GatewayError as err:
         return error_response(err, {"x-request-id": request_id(request)})

@@ -17,6 +17,7 @@ from ..errors import BadRequest, GatewayError, Unauthorized
 from ..observe.observer import parse_traceparent
 from ..pipeline.call import Asked, Call, Timing
 from ..pipeline.ids import fresh_id
+from ..tenants.auth import Tenant
 from ..tenants.priority import Band
 from ..wire.codec import Endpoint
 from .body import read_body
@@ -57,15 +58,17 @@ async def read_bounded(request: web.Request, limit: int) -> bytes:
     return await read_body(request, limit, request.app[LIVE].runtime.server.body_timeout_ms / 1000)
 
 
-async def body_if_authenticated(request: web.Request, rt: Runtime) -> bytes:
-    """The body when the key in the headers is valid; else nothing is read (b""), and the
-    pipeline, which authenticates first, answers (and records) the 401."""
-    await rt.tenants.catch_up(api_key(request))
+async def body_if_authenticated(request: web.Request, rt: Runtime) -> tuple[bytes, Tenant | None]:
+    """The body and the caller's tenant when the key in the headers is valid; else nothing is
+    read (b"", None), and the pipeline, which authenticates first, answers (and records) the 401.
+    The tenant goes into the Call (`new_call`): intake does not hash the key a second time."""
+    key = api_key(request)
+    await rt.tenants.catch_up(key)
     try:
-        rt.tenants.authenticate(api_key(request))
+        tenant = rt.tenants.authenticate(key)
     except Unauthorized:
-        return b""
-    return await read_bounded(request, rt.server.max_body_bytes)
+        return b"", None
+    return await read_bounded(request, rt.server.max_body_bytes), tenant
 
 
 def request_id(request: web.Request) -> str:
@@ -98,8 +101,10 @@ def _timeout_ms(asked: str | None, server_timeout_ms: int) -> int:
     return max(1, int(value))
 
 
-def new_call(request: web.Request, endpoint: Endpoint, raw: bytes, server_timeout_ms: int, rid: str | None = None) -> Call:
-    """The Call for one request (BadRequest for a bad x-request-timeout-ms or x-priority)."""
+def new_call(request: web.Request, endpoint: Endpoint, raw: bytes, server_timeout_ms: int, rid: str | None = None,
+             tenant: Tenant | None = None) -> Call:
+    """The Call for one request (BadRequest for a bad x-request-timeout-ms or x-priority);
+    `tenant`: the caller, when its key was already authenticated against the same runtime."""
     h = request.headers
     timeout_ms = _timeout_ms(h.get("x-request-timeout-ms"), server_timeout_ms)
     priority = h.get("x-priority")
@@ -115,6 +120,7 @@ def new_call(request: web.Request, endpoint: Endpoint, raw: bytes, server_timeou
         deadline=now + timeout_ms / 1000,
         asked=Asked(priority, no_cache, no_store, bool(h.get("x-request-timeout-ms")), parse_traceparent(h.get("traceparent"))),
         timing=Timing(t0_monotonic=now),
+        tenant=tenant,
     )
 
 
