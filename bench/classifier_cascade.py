@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gateway.classify.cascade import Cascade, EncoderWorker, band_for  # noqa: E402
 from gateway.classify.classifier import Classifier, Rules, Verdict  # noqa: E402
-from gateway.classify.encoder import DEFAULT_DIR, load_meta  # noqa: E402
+from gateway.classify.encoder_meta import ENCODER_DIR, meta_of  # noqa: E402
 from gateway.config.policy import ClassifierPolicy, EncoderPolicy  # noqa: E402
 from local_backend.llama.native import cpu_flags  # noqa: E402
 
@@ -103,7 +103,7 @@ async def latency(n: int, settings: EncoderPolicy) -> None:
     worker.start()
     if not await asyncio.to_thread(worker.wait_loaded, 120) or not worker.ready:
         raise SystemExit(f"the encoder did not load: {worker.detail}")
-    meta = load_meta(Path(settings.weights_dir) if settings.weights_dir else DEFAULT_DIR)
+    meta = meta_of(Path(settings.weights_dir) if settings.weights_dir else None)
     band = band_for(meta, ClassifierPolicy().complex_recall_target)
     cascade = Cascade(worker, band, settings.deadline_ms / 1000)
     threshold = lexical.threshold_for_recall(ClassifierPolicy().complex_recall_target)
@@ -148,7 +148,7 @@ def main() -> int:
     ap.add_argument("--weights-dir", default=None, help="an encoder folder (default: the shipped one)")
     args = ap.parse_args()
     if not args.latency_only:
-        ablation(load_meta(Path(args.weights_dir) if args.weights_dir else DEFAULT_DIR))
+        ablation(meta_of(Path(args.weights_dir) if args.weights_dir else None))
     settings = EncoderPolicy(threads=args.threads, max_batch=args.max_batch, deadline_ms=args.deadline_ms,
                              weights_dir=args.weights_dir)
     asyncio.run(latency(args.n, settings))

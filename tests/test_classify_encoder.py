@@ -18,20 +18,19 @@ torch = pytest.importorskip("torch")  # the `local` extra: `make test` installs 
 from gateway.classify.cascade import Band, Blend, Cascade, EncoderState, EncoderWorker, band_for  # noqa: E402
 from gateway.classify.classifier import Classifier, Stage  # noqa: E402
 from gateway.classify.encoder import (  # noqa: E402
-    DEFAULT_DIR,
     Encoder,
     EncoderConfig,
     MiniLM,
     dequantize_state,
-    load_meta,
     quantize_state,
     save,
     window_ids,
 )
+from gateway.classify.encoder_meta import ENCODER_DIR, meta_of  # noqa: E402
 from gateway.config.policy import EncoderPolicy  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
-TOKENIZER = DEFAULT_DIR / "tokenizer.json"
+TOKENIZER = ENCODER_DIR / "tokenizer.json"
 TINY = EncoderConfig(hidden=32, layers=2, heads=4, intermediate=64, window_tokens=24)
 
 
@@ -114,7 +113,7 @@ def test_saved_folder_loads_and_scores_as_the_model(tmp_path: Path) -> None:
                     for t in texts]
     assert got == pytest.approx(expected, abs=0.02)  # int8 weights, fp32 arithmetic
     assert enc.score(texts[:1]) == pytest.approx(got[:1], abs=1e-5)  # padding in a batch changes nothing
-    assert load_meta(folder)["format"] == "gateway-encoder/1"
+    assert meta_of(folder)["format"] == "gateway-encoder/1"
 
 
 def test_a_damaged_folder_is_refused_with_its_path(tmp_path: Path) -> None:
@@ -225,7 +224,7 @@ def test_shipped_encoder_loads_and_tells_the_obvious_apart() -> None:
     enc = Encoder.load()
     meta = enc.meta
     assert meta["training"]["layers"] == enc.config.layers
-    assert (DEFAULT_DIR / "model.safetensors").stat().st_size < 30 * 2**20
+    assert (ENCODER_DIR / "model.safetensors").stat().st_size < 30 * 2**20
     simple, hard = enc.score(["Hi! How are you today?",
                               "Implement a thread-safe LRU cache in C++ with O(1) operations and explain the design."])
     assert simple < 0.5 < hard
@@ -233,7 +232,7 @@ def test_shipped_encoder_loads_and_tells_the_obvious_apart() -> None:
 
 def test_a_copied_folder_loads_from_anywhere(tmp_path: Path) -> None:
     copy = tmp_path / "enc"
-    shutil.copytree(DEFAULT_DIR, copy)
+    shutil.copytree(ENCODER_DIR, copy)
     assert Encoder.load(copy).score(["hello"]) == pytest.approx(Encoder.load().score(["hello"]), abs=1e-6)
 
 
@@ -244,7 +243,7 @@ def test_shipped_encoder_matches_the_data_and_the_lexical_weights() -> None:
 
     from gateway.classify.classifier import DEFAULT_WEIGHTS
 
-    meta = load_meta(DEFAULT_DIR)
+    meta = meta_of(ENCODER_DIR)
     assert meta["lexical_sha256"] == hashlib.sha256(DEFAULT_WEIGHTS.read_bytes()).hexdigest(), \
         "the lexical weights changed since the encoder was trained: run `make encoder`"
     shared = Path(__file__).resolve().parents[2] / "shared" / "eval"
@@ -272,7 +271,7 @@ def test_each_policy_build_picks_its_band_and_deadline(tmp_path: Path, caplog: p
     fitted on leave the lexical scorer alone."""
     from gateway.config.runtime import build_runtime
 
-    meta = load_meta(DEFAULT_DIR)
+    meta = meta_of(ENCODER_DIR)
     rt = build_runtime(_policy(encoder={"deadline_ms": 30}), {}, 1)
     assert rt.cascade.deadline_s == pytest.approx(0.03)
     assert rt.cascade.band == band_for(meta, 0.97)

@@ -31,10 +31,9 @@ from .features import request_text
 if TYPE_CHECKING:
     from ..config.policy import EncoderPolicy
 
-__all__ = ["Band", "Cascade", "Blend", "EncoderState", "EncoderWorker", "band_for", "encoder_text"]
+__all__ = ["Band", "Cascade", "Blend", "EncoderState", "EncoderWorker", "LEXICAL_ONLY", "band_for", "encoder_text"]
 
 log = logging.getLogger("gateway.classify")
-
 
 
 class EncoderState(StrEnum):
@@ -314,3 +313,6 @@ class Cascade:
         return replace(v, cls=cls, score=s, threshold=band.threshold, stage=Stage.ENCODER,
                        lexical_score=v.score, encoder_score=enc,
                        reasons=[f"encoder: {enc:.2f} (lexical {v.score:.2f} was uncertain)", *v.reasons])
+
+
+LEXICAL_ONLY = Cascade(None, None, 0.0)  # no band: the lexical scorer decides every request

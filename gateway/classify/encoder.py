@@ -26,17 +26,15 @@ from typing import Any
 import orjson
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_weights
+from safetensors.torch import save as dump_weights
 from tokenizers import Tokenizer
 from torch import nn
 
-from .encoder_meta import ENCODER_DIR, ENCODER_FORMAT
-from .encoder_meta import meta_of as load_meta
+from .encoder_meta import ENCODER_DIR, ENCODER_FORMAT, meta_of
 
-__all__ = ["DEFAULT_DIR", "ENCODER_FORMAT", "EncoderConfig", "MiniLM", "Encoder", "window_ids",
-           "quantize_state", "dequantize_state", "load_meta"]
+__all__ = ["EncoderConfig", "MiniLM", "Encoder", "window_ids", "quantize_state", "dequantize_state", "save"]
 
-DEFAULT_DIR = ENCODER_DIR
 META_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "encoder.json", "model.safetensors", "tokenizer.json"
 _SCALE = ".scale"  # the suffix of a quantized matrix's per-row scales in the weights file
 
@@ -166,11 +164,12 @@ def dequantize_state(q: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def save(model: MiniLM, tokenizer_json: Path, out: Path, meta: Mapping[str, Any]) -> None:
     """Write a weights folder: int8 weights, the tokenizer, encoder.json (with the weights' digest)."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file(quantize_state(model.state_dict()), str(out / WEIGHTS_FILE))
+    weights = dump_weights(quantize_state(model.state_dict()))
+    (out / WEIGHTS_FILE).write_bytes(weights)
     (out / TOKENIZER_FILE).write_bytes(tokenizer_json.read_bytes())
     doc = {"format": ENCODER_FORMAT, **meta,
            "config": {k: getattr(model.config, k) for k in EncoderConfig.__dataclass_fields__},
-           "weights_sha256": hashlib.sha256((out / WEIGHTS_FILE).read_bytes()).hexdigest()}
+           "weights_sha256": hashlib.sha256(weights).hexdigest()}
     (out / META_FILE).write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2) + b"\n")
 
 
@@ -188,16 +187,16 @@ class Encoder:
     def load(cls, folder: str | os.PathLike[str] | None = None, device: str = "auto") -> Encoder:
         """Load a weights folder (None: the shipped one) onto `device` ("auto": the GPU when
         torch sees one, else the CPU). Raises ValueError naming what is wrong."""
-        d = Path(folder) if folder is not None else DEFAULT_DIR
-        meta = load_meta(d)
+        d = Path(folder) if folder is not None else ENCODER_DIR
+        meta = meta_of(d)
         config = EncoderConfig.from_dict(meta.get("config", {}))
         try:
-            digest = hashlib.sha256((d / WEIGHTS_FILE).read_bytes()).hexdigest()
-            if digest != meta.get("weights_sha256"):
+            weights = (d / WEIGHTS_FILE).read_bytes()  # read once: checked, then loaded
+            if hashlib.sha256(weights).hexdigest() != meta.get("weights_sha256"):
                 raise ValueError(f"encoder weights {d / WEIGHTS_FILE}: its digest is not the one "
                                  f"{META_FILE} records (a partial copy?)")
             tokenizer = Tokenizer.from_file(str(d / TOKENIZER_FILE))
-            state = dequantize_state(load_file(str(d / WEIGHTS_FILE)))
+            state = dequantize_state(load_weights(weights))
         except OSError as e:
             raise ValueError(f"encoder weights {d}: cannot read: {e.strerror or e}") from e
         tokenizer.no_padding()

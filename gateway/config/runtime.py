@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..admission.gate import reserve_slots
 from ..cache.core import Cache, cache_key, cacheable_request
-from ..classify.cascade import Cascade, EncoderWorker, band_for
+from ..classify.cascade import LEXICAL_ONLY, Cascade, EncoderWorker, band_for
 from ..classify.classifier import DEFAULT_WEIGHTS, Classifier, Rules, Verdict
 from ..classify.encoder_meta import meta_of
 from ..errors import BadRequest, ModelNotFound
@@ -197,7 +197,7 @@ class Runtime:
         self.threshold = cp.threshold if cp.threshold is not None \
             else classifier.threshold_for_recall(cp.complex_recall_target)
         self.classify_all = cp.classify_all
-        self.cascade = cascade if cascade is not None else Cascade(None, None, 0.0)
+        self.cascade = cascade if cascade is not None else LEXICAL_ONLY
         self.rules = Rules(**cp.rules.model_dump())
         self.cache = cache
         self.quota = quota  # None: no tenant has limits
@@ -378,14 +378,14 @@ def _cascade(policy: Policy, lexical: Classifier, encoder: EncoderWorker | None)
     ep = cp.encoder
     classifies = cp.classify_all or any(r.backends is None for r in policy.models.values())
     if ep.enabled is False or not classifies or cp.threshold is not None:
-        return Cascade(None, None, 0.0)
+        return LEXICAL_ONLY
     folder = Path(ep.weights_dir) if ep.weights_dir else None
     meta = meta_of(folder)
     band = band_for(meta, cp.complex_recall_target)
     if meta.get("lexical_sha256") != lexical.sha256:
         log.warning("classifier: the encoder's band was calibrated on other lexical weights than %s: "
                     "the lexical scorer decides alone", cp.weights_file or DEFAULT_WEIGHTS)
-        return Cascade(None, None, 0.0)
+        return LEXICAL_ONLY
     return Cascade(encoder, band, ep.deadline_ms / 1000)
 
 
