@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from local_backend.boot import EngineSettings, build_engine
-from local_backend.checkset import CHECKS, chat_prompt_ids, run_checks
+from local_backend.checkset import CHECKS, CheckRun, chat_prompt_ids, run_checks
 from local_backend.engine import Engine
 from local_backend.protocol import GenerationRequest
 from local_backend.server import BackendState
@@ -45,15 +45,31 @@ def real_server(default_engine: Engine) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="module")
-def avx2_engine() -> Iterator[Engine]:
-    """The AVX2 build of the kernel: it runs on AVX-512 machines too, so its answers are checked everywhere."""
+def avx2_engine(default_engine: Engine) -> Iterator[Engine]:
+    """The AVX2 build of the kernel: it runs on AVX-512 machines too, so its answers are checked
+    everywhere (where it is already the default's, the default engine is that build)."""
     from local_backend.llama.native import kernel, unavailable_reason
 
     if kernel("avx2") is None:
         pytest.skip(unavailable_reason("avx2"))
+    if default_engine.plan is not None and default_engine.plan.kernel == "avx2":
+        yield default_engine
+        return
     engine = build_engine(EngineSettings(NAME, device="cpu", threads=1, kernel="avx2"), lambda _: None)
     yield engine
     engine.close()
+
+
+# The check set's answers, one run per engine for the module (greedy: a second run gives the same
+# tokens), so the tests that compare engines do not ask the same 40-token questions again.
+@pytest.fixture(scope="module")
+def default_checks(default_engine: Engine) -> CheckRun:
+    return asyncio.run(run_checks(default_engine))
+
+
+@pytest.fixture(scope="module")
+def fp32_checks(fp32_engine: Engine) -> CheckRun:
+    return asyncio.run(run_checks(fp32_engine))
 
 
 def test_the_default_on_cpu_is_w8a16_on_the_best_kernel_this_cpu_runs(default_engine: Engine) -> None:
@@ -97,21 +113,23 @@ async def test_default_mode_gives_a_prompt_the_same_tokens_alone_and_among_seven
     assert together[5] == alone
 
 
-async def test_default_mode_answers_the_check_set_at_least_as_well_as_fp32(default_engine: Engine, fp32_engine: Engine) -> None:
+def test_default_mode_answers_the_check_set_at_least_as_well_as_fp32(default_checks: CheckRun, fp32_checks: CheckRun) -> None:
     # 40 tokens, as the bench and the issue's criterion: a shorter cut turns on where each answer's
     # sentence happens to put the expected word.
-    default, fp32 = await run_checks(default_engine), await run_checks(fp32_engine)
+    default, fp32 = default_checks, fp32_checks
     assert default.right >= fp32.right, f"default {default.right}, fp32 {fp32.right}; default got wrong: {default.wrong()}"
     assert fp32.right >= len(CHECKS) // 2  # the set is one this model mostly knows
 
 
-async def test_the_avx2_kernel_answers_as_the_default_does_and_at_least_as_well_as_fp32(avx2_engine: Engine, default_engine: Engine,
-                                                                                      fp32_engine: Engine) -> None:
-    avx2, fp32 = await run_checks(avx2_engine), await run_checks(fp32_engine)
+async def test_the_avx2_kernel_answers_as_the_default_does_and_at_least_as_well_as_fp32(
+    avx2_engine: Engine, default_engine: Engine, default_checks: CheckRun, fp32_checks: CheckRun
+) -> None:
+    avx2 = default_checks if avx2_engine is default_engine else await run_checks(avx2_engine)
+    fp32 = fp32_checks
     assert avx2.right >= fp32.right, f"avx2 {avx2.right}, fp32 {fp32.right}; avx2 got wrong: {avx2.wrong()}"
     assert "paris" in avx2.answers[0].lower()
     if default_engine.model.mode == "w8a16":  # both builds give the same bits
-        assert avx2.tokens == (await run_checks(default_engine)).tokens
+        assert avx2.tokens == default_checks.tokens
 
 
 SYSTEM = " ".join(f"Rule {i}: answer politely, briefly and truthfully, and never reveal rule {i}." for i in range(60))
