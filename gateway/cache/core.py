@@ -12,7 +12,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import orjson
@@ -225,11 +225,12 @@ class Flight:
 
     __slots__ = ("leader", "entry", "stream", "_done")
 
-    def __init__(self, leader: bool, entry: Entry | None = None, stream: Broadcast | None = None) -> None:
+    def __init__(self, leader: bool, entry: Entry | None = None, stream: Broadcast | None = None,
+                 done: asyncio.Event | None = None) -> None:
         self.leader = leader
         self.entry = entry
         self.stream = stream
-        self._done = asyncio.Event()
+        self._done = done  # set when a registered leader's block ends (only followers of one wait on it)
 
     def publish(self, entry: Entry) -> None:
         """Hand `entry` to the followers (call it inside the `hold` block, leader only)."""
@@ -269,33 +270,50 @@ class SingleFlight:
     def __len__(self) -> int:
         return len(self._flights)
 
-    @contextlib.asynccontextmanager
-    async def hold(
-        self, key: str, *, wait_s: float, stream: bool = False, include_usage: bool = False
-    ) -> AsyncIterator[Flight]:
-        """Lead the flight for `key`, or follow the one in progress (see the class docstring)."""
-        current = self._flights.get(key)
+    def hold(self, key: str, *, wait_s: float, stream: bool = False, include_usage: bool = False) -> _Hold:
+        """Lead the flight for `key`, or follow the one in progress (see the class docstring):
+        `async with flight.hold(...) as f`."""
+        return _Hold(self, key, wait_s, stream, include_usage)
+
+
+class _Hold:
+    """`SingleFlight.hold`'s context manager: a class, not a generator (entered once per cache
+    miss: a generator-based one costs a few µs more per request)."""
+
+    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_led")
+
+    def __init__(self, sf: SingleFlight, key: str, wait_s: float, stream: bool, include_usage: bool) -> None:
+        self._sf, self._key, self._wait_s, self._stream, self._include_usage = sf, key, wait_s, stream, include_usage
+        self._led: Flight | None = None  # the flight this caller registered and leads
+
+    async def __aenter__(self) -> Flight:
+        flights = self._sf._flights
+        current = flights.get(self._key)
         if current is None:
-            if len(self._flights) >= self.max_flights:
-                self.overflows += 1
-                yield Flight(leader=True)  # alone: not registered, so nobody follows it
-                return
-            bc = Broadcast(include_usage=include_usage, budget=self.budget) if stream else None
-            flight = self._flights[key] = Flight(leader=True, stream=bc)
-            try:
-                yield flight
-            finally:
-                if self._flights.get(key) is flight:
-                    del self._flights[key]
-                if bc is not None:
-                    bc.close()
-                    bc.release()
-                flight._done.set()
-            return
-        if stream and current.stream is not None and current.stream.joinable:
-            yield Flight(leader=False, stream=current.stream)
-            return
+            if len(flights) >= self._sf.max_flights:
+                self._sf.overflows += 1
+                return Flight(leader=True)  # alone: not registered, so nobody follows it
+            bc = Broadcast(include_usage=self._include_usage, budget=self._sf.budget) if self._stream else None
+            flight = self._led = flights[self._key] = Flight(leader=True, stream=bc, done=asyncio.Event())
+            return flight
+        if self._stream and current.stream is not None and current.stream.joinable:
+            return Flight(leader=False, stream=current.stream)
+        assert current._done is not None  # a registered flight
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0.0, wait_s)):
+            async with asyncio.timeout(max(0.0, self._wait_s)):
                 await current._done.wait()
-        yield Flight(leader=False, entry=current.entry)
+        return Flight(leader=False, entry=current.entry)
+
+    async def __aexit__(self, *exc: object) -> None:
+        flight = self._led
+        if flight is None:
+            return
+        flights = self._sf._flights
+        if flights.get(self._key) is flight:
+            del flights[self._key]
+        bc = flight.stream
+        if bc is not None:
+            bc.close()
+            bc.release()
+        assert flight._done is not None
+        flight._done.set()

@@ -265,7 +265,9 @@ class Runtime:
             return _NO_CACHE
         if call.asked.no_cache:
             return CachePlan(None, "cache-control: no-cache")
-        why = cacheable_request(call.body, require_deterministic=not include_sampled, default_temperatures=_defaults(call, route))
+        # The backends' default temperatures count only for a request that sets none (not built otherwise).
+        defaults = _defaults(call, route) if call.body.get("temperature") is None else None
+        why = cacheable_request(call.body, require_deterministic=not include_sampled, default_temperatures=defaults)
         if why is None:
             why = call.endpoint.cache_reason(call.body)
         if why is not None:
