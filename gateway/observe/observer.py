@@ -237,7 +237,7 @@ class AccessLog:
                 pass
 
 
-_STAGE_KEYS = {name: f"{name}_ms" for name in STAGES}  # the access log's field per stage, built once
+_STAGE_KEYS = {name: f"{name}_ms" for name in STAGES}  # the access log's field per stage (stages() names only these)
 
 
 def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
@@ -260,7 +260,7 @@ def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
         "duration_ms": round((end - call.timing.t0) * 1000, 2),
     }
     for name, s in st.items():
-        line[_STAGE_KEYS.get(name) or f"{name}_ms"] = round(s * 1000, 2)
+        line[_STAGE_KEYS[name]] = round(s * 1000, 2)
     line["prompt_tokens"] = usage.get("prompt_tokens")
     line["completion_tokens"] = usage.get("completion_tokens")
     if call.out.affinity is not None:
