@@ -65,10 +65,16 @@ async def upstream() -> AsyncIterator[Callable[..., Any]]:
 
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    """Factory: `await gateway(policy_dict)` writes the policy to a file and serves it on a free port."""
+    """Factory: `await gateway(policy_dict)` writes the policy to a file and serves it on a free port.
+
+    A policy dict that sets no `classifier.encoder.deadline_ms` gets a patient one (2 s): a test
+    about where a class goes must not depend on the encoder answering within the default 12 ms on
+    a loaded machine (the suite runs in parallel). The deadline's own tests set theirs."""
     running: list[RunningGateway] = []
 
     async def make(policy: dict[str, Any] | str, name: str = "policy.yaml") -> RunningGateway:
+        if isinstance(policy, dict):
+            policy = _patient_encoder(policy)
         path = tmp_path / name
         path.write_text(policy if isinstance(policy, str) else yaml.safe_dump(policy))
         app = create_app(path)
@@ -87,6 +93,13 @@ async def gateway(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         for c in gw.clients:
             await c.close()
         await gw.runner.cleanup()
+
+
+def _patient_encoder(policy: dict[str, Any]) -> dict[str, Any]:
+    classifier = dict(policy.get("classifier") or {})
+    encoder = dict(classifier.get("encoder") or {})
+    encoder.setdefault("deadline_ms", 2000)
+    return {**policy, "classifier": {**classifier, "encoder": encoder}}
 
 
 def simple_policy(*ups: FakeUpstream, model: str = "gpt-test", **extra: Any) -> dict[str, Any]:

@@ -185,6 +185,9 @@ async def test_metrics_beyond_loopback_need_an_admin_key_unless_the_policy_opens
         ({"key_sha256_env": "DISCLOSURE_SCRAPE_SHA256"}, False, SCRAPE, True),
         ({"key_sha256_env": "DISCLOSURE_SCRAPE_SHA256"}, True, None, False),
     ],
+    # Named ids: the keys are random per run, and pytest-xdist's workers must collect the same names.
+    ids=["loopback", "remote", "remote-admin", "remote-tenant", "open", "scrape-key-loopback-none",
+         "scrape-key", "scrape-key-env", "scrape-key-env-loopback-none"],
 )
 def test_who_may_scrape(monkeypatch, metrics, loopback, key, allowed):
     monkeypatch.setenv("DISCLOSURE_SCRAPE_SHA256", hash_key(SCRAPE))

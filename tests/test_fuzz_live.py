@@ -19,6 +19,7 @@ import json
 import re
 import secrets
 import time
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import aiohttp
@@ -249,11 +250,11 @@ def header_cases(draw: st.DrawFn) -> dict[str, str]:
 
 def _short_deadline(h: dict[str, str]) -> bool:
     """The caller asked for a deadline short enough that a 504 is its own doing."""
-    try:
-        v = float(h.get("x-request-timeout-ms", "").strip())
-    except ValueError:
+    try:  # Decimal, as the gateway reads it: "1e-400" is a positive deadline (1 ms), not float's 0.0
+        v = Decimal(h.get("x-request-timeout-ms", "").strip())
+    except InvalidOperation:
         return False
-    return 0 < v < 5000
+    return v.is_finite() and 0 < v < 5000
 
 
 # -- the live harness --------------------------------------------------------------------------------------

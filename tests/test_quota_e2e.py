@@ -203,7 +203,7 @@ async def test_redis_down_degrades_to_local_limits_never_a_5xx(upstream, gateway
 
 async def test_quotas_are_shared_across_gateways_on_one_redis(upstream, gateway):
     up = await upstream("a")
-    prefix_db = "redis://127.0.0.1:6379/14"
+    prefix_db = "redis://127.0.0.1:6379/12"  # its own DB: the cache tests flush 14
     policy = _policy(up, {"rpm": 5}, store={"url": prefix_db, "timeout_ms": 500, "quota_timeout_ms": 5000})
     policy["tenants"]["acme"]["key_sha256"] = [_digest(KEY)]
     tenant = "acme-" + uuid.uuid4().hex[:8]  # a fresh tenant name: fresh counters on the shared Redis
