@@ -133,8 +133,7 @@ def _gguf_model_dir(gguf: Path, progress: Progress) -> Path:
         progress(f"converting {gguf.name} to safetensors (once, ~10-20 s; cached afterwards)")
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
         # The GGUF weights are already dequantized to fp32; the quantization marker only blocks saving.
-        # not declared on the model class: torch's Module.__setattr__ types it as Tensor | Module
-        model.hf_quantizer = None  # type: ignore[assignment]
+        model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(str(tmp), safe_serialization=True)
@@ -172,9 +171,7 @@ def _tiny_random(dtype: torch.dtype, progress: Progress) -> tuple[Any, Any]:
         model = LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(generator_state)
-    # transformers decorates `to` with functools.wraps(nn.Module.to): typeshed's _Wrapped is no
-    # descriptor, so mypy checks the call against the unbound signature (`self` first)
-    return model.to(dtype), tokenizer  # type: ignore[arg-type]
+    return model.to(dtype), tokenizer
 
 
 def load_model(name_or_path: str, *, device: str, dtype: torch.dtype, progress: Progress) -> LoadedModel:
