@@ -199,7 +199,9 @@ async def test_request_probes_are_one_per_interval_one_at_a_time_and_can_be_turn
     health = {"failures_to_eject": 1, "eject_ms": 60_000, "probe_interval_ms": 600_000, "probe_timeout_ms": 5_000}
     gw = await gateway(simple_policy(hang, down, cache={"enabled": False}, health={**health, "recovery_probe_interval_ms": 200}))
     gw_off = await gateway(simple_policy(off, cache={"enabled": False}, health={**health, "recovery_probe_interval_ms": 0}), name="off.yaml")
-    for g in (gw, gw_off):
+    # gw last: its recovery probes start 200 ms after the ejection, so the counts below are read
+    # at once after its answer (on a loaded machine another request in between took longer).
+    for g in (gw_off, gw):
         with pytest.raises(openai.InternalServerError):
             await g.client().chat.completions.create(model="gpt-test", messages=MSG)  # every backend ejected
     assert (hang.stats.requests, down.stats.requests, off.stats.requests) == (1, 1, 1)
