@@ -341,17 +341,22 @@ class Cluster:
         return None if roles == ["master"] * masters + ["replica"] * replicas else f"roles listed: {roles}"
 
     def _replicas_problem(self) -> str | None:
-        """None once every replica follows a master and its replication link is up."""
+        """None once every replica follows a master and its replication link is up, and every
+        master counts each of its replicas online: after a diskless sync a master puts a replica
+        online only at its first REPLCONF ACK (up to a second after the replica's side says "up"),
+        and until then a WAIT counts it out."""
         for port in self.live_ports():
             try:
                 with _client(port) as c:
                     me = next(n for n in _parse_nodes(_command(c, "CLUSTER", "NODES")) if "myself" in n.flags)
-                    if "master" in me.flags:
-                        continue
                     repl = c.info("replication")
             except redis.RedisError as e:
                 return f"node {port}: {e!r}"
-            if repl.get("master_link_status") != "up":
+            if "master" in me.flags:
+                states = [v.get("state") for k, v in repl.items() if k.startswith("slave") and isinstance(v, dict)]
+                if any(state != "online" for state in states):
+                    return f"master {port}: replicas {states}"
+            elif repl.get("master_link_status") != "up":
                 return f"replica {port}: {repl}"
         return None
 
@@ -515,12 +520,19 @@ async def redis_sentinel(service: str = "gwmaster") -> AsyncIterator[SentinelSet
         )
 
         def link_problem() -> str | None:
+            """None once the replica's link is up and the master counts it online (see
+            Cluster._replicas_problem: a WAIT counts it only then)."""
             try:
                 with _client(replica) as c:
                     repl = c.info("replication")
+                with _client(master) as c:
+                    mine = c.info("replication")
             except redis.RedisError as e:
                 return f"replica {replica}: {e!r}"
-            return None if repl.get("master_link_status") == "up" else f"replica {replica}: {repl}"
+            if repl.get("master_link_status") != "up":
+                return f"replica {replica}: {repl}"
+            online = mine.get("slave0", {}).get("state") if isinstance(mine.get("slave0"), dict) else None
+            return None if online == "online" else f"master {master}: {mine}"
 
         try:
             await _until(link_problem, 20, "replica in sync")
