@@ -298,3 +298,62 @@ def test_key_changes_travel_as_data_and_garbage_is_refused():
         key_ops.apply(Revoke("key_nope", 1.0), records)
     with pytest.raises(Conflict):
         key_ops.apply(Rotate("key_1", 5.0, 0.0, "d2"), records)
+
+
+def _sha(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+async def test_every_process_sees_a_revoke_on_the_same_poll_tick():
+    """Two books (two workers) started half a period apart: both refuse a revoked key within a
+    few ms of each other (they poll on the same wall-clock ticks), not half a period apart."""
+    store = MemoryKeyStore()
+    admin = KeyBook(store, VirtualKeysPolicy(poll_ms=200))
+    made = await admin.create("acme", "ci", None, None)
+    digest = _sha(made["key"])
+    books = [KeyBook(store, VirtualKeysPolicy(poll_ms=200)) for _ in range(2)]
+    await books[0].start()
+    await asyncio.sleep(0.1)
+    await books[1].start()
+    try:
+        assert all(b.lookup(digest) is not None for b in books)
+        await admin.revoke(made["id"])
+        t0, refused = time.monotonic(), [None, None]
+        while None in refused and time.monotonic() - t0 < 2:
+            for i, b in enumerate(books):
+                if refused[i] is None and b.lookup(digest) is None:
+                    refused[i] = time.monotonic() - t0
+            await asyncio.sleep(0.002)
+        assert None not in refused and max(refused) <= 0.2 + 0.1, refused  # within a poll
+        assert abs(refused[0] - refused[1]) < 0.05, refused  # together
+    finally:
+        for b in books:
+            await b.close()
+
+
+class _SlowRead(MemoryKeyStore):
+    """With `slow_next` set, the next read of the records is taken at once but answered 0.2 s
+    later: a refresh that read before a revoke can then finish after one that read after it."""
+
+    slow_next = False
+
+    async def records(self) -> tuple[int, dict[str, dict[str, Any]]]:
+        slow, self.slow_next = self.slow_next, False
+        snapshot = await super().records()
+        if slow:
+            await asyncio.sleep(0.2)
+        return snapshot
+
+
+async def test_a_refresh_that_read_before_a_revoke_never_lands_after_one_that_read_after_it():
+    store = _SlowRead()
+    book, admin = KeyBook(store, VirtualKeysPolicy()), KeyBook(store, VirtualKeysPolicy())
+    key = await book.create("acme", "ci", None, None)
+    digest = _sha(key["key"])
+    store.slow_next = True
+    before = asyncio.create_task(book.refresh())  # reads the key live, answers late
+    await asyncio.sleep(0.02)
+    await admin.revoke(key["id"])
+    after = asyncio.create_task(book.refresh())  # reads it revoked
+    await asyncio.gather(before, after)
+    assert book.lookup(digest) is None  # the newer read is what stays loaded

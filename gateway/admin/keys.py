@@ -4,8 +4,9 @@ A key acts as its tenant's key (the tenant's quotas, priority and models; a key 
 models). The store (admin/key_store.py) holds each key's record, with the sha256 digests of its
 secrets only: the secret is shown once, in the answer that made it. Every process keeps all
 records in memory (`KeyBook`), so a lookup on the request path is a dict lookup: no round trip. It
-polls the store's version every `admin.keys.poll_ms` and reloads when it moved, so a revoke or a
-rotation reaches every worker and replica within a poll; a store that is down leaves the keys
+polls the store's version every `admin.keys.poll_ms`, on the same wall-clock ticks in every
+process, and reloads when it moved, so a revoke or a rotation reaches every worker and replica
+within a poll, all at once; a store that is down leaves the keys
 this process knows working (and revoked ones refused).
 
 A record: {id, tenant, name, created_at, expires_at, models, revoked, revoked_at,
@@ -71,6 +72,9 @@ class KeyBook:
         self._failing = False
         self._catching: asyncio.Future[None] | None = None
         self._checked_at = 0.0  # time.monotonic() of the last version check
+        # Refreshes one at a time: two in flight could load in the other order (an older read
+        # after a newer one), bringing a revoked key back until the next poll.
+        self._refreshing = asyncio.Lock()
 
     # ---- the request path ------------------------------------------------------------------------
 
@@ -127,13 +131,14 @@ class KeyBook:
 
     async def refresh(self) -> None:
         """Reload every record from the store (StoreError when it cannot answer)."""
-        version, records = await self.store.records()
-        self._load(version, records)
+        async with self._refreshing:
+            version, records = await self.store.records()
+            self._load(version, records)
 
     async def _poll(self) -> None:
         last_touch = time.monotonic()
         while True:
-            await asyncio.sleep(self.policy.poll_ms / 1000)
+            await asyncio.sleep(_to_next_tick(self.policy.poll_ms / 1000, time.time()))
             try:
                 await self._check()
                 if time.monotonic() - last_touch >= _TOUCH_EVERY_S:
@@ -212,6 +217,13 @@ class KeyBook:
         with contextlib.suppress(Exception):
             await self.refresh()  # in force here at once; elsewhere within a poll
         return result
+
+
+def _to_next_tick(period_s: float, now: float) -> float:
+    """Seconds to the next multiple of `period_s` on the wall clock. Every process polls on the
+    same ticks, so the workers and replicas see a revoke together, within a round trip of each
+    other (each polling on its own phase, a replica's two workers were up to a period apart)."""
+    return period_s - now % period_s
 
 
 def public(rec: dict[str, Any]) -> dict[str, Any]:
