@@ -31,6 +31,13 @@ def start(args: list[str], env: dict[str, str] | None = None, cpus: str | None =
     )
 
 
+def redis_server(port: int, cpus: str | None = None) -> subprocess.Popen[bytes]:
+    """A redis-server of the benchmark's own on 127.0.0.1:`port`, keeping nothing on disk
+    (optionally pinned to CPUs with taskset); stop it with `stop()` or terminate()."""
+    cmd = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    return subprocess.Popen(["taskset", "-c", cpus, *cmd] if cpus else cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def wait_http(
     url: str, timeout_s: float = 60.0, proc: subprocess.Popen[bytes] | None = None, on_exit: Callable[[], str] | None = None
 ) -> None:

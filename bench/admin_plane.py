@@ -32,7 +32,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import lua_post, wrk  # noqa: E402
-from bench._procs import cpu_seconds, free_port, start, stop, wait_http  # noqa: E402
+from bench._procs import cpu_seconds, free_port, redis_server, start, stop, wait_http  # noqa: E402
 from gateway.admin.log_store import RedisLogStore  # noqa: E402
 
 KEY, ADMIN = "sk-bench-tenant", "sk-bench-admin"
@@ -168,8 +168,7 @@ def main() -> None:
     upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"], cpus="0")
     # Redis beside the upstream, off the gateway's core: what is measured is the gateway's cost of
     # writing the log, not Redis's work on its batches competing with the gateway for its core.
-    redis = subprocess.Popen(["taskset", "-c", "0", "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    redis = redis_server(redis_port, cpus="0")
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     try:
         wait_http(f"http://127.0.0.1:{up_port}/healthz")

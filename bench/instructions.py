@@ -48,7 +48,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._procs import ROOT, free_port, start, stop, wait_http  # noqa: E402
+from bench._procs import ROOT, free_port, redis_server, start, stop, wait_http  # noqa: E402
 
 KEY = "sk-bench"
 BODY = '{"model":"gpt-test","messages":[{"role":"user","content":"Say hello in one word %s."}],"max_tokens":16,"temperature":0}'
@@ -143,8 +143,7 @@ def main() -> None:
     redis, redis_url = None, None
     if args.redis:
         redis_port = free_port()
-        redis = subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                                 stdout=subprocess.DEVNULL)
+        redis = redis_server(redis_port)
         redis_url = f"redis://127.0.0.1:{redis_port}/0"
     policies = _policies(up_port, redis_url)
     names = [n for n in policies if not args.only or n in args.only.split(",")]

@@ -45,7 +45,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import pct  # noqa: E402
-from bench._procs import free_port, start, stop, wait_http  # noqa: E402
+from bench._procs import free_port, redis_server, start, stop, wait_http  # noqa: E402
 from gateway.tenants.quota_counters import Ask, Scope, Settle  # noqa: E402
 from gateway.store.core import MemoryStore, Store  # noqa: E402
 from gateway.store.redis_store import RedisStore  # noqa: E402
@@ -277,10 +277,7 @@ def exactness(args: argparse.Namespace, tmp: Path) -> dict[str, object]:
     procs: list[subprocess.Popen[bytes]] = []
     ports: list[int] = []
     try:
-        procs.append(subprocess.Popen(
-            ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        ))
+        procs.append(redis_server(redis_port))
         raw = redis.Redis(host="127.0.0.1", port=redis_port)
         for _ in range(100):
             try:

@@ -171,6 +171,16 @@ class _Procs:
             await asyncio.sleep(POLL_S)
 
 
+def _replicas_offline(port: int, repl: dict[str, Any], at_least: int) -> str | None:
+    """None when a master (its INFO replication: `repl`) lists at least `at_least` replicas, every
+    one online: after a diskless sync a master puts a replica online only at its first REPLCONF
+    ACK, up to a second after the replica's side says "up", and until then a WAIT counts it out."""
+    states = [v.get("state") for k, v in repl.items() if k.startswith("slave") and isinstance(v, dict)]
+    if len(states) < at_least or any(state != "online" for state in states):
+        return f"master {port}: replicas {states}"
+    return None
+
+
 async def _until(check: Callable[[], str | None], timeout_s: float, what: str) -> float:
     """Poll `check` (None: done; otherwise what is still wrong) until done; returns the seconds it
     took, AssertionError with the last problem after `timeout_s`."""
@@ -342,9 +352,7 @@ class Cluster:
 
     def _replicas_problem(self) -> str | None:
         """None once every replica follows a master and its replication link is up, and every
-        master counts each of its replicas online: after a diskless sync a master puts a replica
-        online only at its first REPLCONF ACK (up to a second after the replica's side says "up"),
-        and until then a WAIT counts it out."""
+        master counts each of its replicas online (`_replicas_offline`)."""
         for port in self.live_ports():
             try:
                 with _client(port) as c:
@@ -353,9 +361,8 @@ class Cluster:
             except redis.RedisError as e:
                 return f"node {port}: {e!r}"
             if "master" in me.flags:
-                states = [v.get("state") for k, v in repl.items() if k.startswith("slave") and isinstance(v, dict)]
-                if any(state != "online" for state in states):
-                    return f"master {port}: replicas {states}"
+                if (problem := _replicas_offline(port, repl, at_least=0)) is not None:
+                    return problem
             elif repl.get("master_link_status") != "up":
                 return f"replica {port}: {repl}"
         return None
@@ -520,8 +527,7 @@ async def redis_sentinel(service: str = "gwmaster") -> AsyncIterator[SentinelSet
         )
 
         def link_problem() -> str | None:
-            """None once the replica's link is up and the master counts it online (see
-            Cluster._replicas_problem: a WAIT counts it only then)."""
+            """None once the replica's link is up and the master counts it online (`_replicas_offline`)."""
             try:
                 with _client(replica) as c:
                     repl = c.info("replication")
@@ -531,8 +537,7 @@ async def redis_sentinel(service: str = "gwmaster") -> AsyncIterator[SentinelSet
                 return f"replica {replica}: {e!r}"
             if repl.get("master_link_status") != "up":
                 return f"replica {replica}: {repl}"
-            online = mine.get("slave0", {}).get("state") if isinstance(mine.get("slave0"), dict) else None
-            return None if online == "online" else f"master {master}: {mine}"
+            return _replicas_offline(master, mine, at_least=1)
 
         try:
             await _until(link_problem, 20, "replica in sync")
