@@ -263,6 +263,12 @@ class Cluster:
         """The nodes whose processes are still running."""
         return [p for p in self.ports if self._procs.alive(p)]
 
+    def live_url(self) -> str:
+        """A `redis+cluster://` URL seeded with the nodes still running: once a node is killed,
+        its port is free for any process on the machine (the suite runs in parallel), and a
+        client that tries a seed there may wait on something that is not Redis."""
+        return "redis+cluster://" + ",".join(f"{HOST}:{p}" for p in self.live_ports())
+
     def log_tail(self, port: int, chars: int = 2000) -> str:
         """The end of a node's log (for an assertion message)."""
         return self._procs.tail(port, chars)
@@ -311,9 +317,10 @@ class Cluster:
     async def wait_ok(self, timeout_s: float = 20.0) -> float:
         """Wait until every live node says cluster_state:ok and, in every live node's view alike,
         each slot has a master that is alive and answers PING; returns the seconds it took."""
-        return await _until(self._problem, timeout_s, "cluster state ok")
+        return await _until(self.problem, timeout_s, "cluster state ok")
 
-    def _problem(self) -> str | None:
+    def problem(self) -> str | None:
+        """What keeps the cluster from being ok (see wait_ok), or None."""
         views: dict[int, tuple[tuple[int, int, int], ...]] = {}
         for port in self.live_ports():
             try:
