@@ -44,9 +44,11 @@ def lua_post_unique(template: str, headers: dict[str, str] | None = None) -> str
     return "\n".join(lines) + "\n"
 
 
-def wrk(url: str, connections: int, duration: int, script: Path) -> dict[str, float]:
+def wrk(url: str, connections: int, duration: int, script: Path, cpus: str | None = None) -> dict[str, float]:
+    """One wrk run (2 threads; pinned to `cpus` with taskset when given): req/s, requests, non-2xx."""
+    cmd = ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url]
     out = subprocess.run(
-        ["wrk", "-t2", f"-c{connections}", f"-d{duration}s", "--latency", "-s", str(script), url],
+        ["taskset", "-c", cpus, *cmd] if cpus else cmd,
         capture_output=True, text=True, check=True, env={**os.environ, "WRK_RUN": uuid.uuid4().hex[:12]},
     ).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
@@ -54,6 +56,33 @@ def wrk(url: str, connections: int, duration: int, script: Path) -> dict[str, fl
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     errors = re.search(r"Socket errors: (.*)", out)
     return {"rps": rps, "requests": total, "non2xx": int(non2xx.group(1)) if non2xx else 0, "socket_errors": errors.group(1) if errors else ""}
+
+
+def paired_wrk(
+    servers: list[tuple[str, int, Path]], rounds: int, duration: int, connections: int = 32, cpus: str = "0"
+) -> list[list[tuple[float, float]]]:
+    """Load two servers at the same time, each with its own wrk pinned to `cpus`: `servers` are
+    (url, pid, wrk script), the two processes pinned by the caller to one core of their own, which
+    the scheduler shares fairly between two busy processes. Whatever slows the machine down then
+    slows both alike, so the ratio of their throughputs is the inverse ratio of what a request
+    costs each, without the drift between runs that timing them one after the other suffers from
+    on a shared VM. Returns, per round, each server's (req/s, CPU us per request); a first round
+    warms both up and is left out; the order the two wrks start in alternates."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bench._procs import cpu_seconds
+
+    out: list[list[tuple[float, float]]] = []
+    with ThreadPoolExecutor(2) as pool:
+        for i in range(rounds + 1):
+            order = [0, 1] if i % 2 else [1, 0]
+            cpu0 = [cpu_seconds(pid) for _, pid, _ in servers]
+            runs = dict(zip(order, pool.map(lambda k: wrk(servers[k][0], connections, duration, servers[k][2], cpus), order)))
+            if any(r["non2xx"] or r["socket_errors"] for r in runs.values()):
+                raise RuntimeError(f"errors under load: {runs}")
+            if i:
+                out.append([(runs[k]["rps"], (cpu_seconds(servers[k][1]) - cpu0[k]) / runs[k]["requests"] * 1e6) for k in (0, 1)])
+    return out
 
 
 async def fixed_rate(url: str, rate: float, duration: float, body: bytes | str, headers: dict[str, str] | None = None) -> list[float]:

@@ -1,14 +1,17 @@
 """The admin plane's costs, in one run: the request log on the request path, and the requests view
 on a large log.
 
-    python bench/admin_plane.py [--duration 5] [--rounds 8] [--entries 100000]
+    python bench/admin_plane.py [--duration 5] [--rounds 8] [--side-rounds 8] [--entries 100000]
 
 1. Throughput and CPU per request of one gateway worker with the request log on against the same
    policy with it off (`request_log.enabled: false`), on the in-memory store and on Redis (a
    redis-server of the benchmark's own), alternating on/off `--rounds` times (wrk, c=32, a
    tenant's key, the fake upstream at zero delay; the gateway pinned to one core, the upstream and
-   Redis to the other); medians, and the median of each round's on/off ratio (the two ran back
-   to back). Target: throughput within 5 %.
+   Redis and wrk to the other); medians, and the median of each round's on/off ratio (the two ran
+   back to back). Target: throughput within 5 %.
+   Then the same two gateways side by side (`--side-rounds`): both at once on the one core, each
+   under its own wrk, so that whatever slows the VM slows both alike; their throughput ratio is
+   the ratio of what a request costs each.
 2. `GET /admin/requests` on a Redis log of `--entries` entries (written straight to the store, as
    the writers would): the first page, a page deep in the log (its cursor), a page filtered by
    tenant (its index) and one filtered by model and status (scanned). Target: first page < 200 ms.
@@ -31,7 +34,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._load import lua_post, wrk  # noqa: E402
+from bench._load import lua_post, paired_wrk, wrk  # noqa: E402
 from bench._procs import cpu_seconds, free_port, redis_server, start, stop, wait_http  # noqa: E402
 from gateway.admin.log_store import RedisLogStore  # noqa: E402
 
@@ -72,15 +75,46 @@ def _throughput(args: argparse.Namespace, tmp: Path, up_port: int, redis_url: st
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             try:
                 wait_http(f"http://127.0.0.1:{port}/healthz")
-                wrk(url, 32, 2, script)
+                wrk(url, 32, 2, script, cpus="0")
                 c0, s0, t0 = cpu_seconds(gw.pid), sum(map(cpu_seconds, side)), time.monotonic()
-                r = wrk(url, 32, args.duration, script)
+                r = wrk(url, 32, args.duration, script, cpus="0")
                 spent, elapsed = sum(map(cpu_seconds, side)) - s0, time.monotonic() - t0
                 out[mode].append((r["rps"], (cpu_seconds(gw.pid) - c0) / r["requests"] * 1e6,
                                   spent / r["requests"] * 1e6, spent / elapsed))
             finally:
                 stop(gw)
     return out
+
+
+# A round of the side-by-side runs: (off, on) throughput and (off, on) CPU per request (us).
+Pair = tuple[float, float, float, float]
+
+
+def _side_by_side(args: argparse.Namespace, tmp: Path, up_port: int, redis_url: str | None, control: bool = False) -> list[Pair]:
+    """The log off and on at the same time: both gateways pinned to the same core (the scheduler
+    shares it fairly between two busy processes), each under its own wrk, both wrks with the
+    upstream and Redis on the other core. What slows the VM down slows both alike, so the ratio of
+    their throughputs is the ratio of what a request costs each, without the drift between runs
+    that the alternating rounds above suffer from. `control`: the log off in both (an A/A run: how
+    far from 1.000 the method itself lands)."""
+    script = tmp / "post.lua"
+    script.write_text(lua_post(BODY, {"Authorization": f"Bearer {KEY}"}))
+    gws, urls = [], []
+    try:
+        for mode in ("off", "on"):
+            pol = tmp / f"sbs-{mode}.yaml"
+            pol.write_text(_policy(up_port, mode == "on" and not control, redis_url))
+            port = free_port()
+            gws.append(start(["-m", "gateway", "serve", "--policy", str(pol), "--port", str(port)],
+                             env={"GATEWAY_LOG_LEVEL": "WARNING"}, cpus="1"))
+            urls.append(f"http://127.0.0.1:{port}/v1/chat/completions")
+        for url in urls:
+            wait_http(url.replace("/v1/chat/completions", "/healthz"))
+        runs = paired_wrk([(u, g.pid, script) for u, g in zip(urls, gws)], args.side_rounds, args.duration)
+        return [(off[0], on[0], off[1], on[1]) for off, on in runs]
+    finally:
+        for g in gws:
+            stop(g)
 
 
 async def _fill(redis_url: str, n: int) -> None:
@@ -155,10 +189,24 @@ def _print_throughput(mem: dict[str, list[Run]], red: dict[str, list[Run]]) -> N
               f"(min {paired[0]:.3f}, max {paired[-1]:.3f}, {len(paired)} rounds)", flush=True)
 
 
+def _print_side_by_side(runs: dict[str, list[Pair]]) -> None:
+    print(f"\n{'both at once, one core shared (1 worker each, c=32)':52} {'off':>10} {'on':>10} {'ratio':>7}")
+    for label, res in runs.items():
+        for name, i in (("throughput (req/s)", 0), ("CPU per request (us)", 2)):
+            off, on = statistics.median(r[i] for r in res), statistics.median(r[i + 1] for r in res)
+            print(f"{label + ': ' + name:52} {off:10.0f} {on:10.0f} {on / off:7.3f}", flush=True)
+        paired = sorted(r[1] / r[0] for r in res)
+        print(f"{label + ': throughput on/off, each round':52} {'median':>10} {statistics.median(paired):10.3f} "
+              f"(min {paired[0]:.3f}, max {paired[-1]:.3f}, {len(paired)} rounds)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--duration", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=8, help="alternating on/off rounds (0: skip them)")
+    ap.add_argument("--side-rounds", type=int, default=8, help="rounds of the side-by-side runs (0: skip them)")
+    ap.add_argument("--control", action="store_true", help="also an A/A side-by-side run (the log off in both)")
+    ap.add_argument("--stores", default="memory,redis", help="the side-by-side runs' log stores")
     ap.add_argument("--entries", type=int, default=100_000, help="the requests view's log (0: skip that part)")
     args = ap.parse_args()
     if not shutil.which("wrk") or not shutil.which("redis-server"):
@@ -172,9 +220,16 @@ def main() -> None:
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     try:
         wait_http(f"http://127.0.0.1:{up_port}/healthz")
-        mem = _throughput(args, tmp, up_port, None, [upstream.pid, redis.pid])
-        red = _throughput(args, tmp, up_port, redis_url, [upstream.pid, redis.pid])
-        _print_throughput(mem, red)
+        if args.rounds:
+            mem = _throughput(args, tmp, up_port, None, [upstream.pid, redis.pid])
+            red = _throughput(args, tmp, up_port, redis_url, [upstream.pid, redis.pid])
+            _print_throughput(mem, red)
+        if args.side_rounds:
+            runs = {label: _side_by_side(args, tmp, up_port, url) for label, url in
+                    (("memory store", None), ("redis store", redis_url)) if label.split()[0] in args.stores}
+            if args.control:
+                runs["control, the log off in both"] = _side_by_side(args, tmp, up_port, None, control=True)
+            _print_side_by_side(runs)
         if not args.entries:
             return
         subprocess.run(["redis-cli", "-p", str(redis_port), "FLUSHALL"], check=True, capture_output=True)

@@ -62,10 +62,7 @@ def main() -> None:
     resp_script.write_text(lua_post(RESP_BODY, {"Authorization": "Bearer sk-bench"}))
     up_port, gw_port, mp_port = free_port(), free_port(), free_port()
     policy = tmp / "policy.yaml"
-    policy.write_text(
-        f"backends:\n  up: {{url: 'http://127.0.0.1:{up_port}/v1', models: [gpt-test], max_concurrency: 1024}}\n"
-        "reload: {watch: false}\nserver: {drain_delay_ms: 0}\n"
-    )
+    policy.write_text(plain_policy(up_port))
     upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"])
     gateway = start(["-m", "gateway", "serve", "--policy", str(policy), "--port", str(gw_port)], env={"GATEWAY_LOG_LEVEL": "WARNING"})
     direct = f"http://127.0.0.1:{up_port}/v1/chat/completions"
@@ -167,20 +164,32 @@ def main() -> None:
     )
 
 
+# A body with a prompt of its own per request (`{n}`: lua_post_unique), cacheable (temperature 0).
+UNIQUE_BODY = '{"model":"gpt-test","messages":[{"role":"user","content":"Say hello in one word {n}."}],"max_tokens":16,"temperature":0}'
+
+
+def plain_policy(up_port: int) -> str:
+    """The default policy's stages: open mode (no tenants), the fake upstream as the one backend."""
+    return (f"backends:\n  up: {{url: 'http://127.0.0.1:{up_port}/v1', models: [gpt-test], max_concurrency: 1024}}\n"
+            "reload: {watch: false}\nserver: {drain_delay_ms: 0}\n")
+
+
+def every_stage_policy(up_port: int) -> str:
+    """Every stage doing work: a tenant (key `sk-bench`) with a quota, the cache, the access log."""
+    digest = hashlib.sha256(b"sk-bench").hexdigest()
+    return (f"backends:\n  up: {{url: 'http://127.0.0.1:{up_port}/v1', models: [gpt-test], max_concurrency: 1024}}\n"
+            f"tenants:\n  bench:\n    key_sha256: ['{digest}']\n    quota: {{rpm: 100000000, tpm: 1000000000}}\n"
+            "cache: {enabled: true}\nlog: {access: true}\nreload: {watch: false}\nserver: {drain_delay_ms: 0}\n")
+
+
 def _every_stage(args: argparse.Namespace, tmp: Path, up_port: int) -> dict[str, float]:
     """One worker with every stage of the pipeline doing work: a tenant with a quota (reserved and
     settled per request), the cache on with a distinct deterministic prompt per request (a lookup,
     a single flight and a store each), admission, Server-Timing and the access log (to /dev/null)."""
-    digest = hashlib.sha256(b"sk-bench").hexdigest()
     policy = tmp / "every.yaml"
-    policy.write_text(
-        f"backends:\n  up: {{url: 'http://127.0.0.1:{up_port}/v1', models: [gpt-test], max_concurrency: 1024}}\n"
-        f"tenants:\n  bench:\n    key_sha256: ['{digest}']\n    quota: {{rpm: 100000000, tpm: 1000000000}}\n"
-        "cache: {enabled: true}\nlog: {access: true}\nreload: {watch: false}\nserver: {drain_delay_ms: 0}\n"
-    )
+    policy.write_text(every_stage_policy(up_port))
     script = tmp / "unique.lua"
-    body = '{"model":"gpt-test","messages":[{"role":"user","content":"Say hello in one word {n}."}],"max_tokens":16,"temperature":0}'
-    script.write_text(lua_post_unique(body, {"Authorization": "Bearer sk-bench"}))
+    script.write_text(lua_post_unique(UNIQUE_BODY, {"Authorization": "Bearer sk-bench"}))
     port = free_port()
     gw = start(["-m", "gateway", "serve", "--policy", str(policy), "--port", str(port)], env={"GATEWAY_LOG_LEVEL": "WARNING"})
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
