@@ -19,6 +19,9 @@ import redis.asyncio as aredis
 from gateway.admin.log_store import Filter, LogStore, MemoryLogStore, RedisLogStore, scan
 from gateway.admin.request_log import RequestLog
 from gateway.config.policy import RequestLogPolicy
+from gateway.pipeline.call import CacheResult, Finish, Outcome, Timing
+from gateway.tenants.auth import Tenant
+from gateway.wire.endpoints import ENDPOINTS
 from tests.procs import redis_server
 
 TENANTS = ("acme", "beta", "gamma")
@@ -32,9 +35,12 @@ def _entry(i: int) -> tuple[int, str, bytes]:
 
 
 def _row(i: int) -> tuple[Any, ...]:
-    """A row as the request path queues it (gateway/admin/entry.py)."""
-    return (1, f"r{i}", time.time(), TENANTS[i % 3], None, "chat", "m", "up", "none", "bypass", 200, False, None, 0.001,
-            1, 2, 0.0, ["up"], "ok", None, [], None, None)
+    """A finished request as the request path queues it (gateway/admin/entry.py's `take`)."""
+    out = Outcome(backend="up", attempts=["up"], usage={"prompt_tokens": 1, "completion_tokens": 2}, finish=Finish.OK)
+    timing = Timing()
+    tenant = Tenant(TENANTS[i % 3], "default", None)
+    return (f"r{i}", time.time(), tenant, ENDPOINTS["chat"], "m", False, "none", [], None, CacheResult.BYPASS, out, timing,
+            timing.t0 + 0.001, 0.0, None)
 
 
 @pytest.fixture(params=["memory", "redis"])

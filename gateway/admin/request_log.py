@@ -1,7 +1,7 @@
 """The request log: every API request's metadata, written off the request path.
 
-A request that ends costs a tuple and a deque append (`RequestLog.add`, entry.py); a writer task
-encodes what came and sends it to the store (admin/log_store.py) every `request_log.flush_ms`. Bounded when the store is
+A request that ends costs a tuple of references and a deque append (`RequestLog.add`, entry.py); a
+writer task makes rows of what came, encodes them and sends it to the store (admin/log_store.py) every `request_log.flush_ms`. Bounded when the store is
 slow or down: at most `request_log.queue` entries wait, more are dropped and counted
 (`gateway_request_log_dropped_total{reason="queue_full"}`), and a batch the store does not take
 within `write_timeout_ms` is dropped and counted (`reason="store"`): never a blocked request,
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ..config.policy import RequestLogPolicy
 from ..pipeline.call import Call
-from .entry import Row, encode, row_of
+from .entry import Taken, encode, row_of, take
 from .log_store import LogStore
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class RequestLog:
     def __init__(self, store: LogStore, policy: RequestLogPolicy, on_drop: Callable[[str, int], None]) -> None:
         self.store = store
         self.policy = policy
-        self._q: deque[Row] = deque()  # rows, encoded by the writer
+        self._q: deque[Taken] = deque()  # finished requests, made rows and encoded by the writer
         self._on_drop = on_drop
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -49,14 +49,15 @@ class RequestLog:
         if len(self._q) >= self.policy.queue:  # checked first: a full queue costs no row
             self._on_drop("queue_full", 1)
             return
-        self._q.append(row_of(call, rt, end, spend_usd))
+        self._q.append(take(call, rt, end, spend_usd))
 
-    def put(self, row: Row) -> bool:
-        """Queue one row (entry.py); False when the queue is full (dropped, counted)."""
+    def put(self, taken: Taken) -> bool:
+        """Queue one finished request as `entry.take` keeps it; False when the queue is full
+        (dropped, counted)."""
         if len(self._q) >= self.policy.queue:
             self._on_drop("queue_full", 1)
             return False
-        self._q.append(row)
+        self._q.append(taken)
         return True
 
     def configure(self, policy: RequestLogPolicy) -> None:
@@ -91,7 +92,7 @@ class RequestLog:
         # store with round trips: ~150 small writes a second at 5,000 req/s instead of 5.)
         left = len(self._q)
         while left > 0 and self._q:
-            batch = [encode(self._q.popleft()) for _ in range(min(left, len(self._q), 1000))]
+            batch = [encode(row_of(self._q.popleft())) for _ in range(min(left, len(self._q), 1000))]
             left -= len(batch)
             try:
                 async with asyncio.timeout(self.policy.write_timeout_ms / 1000):
