@@ -84,12 +84,15 @@ check: $(STAMP)
 bench: $(STAMP)
 	@command -v wrk >/dev/null || { echo "bench needs wrk: apt-get install wrk"; exit 1; }
 	$(PY) bench/gateway_overhead.py
+	$(PY) bench/side_by_side.py --vs-bare --policy plain
+	$(PY) bench/side_by_side.py --vs-bare --policy every
 	$(PY) bench/upstream_client.py
 	$(PY) bench/selection.py
 	$(PY) bench/routing.py
 	$(PY) bench/affinity.py
 	$(PY) bench/cache.py
 	$(PY) bench/quota.py
+	$(PY) bench/admin_plane.py
 	$(PY) bench/store_failover.py
 	$(PY) bench/overload.py
 	$(PY) bench/faults.py
