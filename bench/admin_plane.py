@@ -11,7 +11,8 @@ on a large log.
    back to back). Target: throughput within 5 %.
    Then the same two gateways side by side (`--side-rounds`): both at once on the one core, each
    under its own wrk, so that whatever slows the VM slows both alike; their throughput ratio is
-   the ratio of what a request costs each.
+   the inverse ratio of what a request costs each (`bench/_load.paired_wrk`). `--control` adds
+   an A/A run, the log off in both.
 2. `GET /admin/requests` on a Redis log of `--entries` entries (written straight to the store, as
    the writers would): the first page, a page deep in the log (its cursor), a page filtered by
    tenant (its index) and one filtered by model and status (scanned). Target: first page < 200 ms.
@@ -91,12 +92,9 @@ Pair = tuple[float, float, float, float]
 
 
 def _side_by_side(args: argparse.Namespace, tmp: Path, up_port: int, redis_url: str | None, control: bool = False) -> list[Pair]:
-    """The log off and on at the same time: both gateways pinned to the same core (the scheduler
-    shares it fairly between two busy processes), each under its own wrk, both wrks with the
-    upstream and Redis on the other core. What slows the VM down slows both alike, so the ratio of
-    their throughputs is the ratio of what a request costs each, without the drift between runs
-    that the alternating rounds above suffer from. `control`: the log off in both (an A/A run: how
-    far from 1.000 the method itself lands)."""
+    """The log off and on at the same time, both gateways on core 1 (`paired_wrk`: the wrks, the
+    upstream and Redis on core 0). `control`: the log off in both (an A/A run: how far from 1.000
+    the method itself lands)."""
     script = tmp / "post.lua"
     script.write_text(lua_post(BODY, {"Authorization": f"Bearer {KEY}"}))
     gws, urls = [], []

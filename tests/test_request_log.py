@@ -16,10 +16,11 @@ import orjson
 import pytest
 import redis.asyncio as aredis
 
+from gateway.admin.entry import decode, encode, row_of, take
 from gateway.admin.log_store import Filter, LogStore, MemoryLogStore, RedisLogStore, scan
 from gateway.admin.request_log import RequestLog
 from gateway.config.policy import RequestLogPolicy
-from gateway.pipeline.call import CacheResult, Finish, Outcome, Timing
+from gateway.pipeline.call import CacheResult, Call, Finish, Outcome, Timing
 from gateway.tenants.auth import Tenant
 from gateway.wire.endpoints import ENDPOINTS
 from tests.procs import redis_server
@@ -39,8 +40,27 @@ def _row(i: int) -> tuple[Any, ...]:
     out = Outcome(backend="up", attempts=["up"], usage={"prompt_tokens": 1, "completion_tokens": 2}, finish=Finish.OK)
     timing = Timing()
     tenant = Tenant(TENANTS[i % 3], "default", None)
-    return (f"r{i}", time.time(), tenant, ENDPOINTS["chat"], "m", False, "none", [], None, CacheResult.BYPASS, out, timing,
-            timing.t0 + 0.001, 0.0, None)
+    return take(_finished(f"r{i}", tenant, out, timing), None, timing.t0 + 0.001, 0.0)  # type: ignore[arg-type]
+
+
+def _finished(rid: str, tenant: Tenant, out: Outcome, timing: Timing) -> Call:
+    call = Call(rid, ENDPOINTS["chat"], b"{}", None, time.monotonic() + 30, timing=timing, model="m", tenant=tenant, out=out)
+    call.cache.result = CacheResult.BYPASS
+    return call
+
+
+def test_a_finished_request_waits_for_the_writer_without_the_long_strings_its_caller_chose():
+    """A model name of a megabyte, and the error quoting it: the queue holds 200 and 300
+    characters of them, and nothing of the Call (a caller could otherwise make every refused
+    request keep its megabytes until the writer's next flush)."""
+    out = Outcome(status=404, error="model_not_found: " + "m" * 1_000_000, finish=Finish.ERROR)
+    call = _finished("r1", Tenant("acme", "default", None), out, Timing())
+    call.model = "m" * 1_000_000
+    taken = take(call, None, time.perf_counter(), 0.0)  # type: ignore[arg-type]
+    assert all(not isinstance(part, (str, bytes)) or len(part) <= 300 for part in taken)
+    assert not any(part is call or part is out or part is call.body for part in taken)
+    row = decode(encode(row_of(taken))[2])
+    assert len(row["model"]) == 200 and len(row["error"]) == 300 and row["status"] == 404
 
 
 @pytest.fixture(params=["memory", "redis"])

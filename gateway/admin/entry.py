@@ -1,7 +1,7 @@
 """One request log entry: taken on the request path as a row of values, stored as a JSON array,
 read back as an object.
 
-The request path only keeps references to the Call's parts (`take`); the log's writer makes
+The request path only keeps a request's values and small parts (`take`); the log's writer makes
 them rows and encodes them, in batches, and reading turns seconds into milliseconds and rounds. Stored
 rows are arrays, not objects: a third the size, and the field names are paid once, here. The
 first element is the row's version: rows of another layout, and objects, still read back.
@@ -33,33 +33,36 @@ Taken = tuple[Any, ...]  # what `take` keeps on the request path, for `row_of`
 
 
 def take(call: Call, rt: Runtime, end: float, spend_usd: float) -> Taken:
-    """What the request path keeps of a finished request: references to its parts, no copies and
-    no formatting (the Call's small parts, not the Call: its body stays out of the queue). The
-    writer turns a batch of them into rows (`row_of`), one after the other, where that work runs
-    with the CPU's caches warm: side by side (bench/admin_plane.py) that cost the request path less
-    than building each row as its request ended. A `log_payloads` tenant's prompt and answer are
-    cut here."""
-    t = call.tenant
+    """What the request path keeps of a finished request: its values and references to small parts
+    of it, no copies and no formatting; the writer turns a batch of them into rows (`row_of`), one
+    after the other, where that work runs with the CPU's caches warm: side by side
+    (bench/side_by_side.py) that cost the request path less than building each row as its request
+    ended. Nothing here holds the Call, its body, or a string whose size the caller chose (the
+    model asked for, an error that quotes it: cut here): a finished request keeps no more of its
+    memory while it waits. A `log_payloads` tenant's prompt and answer are cut here too."""
+    t, out, v = call.tenant, call.out, call.verdict
     payloads = _payloads(call, rt.policy.request_log.max_payload_chars) if t is not None and t.log_payloads else None
-    return (call.request_id, time.time(), t, call.endpoint, call.model, call.stream, call.cls, call.reasons, call.verdict,
-            call.cache.result, call.out, call.timing, end, spend_usd, payloads)  # fmt: skip
+    return (call.request_id, time.time(), t, call.endpoint, call.model[:200], call.stream, call.cls, call.reasons,
+            None if v is None else v.rule, call.cache.result, out.backend, out.status, out.attempts, out.usage,
+            out.finish, out.affinity, out.error[:300] if out.error else None, call.timing, end, spend_usd,
+            payloads)  # fmt: skip
 
 
 def row_of(taken: Taken) -> Row:
     """What the log keeps of one finished request (`take`'s), unencoded."""
-    rid, at, t, endpoint, model, stream, cls, reasons, v, cache, out, timing, end, spend_usd, payloads = taken
-    usage = out.usage or {}
+    (rid, at, t, endpoint, model, stream, cls, reasons, rule, cache, backend, status, attempts, usage, finish, affinity,
+     error, timing, end, spend_usd, payloads) = taken  # fmt: skip
+    usage = usage or {}
     extras: dict[str, Any] | None = None
-    if out.affinity is not None:
-        extras = {"affinity": out.affinity.view()}
+    if affinity is not None:
+        extras = {"affinity": affinity.view()}
     if payloads is not None:
         extras = {**(extras or {}), **payloads}
     return (
-        _VERSION, rid, at, None if t is None else t.name, None if t is None else t.key_id, endpoint.name,
-        model[:200], out.backend, cls, cache.value, out.status, stream, timing.ttft_s,
-        end - timing.t0, usage.get("prompt_tokens"), usage.get("completion_tokens"), spend_usd, tuple(out.attempts),
-        None if out.finish is None else out.finish.value, None if v is None else v.rule,
-        tuple(reasons), out.error[:300] if out.error else None, extras,
+        _VERSION, rid, at, None if t is None else t.name, None if t is None else t.key_id, endpoint.name, model, backend,
+        cls, cache.value, status, stream, timing.ttft_s, end - timing.t0, usage.get("prompt_tokens"),
+        usage.get("completion_tokens"), spend_usd, tuple(attempts), None if finish is None else finish.value, rule,
+        tuple(reasons), error, extras,
     )  # fmt: skip
 
 

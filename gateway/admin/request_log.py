@@ -1,8 +1,8 @@
 """The request log: every API request's metadata, written off the request path.
 
-A request that ends costs a tuple of references and a deque append (`RequestLog.add`, entry.py); a
-writer task makes rows of what came, encodes them and sends it to the store (admin/log_store.py) every `request_log.flush_ms`. Bounded when the store is
-slow or down: at most `request_log.queue` entries wait, more are dropped and counted
+A request that ends costs a tuple of references and a deque append (`RequestLog.add`, entry.py);
+a writer task makes rows of what came, encodes them and sends them to the store
+(admin/log_store.py) every `request_log.flush_ms`. Bounded when the store is slow or down: at most `request_log.queue` entries wait, more are dropped and counted
 (`gateway_request_log_dropped_total{reason="queue_full"}`), and a batch the store does not take
 within `write_timeout_ms` is dropped and counted (`reason="store"`): never a blocked request,
 never a queue that grows without bound.
