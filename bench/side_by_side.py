@@ -15,7 +15,8 @@ gateway's CPU per request as a multiple of the bare hop's, and its throughput as
 Policies: `plain` is open mode with one backend (bench/gateway_overhead.py's first rows), one
 body repeated; `every` has every stage doing work (a tenant's quota, a cache lookup, flight and
 store per request with a prompt of its own, admission, Server-Timing, the access log).
-Both servers on core 1, the fake upstream and the two wrks on core 0.
+Both servers on core 1, the fake upstream and the two wrks on core 0; half the rounds with A
+started first, half with B.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,6 +45,26 @@ def _gateway(cwd: Path, policy: Path, port: int) -> subprocess.Popen[bytes]:
     cmd = ["taskset", "-c", "1", sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--port", str(port)]
     env = {**os.environ, "GATEWAY_LOG_LEVEL": "WARNING"}
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+Starter = Callable[[int], "subprocess.Popen[bytes]"]
+
+
+def _pair(start_a: Starter, start_b: Starter, a_first: bool, scripts: tuple[Path, Path], rounds: int,
+          duration: int) -> list[list[tuple[float, float]]]:
+    """Start A and B (in that order, or B first), load them side by side, stop them; per round,
+    [A's, B's] (req/s, CPU us per request)."""
+    ports = free_port(), free_port()
+    procs: dict[int, subprocess.Popen[bytes]] = {}  # 0: A, 1: B
+    try:
+        for k in ((0, 1) if a_first else (1, 0)):
+            procs[k] = (start_a, start_b)[k](ports[k])
+        for k in (0, 1):
+            wait_http(f"http://127.0.0.1:{ports[k]}/healthz", proc=procs[k])
+        return paired_wrk([(f"http://127.0.0.1:{ports[k]}{_PATH}", procs[k].pid, scripts[k]) for k in (0, 1)], rounds, duration)
+    finally:
+        for p in procs.values():
+            stop(p)
 
 
 def main() -> None:
@@ -68,25 +90,26 @@ def main() -> None:
     headers = {"Authorization": "Bearer sk-bench"}
     gw_script.write_text(lua_post_unique(UNIQUE_BODY, headers) if args.policy == "every" else lua_post(BODY, headers))
     bare_script.write_text(lua_post(BODY))
-    procs: list[subprocess.Popen[bytes]] = []
+    if args.base:
+        names, a_script = (f"gateway at {args.base}", "this tree's gateway"), gw_script
+    else:
+        names, a_script = ("bare aiohttp hop", "the gateway"), bare_script
+
+    def start_a(port: int) -> subprocess.Popen[bytes]:
+        if args.base:
+            return _gateway(base_tree, policy, port)
+        return start(["bench/_minproxy.py", f"http://127.0.0.1:{up_port}{_PATH}", str(port)], cpus="1")
+
+    runs: list[list[tuple[float, float]]] = []
     try:
         wait_http(f"http://127.0.0.1:{up_port}/healthz")
-        a_port, b_port = free_port(), free_port()
-        if args.base:
-            procs.append(_gateway(base_tree, policy, a_port))
-            names, a_script = (f"gateway at {args.base}", "this tree's gateway"), gw_script
-        else:
-            procs.append(start(["bench/_minproxy.py", f"http://127.0.0.1:{up_port}{_PATH}", str(a_port)], cpus="1"))
-            names, a_script = ("bare aiohttp hop", "the gateway"), bare_script
-        procs.append(_gateway(ROOT, policy, b_port))
-        for port, proc in zip((a_port, b_port), procs):
-            wait_http(f"http://127.0.0.1:{port}/healthz", proc=proc)
-        servers = [(f"http://127.0.0.1:{a_port}{_PATH}", procs[0].pid, a_script),
-                   (f"http://127.0.0.1:{b_port}{_PATH}", procs[1].pid, gw_script)]
-        runs = paired_wrk(servers, args.rounds, args.duration)
+        # Half the rounds with A started first, half with B: in A/A runs the process started
+        # second lost up to ~1 %.
+        first_half = (args.rounds + 1) // 2
+        for a_first, rounds in ((True, first_half), (False, args.rounds - first_half)):
+            if rounds:
+                runs += _pair(start_a, lambda port: _gateway(ROOT, policy, port), a_first, (a_script, gw_script), rounds, args.duration)
     finally:
-        for p in procs:
-            stop(p)
         stop(upstream)
         if args.base:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
