@@ -171,6 +171,29 @@ async def test_a_flush_writes_what_was_queued_and_leaves_the_rest_for_the_next_o
     assert appended[3:] == [3]
 
 
+async def test_an_entry_the_writer_cannot_make_is_dropped_and_counted_and_the_writer_goes_on(caplog):
+    """A bug in making one row (here: an entry whose endpoint is missing) costs that entry, counted
+    and logged, not the writer task: the entries around it are written, and so are later ones."""
+    dropped: list[tuple[str, int]] = []
+    store = MemoryLogStore(100)
+    rlog = RequestLog(store, RequestLogPolicy(flush_ms=20), on_drop=lambda reason, n: dropped.append((reason, n)))
+    rlog.start()
+    try:
+        rlog.put(_row(1))
+        broken = list(_row(2))
+        broken[3] = None  # the endpoint
+        rlog.put(tuple(broken))
+        rlog.put(_row(3))
+        await asyncio.sleep(0.1)
+        rlog.put(_row(4))
+        await asyncio.sleep(0.1)
+        ids = [e["id"] for e in (await store.page(Filter(), 10, None)).entries]
+        assert ids == ["r4", "r3", "r1"] and dropped == [("encode", 1)]
+        assert "cannot make an entry of request 'r2'" in caplog.text
+    finally:
+        await rlog.close()
+
+
 # ---- end to end -----------------------------------------------------------------------------------
 
 KEY, PAYLOAD_KEY, ADMIN = "sk-acme-key-1", "sk-beta-key-1", "sk-admin-key-1"

@@ -2,8 +2,8 @@
 read back as an object.
 
 The request path only keeps a request's values and small parts (`take`); the log's writer makes
-them rows and encodes them, in batches, and reading turns seconds into milliseconds and rounds. Stored
-rows are arrays, not objects: a third the size, and the field names are paid once, here. The
+them rows and encodes them, in batches, and reading turns seconds into milliseconds and rounds.
+Stored rows are arrays, not objects: a third the size, and the field names are paid once, here. The
 first element is the row's version: rows of another layout, and objects, still read back.
 """
 

@@ -1,11 +1,13 @@
 """The request log: every API request's metadata, written off the request path.
 
-A request that ends costs a tuple of references and a deque append (`RequestLog.add`, entry.py);
+A request that ends costs a tuple of its values and a deque append (`RequestLog.add`, entry.py);
 a writer task makes rows of what came, encodes them and sends them to the store
-(admin/log_store.py) every `request_log.flush_ms`. Bounded when the store is slow or down: at most `request_log.queue` entries wait, more are dropped and counted
+(admin/log_store.py) every `request_log.flush_ms`. Bounded when the store is slow or down: at
+most `request_log.queue` entries wait, more are dropped and counted
 (`gateway_request_log_dropped_total{reason="queue_full"}`), and a batch the store does not take
 within `write_timeout_ms` is dropped and counted (`reason="store"`): never a blocked request,
-never a queue that grows without bound.
+never a queue that grows without bound. An entry the writer cannot make a row of (a bug) is
+dropped, counted (`reason="encode"`) and logged; the writer goes on.
 
 Prompts and answers are kept only for tenants with `log_payloads: true`.
 """
@@ -86,14 +88,31 @@ class RequestLog:
             await asyncio.sleep(self.policy.flush_ms / 1000)
             await self._flush()
 
+    def _rows(self, n: int) -> list[tuple[int, str, bytes]]:
+        """The next `n` queued entries as the store takes them. One that fails is dropped and
+        counted, not the writer: a task that raised would leave the log silent for good."""
+        out, failed = [], 0
+        for _ in range(n):
+            taken = self._q.popleft()
+            try:
+                out.append(encode(row_of(taken)))
+            except Exception:
+                failed += 1
+                if failed == 1:  # one traceback a batch, however many fail
+                    log.exception("request log: cannot make an entry of request %r; it is dropped", taken[0])
+        if failed:
+            self._on_drop("encode", failed)
+        return out
+
     async def _flush(self) -> None:
         # What is queued now, in batches of at most 1,000; what comes while they are written waits
         # for the next flush. (Draining until the queue is empty chased the requests' tail on a
         # store with round trips: ~150 small writes a second at 5,000 req/s instead of 5.)
         left = len(self._q)
         while left > 0 and self._q:
-            batch = [encode(row_of(self._q.popleft())) for _ in range(min(left, len(self._q), 1000))]
-            left -= len(batch)
+            n = min(left, len(self._q), 1000)
+            left -= n
+            batch = self._rows(n)
             try:
                 async with asyncio.timeout(self.policy.write_timeout_ms / 1000):
                     await self.store.append(batch)

@@ -171,7 +171,8 @@ class Metrics:
             registry=r,
         )
         self.request_log_dropped = Counter(
-            "gateway_request_log_dropped", "Request log entries dropped: queue_full (the writer is behind), store (a write failed)",
+            "gateway_request_log_dropped", "Request log entries dropped: queue_full (the writer is behind), store (a write failed), "
+            "encode (an entry the writer could not make: a bug, logged)",
             ["reason"], registry=r,
         )
 
