@@ -21,13 +21,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(args: list[str], env: dict[str, str] | None = None, cpus: str | None = None) -> subprocess.Popen[bytes]:
-    """Start a Python module as a child process (optionally pinned to CPUs with taskset)."""
+def start(args: list[str], env: dict[str, str] | None = None, cpus: str | None = None, cwd: Path = ROOT) -> subprocess.Popen[bytes]:
+    """Start a Python module as a child process (optionally pinned to CPUs with taskset), in `cwd`
+    (`python -m` imports the packages found there first: another checkout's `gateway`)."""
     cmd = [sys.executable, *args]
     if cpus:
         cmd = ["taskset", "-c", cpus, *cmd]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
 
 

@@ -11,7 +11,7 @@ on a large log.
    back to back). Target: throughput within 5 %.
    Then the same two gateways side by side (`--side-rounds`): both at once on the one core, each
    under its own wrk, so that whatever slows the VM slows both alike; their throughput ratio is
-   the inverse ratio of what a request costs each (`bench/_load.paired_wrk`). `--control` adds
+   the inverse ratio of what a request costs each (`bench/_load.side_by_side_runs`). `--control` adds
    an A/A run, the log off in both.
 2. `GET /admin/requests` on a Redis log of `--entries` entries (written straight to the store, as
    the writers would): the first page, a page deep in the log (its cursor), a page filtered by
@@ -35,7 +35,7 @@ import aiohttp
 import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._load import lua_post, paired_wrk, wrk  # noqa: E402
+from bench._load import lua_post, side_by_side_runs, wrk  # noqa: E402
 from bench._procs import cpu_seconds, free_port, redis_server, start, stop, wait_http  # noqa: E402
 from gateway.admin.log_store import RedisLogStore  # noqa: E402
 
@@ -66,13 +66,10 @@ def _throughput(args: argparse.Namespace, tmp: Path, up_port: int, redis_url: st
     out: dict[str, list[Run]] = {"on": [], "off": []}
     for i in range(args.rounds):
         for mode in (("on", "off") if i % 2 else ("off", "on")):  # the order alternates: no side always goes first
-            pol = tmp / f"{mode}.yaml"
-            pol.write_text(_policy(up_port, mode == "on", redis_url))
             port = free_port()
             # The gateway on a core of its own, the upstream on the other: a 5 % difference is not
             # lost in the noise of the three sharing two cores.
-            gw = start(["-m", "gateway", "serve", "--policy", str(pol), "--port", str(port)], env={"GATEWAY_LOG_LEVEL": "WARNING"},
-                       cpus="1")
+            gw = _serve(tmp, up_port, mode == "on", redis_url, port)
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
             try:
                 wait_http(f"http://127.0.0.1:{port}/healthz")
@@ -87,40 +84,27 @@ def _throughput(args: argparse.Namespace, tmp: Path, up_port: int, redis_url: st
     return out
 
 
+def _serve(tmp: Path, up_port: int, log_on: bool, redis_url: str | None, port: int) -> subprocess.Popen[bytes]:
+    """A gateway on core 1 (the upstream, Redis and wrk on core 0) with the request log on or off."""
+    pol = tmp / f"log-{'on' if log_on else 'off'}.yaml"
+    pol.write_text(_policy(up_port, log_on, redis_url))
+    return start(["-m", "gateway", "serve", "--policy", str(pol), "--port", str(port)], env={"GATEWAY_LOG_LEVEL": "WARNING"},
+                 cpus="1")
+
+
 # A round of the side-by-side runs: (off, on) throughput and (off, on) CPU per request (us).
 Pair = tuple[float, float, float, float]
 
 
 def _side_by_side(args: argparse.Namespace, tmp: Path, up_port: int, redis_url: str | None, control: bool = False) -> list[Pair]:
-    """The log off and on at the same time, both gateways on core 1 (`paired_wrk`: the wrks, the
-    upstream and Redis on core 0). Half the rounds with the "off" gateway started first, half with
-    the "on" one (in A/A runs the one started second lost up to ~1 %). `control`: the log off in
-    both (an A/A run: how far from 1.000 the method itself lands)."""
+    """The log off and on at the same time, both gateways on core 1 (`side_by_side_runs`).
+    `control`: the log off in both (an A/A run: how far from 1.000 the method itself lands)."""
     script = tmp / "post.lua"
     script.write_text(lua_post(BODY, {"Authorization": f"Bearer {KEY}"}))
-    first_half = (args.side_rounds + 1) // 2
-    out: list[Pair] = []
-    for order, rounds in ((("off", "on"), first_half), (("on", "off"), args.side_rounds - first_half)):
-        if not rounds:
-            continue
-        gws, urls = [], []
-        try:
-            for mode in order:
-                pol = tmp / f"sbs-{mode}.yaml"
-                pol.write_text(_policy(up_port, mode == "on" and not control, redis_url))
-                port = free_port()
-                gws.append(start(["-m", "gateway", "serve", "--policy", str(pol), "--port", str(port)],
-                                 env={"GATEWAY_LOG_LEVEL": "WARNING"}, cpus="1"))
-                urls.append(f"http://127.0.0.1:{port}/v1/chat/completions")
-            for url in urls:
-                wait_http(url.replace("/v1/chat/completions", "/healthz"))
-            for a, b in paired_wrk([(u, g.pid, script) for u, g in zip(urls, gws)], rounds, args.duration):
-                off, on = (a, b) if order[0] == "off" else (b, a)
-                out.append((off[0], on[0], off[1], on[1]))
-        finally:
-            for g in gws:
-                stop(g)
-    return out
+    runs = side_by_side_runs(lambda port: _serve(tmp, up_port, False, redis_url, port),
+                             lambda port: _serve(tmp, up_port, not control, redis_url, port),
+                             (script, script), args.side_rounds, args.duration)
+    return [(off[0], on[0], off[1], on[1]) for off, on in runs]
 
 
 async def _fill(redis_url: str, n: int) -> None:

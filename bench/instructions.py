@@ -54,6 +54,7 @@ KEY = "sk-bench"
 BODY = '{"model":"gpt-test","messages":[{"role":"user","content":"Say hello in one word %s."}],"max_tokens":16,"temperature":0}'
 WARM_UP = 200
 BIG_FLUSH_S = 10  # the "big batches" variants' request_log.flush_ms, in seconds
+_BIG = f"request_log: {{flush_ms: {BIG_FLUSH_S * 1000}}}\n"
 
 
 def _policies(up_port: int, redis_url: str | None) -> dict[str, str | None]:
@@ -68,15 +69,14 @@ def _policies(up_port: int, redis_url: str | None) -> dict[str, str | None]:
         "log on": base + tenant + "cache: {enabled: false}\n",
         # The writer's period scaled by callgrind's slowdown (200 ms x 50): batches of the size
         # they have at speed (~400 entries at 2,000 req/s), not of ~12.
-        "log on big batches": base + tenant + "cache: {enabled: false}\nrequest_log: {flush_ms: 10000}\n",
+        "log on big batches": base + tenant + "cache: {enabled: false}\n" + _BIG,
         "every": base + tenant + quota + "cache: {enabled: true}\nlog: {access: true}\n",
     }
     if redis_url is not None:  # the request log (and the rest of the store's state) in Redis
         store = f"store: {{url: '{redis_url}'}}\n"
         variants["redis log off"] = base + tenant + store + "cache: {enabled: false}\nrequest_log: {enabled: false}\n"
         variants["redis log on"] = base + tenant + store + "cache: {enabled: false}\n"
-        variants["redis log on big batches"] = (base + tenant + store + "cache: {enabled: false}\n"
-                                                      "request_log: {flush_ms: 10000}\n")
+        variants["redis log on big batches"] = base + tenant + store + "cache: {enabled: false}\n" + _BIG
     return variants
 
 
@@ -113,7 +113,7 @@ def _count(name: str, policy: str | None, up_port: int, requests: int, tmp: Path
         asyncio.run(_send(url, WARM_UP, f"{name}-warm"))
         # A 10 s writer: the warm-up's entries written before counting starts, and the counted
         # requests' entries written before it stops (each flush writes what is queued then).
-        settle_s = BIG_FLUSH_S + 1 if policy is not None and "flush_ms: 10000" in policy else 0
+        settle_s = BIG_FLUSH_S + 1 if name.endswith("big batches") else 0
         time.sleep(settle_s)
         subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True, capture_output=True)
         asyncio.run(_send(url, requests, name))

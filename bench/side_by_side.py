@@ -22,17 +22,15 @@ started first, half with B.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._load import ROOT, lua_post, lua_post_unique, paired_wrk  # noqa: E402
+from bench._load import ROOT, lua_post, lua_post_unique, side_by_side_runs  # noqa: E402
 from bench._procs import free_port, start, stop, wait_http  # noqa: E402
 from bench.gateway_overhead import BODY, UNIQUE_BODY, every_stage_policy, plain_policy  # noqa: E402
 
@@ -40,31 +38,9 @@ _PATH = "/v1/chat/completions"
 
 
 def _gateway(cwd: Path, policy: Path, port: int) -> subprocess.Popen[bytes]:
-    """`gateway serve` on core 1, importing the `gateway` package found in `cwd` (python -m puts
-    the working directory first on the path)."""
-    cmd = ["taskset", "-c", "1", sys.executable, "-m", "gateway", "serve", "--policy", str(policy), "--port", str(port)]
-    env = {**os.environ, "GATEWAY_LOG_LEVEL": "WARNING"}
-    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-Starter = Callable[[int], "subprocess.Popen[bytes]"]
-
-
-def _pair(start_a: Starter, start_b: Starter, a_first: bool, scripts: tuple[Path, Path], rounds: int,
-          duration: int) -> list[list[tuple[float, float]]]:
-    """Start A and B (in that order, or B first), load them side by side, stop them; per round,
-    [A's, B's] (req/s, CPU us per request)."""
-    ports = free_port(), free_port()
-    procs: dict[int, subprocess.Popen[bytes]] = {}  # 0: A, 1: B
-    try:
-        for k in ((0, 1) if a_first else (1, 0)):
-            procs[k] = (start_a, start_b)[k](ports[k])
-        for k in (0, 1):
-            wait_http(f"http://127.0.0.1:{ports[k]}/healthz", proc=procs[k])
-        return paired_wrk([(f"http://127.0.0.1:{ports[k]}{_PATH}", procs[k].pid, scripts[k]) for k in (0, 1)], rounds, duration)
-    finally:
-        for p in procs.values():
-            stop(p)
+    """`gateway serve` on core 1, the `gateway` package of the checkout in `cwd`."""
+    return start(["-m", "gateway", "serve", "--policy", str(policy), "--port", str(port)], env={"GATEWAY_LOG_LEVEL": "WARNING"},
+                 cpus="1", cwd=cwd)
 
 
 def main() -> None:
@@ -100,15 +76,10 @@ def main() -> None:
             return _gateway(base_tree, policy, port)
         return start(["bench/_minproxy.py", f"http://127.0.0.1:{up_port}{_PATH}", str(port)], cpus="1")
 
-    runs: list[list[tuple[float, float]]] = []
     try:
         wait_http(f"http://127.0.0.1:{up_port}/healthz")
-        # Half the rounds with A started first, half with B: in A/A runs the process started
-        # second lost up to ~1 %.
-        first_half = (args.rounds + 1) // 2
-        for a_first, rounds in ((True, first_half), (False, args.rounds - first_half)):
-            if rounds:
-                runs += _pair(start_a, lambda port: _gateway(ROOT, policy, port), a_first, (a_script, gw_script), rounds, args.duration)
+        runs = side_by_side_runs(start_a, lambda port: _gateway(ROOT, policy, port), (a_script, gw_script), args.rounds,
+                                 args.duration, _PATH)
     finally:
         stop(upstream)
         if args.base:
