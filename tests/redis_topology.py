@@ -183,11 +183,13 @@ def _replicas_offline(port: int, repl: dict[str, Any], at_least: int) -> str | N
 
 async def _until(check: Callable[[], str | None], timeout_s: float, what: str) -> float:
     """Poll `check` (None: done; otherwise what is still wrong) until done; returns the seconds it
-    took, AssertionError with the last problem after `timeout_s`."""
+    took, AssertionError with the last problem after `timeout_s`. `check` talks to the nodes with
+    blocking clients, so it runs in a thread: on the event loop it froze, for as long as a node
+    took to answer, the gateways and load clients a test runs on that loop."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     while True:
-        problem = check()
+        problem = await asyncio.to_thread(check)
         took = loop.time() - start
         if problem is None:
             return took

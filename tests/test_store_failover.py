@@ -36,6 +36,7 @@ class _Seen:
     repeated: bool
     status: int
     cache: str
+    error: str = ""  # what the client raised, for a status 0
 
 
 @dataclass
@@ -68,8 +69,8 @@ class _Load:
             async with http.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
                 await r.read()
                 self.seen.append(_Seen(t, repeated, r.status, r.headers.get("x-gateway-cache", "")))
-        except (aiohttp.ClientError, TimeoutError):
-            self.seen.append(_Seen(t, repeated, 0, ""))
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.seen.append(_Seen(t, repeated, 0, "", f"{type(exc).__name__}: {exc}"[:200]))
 
 
 async def _metric(url: str, name: str) -> float:
@@ -118,7 +119,8 @@ async def _chaos(
         await running
 
         bad = [s for s in load.seen if s.status != 200]
-        assert not bad, f"{len(bad)} of {len(load.seen)} requests were not answered 200: {[s.status for s in bad][:20]}"
+        assert not bad, (f"{len(bad)} of {len(load.seen)} requests were not answered 200 (master killed at +0.0 s): "
+                         f"{[(s.status, round(s.t - killed_at, 2), s.error) for s in bad][:20]}")
         assert len(load.seen) >= RATE * 10
         # Back to normal within seconds of the promotion: repeated prompts are hits again, and
         # the quotas are decided by the shared store (no replica falls back any more).
