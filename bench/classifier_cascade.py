@@ -89,8 +89,9 @@ async def measure(classify: Callable[[dict[str, Any]], Any], bodies: list[dict[s
             v: Verdict = await classify(bodies[i % len(bodies)])
             samples.append(time.perf_counter() - t0)
             stages[v.stage.value] = stages.get(v.stage.value, 0) + 1
-            if pause_s:
-                await asyncio.sleep(pause_s)
+            # Back to back still yields once between requests, as a server's requests do (each
+            # arrives by a socket read): a decision that never waits must not starve the others.
+            await asyncio.sleep(pause_s)
 
     await asyncio.gather(*(one() for _ in range(concurrency)))
     samples.sort()
@@ -132,6 +133,9 @@ async def latency(n: int, settings: EncoderPolicy) -> None:
              ("~2,000 tokens, forced into the band", forced, [long])]
     for name, fn, bodies in cases:
         for conc, pause, label in ((1, 0.0, "1"), (8, 0.01, "8/10ms"), (8, 0.0, "8")):
+            # Each row from an idle encoder: what the row before taught it (a saturated loop makes
+            # it refuse for a while; see cascade.EncoderWorker._late) wears off in 0.25 s.
+            await asyncio.sleep(0.5)
             p50, p99, stages = await measure(fn, bodies, conc, n, pause)
             shown = ", ".join(f"{k} {v / n:.0%}" for k, v in sorted(stages.items()))
             print(f"{name:<46}{label:>8}{p50:>8.2f}{p99:>8.2f}  {shown}")

@@ -15,6 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")  # the `local` extra: `make test` installs it
 
+from gateway.classify.batch_cost import BatchCost  # noqa: E402
 from gateway.classify.cascade import Band, Blend, Cascade, EncoderState, EncoderWorker, band_for  # noqa: E402
 from gateway.classify.classifier import Classifier, Stage  # noqa: E402
 from gateway.classify.encoder import (  # noqa: E402
@@ -152,6 +153,14 @@ class _Slow:
         return self.enc.score(texts)
 
 
+def _swap(w: EncoderWorker, scorer: _Slow) -> _Slow:
+    """Put `scorer` in the worker, which learns its cost anew (as a loaded encoder calibrates
+    itself): what the tiny model cost says nothing about a scorer 100 times slower."""
+    w._scorer = scorer
+    w._cost = BatchCost()
+    return scorer
+
+
 async def _ready(settings: EncoderPolicy) -> EncoderWorker:
     w = EncoderWorker(settings)
     w.start()
@@ -193,6 +202,93 @@ async def test_worker_deadline_and_flood_are_bounded(tmp_path: Path) -> None:
         assert await w.score("after the flood", 2.0) is not None  # and it serves again
     finally:
         w.close()
+
+
+class _PerText(_Slow):
+    """A delay per text in the batch: what a batch costs grows with its size, as on a CPU."""
+
+    def score(self, texts: list[str]) -> list[float]:
+        self.batches.append(len(texts))
+        time.sleep(self.delay_s * len(texts))
+        return self.enc.score(texts)
+
+
+async def test_a_request_that_would_be_late_is_told_at_once(tmp_path: Path) -> None:
+    """While a batch runs that ends after a request's deadline, the request is not queued to wait
+    for its deadline: it goes on at once (the big model), and the encoder does no work for it."""
+    folder = tiny_folder(tmp_path)
+    w = await _ready(EncoderPolicy(weights_dir=str(folder)))
+    slow = _swap(w, _Slow(Encoder.load(folder), 0.2))
+    try:
+        assert await w.score("a first request, to learn the cost", 5.0) is not None
+        busy = asyncio.create_task(w.score("a request being scored", 5.0))
+        await asyncio.sleep(0.02)
+        t0 = time.perf_counter()
+        assert await w.score("a request with 50 ms to spare", 0.05) is None
+        assert time.perf_counter() - t0 < 0.03  # told at once, not at its deadline
+        assert await busy is not None
+        assert slow.batches == [1, 1]  # nothing scored for the request told at once
+    finally:
+        w.close()
+
+
+async def test_an_idle_encoder_tries_a_request_now_and_then_to_correct_its_estimate(tmp_path: Path) -> None:
+    """An estimate from a slow spell would refuse every request for good: an idle encoder takes
+    one every quarter second all the same, and what it measures then is what it expects next."""
+    folder = tiny_folder(tmp_path)
+    w = await _ready(EncoderPolicy(weights_dir=str(folder)))
+    slow = _swap(w, _Slow(Encoder.load(folder), 0.08))
+    try:
+        assert await w.score("a slow spell", 5.0) is not None
+        # Idle, and its scores came in time: taken, though the estimate says late (they are).
+        for i in range(2):
+            assert await w.score(f"expected late {i}", 0.03) is None
+            await asyncio.sleep(0.06)  # its score ends, late
+        assert slow.batches == [1, 1, 1]
+        t0 = time.perf_counter()  # two late in a row: a request expected late is told at once
+        assert await w.score("expected late again", 0.03) is None
+        assert time.perf_counter() - t0 < 0.02 and slow.batches == [1, 1, 1]
+        await asyncio.sleep(0.3)
+        slow.delay_s = 0.0  # the spell is over
+        assert await w.score("a probe", 0.5) is not None  # taken although the estimate says late
+        assert await w.score("and the next one", 0.5) is not None  # the estimate was corrected
+        assert slow.batches == [1, 1, 1, 1, 1]
+    finally:
+        w.close()
+
+
+async def test_a_batch_holds_only_what_ends_before_its_first_deadline(tmp_path: Path) -> None:
+    """Eight requests at once, each with 0.35 s, a text costing 0.1 s: one batch of eight would
+    end after every deadline; a batch of what fits scores some of them in time, and the rest are
+    told at once."""
+    folder = tiny_folder(tmp_path)
+    w = await _ready(EncoderPolicy(weights_dir=str(folder), max_batch=8))
+    slow = _swap(w, _PerText(Encoder.load(folder), 0.1))
+    try:
+        for n in (1, 2) * 4:  # the cost line: 0.1 s a text
+            assert all(s is not None for s in await asyncio.gather(*(w.score(f"learn {i}", 5.0) for i in range(n))))
+        slow.batches.clear()
+        got = await asyncio.gather(*(w.score(f"request {i}", 0.35) for i in range(8)))
+        assert sum(s is not None for s in got) >= 2, (got, slow.batches)
+        assert slow.batches and max(slow.batches) <= 4, slow.batches  # never a batch past the deadline
+    finally:
+        w.close()
+
+
+def test_the_one_graph_forward_equals_the_module_and_batches_equal_single_texts(tmp_path: Path) -> None:
+    """The traced forward pass (one graph: no GIL between its operations) gives the module's
+    logits for any batch and width, and a text scores the same alone (encode) as in a batch
+    (encode_batch, padding masked)."""
+    enc = Encoder.load(tiny_folder(tmp_path))
+    assert enc._forward is not enc.model  # traced on this torch
+    for batch, width in ((1, 5), (3, 17), (2, 64)):
+        ids = torch.randint(1000, 2000, (batch, width))
+        attend = torch.ones(batch, width, dtype=torch.long)
+        attend[0, width // 2:] = 0
+        with torch.inference_mode():
+            assert torch.allclose(enc._forward(ids, attend), enc.model(ids, attend), atol=1e-5)
+    texts = ["What is RLHF?", "Explain how a B-tree stays balanced when keys are inserted and deleted, " * 3]
+    assert enc.score(texts) == pytest.approx([enc.score([t])[0] for t in texts], abs=1e-5)
 
 
 async def test_cascade_decides_only_the_band(tmp_path: Path) -> None:

@@ -6,8 +6,11 @@ at both ends; requests whose lexical score falls inside the uncertain band go to
 band's decision blends both scores (the blend and the band are fitted offline, on
 leave-one-source-out scores, per complex recall target: `encoder.json`). The encoder has a
 deadline: a request it has not scored by then goes to the big model (recall first), as does one
-that finds too many requests waiting. Without torch, or while the encoder loads, the lexical
-scorer decides alone (its own threshold, as before the cascade).
+that finds too many requests waiting. Work that cannot end in time is not done: the worker
+knows what a batch costs (batch_cost.py), so a request whose turn would come too late is told
+at once instead of at its deadline, and a batch is only as large as its earliest deadline
+allows. Without torch, or while the encoder loads, the lexical scorer decides alone (its own
+threshold, as before the cascade).
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import asyncio
 import logging
 import math
 import queue
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .batch_cost import BatchCost, text_units
 from .classifier import COMPLEX, SIMPLE, Stage, Verdict
 from .encoder_meta import ENCODER_DIR
 from .features import request_text
@@ -107,19 +113,34 @@ class _Scorer(Protocol):
     def score(self, texts: Sequence[str]) -> list[float]: ...
 
 
+class _Loaded(_Scorer, Protocol):
+    window_tokens: int  # tokens read from a text at most
+
+
+_SWITCH_INTERVAL_S = 0.001  # the GIL switch interval while an encoder runs (see EncoderWorker.start)
+_PROBE_S = 0.25  # how often an idle encoder takes a request it expects to be late (see _late)
+_LAG_WEIGHT = 0.2  # of each new loop-lag sample in its moving average
+_MARGIN_S = 0.001  # a score must reach its caller's loop before the deadline, not just be computed by then
+_CALIBRATION = ("warm up", "calibrate " * 400)  # a short window and a full one: the cost line's two ends
+
+
 @dataclass(slots=True)
 class _Job:
     text: str
     loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[float]
+    future: asyncio.Future[float | None]  # None: not scored in time (the worker gave up on it)
+    due: float  # time.monotonic() when its caller stops waiting
+    units: int  # the window it costs (batch_cost.text_units)
     abandoned: bool = False  # the caller's deadline passed: skip it if not started
+    sent: float = 0.0  # time.monotonic() when the worker handed it back
 
 
 class EncoderWorker:
     """The app's encoder: loaded at start (see `start`), run by one thread over the requests waiting
     for it, as one batch each time (up to `max_batch`). At most `max_waiting` requests wait; a
     request past that is not queued (it goes to the big model), so a flood cannot grow memory
-    or delay everyone behind it."""
+    or delay everyone behind it. Nor is one whose turn would come after its deadline, by what
+    the batches so far cost, and a batch holds only as many as end before the first one's."""
 
     def __init__(self, settings: EncoderPolicy, observe: Callable[[float], None] | None = None) -> None:
         """`observe`: called with each scored request's wait, queue included (seconds)."""
@@ -133,6 +154,20 @@ class EncoderWorker:
         self._observe = observe
         self._loaded = threading.Event()
         self._failures = 0
+        self._cost = BatchCost()  # written by the worker thread only
+        self._window = 64  # the encoder's window (tokens), from its config once loaded
+        self._busy_until = 0.0  # time.monotonic() when the batch in progress should end (worker-written)
+        self._started = -math.inf  # time.monotonic() when the last batch started (worker-written)
+        # How late the loop runs what the worker hands back (seconds, moving average; loop-written):
+        # a busy loop adds it to every wait, and a request is late by the loop's clock.
+        self.loop_lag_s = 0.0
+        # The share of recent scores that reached their callers too late (moving average, weight
+        # 1/2: two late in a row are a trend, one is noise; loop-written).
+        self._late_share = 0.0
+        # Requests queued and not yet taken (in a batch, given up or skipped), and their units:
+        # each counter has one writer (the loop puts, the worker takes), so no lock is needed.
+        self._put_jobs = self._put_units = 0
+        self._took_jobs = self._took_units = 0
 
     @property
     def folder(self) -> Path | None:
@@ -149,6 +184,10 @@ class EncoderWorker:
         if block and not self._load():
             self._loaded.set()
             return
+        # The encoder thread takes the GIL back after each forward pass and each batch; next to a
+        # busy event loop each take waits up to the switch interval (5 ms by default: a 6 ms
+        # request took 16). The process's interval is lowered to 1 ms, never raised.
+        sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="gateway-encoder", daemon=True)
         self._thread.start()
 
@@ -169,12 +208,18 @@ class EncoderWorker:
 
     async def score(self, text: str, timeout_s: float) -> float | None:
         """The encoder's P(complex) for `text`, or None when it is not ready, too busy (too
-        many waiting) or not done within `timeout_s`."""
+        many waiting, or its turn would end past `timeout_s`) or not done within `timeout_s`."""
         if self.state is not EncoderState.READY or self._waiting >= self.settings.max_waiting:
             return None
+        units = text_units(text, self._window)
+        now = time.monotonic()
+        if self._late(now, units, timeout_s):
+            return None  # it would be late: the big model now rather than at the deadline
         loop = asyncio.get_running_loop()
-        job = _Job(text, loop, loop.create_future())
+        job = _Job(text, loop, loop.create_future(), now + timeout_s, units)
         self._waiting += 1
+        self._put_jobs += 1
+        self._put_units += units
         self._jobs.put(job)
         t0 = time.perf_counter()
         try:
@@ -187,11 +232,24 @@ class EncoderWorker:
             if self._observe is not None:
                 self._observe(time.perf_counter() - t0)
 
+    def _late(self, now: float, units: int, timeout_s: float) -> bool:
+        """Whether a request of `units` queued now would be scored after `timeout_s`: the batch in
+        progress, then everything queued before it, in batches of `max_batch`. An idle encoder
+        takes the request unless most of its recent scores came too late, and then still one
+        every `_PROBE_S`: the estimates are only corrected by what it scores, and stale ones (from
+        a burst of load) would otherwise refuse everything for good."""
+        queued = self._put_jobs - self._took_jobs
+        if queued == 0 and self._busy_until <= now:
+            return self._late_share > 0.5 and now - self._started < _PROBE_S
+        jobs = queued + 1
+        batches = -(-jobs // self.settings.max_batch)
+        wait = max(0.0, self._busy_until - now) + self._cost.predict(self._put_units - self._took_units + units, batches)
+        return wait + self.loop_lag_s > timeout_s - _MARGIN_S
+
     def _run(self) -> None:
         if self.state is EncoderState.LOADING and not self._load():
             self._loaded.set()
             return
-        self._loaded.set()
         try:
             import torch  # noqa: PLC0415 - loaded above: the optional dependency is there
 
@@ -199,25 +257,84 @@ class EncoderWorker:
             torch.set_num_threads(self.settings.threads)
         except ImportError:  # a scorer without torch (tests)
             pass
+        self._calibrate()  # with this thread's settings: what requests will meet
+        self._loaded.set()
+        pending: deque[_Job] = deque()  # taken off the queue, not yet batched: oldest first
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            batch = [] if job.abandoned else [job]  # a job whose caller gave up is skipped
-            while len(batch) < self.settings.max_batch:
-                try:
-                    more = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    self._jobs.put(None)  # stop after this batch
-                    break
-                if not more.abandoned:
-                    batch.append(more)
+            if not pending:
+                job = self._jobs.get()
+                if job is None:
+                    return
+                pending.append(job)
+            stop = self._drain(pending)
+            batch = self._batch(pending)
             if batch:
                 self._score(batch)
+            if stop:
+                return  # requests still pending get no score: their callers' deadlines end their waits
+
+    def _calibrate(self) -> None:
+        """Time a short window and a full one (twice each: the first pass allocates), so the
+        first requests already meet a cost line."""
+        for text in (*_CALIBRATION, *_CALIBRATION):
+            try:
+                t0 = time.perf_counter()
+                self._scorer.score([text])  # type: ignore[union-attr]
+            except Exception:  # a broken model shows on the first request, and is logged there
+                return
+            self._cost.observe(text_units(text, self._window), time.perf_counter() - t0)
+
+    def _drain(self, pending: deque[_Job]) -> bool:
+        """Move what waits in the queue to `pending`; whether a stop came."""
+        while True:
+            try:
+                more = self._jobs.get_nowait()
+            except queue.Empty:
+                return False
+            if more is None:
+                return True
+            pending.append(more)
+
+    def _take(self, job: _Job) -> None:
+        self._took_jobs += 1
+        self._took_units += job.units
+
+    def _batch(self, pending: deque[_Job]) -> list[_Job]:
+        """The next batch: the oldest requests whose batch ends before the earliest of their
+        deadlines. One that cannot make it even alone is given up at once when others wait
+        behind it (its caller goes on now, not at its deadline; the last one is tried: see
+        _late); one whose caller left is skipped."""
+        now, limit = time.monotonic(), self.settings.max_batch
+        batch: list[_Job] = []
+        width, due = 0, math.inf
+        while pending and len(batch) < limit:
+            j = pending[0]
+            if j.abandoned:
+                self._take(pending.popleft())
+                continue
+            w = max(width, j.units)
+            end = now + self._cost.predict(w * (len(batch) + 1)) + _MARGIN_S
+            if end > min(due, j.due):
+                if batch:
+                    break  # it waits for the next batch
+                if len(pending) == 1 and self._jobs.empty():
+                    self._take(pending.popleft())
+                    batch.append(j)  # alone: tried all the same, which measures the cost anew
+                    width, due = w, j.due
+                    break
+                self._take(pending.popleft())
+                self._send(j, None)  # too late even alone: its caller goes on now
+                continue
+            self._take(pending.popleft())
+            batch.append(j)
+            width, due = w, min(due, j.due)
+        if batch:
+            self._busy_until = now + self._cost.predict(width * len(batch))
+            self._started = now
+        return batch
 
     def _score(self, batch: list[_Job]) -> None:
+        t0 = time.perf_counter()
         try:
             scores: list[float] | None = self._scorer.score([j.text for j in batch])  # type: ignore[union-attr]
         except Exception:  # a bug or a broken model: those requests go to the big model
@@ -226,11 +343,34 @@ class EncoderWorker:
                 log.exception("classifier encoder: scoring a batch of %d failed (%d failures so far)",
                               len(batch), self._failures)
             scores = None
+        else:
+            self._cost.observe(max(j.units for j in batch) * len(batch), time.perf_counter() - t0)
+        self._busy_until = 0.0
         for i, j in enumerate(batch):
-            try:
-                j.loop.call_soon_threadsafe(_settle, j, None if scores is None else scores[i])
-            except RuntimeError:  # its loop is closed (shutting down): no one waits for it
-                pass
+            self._send(j, None if scores is None else scores[i], failed=scores is None)
+
+    def _send(self, job: _Job, value: float | None, *, failed: bool = False) -> None:
+        """From the worker thread: hand `job` its score, None (given up: it would be late) or the
+        failure, on its loop."""
+        job.sent = time.monotonic()
+        try:
+            job.loop.call_soon_threadsafe(self._settle, job, value, failed)
+        except RuntimeError:  # its loop is closed (shutting down): no one waits for it
+            pass
+
+    def _settle(self, job: _Job, value: float | None, failed: bool) -> None:
+        """On the job's loop: its score, None, or the failure (never for a job no one awaits any
+        more), and how late the loop came to it."""
+        now = time.monotonic()
+        self.loop_lag_s += (now - job.sent - self.loop_lag_s) * _LAG_WEIGHT
+        if value is not None:
+            self._late_share += (float(now > job.due) - self._late_share) * 0.5
+        if job.future.done() or job.abandoned:
+            return
+        if failed:
+            job.future.set_exception(RuntimeError("classifier encoder failed"))
+        else:
+            job.future.set_result(value)
 
     def _load(self) -> bool:
         s = self.settings
@@ -249,6 +389,7 @@ class EncoderWorker:
             log.error("classifier encoder: %s", self.detail)
             return False
         self._scorer = loaded
+        self._window = loaded.window_tokens
         self.state, self.detail = EncoderState.READY, f"on {getattr(loaded, 'device', '?')}, {s.threads} thread(s)"
         log.info("classifier encoder: ready in %.1f s (%s)", time.perf_counter() - t0, self.detail)
         return True
@@ -258,11 +399,11 @@ class EncoderWorker:
 # app's wiring, kept because the weights are immutable once loaded and a process that makes many
 # apps (a test run) would otherwise load them, and stall on it, once per app. Forward passes on
 # one model from several threads are safe (inference only).
-_LOADED: dict[tuple[str, str], _Scorer] = {}
+_LOADED: dict[tuple[str, str], _Loaded] = {}
 _LOADING = threading.Lock()
 
 
-def _shared(enc: Any, folder: Path | None, device: str) -> _Scorer:
+def _shared(enc: Any, folder: Path | None, device: str) -> _Loaded:
     key = (str(folder or ENCODER_DIR), device)
     with _LOADING:
         got = _LOADED.get(key)
@@ -271,16 +412,6 @@ def _shared(enc: Any, folder: Path | None, device: str) -> _Scorer:
             loaded.score(["warm up"])  # the first call allocates; keep that off a request
             _LOADED[key] = got = loaded
         return got
-
-
-def _settle(job: _Job, value: float | None) -> None:
-    """On the job's loop: its score, or the failure (never for a job no one awaits any more)."""
-    if job.future.done() or job.abandoned:
-        return
-    if value is None:
-        job.future.set_exception(RuntimeError("classifier encoder failed"))
-    else:
-        job.future.set_result(value)
 
 
 class Cascade:
