@@ -98,6 +98,8 @@ bench: $(STAMP)
 	$(PY) bench/faults.py
 	$(PY) bench/classifier.py
 	$(PY) bench/classifier_cascade.py
+	$(PY) bench/classifier_under_load.py --connections 4
+	$(PY) bench/classifier_under_load.py --connections 16
 	$(PY) bench/local_model.py
 
 # Fine-tune the classifier cascade's encoder (docs/classifier.md, "Training the encoder"): its
