@@ -160,7 +160,7 @@ class EncoderWorker:
         self._started = -math.inf  # time.monotonic() when the last batch started (worker-written)
         # How late the loop runs what the worker hands back (seconds, moving average; loop-written):
         # a busy loop adds it to every wait, and a request is late by the loop's clock.
-        self.loop_lag_s = 0.0
+        self._loop_lag_s = 0.0
         # The share of recent scores that reached their callers too late (moving average, weight
         # 1/2: two late in a row are a trend, one is noise; loop-written).
         self._late_share = 0.0
@@ -184,9 +184,10 @@ class EncoderWorker:
         if block and not self._load():
             self._loaded.set()
             return
-        # The encoder thread takes the GIL back after each forward pass and each batch; next to a
-        # busy event loop each take waits up to the switch interval (5 ms by default: a 6 ms
-        # request took 16). The process's interval is lowered to 1 ms, never raised.
+        # The encoder thread takes the GIL back a few times a batch (after tokenizing, the forward
+        # pass, handing scores back); next to a busy event loop each take waits up to the switch
+        # interval (5 ms by default: one request's 5 ms of scoring took 22 ms, 9.6 ms at 1 ms).
+        # The process's interval is lowered to 1 ms, never raised.
         sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._run, name="gateway-encoder", daemon=True)
         self._thread.start()
@@ -244,7 +245,7 @@ class EncoderWorker:
         jobs = queued + 1
         batches = -(-jobs // self.settings.max_batch)
         wait = max(0.0, self._busy_until - now) + self._cost.predict(self._put_units - self._took_units + units, batches)
-        return wait + self.loop_lag_s > timeout_s - _MARGIN_S
+        return wait + self._loop_lag_s > timeout_s - _MARGIN_S
 
     def _run(self) -> None:
         if self.state is EncoderState.LOADING and not self._load():
@@ -362,7 +363,7 @@ class EncoderWorker:
         """On the job's loop: its score, None, or the failure (never for a job no one awaits any
         more), and how late the loop came to it."""
         now = time.monotonic()
-        self.loop_lag_s += (now - job.sent - self.loop_lag_s) * _LAG_WEIGHT
+        self._loop_lag_s += (now - job.sent - self._loop_lag_s) * _LAG_WEIGHT
         if value is not None:
             self._late_share += (float(now > job.due) - self._late_share) * 0.5
         if job.future.done() or job.abandoned:
