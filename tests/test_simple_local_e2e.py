@@ -129,7 +129,13 @@ async def test_routing_simple_latency_ranks_the_simple_class_by_predicted_latenc
     out = await _explain(gw, user("What is the capital of Germany?"))
     assert out["class"] == "simple"
     assert out["simple_routing"].startswith("latency:"), out["simple_routing"]
-    assert out["chosen"] == "prov"
+    scores = {x["backend"]: x["score"] for x in out["candidates"]}
+    assert scores["prov"] < scores["local"], out["candidates"]  # ranked by predicted latency
+    # The pick is prov, unless local has been silent for the selector's explore_after_s (3 s: a
+    # slow run of the loop above on a loaded machine), when it is owed one request by design.
+    first = out["candidates"][0]
+    assert out["chosen"] == "prov" or (first["backend"] == "local" and (first["note"] or "").startswith("explore:")), \
+        out["candidates"]
 
 
 async def test_simple_prompts_spill_to_the_provider_while_the_local_model_is_saturated(upstream, gateway):
