@@ -9,7 +9,8 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +20,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def worktree(rev: str, path: Path) -> Iterator[Path]:
+    """This repository at git revision `rev`, checked out at `path` (a temporary worktree: another
+    version's `gateway` to run beside this tree's, with this tree's virtual environment); removed
+    on the way out."""
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(path), rev], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(path)], check=False)
 
 
 def start(args: list[str], env: dict[str, str] | None = None, cpus: str | None = None, cwd: Path = ROOT) -> subprocess.Popen[bytes]:

@@ -42,6 +42,11 @@ SHARED = Path(__file__).resolve().parents[2] / "shared/eval"
 NO_RULES = Rules(complex_over_prompt_tokens=None)
 
 
+def labelled_rows() -> list[dict[str, Any]]:
+    """The labelled prompts, dev then train (each a row of ../shared/eval's JSONL files)."""
+    return [json.loads(x) for f in ("route-dev.jsonl", "route-train.jsonl") for x in (SHARED / f).read_text().splitlines() if x]
+
+
 def cpu() -> str:
     flags = cpu_flags()
     kind = "AVX-512" if "avx512f" in flags else ("AVX2" if "avx2" in flags else "no AVX2")
@@ -117,8 +122,7 @@ async def latency(n: int, settings: EncoderPolicy) -> None:
         v = lexical.classify(b, threshold=threshold, rules=NO_RULES)
         return await cascade.decide(replace(v, score=(band.low + band.high) / 2), b)
 
-    rows = [json.loads(x) for f in ("route-dev.jsonl", "route-train.jsonl") for x in (SHARED / f).read_text().splitlines() if x]
-    mix = [{"model": "auto", "messages": r["messages"]} for r in rows]
+    mix = [{"model": "auto", "messages": r["messages"]} for r in labelled_rows()]
     short = body("Could you explain what the tuple type in TypeScript is for, with a short example of how "
                  "one would use it in a function signature, and when an array type is the better choice?")
     long = body("Summarize the following notes in three bullet points.\n\n"

@@ -22,13 +22,16 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
+from contextlib import ExitStack
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import ROOT  # noqa: E402
-from bench._procs import free_port, start, stop, wait_http  # noqa: E402
+from bench._procs import free_port, start, stop, wait_http, worktree  # noqa: E402
+from bench.classifier_cascade import labelled_rows  # noqa: E402
 
-SHARED = ROOT.parent / "shared" / "eval"
 _STAGES = ("rule", "lexical", "encoder", "deadline")
 
 
@@ -42,9 +45,7 @@ def _policy(up_port: int) -> str:
 
 def _script(path: Path) -> None:
     """A wrk script posting the labelled prompts in turn (each wrk thread from its own offset)."""
-    rows = [json.loads(x) for f in ("route-dev.jsonl", "route-train.jsonl")
-            for x in (SHARED / f).read_text().splitlines() if x]
-    bodies = [json.dumps({"model": "auto", "messages": r["messages"], "max_tokens": 16}) for r in rows]
+    bodies = [json.dumps({"model": "auto", "messages": r["messages"], "max_tokens": 16}) for r in labelled_rows()]
     lines = ['wrk.method = "POST"', 'wrk.headers["Content-Type"] = "application/json"', "local bodies = {"]
     lines += [f"  [==[{b}]==]," for b in bodies if "]==]" not in b]
     lines += ["}", "local i = 0", "local offset = 0", "local counter = 0",
@@ -55,13 +56,17 @@ def _script(path: Path) -> None:
 
 
 def _metrics(port: int) -> tuple[dict[str, float], float, float]:
+    """Decisions per cascade stage, and the encoder waits' count and sum (s), from /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     stages = {s: 0.0 for s in _STAGES}
-    for m in re.finditer(r'^gateway_classifier_decisions_total\{stage="(\w+)"\} ([\d.e+]+)$', text, re.M):
-        stages[m.group(1)] = float(m.group(2))
-    count = re.search(r"^gateway_classifier_encoder_seconds_count ([\d.e+]+)$", text, re.M)
-    total = re.search(r"^gateway_classifier_encoder_seconds_sum ([\d.e+]+)$", text, re.M)
-    return stages, float(count.group(1)) if count else 0.0, float(total.group(1)) if total else 0.0
+    waits = {"_count": 0.0, "_sum": 0.0}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "gateway_classifier_decisions_total":
+                stages[s.labels["stage"]] = s.value
+            elif s.name.removeprefix("gateway_classifier_encoder_seconds") in waits:
+                waits[s.name.removeprefix("gateway_classifier_encoder_seconds")] = s.value
+    return stages, waits["_count"], waits["_sum"]
 
 
 def _run(cwd: Path, policy: Path, script: Path, args: argparse.Namespace) -> dict[str, object]:
@@ -103,18 +108,16 @@ def main() -> None:
     policy, script = tmp / "policy.yaml", tmp / "prompts.lua"
     policy.write_text(_policy(up_port))
     _script(script)
+    checkouts = ExitStack()
     trees = [("this tree", ROOT)]
     if args.base:
-        base = tmp / "base"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base), args.base], check=True)
-        trees.insert(0, (f"at {args.base}", base))
+        trees.insert(0, (f"at {args.base}", checkouts.enter_context(worktree(args.base, tmp / "base"))))
     try:
         wait_http(f"http://127.0.0.1:{up_port}/healthz")
         results = [(name, _run(cwd, policy, script, args)) for name, cwd in trees]
     finally:
         stop(upstream)
-        if args.base:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "base")], check=False)
+        checkouts.close()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"the cascade in one loaded gateway worker (core 1), wrk -c{args.connections} for {args.duration} s, "
           "the dev + train prompts, model auto")

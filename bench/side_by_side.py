@@ -27,11 +27,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import ROOT, lua_post, lua_post_unique, side_by_side_runs  # noqa: E402
-from bench._procs import free_port, start, stop, wait_http  # noqa: E402
+from bench._procs import free_port, start, stop, wait_http, worktree  # noqa: E402
 from bench.gateway_overhead import BODY, UNIQUE_BODY, every_stage_policy, plain_policy  # noqa: E402
 
 _PATH = "/v1/chat/completions"
@@ -55,9 +56,8 @@ def main() -> None:
     if not shutil.which("wrk"):
         sys.exit("wrk not found: apt-get install wrk")
     tmp = Path(tempfile.mkdtemp(prefix="bench-sbs-"))
-    base_tree = tmp / "base"
-    if args.base:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(base_tree), args.base], check=True)
+    trees = ExitStack()
+    base_tree = trees.enter_context(worktree(args.base, tmp / "base")) if args.base else tmp
     up_port = free_port()
     upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"], cpus="0")
     policy = tmp / "policy.yaml"
@@ -82,8 +82,7 @@ def main() -> None:
                                  args.duration, _PATH)
     finally:
         stop(upstream)
-        if args.base:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base_tree)], check=False)
+        trees.close()
         shutil.rmtree(tmp, ignore_errors=True)
 
     a, b = names

@@ -113,6 +113,8 @@ class RequestLog:
             n = min(left, len(self._q), 1000)
             left -= n
             batch = self._rows(n)
+            if not batch:  # every entry of it failed (dropped and counted): nothing to send
+                continue
             try:
                 async with asyncio.timeout(self.policy.write_timeout_ms / 1000):
                     await self.store.append(batch)

@@ -275,8 +275,8 @@ class EncoderWorker:
                 return  # requests still pending get no score: their callers' deadlines end their waits
 
     def _calibrate(self) -> None:
-        """Time a short window and a full one (twice each: the first pass allocates), so the
-        first requests already meet a cost line."""
+        """Time a short window and a full one (twice each, against a noisy pass), so the first
+        requests already meet a cost line."""
         for text in (*_CALIBRATION, *_CALIBRATION):
             try:
                 t0 = time.perf_counter()
@@ -318,14 +318,11 @@ class EncoderWorker:
             if end > min(due, j.due):
                 if batch:
                     break  # it waits for the next batch
-                if len(pending) == 1 and self._jobs.empty():
+                if len(pending) > 1 or not self._jobs.empty():
                     self._take(pending.popleft())
-                    batch.append(j)  # alone: tried all the same, which measures the cost anew
-                    width, due = w, j.due
-                    break
-                self._take(pending.popleft())
-                self._send(j, None)  # too late even alone: its caller goes on now
-                continue
+                    self._send(j, None)  # too late even alone: its caller goes on now
+                    continue
+                # The only one waiting: tried all the same, which measures the cost anew.
             self._take(pending.popleft())
             batch.append(j)
             width, due = w, min(due, j.due)
