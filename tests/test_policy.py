@@ -240,3 +240,50 @@ def test_a_tenant_without_keys_closes_the_gateway_and_is_reached_by_virtual_keys
     assert not any("tenants.ci" in w for w in key_warnings(with_admin))
     bad = _problems(text + "admin: {key_sha256: ['%s'], viewer_key_sha256: [nope]}\n" % ("a" * 64))
     assert any(b.startswith("admin.viewer_key_sha256") for b in bad)
+
+
+# ---- aliases: a policy's size with them expanded ---------------------------------------------------
+
+
+def _laughs(levels: int, width: int = 10) -> str:
+    """The "billion laughs" shape: each level a list of `width` aliases of the one before."""
+    lines = [f"l0: &l0 [{', '.join(['x'] * width)}]"]
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_expanded_nodes_counts_each_alias_as_the_nodes_it_names():
+    import yaml
+
+    from gateway.config.policy import expanded_nodes
+
+    root = yaml.compose("a: &a [x, y]\nb: [*a, *a, *a]\n", Loader=yaml.SafeLoader)
+    # mapping 1 + keys a, b 2 + list a (1 + 2) + list b (1 + 3 x 3)
+    assert expanded_nodes(root, 1000) == 1 + 2 + 3 + 10
+    assert expanded_nodes(root, 5) == 6  # past the limit: limit + 1, whatever the real count
+    deep = yaml.compose(_laughs(9), Loader=yaml.SafeLoader)  # 10^9 values as 90 written
+    assert expanded_nodes(deep, 10**6) == 10**6 + 1
+
+
+def test_an_alias_inside_itself_counts_as_too_many():
+    import yaml
+
+    from gateway.config.policy import expanded_nodes
+
+    assert expanded_nodes(yaml.compose("a: &a [1, *a]\n", Loader=yaml.SafeLoader), 10**6) == 10**6 + 1
+
+
+def test_a_policy_of_nested_aliases_is_refused_at_once_not_validated_for_hours():
+    text = "version: 1\nbackends: {a: {url: 'http://127.0.0.1:1/v1', models: [m]}}\n" + _laughs(9)
+    with pytest.raises(PolicyError, match="more than 1,000,000 values with its aliases expanded"):
+        parse_policy(text)
+    with pytest.raises(PolicyError, match="more than 50 values"):
+        parse_policy("version: 1\nbackends: {a: {url: 'http://127.0.0.1:1/v1', models: [m]}}\n" + _laughs(2), max_nodes=50)
+
+
+def test_aliases_within_the_bound_still_work():
+    text = ("version: 1\nbackends:\n  a: {url: 'http://127.0.0.1:1/v1', models: &served [m, n]}\n"
+            "  b: {url: 'http://127.0.0.1:2/v1', models: *served}\nmodels:\n  m: {backends: &both [a, b]}\n  n: {backends: *both}\n")
+    p = parse_policy(text)
+    assert p.backends["b"].models == p.backends["a"].models
+    assert list(p.models["n"].backends) == ["a", "b"]

@@ -6,6 +6,7 @@ Every endpoint needs an admin or a viewer key (`reads`), or an admin key (`write
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
@@ -15,11 +16,11 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import BadRequest, Forbidden, GatewayError, Unauthorized, Unavailable
+from ..errors import BadRequest, Forbidden, GatewayError, RateLimited, Unauthorized, Unavailable
 from ..store.core import StoreError
 from ..tenants.auth import Role
 from ..web.http_call import api_key, error_response, json_response, read_bounded
-from ..web.keys import KEYBOOK, LIVE, LOOPBACK, REQUEST_LOG, WORKER
+from ..web.keys import KEYBOOK, LIVE, LOOPBACK, POLICY_CHECK, REQUEST_LOG, WORKER
 from .log_store import Filter, scan
 from .overview import overview
 from .policy_view import check_text, redacted
@@ -135,9 +136,14 @@ async def revoke_key(request: web.Request) -> web.Response:
 # ---- the request log ----------------------------------------------------------------------------
 
 
+def _digits(raw: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²' and other digits int() refuses."""
+    return raw.isascii() and raw.isdigit()
+
+
 def _filter(q: Any) -> Filter:
     status = q.get("status") or None
-    if status is not None and not (status.isdigit() and len(status) == 3):
+    if status is not None and not (_digits(status) and len(status) == 3):
         raise BadRequest("status must be an HTTP status, e.g. 200 or 429", param="status")
     return Filter(q.get("tenant") or None, q.get("model") or None, None if status is None else int(status))
 
@@ -146,7 +152,7 @@ def _int(q: Any, name: str, default: int | None, low: int, high: int) -> int | N
     raw = q.get(name)
     if not raw:
         return default
-    if not raw.isdigit() or not low <= int(raw) <= high:
+    if not _digits(raw) or not low <= int(raw) <= high:
         raise BadRequest(f"{name} must be a whole number from {low} to {high}", param=name)
     return int(raw)
 
@@ -207,13 +213,21 @@ async def admin_policy(request: web.Request) -> web.Response:
 
 @reads
 async def check_policy(request: web.Request) -> web.Response:
-    """A pasted policy checked as `gateway check` would (nothing is applied)."""
-    raw = await read_bounded(request, _MAX_POLICY_BODY)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRequest("the policy must be UTF-8 text (YAML)") from None
-    return json_response(check_text(text))
+    """A pasted policy checked as `gateway check` would (nothing is applied). Parsing and
+    validating take CPU in proportion to the text (up to a second or two for a large one): in a
+    thread, one check at a time per process, so requests keep being served meanwhile."""
+    checking = request.app[POLICY_CHECK]
+    if checking.locked():
+        raise RateLimited("another policy check is running in this process; try again in a moment", retry_after_s=1)
+    async with checking:
+        raw = await read_bounded(request, _MAX_POLICY_BODY)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRequest("the policy must be UTF-8 text (YAML)") from None
+        # Only an admin learns which environment variables this host has (their names, in the warnings).
+        admin = request.app[LIVE].runtime.tenants.role(api_key(request), loopback=request.app[LOOPBACK]) is Role.ADMIN
+        return json_response(await asyncio.to_thread(check_text, text, environment=admin))
 
 
 def routes() -> list[web.RouteDef]:

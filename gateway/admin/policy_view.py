@@ -50,11 +50,18 @@ def env_warnings(policy: Policy) -> list[str]:
     return out
 
 
-def check_text(text: str) -> dict[str, Any]:
+# A pasted policy's values, aliases expanded: hand-written policies hold a few thousand; a file
+# on the host may hold more (`gateway check` allows config.policy.MAX_POLICY_NODES).
+MAX_PASTED_NODES = 100_000
+
+
+def check_text(text: str, *, environment: bool = True) -> dict[str, Any]:
     """{"ok", "errors", "warnings"} for a policy's text. The files it names (a classifier's
-    weights) are not opened: that check is `gateway check`'s, on the host."""
+    weights) are not opened: that check is `gateway check`'s, on the host. `environment`: warn
+    about the environment variables it names that are not set here (an admin's check: the
+    answer tells which names the host's environment holds)."""
     try:
-        policy = parse_policy(text, "<pasted>")
+        policy = parse_policy(text, "<pasted>", max_nodes=MAX_PASTED_NODES)
     except PolicyError as exc:
         return {"ok": False, "errors": [str(p) for p in exc.problems], "warnings": []}
-    return {"ok": True, "errors": [], "warnings": [*env_warnings(policy), *key_warnings(policy)]}
+    return {"ok": True, "errors": [], "warnings": [*(env_warnings(policy) if environment else []), *key_warnings(policy)]}

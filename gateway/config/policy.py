@@ -803,6 +803,7 @@ def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
     backends = _as_dict(data.get("backends"))
     models = _as_dict(data.get("models"))
     tenants = _as_dict(data.get("tenants"))
+    served = {name: _served(b) for name, b in backends.items()}  # once each: aliases can repeat a long list
     for mname, route in models.items():
         for field in ("backends", "simple", "complex", "context_fallbacks"):
             for i, bname in enumerate(_as_names(_as_dict(route).get(field))):
@@ -811,9 +812,9 @@ def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
                     continue
                 if bname not in backends:
                     problems.append((loc, f"unknown backend {bname!r}"))
-                elif field in ("backends", "context_fallbacks") and str(mname) not in _served(backends[bname]):
+                elif field in ("backends", "context_fallbacks") and str(mname) not in served[bname]:
                     problems.append((loc, f"backend {bname!r} does not serve model {mname!r} (add it to its `models`)"))
-    known = {str(m) for m in models}.union(*(_served(b) for b in backends.values()))
+    known = {str(m) for m in models}.union(*served.values())
     for tname, tenant in tenants.items():
         for i, m in enumerate(_as_names(_as_dict(tenant).get("models"))):
             if isinstance(m, str) and m not in known:
@@ -892,13 +893,61 @@ def _unknown_field(loc: tuple[Any, ...]) -> str:
     return f"unknown field; did you mean `{close[0]}`?" if close else "unknown field"
 
 
-def parse_policy(text: str, source: str = "<policy>") -> Policy:
+MAX_POLICY_NODES = 1_000_000  # YAML nodes in a policy, aliases expanded (see _read_yaml)
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def expanded_nodes(root: yaml.Node, limit: int) -> int:
+    """How many nodes `root` holds with every alias expanded (a node an alias names counts once
+    per reference), or `limit + 1` once past `limit` or for an alias inside itself. Linear in the
+    nodes as written: each is sized once, then reused."""
+    size: dict[int, int] = {}
+    entered: set[int] = set()  # the nodes on the path from the root (an alias to one is a cycle)
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            entered.discard(key)
+            size[key] = min(limit + 1, 1 + sum(size[id(c)] for c in _yaml_children(node)))
+            continue
+        if key in size:
+            continue
+        if key in entered:
+            return limit + 1
+        entered.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _yaml_children(node) if id(c) not in size)
+    return size[id(root)]
+
+
+def _read_yaml(text: str, source: str, max_nodes: int) -> tuple[yaml.Node | None, Any]:
+    """The composed YAML (for line numbers) and its data, parsed once (LibYAML's parser when
+    PyYAML has it). Refused past `max_nodes` with aliases expanded: a few hundred bytes of
+    nested aliases ("billion laughs") would otherwise make validation run for hours."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
+    try:
+        root = loader.get_single_node()
+        if root is not None and expanded_nodes(root, max_nodes) > max_nodes:
+            raise PolicyError(source, [Problem("", f"the YAML holds more than {max_nodes:,} values with its aliases "
+                                                   "expanded (or an alias inside itself)")])
+        return root, None if root is None else loader.construct_document(root)
+    finally:
+        loader.dispose()
+
+
+def parse_policy(text: str, source: str = "<policy>", *, max_nodes: int = MAX_POLICY_NODES) -> Policy:
     """Parse and validate policy YAML text; raise PolicyError listing every problem.
 
-    Schema errors and cross-reference errors are reported together, in one pass."""
+    Schema errors and cross-reference errors are reported together, in one pass. `max_nodes`:
+    the most values the YAML may hold, aliases expanded."""
     try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        root, data = _read_yaml(text, source, max_nodes)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None

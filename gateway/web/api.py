@@ -21,10 +21,12 @@ from ..console.routes import routes as console_routes
 from ..messages.api import routes as messages_extra
 from ..responses.api import routes as responses_by_id
 from ..routing.selector import usable
+from ..store.target import hide_password
 from ..wire.codec import Endpoint
 from ..wire.endpoints import ENDPOINTS, explained
 from .http_call import accounted, api_key, body_if_authenticated, error_response, json_response, new_call, request_id
 from .keys import ADMISSION, DRAIN, ENCODER, LIVE, LOOPBACK, METRICS, PEERS, PIPELINE, RELOADER, WORKER
+from .origin import foreign
 from .sink import HttpSink
 
 __all__ = ["backends_view", "routes"]
@@ -135,8 +137,11 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
     # Tenant names, tokens and spend: closed beyond loopback unless the policy opens it (auth.Tenants.may_scrape).
-    if not rt.tenants.may_scrape(api_key(request), loopback=request.app[LOOPBACK]):
-        return error_response(Unauthorized(rt.tenants.scrape_refusal()))
+    # Loopback's trust is for this machine's programs, not for a page its browser opened (origin.py).
+    why = foreign(request.headers) if request.app[LOOPBACK] else None
+    if not rt.tenants.may_scrape(api_key(request), loopback=request.app[LOOPBACK] and why is None):
+        return error_response(Unauthorized(rt.tenants.scrape_refusal() if why is None else
+                                           f"/metrics is open on loopback to this machine's programs; refused: {why}"))
     m = request.app[METRICS]
     refresh_gauges(m, rt, request.app[ADMISSION])
     return web.Response(body=m.exposition(), content_type="text/plain", charset="utf-8",
@@ -152,7 +157,7 @@ def backends_view(app: web.Application) -> dict[str, object]:
         snap = b.tracker.snapshot()
         h = b.headline_health()
         out[name] = {
-            "url": b.base_url,
+            "url": hide_password(b.base_url),  # a viewer reads this: no credentials in it
             "health": h.state(),
             "ejections_in_a_row": max(h.ejections, b.health.ejections),
             "available_in_s": round(min(h.available_in(), 1e9), 3),

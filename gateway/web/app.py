@@ -42,7 +42,7 @@ from ..upstream.client import UpstreamPool
 from .api import backends_view, routes
 from .drain import Drain
 from .edge import handler_args
-from .keys import ADMISSION, DRAIN, ENCODER, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, PEERS, PIPELINE, RELAY, RELOADER, REQUEST_LOG, WORKER
+from .keys import ADMISSION, DRAIN, ENCODER, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, PEERS, PIPELINE, POLICY_CHECK, RELAY, RELOADER, REQUEST_LOG, WORKER
 
 __all__ = ["create_app"]
 
@@ -104,6 +104,7 @@ def create_app(
     app[KEYBOOK] = keybook
     app[REQUEST_LOG] = request_log
     app[ENCODER] = encoder
+    app[POLICY_CHECK] = asyncio.Lock()
     app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap)
     app.add_routes(routes())
     _lifecycle(app, children, live, snapshots.stores, worker)

@@ -15,6 +15,8 @@ HTTP parser refuses.
   router's resolve and a new match info per request (~4 us of the ~190 us a proxied request costs
   this process); anything else (a query string, an `Expect` header, an unknown path or method)
   goes through the app's router as before, with the same answers.
+- **Loopback open mode serves this machine's programs**: with no keys on a loopback address, a
+  request whose `Origin` or `Host` shows a browser acting for another site is a 403 (origin.py).
 - **One error shape**: malformed requests (duplicate Content-Length, Transfer-Encoding with
   Content-Length, bare CR/LF, oversized headers, bad chunk framing), the answers aiohttp raises
   itself (417 for an unknown Expect, ...) and unhandled handler errors are answered in OpenAI's
@@ -42,11 +44,13 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
 from ..config.policy import ServerPolicy
-from ..errors import BadRequest, GatewayError, InternalError, RateLimited
+from ..errors import BadRequest, Forbidden, GatewayError, InternalError, RateLimited
+from ..wire.endpoints import at_path
 from .body import RequestTimeout
-from .keys import LIVE
+from .keys import LIVE, LOOPBACK
+from .origin import foreign
 
-__all__ = ["EdgeRunner", "GatewayTimeout", "HeadersTooLarge", "MalformedRequest", "TooManyConnections", "handler_args"]
+__all__ = ["CrossSiteRequest", "EdgeRunner", "GatewayTimeout", "HeadersTooLarge", "MalformedRequest", "TooManyConnections", "handler_args"]
 
 log = logging.getLogger("gateway.edge")
 
@@ -106,21 +110,39 @@ class EdgeRunner(web.AppRunner):
         return _Server(base, lambda: app[LIVE].runtime.server, _Dispatch.of(app, base.request_handler))
 
 
+class CrossSiteRequest(Forbidden):
+    code = "cross_site_request"
+
+
+def _cross_site(path: str, why: str) -> web.Response:
+    """The answer to a browser's request that loopback open mode refuses (see origin.py)."""
+    err = CrossSiteRequest(f"refused: {why}. This gateway runs without keys (loopback open mode) for programs on "
+                           "this machine only; to serve browsers or other hosts, give its policy tenants (keys)")
+    return web.Response(status=err.status, body=at_path(path).error_body(err), content_type="application/json")
+
+
 class _Dispatch:
     """The app's request handler, with plain routes found by one dict lookup (see the module's
     docstring). The router is complete once the app started, so the table is built then."""
 
-    __slots__ = ("_routes", "_app_handle")
+    __slots__ = ("_routes", "_app_handle", "_open_here")
 
-    def __init__(self, routes: dict[tuple[str, str], UrlMappingMatchInfo], app_handle: Callable[..., Any]) -> None:
+    def __init__(self, routes: dict[tuple[str, str], UrlMappingMatchInfo], app_handle: Callable[..., Any],
+                 open_here: Callable[[], bool]) -> None:
         self._routes = routes
         self._app_handle = app_handle
+        self._open_here = open_here  # loopback open mode now: browsers' requests are refused (origin.py)
 
     @classmethod
     def of(cls, app: web.Application, app_handle: Callable[..., Any]) -> Callable[..., Any]:
-        if app.middlewares or app._subapps:  # what the router path would add: not skipped then
-            return app_handle
+        live, loopback = app[LIVE], app[LOOPBACK]
+
+        def open_here() -> bool:  # a reload may add tenants (or remove them all)
+            return loopback and live.runtime.tenants.open
+
         routes: dict[tuple[str, str], UrlMappingMatchInfo] = {}
+        if app.middlewares or app._subapps:  # what the router path would add: not skipped then
+            return cls(routes, app_handle, open_here)
         for resource in app.router.resources():
             if not isinstance(resource, web.PlainResource):
                 continue
@@ -132,9 +154,11 @@ class _Dispatch:
                 info.add_app(app)
                 info.freeze()
                 routes[(route.method, resource.canonical)] = info
-        return cls(routes, app_handle)
+        return cls(routes, app_handle, open_here)
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:  # app._make_request made it
+        if self._open_here() and (why := foreign(request.headers)) is not None:
+            return _cross_site(request.path, why)
         info = self._routes.get((request.method, request.raw_path))
         if info is None or hdrs.EXPECT in request.headers:  # the router, or its Expect handling
             return await self._app_handle(request)  # type: ignore[no-any-return]

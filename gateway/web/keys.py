@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import asyncio
+
 from aiohttp import web
 
 if TYPE_CHECKING:
@@ -20,8 +22,8 @@ if TYPE_CHECKING:
     from ..relay.context import RelayContext
     from .drain import Drain
 
-__all__ = ["ADMISSION", "DRAIN", "ENCODER", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "RELAY", "RELOADER",
-           "REQUEST_LOG", "WORKER"]
+__all__ = ["ADMISSION", "DRAIN", "ENCODER", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "POLICY_CHECK",
+           "RELAY", "RELOADER", "REQUEST_LOG", "WORKER"]
 
 LIVE: web.AppKey["Live"] = web.AppKey("live")
 METRICS: web.AppKey["Metrics"] = web.AppKey("metrics")
@@ -41,3 +43,5 @@ KEYBOOK: web.AppKey["KeyBook"] = web.AppKey("keybook")
 REQUEST_LOG: web.AppKey["RequestLog"] = web.AppKey("request_log")
 # The classifier cascade's encoder (classify/cascade.py): one per process, loaded in the background.
 ENCODER: web.AppKey["EncoderWorker"] = web.AppKey("encoder")
+# Held while a pasted policy is checked (POST /admin/policy/check, in a thread): one at a time.
+POLICY_CHECK: web.AppKey[asyncio.Lock] = web.AppKey("policy_check", asyncio.Lock)

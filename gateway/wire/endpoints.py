@@ -11,7 +11,7 @@ from ..responses.codec import RESPONSES
 from .chat import CHAT, COMPLETIONS, EMBEDDINGS
 from .codec import Endpoint
 
-__all__ = ["ENDPOINTS", "explained"]
+__all__ = ["ENDPOINTS", "at_path", "explained"]
 
 ENDPOINTS: dict[str, Endpoint] = {e.name: e for e in (CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES, MESSAGES)}
 # Translating legs, after the native way: a Messages client answered by an OpenAI backend's chat,
@@ -25,3 +25,9 @@ RESPONSES.legs["openai"].append(RESPONSES_VIA_CHAT)
 def explained(body: Mapping[str, Any]) -> Endpoint:
     """Which endpoint's body /v1/route/explain was given: the one that recognises it, else chat."""
     return next((e for e in ENDPOINTS.values() if e.recognises(body)), CHAT)
+
+
+def at_path(path: str) -> Endpoint:
+    """The endpoint a request path of the gateway's belongs to (`/v1/messages/count_tokens` is the
+    Messages API's), for an error in its shape; chat's (OpenAI's shape) for any other path."""
+    return next((e for e in ENDPOINTS.values() if path == f"/v1{e.path}" or path.startswith(f"/v1{e.path}/")), CHAT)

@@ -1,0 +1,138 @@
+"""What a hostile viewer, or a web page in the operator's browser, can do to the admin plane and
+to a keyless gateway on loopback: nothing that stalls, leaks or changes it. Real gateways on
+loopback (the runner `gateway serve` uses), the fake upstream, aiohttp as the client."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from gateway.tenants.auth import hash_key
+from gateway.web.keys import LIVE, POLICY_CHECK
+from tests.conftest import simple_policy
+
+ADMIN, VIEWER, TENANT = "sk-admin-hostile", "sk-viewer-hostile", "sk-tenant-hostile"
+A = {"Authorization": f"Bearer {ADMIN}"}
+V = {"Authorization": f"Bearer {VIEWER}"}
+CHAT = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]}
+LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcdefgh", "bcdefghi"))  # 10^9 values
+
+
+async def _call(method: str, url: str, headers: dict[str, str] | None = None, **kw: Any) -> tuple[int, Any, Any]:
+    async with aiohttp.ClientSession() as http, http.request(method, url, headers=headers or {}, **kw) as r:
+        return r.status, await r.json(content_type=None), r.headers
+
+
+@pytest.fixture
+async def keyed(upstream, gateway):
+    up = await upstream("fake")
+    policy = simple_policy(up, tenants={"acme": {"key_sha256": [hash_key(TENANT)]}},
+                           admin={"key_sha256": [hash_key(ADMIN)], "viewer_key_sha256": [hash_key(VIEWER)]})
+    policy["backends"]["fake"]["url"] = up.url.replace("http://", "http://svc-user:s3cr3t-pass@")  # with credentials
+    return await gateway(policy)
+
+
+@pytest.fixture
+async def open_mode(upstream, gateway):
+    up = await upstream("fake")
+    return up, await gateway(simple_policy(up))
+
+
+# ---- a viewer ---------------------------------------------------------------------------------------
+
+
+async def test_a_viewers_alias_bomb_is_refused_and_the_gateway_keeps_answering(keyed):
+    check = asyncio.ensure_future(_call("POST", keyed.url + "/admin/policy/check", V, data=LAUGHS))
+    status, body, _ = await _call("GET", keyed.url + "/healthz")
+    assert status == 200
+    status, body, _ = await check
+    assert status == 200 and body["ok"] is False
+    assert "more than 100,000 values with its aliases expanded" in body["errors"][0]
+
+
+async def test_one_policy_check_at_a_time(keyed):
+    async with keyed.app[POLICY_CHECK]:  # another check in progress
+        status, body, headers = await _call("POST", keyed.url + "/admin/policy/check", V, data="version: 1\n")
+    assert status == 429 and headers["Retry-After"] == "1"
+    assert "another policy check is running" in body["error"]["message"]
+    status, body, _ = await _call("POST", keyed.url + "/admin/policy/check", V, data="version: 1\n")
+    assert status == 200
+
+
+async def test_only_an_admin_learns_which_environment_variables_the_host_has(keyed, monkeypatch):
+    monkeypatch.delenv("GW_TEST_NOT_SET_HERE", raising=False)
+    policy = "version: 1\nbackends: {b: {url: 'http://127.0.0.1:1/v1', models: [m], api_key_env: GW_TEST_NOT_SET_HERE}}\n"
+    _, as_admin, _ = await _call("POST", keyed.url + "/admin/policy/check", A, data=policy)
+    _, as_viewer, _ = await _call("POST", keyed.url + "/admin/policy/check", V, data=policy)
+    assert any("GW_TEST_NOT_SET_HERE is not set here" in w for w in as_admin["warnings"])
+    assert as_viewer["ok"] is True and not any("GW_TEST_NOT_SET_HERE" in w for w in as_viewer["warnings"])
+
+
+async def test_backends_view_shows_no_credentials(keyed):
+    status, body, _ = await _call("GET", keyed.url + "/admin/backends", V)
+    assert status == 200
+    assert body["backends"]["fake"]["url"].startswith("http://<redacted>@127.0.0.1:")
+    assert "s3cr3t" not in str(body)
+
+
+@pytest.mark.parametrize(("query", "paths"), [
+    ("before=%C2%B2", ["/admin/requests"]), ("limit=%C2%B9", ["/admin/requests"]), ("limit=%D9%A3", ["/admin/requests"]),
+    ("status=%C2%B2%C2%B2%C2%B2", ["/admin/requests", "/admin/requests/export"]),
+])  # fmt: skip
+async def test_digits_other_than_ascii_are_a_400_not_a_500(keyed, query, paths):
+    for path in paths:  # '²' passes str.isdigit(), not int()
+        status, body, _ = await _call("GET", f"{keyed.url}{path}?{query}", V)
+        assert status == 400, (path, body)
+        assert body["error"]["type"] == "invalid_request_error"
+
+
+# ---- a web page in the browser, against loopback's trust ------------------------------------------------
+
+
+@pytest.mark.parametrize("headers", [
+    {"Host": "attacker.example"},  # DNS rebinding: the page reads the answers as its own
+    {"Origin": "https://evil.example", "Content-Type": "text/plain"},  # a cross-site "simple" request
+    {"Origin": "null"},  # a sandboxed frame
+])  # fmt: skip
+async def test_open_mode_refuses_a_browsers_request_for_another_site(open_mode, headers):
+    up, gw = open_mode
+    generation = gw.app[LIVE].runtime.generation
+    for method, path in (("POST", "/v1/chat/completions"), ("POST", "/admin/reload"), ("GET", "/admin/whoami"),
+                         ("GET", "/admin/requests"), ("GET", "/metrics")):
+        status, body, _ = await _call(method, gw.url + path, headers, data=b'{"model": "gpt-test", "messages": []}')
+        assert status == 403, (path, body)
+        assert body["error"]["code"] == "cross_site_request"
+        assert "loopback open mode" in body["error"]["message"]
+    status, body, _ = await _call("POST", gw.url + "/v1/messages", headers, json={"model": "gpt-test"})
+    assert status == 403 and body["type"] == "error"  # the Messages API's own shape
+    assert body["error"]["type"] == "permission_error"
+    assert up.stats.requests == 0  # nothing reached the backend
+    assert gw.app[LIVE].runtime.generation == generation  # nothing reloaded
+
+
+async def test_open_mode_still_serves_this_machine(open_mode):
+    up, gw = open_mode
+    port = gw.url.rsplit(":", 1)[1]
+    for headers in ({}, {"Host": f"localhost:{port}"}, {"Origin": gw.url}, {"Origin": "http://localhost:3000"}):
+        status, body, _ = await _call("POST", gw.url + "/v1/chat/completions", headers, json=CHAT)
+        assert status == 200, (headers, body)
+        assert (await _call("GET", gw.url + "/admin/whoami", headers))[1] == {"role": "admin"}
+
+
+async def test_a_key_is_not_affected_but_loopbacks_open_metrics_are(keyed):
+    tenant = {"Authorization": f"Bearer {TENANT}", "Origin": "https://app.example", "Host": "gateway.example"}
+    status, _, _ = await _call("POST", keyed.url + "/v1/chat/completions", tenant, json=CHAT)
+    assert status == 200  # a browser app with a tenant's key: no loopback trust involved
+    assert (await _call("GET", keyed.url + "/admin/whoami", {**V, "Host": "gateway.example"}))[1] == {"role": "viewer"}
+    async with aiohttp.ClientSession() as http:
+        async with http.get(keyed.url + "/metrics") as r:
+            assert r.status == 200  # open on loopback to this machine's programs
+        async with http.get(keyed.url + "/metrics", headers={"Host": "attacker.example"}) as r:
+            assert r.status == 401
+            assert "refused: its Host header" in (await r.json())["error"]["message"]
+        async with http.get(keyed.url + "/metrics", headers={**A, "Host": "attacker.example"}) as r:
+            assert r.status == 200  # an admin key reads it from anywhere
