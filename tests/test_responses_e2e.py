@@ -182,6 +182,24 @@ async def test_cache_hits_answer_from_the_stored_response_and_replay_streams(ups
     assert fu.headers["x-gateway-cache"] == "bypass"
 
 
+async def test_a_hit_never_hands_out_values_the_answer_echoes_from_another_request(upstream, gateway):
+    # A Response object repeats `store`, `metadata`, `user`, ... back: a store:false answer (whose id
+    # the backend does not keep) must not answer a store:true request, nor one caller's `user` another's.
+    up = await upstream(_name("a"), tokens=3)
+    gw = await gateway(_policy(up))
+    c = gw.client()
+    ask = {"model": "gpt-test", "input": f"echo {uuid.uuid4().hex}", "temperature": 0}
+    kept = await c.responses.with_raw_response.create(**ask, store=False)
+    stored = await c.responses.with_raw_response.create(**ask, store=True)
+    assert kept.headers["x-gateway-cache"] == stored.headers["x-gateway-cache"] == "miss"
+    assert stored.parse().store is True and stored.parse().id != kept.parse().id
+    again = await c.responses.with_raw_response.create(**ask, store=True)
+    assert again.headers["x-gateway-cache"] == "hit" and again.parse().id == stored.parse().id
+    other = await c.responses.with_raw_response.create(**ask, store=True, user="end-user-2")
+    assert other.headers["x-gateway-cache"] == "miss"
+    assert up.stats.requests == 3
+
+
 async def test_auto_is_classified_from_instructions_and_input(upstream, gateway):
     small = await upstream(_name("small"), tokens=2)
     big = await upstream(_name("big"), tokens=2)

@@ -116,6 +116,25 @@ async def test_an_id_the_gateway_has_no_record_of_is_nobodys(upstream, gateway):
     assert made.id in b.responses.kept  # and nothing deleted
 
 
+async def test_another_tenants_cacheable_traffic_does_not_evict_a_tenants_records(upstream, gateway):
+    # In memory the records have an LRU of their own: the cache's, filled by bob many times over,
+    # must not push out alice's records (her ids would then be 404 to her).
+    a = await upstream(_name("a"), tokens=40)
+    policy = _policy(a)
+    policy["store"] = {"memory_max_bytes": 20_000}
+    policy["cache"] = {"enabled": True}
+    gw = await gateway(policy)
+    made = await gw.client(A).responses.create(model="gpt-test", input="alice's question", temperature=1)
+    bob = gw.client(B)
+    for i in range(60):  # distinct cacheable prompts, ~1 KB stored each
+        await bob.chat.completions.create(model="gpt-test", temperature=0, messages=[{"role": "user", "content": f"bob {i}"}])
+    assert len(gw.app[LIVE].runtime.cache.store) < 60  # the cache did evict
+    status, body, _ = await _call(gw, "GET", f"/v1/responses/{made.id}", A)
+    assert status == 200 and body["id"] == made.id
+    status, _, _ = await _call(gw, "GET", f"/v1/responses/{made.id}", B)
+    assert status == 404  # and still alice's alone
+
+
 async def test_the_migration_mode_finds_an_unknown_id_and_it_becomes_the_askers(upstream, gateway):
     a = await upstream(_name("a"), tokens=3)
     b = await upstream(_name("b"), tokens=3)

@@ -23,6 +23,7 @@ from gateway.cache.core import SingleFlight
 from gateway.pipeline.call import Call
 from gateway.wire.endpoints import ENDPOINTS
 from gateway.errors import UpstreamError
+from gateway.tenants.auth import hash_key
 from gateway.cache.broadcast import Broadcast, Budget, TeeSink, follow
 from gateway.web.keys import RELAY
 from gateway.wire.openai_wire import SSE_DONE, SSE_HEARTBEAT, sse_event
@@ -531,6 +532,35 @@ async def test_followers_get_usage_only_when_they_asked_for_it(upstream, gateway
     assert up.stats.requests == 1 and plain["cache"] == wants["cache"] == "hit"
     assert leader["usage"] is not None and wants["usage"] is not None and plain["usage"] is None
     assert plain["chunks"] == leader["chunks"] - 1  # no chunk with empty choices for a client that did not ask
+
+
+async def test_a_follower_that_asks_for_usage_of_a_leader_without_it_goes_upstream_itself(upstream, gateway):
+    up = await upstream("a", tokens=8, ttft_ms=200, itl_ms=5)
+    gw = await gateway(simple_policy(up))
+    lead = asyncio.create_task(_stream(gw))
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    wants = await _stream(gw, include_usage=True)
+    leader = await lead
+    assert leader["usage"] is None and wants["usage"] is not None  # the usage it asked for
+    assert wants["cache"] == "miss" and wants["text"] == leader["text"] and up.stats.requests == 2
+
+
+async def test_a_quota_tenants_followers_get_usage_only_when_they_asked_for_it(upstream, gateway):
+    # A token quota asks every stream's backend for usage (hidden from a client that did not ask):
+    # the request a follower sees upstream-side says include_usage, the client did not.
+    up = await upstream("a", tokens=8, ttft_ms=200, itl_ms=5)
+    policy = simple_policy(up, tenants={"acme": {"key_sha256": [hash_key("sk-acme")], "quota": {"tpm": 1_000_000}}})
+    gw = await gateway(policy)
+    gw.client("sk-acme")  # _stream's client
+    lead = asyncio.create_task(_stream(gw, include_usage=True))
+    await _until(lambda: len(gw.app[RELAY].flight) == 1)
+    tasks = [asyncio.create_task(_stream(gw)), asyncio.create_task(_stream(gw, include_usage=True))]
+    await _until(lambda: _following(gw) == 2)
+    plain, wants = await asyncio.gather(*tasks)
+    leader = await lead
+    assert up.stats.requests == 1 and plain["cache"] == wants["cache"] == "hit"
+    assert leader["usage"] is not None and wants["usage"] is not None and plain["usage"] is None
+    assert plain["chunks"] == leader["chunks"] - 1
 
 
 async def test_a_non_streamed_follower_of_a_streamed_leader_gets_the_stored_answer(upstream, gateway):

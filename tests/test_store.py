@@ -165,6 +165,17 @@ async def test_memory_evicts_least_recently_used_by_count() -> None:
     assert len(s) == 3
 
 
+async def test_a_part_of_its_own_is_not_evicted_by_the_rest() -> None:
+    s = MemoryStore(max_items=2)
+    records = s.own("records")
+    assert s.own("records") is records and records is not s  # made once, kept across reloads with s
+    await records.set("r", b"A's record", 60)
+    for i in range(10):  # another user's traffic fills the parent LRU many times over
+        await s.set(f"k{i}", b"v", 60)
+    assert await records.get("r") == b"A's record"
+    assert records.max_items == 2 and await s.get("r") is None
+
+
 async def test_memory_evicts_by_bytes_and_skips_oversized_values() -> None:
     s = MemoryStore(max_bytes=100)
     await s.set("a", b"x" * 40, 60)  # 41 bytes with the key

@@ -273,6 +273,13 @@ class _DropUsage:
         return b"".join(out)
 
 
+def wants_usage(call: Call) -> bool:
+    """Whether the client's stream carries a usage chunk: one it asked for itself (a quota's
+    request for one, which the client does not see, sets `strip_usage`)."""
+    opts = call.body.get("stream_options") if call.stream else None
+    return isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.asked.strip_usage
+
+
 async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
     """Answer a streamed follower from its leader's live stream, within the follower's deadline.
 
@@ -283,9 +290,7 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
     tap = bc.join()
     if tap is None:
         return False
-    opts = call.body.get("stream_options")
-    wants_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
-    drop = _DropUsage() if bc.include_usage and not wants_usage else None
+    drop = _DropUsage() if bc.include_usage and not wants_usage(call) else None
     sent = False
     try:
         try:

@@ -55,13 +55,14 @@ _WARN_EVERY_S = 60.0
 MAX_FLIGHTS = 10_000  # concurrent single flights per process; beyond it, requests go on alone
 
 
-def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any]) -> str:
+def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any], echoed: frozenset[str] = frozenset()) -> str:
     """`gwc:v1:<sha256 hex>` of the canonical JSON (sorted keys) of everything that changes the answer.
 
     `namespace` isolates tenants (the tenant name, or a namespace the policy shares between tenants);
-    `endpoint` is "chat" or "completions"; `model` is the public model the client asked for.
+    `endpoint` is "chat" or "completions"; `model` is the public model the client asked for;
+    `echoed`: transport fields the endpoint's answers repeat back, keyed all the same.
     """
-    fields = {k: v for k, v in body.items() if k not in TRANSPORT_FIELDS}
+    fields = {k: v for k, v in body.items() if k not in TRANSPORT_FIELDS or k in echoed}
     for name in _FLOAT_FIELDS:
         v = fields.get(name)
         if type(v) is int:
@@ -251,8 +252,9 @@ class SingleFlight:
     Streams: `hold(key, stream=True)` by a leader gives its flight a Broadcast (`f.stream`), which
     the block must close (hold does, on exit). A follower that passes `stream=True` to a streamed
     flight is let in at once with `f.stream` set, to follow the live stream (see broadcast.py);
-    any other follower waits as above. `include_usage`: whether the leader's stream carries a
-    usage chunk (followers that did not ask for one get it dropped).
+    any other follower waits as above. `include_usage`: whether the caller's stream carries a
+    usage chunk: a leader's followers that did not ask for one get it dropped; a follower that
+    asked for one, of a leader without it, goes alone (leads a flight nobody joins).
 
     At most `max_flights` keys are held at once (a client can send many distinct prompts): a miss
     beyond that leads a flight of its own that nobody can join (`overflows` counts them). The
@@ -297,7 +299,11 @@ class _Hold:
             flight = self._led = flights[self._key] = Flight(leader=True, stream=bc, done=asyncio.Event())
             return flight
         if self._stream and current.stream is not None and current.stream.joinable:
-            return Flight(leader=False, stream=current.stream)
+            if current.stream.include_usage or not self._include_usage:
+                return Flight(leader=False, stream=current.stream)
+            # It asked for a usage chunk that the leader's stream lacks (and its stored answer may
+            # too): it goes upstream itself, alone, as when the flights are full.
+            return Flight(leader=True)
         assert current._done is not None  # a registered flight
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, self._wait_s)):

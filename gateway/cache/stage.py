@@ -18,7 +18,7 @@ from ..relay.context import RelayContext
 from ..tenants.auth import Tenant
 from ..web.sink import Sink
 from . import shared_flight as cache_flight
-from .broadcast import TeeSink, follow
+from .broadcast import TeeSink, follow, wants_usage
 from .core import Cache, Flight
 from .entry import Entry
 
@@ -26,12 +26,6 @@ __all__ = ["CacheStage", "Produce", "wants_usage"]
 
 # The stage after the cache: answers the call into the sink it is given (the relay).
 Produce = Callable[[Sink], Coroutine[Any, Any, None]]
-
-
-def wants_usage(call: Call) -> bool:
-    """Whether the client's stream carries a usage chunk (one it asked for)."""
-    opts = call.body.get("stream_options") if call.stream else None
-    return isinstance(opts, dict) and bool(opts.get("include_usage")) and not call.asked.strip_usage
 
 
 class CacheStage:

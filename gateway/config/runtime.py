@@ -272,7 +272,7 @@ class Runtime:
             why = call.endpoint.cache_reason(call.body)
         if why is not None:
             return CachePlan(None, why)
-        key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body)
+        key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body, call.endpoint.echoed)
         return CachePlan(key, None, ttl, not call.asked.no_store)
 
     def _pool(self, model: str, names: tuple[str, ...], strategy: str) -> Pool:
@@ -466,7 +466,7 @@ def build_runtime(
     # would drop records under load, and an answer without its record is not released.
     sp = policy.store
     record_sp = sp if sp.url is None else sp.model_copy(update={"timeout_ms": max(sp.timeout_ms, policy.responses.record_timeout_ms)})
-    affinity = _affinity(policy, store_of(record_sp, "records"), on_affinity)
+    affinity = _affinity(policy, store_of(record_sp, "records").own("records"), on_affinity)
     share = slot_share if slot_share is not None else (lambda n: n)
     slot_limits = {name: share(bp.max_concurrency) for name, bp in policy.backends.items()}
     return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits, prefixes, cascade)

@@ -32,6 +32,8 @@ _MISSING = {"previous_response_id": "previous_response_not_found", "conversation
 class ResponsesEndpoint(Endpoint):
     name, path, request = "responses", "/responses", ResponsesRequest
     stateful = True
+    # `store` also decides whether a follow-up can build on the answer's id.
+    echoed = frozenset({"store", "metadata", "user", "safety_identifier", "service_tier", "prompt_cache_key"})
 
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         return chat_view(body)

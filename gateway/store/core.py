@@ -56,6 +56,12 @@ class Store(Protocol):
         """Release connections; the store is not used afterwards."""
         ...
 
+    def own(self, name: str) -> Store:
+        """The part of this store that only `name`'s entries use: for a process's memory, an LRU
+        of its own (another user's traffic cannot push them out); a shared store (Redis, whose
+        keys are prefixed per use) is itself."""
+        ...
+
     async def quota_take(self, tenant: str, ask: Ask) -> Decision:
         """Check every limit of `ask` for `tenant` and, when all pass, take them: atomically."""
         ...
@@ -87,7 +93,7 @@ class MemoryStore:
     for tests. A value larger than `max_bytes` is not stored at all.
     """
 
-    __slots__ = ("_items", "_bytes", "max_bytes", "max_items", "_clock", "quota")
+    __slots__ = ("_items", "_bytes", "max_bytes", "max_items", "_clock", "quota", "_parts")
     shared = False  # this process's own
 
     def __init__(
@@ -105,6 +111,15 @@ class MemoryStore:
         self.max_items = max_items
         self._clock = clock
         self.quota = MemoryQuota()  # quota counters: this process's own (see tenants/quota_counters.py)
+        self._parts: dict[str, MemoryStore] = {}  # see own()
+
+    def own(self, name: str) -> MemoryStore:
+        """An LRU of `name`'s own, with this one's bounds, made once (the Responses API's records
+        beside the cache: tenant B's cacheable requests must not evict tenant A's records)."""
+        part = self._parts.get(name)
+        if part is None:
+            self._parts[name] = part = MemoryStore(max_bytes=self.max_bytes, max_items=self.max_items, clock=self._clock)
+        return part
 
     def __len__(self) -> int:
         return len(self._items)

@@ -184,6 +184,10 @@ class RedisStore:
         except FAILURES:
             pass
 
+    def own(self, name: str) -> RedisStore:
+        """Itself: every use's keys have a prefix of their own on the one server (see Store.own)."""
+        return self
+
     async def close(self) -> None:
         for c in self._clients():
             await close_client(c)

@@ -53,6 +53,10 @@ class Endpoint:
     # native codec, another for a translating leg (see `toward`).
     upstream: str = ""
     kinds: frozenset[str] = frozenset({"openai"})  # backend kinds (BackendPolicy.kind) it speaks natively
+    # Request fields its answers repeat back (a Response object echoes `store`, `metadata`, `user`,
+    # ...): in the cache key even where cache.core.TRANSPORT_FIELDS leaves them out, so that a
+    # hit never hands one caller's values to another.
+    echoed: frozenset[str] = frozenset()
 
     def __init__(self) -> None:
         self.upstream = self.upstream or self.name
