@@ -200,6 +200,21 @@ async def test_a_hit_never_hands_out_values_the_answer_echoes_from_another_reque
     assert up.stats.requests == 3
 
 
+async def test_a_deleted_response_is_not_handed_out_again_by_the_cache(upstream, gateway):
+    up = await upstream(_name("a"), tokens=3)
+    gw = await gateway(_policy(up))
+    c = gw.client()
+    ask = {"model": "gpt-test", "input": f"delete me {uuid.uuid4().hex}", "temperature": 0}
+    first = (await c.responses.create(**ask)).id
+    assert (await c.responses.with_raw_response.create(**ask)).headers["x-gateway-cache"] == "hit"
+    await c.responses.delete(first)
+    again = await c.responses.with_raw_response.create(**ask)
+    assert again.headers["x-gateway-cache"] == "miss" and again.parse().id != first
+    follow_up = await c.responses.create(model="gpt-test", input="and then?", previous_response_id=again.parse().id)
+    assert follow_up.previous_response_id == again.parse().id
+    assert (await c.responses.with_raw_response.create(**ask)).parse().id == again.parse().id  # stored anew
+
+
 async def test_auto_is_classified_from_instructions_and_input(upstream, gateway):
     small = await upstream(_name("small"), tokens=2)
     big = await upstream(_name("big"), tokens=2)

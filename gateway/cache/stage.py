@@ -12,6 +12,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..config.runtime import CachePlan, Route, Runtime
+from ..errors import Unavailable
 from ..pipeline.call import CacheResult, Call, Finish
 from ..relay.attempt import ClientGone
 from ..relay.context import RelayContext
@@ -26,6 +27,19 @@ __all__ = ["CacheStage", "Produce", "wants_usage"]
 
 # The stage after the cache: answers the call into the sink it is given (the relay).
 Produce = Callable[[Sink], Coroutine[Any, Any, None]]
+
+
+async def _still_held(rt: Runtime, call: Call, entry: Entry) -> bool:
+    """Whether a stored answer's id is still the gateway's record (a Response: not deleted since,
+    nor expired): a follow-up on an id its backend no longer holds would be a 404. A store that
+    cannot say counts as no."""
+    rid = call.endpoint.held_id(entry)
+    if rid is None:
+        return True
+    try:
+        return await rt.affinity.lookup(rid) is not None
+    except Unavailable:
+        return False
 
 
 class CacheStage:
@@ -45,6 +59,8 @@ class CacheStage:
             await produce(sink)
             return
         entry = await cache.lookup(plan.key)
+        if entry is not None and not await _still_held(rt, call, entry):
+            entry = None  # its id was deleted (or forgotten): a fresh answer, stored over it
         if entry is None:
             entry = await self._miss(call, cache, plan, plan.key, rt.policy.cache.lock_ms / 1000, sink, produce)
         if entry is not None:

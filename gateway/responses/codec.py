@@ -68,6 +68,12 @@ class ResponsesEndpoint(Endpoint):
         entry = Entry(raw) if capture and len(raw) <= capture and replayable(obj) else None
         return Whole(usage_of(obj), entry, obj)
 
+    def held_id(self, entry: Entry) -> str | None:
+        """A stored Response's id, unless made with `store: false` (no follow-up can build on it)."""
+        obj = entry.answer()
+        rid = obj.get("id")
+        return rid if isinstance(rid, str) and obj.get("store") is not False else None
+
     def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
         """The stored Response, or its events."""
         return replay_events(entry.body) if stream else entry.body

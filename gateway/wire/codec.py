@@ -144,6 +144,11 @@ class Endpoint:
         """Read a whole 200 answer; raises NotAnAnswer when it is none."""
         raise NotImplementedError
 
+    def held_id(self, entry: Entry) -> str | None:
+        """The id a stored answer hands out that a backend must still hold for it to be served
+        (a follow-up may build on it): None for an endpoint whose answers leave no state."""
+        return None
+
     def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
         """A cached answer as this endpoint sends it: the body, or the whole event stream."""
         raise NotImplementedError(f"{self.name} answers are not cached")
