@@ -75,6 +75,14 @@ async def test_a_messages_client_reaches_an_anthropic_backend_natively(fake_anth
     assert text == WORDS and final.stop_reason == "end_turn" and final.usage.output_tokens > 0
 
 
+async def test_standard_only_reaches_an_anthropic_backend(fake_anthropic, gateway, clients):
+    # The client opts out of Priority Tier capacity: dropping the field would give it Anthropic's `auto`.
+    gw = await gateway(_policy(fake_anthropic))
+    c = clients(gw, "anthropic")
+    await c.messages.create(model="a", max_tokens=16, messages=HELLO, service_tier="standard_only")
+    assert fake_anthropic.stats.last_body["service_tier"] == "standard_only"
+
+
 async def test_a_chat_client_reaches_an_anthropic_backend_through_translation(fake_anthropic, gateway, clients):
     gw = await gateway(_policy(fake_anthropic))
     oc = clients(gw, "openai")

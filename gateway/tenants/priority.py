@@ -38,7 +38,8 @@ _BANDS = {b.value: b for b in Band}  # a dict lookup: calling Band(name) costs m
 
 # OpenAI's service tiers and the band each asks for (`scale`: reserved capacity, default processing).
 TIER_BANDS = {"priority": Band.PRIORITY, "default": Band.DEFAULT, "auto": Band.DEFAULT, "scale": Band.DEFAULT,
-              "flex": Band.FLEX}
+              "flex": Band.FLEX,
+              "standard_only": Band.DEFAULT}  # Anthropic's: standard capacity, never its Priority Tier
 
 
 def _above(band: str, ceiling: str) -> bool:
