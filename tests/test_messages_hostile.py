@@ -11,6 +11,7 @@ from gateway.tenants.auth import hash_key
 
 KEY = "sk-test"
 OK = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+DEEP = b"[" * 300 + b"]" * 300
 
 BAD = [
     (b"{not json", "JSON"),
@@ -23,10 +24,16 @@ BAD = [
     (orjson.dumps({**OK, "stream": "yes"}), "stream"),
     (orjson.dumps({**OK, "messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]}), "document"),
     (orjson.dumps({**OK, "thinking": {"type": "enabled", "budget_tokens": 1024}}), "thinking"),
+    # nesting orjson reads but cannot write back (its recursion limit): a 400 naming the field, not a 500
+    (b'{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":[{"type":"tool_use",'
+     b'"id":"t","name":"f","input":{"x":' + DEEP + b'}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"ok"}]}]}',
+     "messages[1].content[0].input: nested too deeply"),
+    (b'{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}],"tools":[{"name":"f","input_schema":{"x":' + DEEP + b'}}]}',
+     "tools[0].input_schema: nested too deeply"),
 ]
 
 
-@pytest.mark.parametrize("raw,word", BAD, ids=[w for _, w in BAD])
+@pytest.mark.parametrize("raw,word", BAD, ids=[w.split(":")[0] for _, w in BAD])
 async def test_bad_bodies_are_anthropic_400s_and_reach_no_backend(upstream, gateway, raw, word):
     up = await upstream("a")
     gw = await gateway({"backends": {"a": {"url": up.url, "models": ["m"]}}, "reload": {"watch": False},

@@ -1172,3 +1172,17 @@ def test_translation_never_mutates_its_input():
     frozen = copy.deepcopy(chat)
     tr.chat_to_messages(chat, 5)
     assert chat == frozen
+
+
+def test_nesting_orjson_cannot_write_back_is_a_translation_error_naming_the_field():
+    deep: object = []
+    for _ in range(300):
+        deep = [deep]
+    turns = [{"role": "user", "content": "hi"},
+             {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"x": deep}}]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "ok"}]}]
+    with pytest.raises(TranslationError, match=r"messages\[1\]\.content\[0\]\.input: nested too deeply"):
+        tr.messages_to_chat({"model": "m", "max_tokens": 5, "messages": turns})
+    tools = [{"name": "f", "input_schema": {"x": deep}}]
+    with pytest.raises(TranslationError, match=r"tools\[0\]\.input_schema: nested too deeply"):
+        tr.messages_to_chat({"model": "m", "max_tokens": 5, "messages": turns[:1], "tools": tools})

@@ -3,17 +3,21 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
 
 from ..errors import BadRequest, GatewayError
+from ..wire.codec import Endpoint
 from ..web.http_call import api_key, error_response, json_response, read_bounded, request_id
 from ..web.keys import LIVE
-from ..wire.openai_wire import json_object
-from .translate import messages_to_chat
-from .wire import gateway_error
+from ..wire.openai_wire import json_object, parse_body
+from .codec import MESSAGES
+from .wire import MessagesRequest, gateway_error
+
+if TYPE_CHECKING:
+    from ..config.runtime import Route
 
 __all__ = ["count_tokens", "estimate_tokens", "routes"]
 
@@ -41,19 +45,38 @@ async def count_tokens(request: web.Request) -> web.Response:
         await rt.tenants.catch_up(api_key(request))
         tenant = rt.tenants.authenticate(api_key(request))
         body = json_object(await read_bounded(request, rt.server.max_body_bytes))
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("field 'model' is required: a string", param="model")
-        if not isinstance(body.get("messages"), list) or not body["messages"]:
-            raise BadRequest("field 'messages' is required: a non-empty list", param="messages")
         if "max_tokens" in body:
             raise BadRequest("max_tokens: Extra inputs are not permitted", param="max_tokens")
+        # The same checks as /v1/messages (pipeline/intake.py): its request model, with the
+        # max_tokens count_tokens has no use for, then every translating leg of the route.
+        try:
+            full = orjson.dumps({**body, "max_tokens": 1})
+        except orjson.JSONEncodeError:  # orjson reads deeper nesting than it writes
+            raise BadRequest("the request body is nested too deeply") from None
+        parse_body(full, MessagesRequest)
+        model = body["model"]
         rt.tenants.authorize(tenant, model)
-        rt.route(model)  # an unknown model is a 404, as on /v1/messages
-        messages_to_chat({**body, "max_tokens": 1})  # the same checks as the request itself
+        route = rt.route(model)  # an unknown model is a 404, as on /v1/messages
+        _validate_legs(route, {**body, "max_tokens": 1})
     except GatewayError as err:
         return error_response(err, headers, gateway_error(err)[1])
     return json_response({"input_tokens": estimate_tokens(body)}, headers=headers)
+
+
+def _validate_legs(route: Route, body: dict[str, Any]) -> None:
+    """Refuse what a translating leg of the route cannot send, as intake does. The request's class
+    is not known here (no classification for a count), so the legs of both classes' pools count."""
+    legs: dict[int, Endpoint] = {}
+    for cls in ("simple", "complex"):
+        for leg in route.pool(cls, MESSAGES.name).translating.get(MESSAGES.name, ()):
+            legs[id(leg)] = leg
+    for leg in legs.values():
+        try:
+            leg.validate(body)
+        except GatewayError:
+            raise
+        except Exception as exc:  # a body the translation cannot read is the caller's error: never a 500
+            raise BadRequest(f"the request cannot be translated for this model's backend: {exc}"[:500]) from None
 
 
 def routes() -> list[web.RouteDef]:

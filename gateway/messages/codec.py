@@ -32,7 +32,7 @@ from ..web.sink import Sink, SinkWrapper
 from ..wire.chat_monitor import ChatMonitor, OverChat
 from ..wire.codec import Endpoint, NotAnAnswer, Whole
 from ..wire.monitor import Monitor, Rewrite, Verdict
-from .stream import ChatToMessagesStream, StreamOrderError
+from .stream import ChatToMessagesStream, MalformedChunk, StreamOrderError
 from ..wire.openai_wire import ChatRequest
 from .as_chat import AnthropicToChatMonitor, ResumedMessageMonitor
 from .monitor import AnthropicMonitor
@@ -89,7 +89,8 @@ class MessagesEndpoint(Endpoint):
         msg = _json(raw)
         if msg is None or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
             raise NotAnAnswer("the backend answered 200 with a body that is not a Message")
-        entry = Entry(raw) if capture and len(raw) <= capture and msg.get("stop_reason") else None
+        keep = capture and len(raw) <= capture and msg.get("stop_reason") and all(map(_replayable, msg["content"]))
+        entry = Entry(raw) if keep else None
         return Whole(chat_usage(msg.get("usage")), entry)
 
     def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
@@ -111,10 +112,10 @@ class MessagesViaChat(Endpoint):
         return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
 
     def validate(self, body: Mapping[str, Any]) -> None:
-        messages_to_chat(dict(body))  # raises Untranslatable / TranslationError (400s)
+        _encode(messages_to_chat(dict(body)))  # raises Untranslatable / TranslationError (400s)
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
-        return orjson.dumps({**messages_to_chat(dict(body)), "model": upstream_model})
+        return _encode({**messages_to_chat(dict(body)), "model": upstream_model})
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:
@@ -146,10 +147,10 @@ class ChatViaMessages(Endpoint):
         self.default_max_tokens = default_max_tokens  # Anthropic requires max_tokens; chat does not
 
     def validate(self, body: Mapping[str, Any]) -> None:
-        chat_to_messages(body, self.default_max_tokens)  # raises Untranslatable / TranslationError (400s)
+        _encode(chat_to_messages(body, self.default_max_tokens))  # raises Untranslatable / TranslationError (400s)
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
-        return orjson.dumps({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model})
+        return _encode({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model})
 
     def upstream_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return chat_to_messages(body, self.default_max_tokens)
@@ -174,6 +175,15 @@ class ChatViaMessages(Endpoint):
         return Whole(chat.get("usage"), entry, body=body)
 
 
+def _encode(request: Mapping[str, Any]) -> bytes:
+    """A translated request's bytes. orjson reads deeper nesting than it writes (its recursion
+    limit): a body it cannot write back is the caller's 400, found at intake (`validate`)."""
+    try:
+        return orjson.dumps(request)
+    except orjson.JSONEncodeError as exc:
+        raise TranslationError(f"the request is nested too deeply to re-encode ({exc})") from None
+
+
 def _json(raw: bytes) -> dict[str, Any] | None:
     try:
         obj = orjson.loads(raw)
@@ -186,6 +196,17 @@ def _message(chat: dict[str, Any]) -> dict[str, Any]:
     usage = chat.get("usage")
     estimate = usage.get("prompt_tokens") if isinstance(usage, dict) else None
     return chat_completion_to_message(chat, str(chat.get("model") or ""), estimate if isinstance(estimate, int) else 1)
+
+
+def _replayable(block: Any) -> bool:
+    """Whether message_events replays a block as it was: plain text and tool_use. Any other block
+    (thinking and its signature, server tools, text with citations) would come back as an empty
+    text block on a stream hit, so a Message holding one is not cached at all."""
+    if not isinstance(block, dict):
+        return False
+    if block.get("type") == "text":
+        return isinstance(block.get("text"), str) and not block.get("citations")
+    return block.get("type") == "tool_use" and isinstance(block.get("input"), dict)
 
 
 def message_events(msg: Mapping[str, Any]) -> bytes:
@@ -251,6 +272,9 @@ class ChatToMessagesMonitor(OverChat):
                 self.out = tr.feed(obj)
             except StreamOrderError as exc:  # arguments for a block already closed: no answer we can give
                 self._chat.failure = f"untranslatable stream: {exc}"
+                return Verdict.FAILED
+            except MalformedChunk as exc:  # a broken answer: the attempt fails (another backend may do better)
+                self._chat.failure = f"malformed chunk: {exc}"
                 return Verdict.FAILED
         return v
 

@@ -32,16 +32,20 @@ _VERDICTS = {
     "message_delta": Verdict.HELD, "content_block_delta": Verdict.CONTENT, "message_stop": Verdict.DONE,
     "error": Verdict.FAILED,
 }
+# The object each event type carries (None or absent is tolerated as {}, as before).
+_PARTS = {"message_start": "message", "content_block_start": "content_block", "content_block_delta": "delta",
+          "message_delta": "delta", "error": "error"}
 
 
 class AnthropicEvents:
     """Reads one Anthropic stream's events: each one's verdict, the stop reason, usage, an error's words."""
 
-    __slots__ = ("finished", "failure", "timed", "parsed", "_usage")
+    __slots__ = ("finished", "failure", "malformed", "timed", "parsed", "_usage")
 
     def __init__(self) -> None:
         self.finished = False
         self.failure: str | None = None
+        self.malformed = False  # the failure is a broken event of the backend's, not its own error event
         self.timed = False
         self.parsed: dict[str, Any] | None = None  # the last event, decoded
         self._usage: dict[str, Any] = {}
@@ -63,6 +67,13 @@ class AnthropicEvents:
         v = _VERDICTS.get(kind) if isinstance(kind, str) else None
         if v is None:
             return Verdict.NOISE  # ping, or a type this gateway does not know: passed on once streaming
+        part = _PARTS.get(str(kind))
+        if part is not None and not isinstance(obj.get(part), dict | None):
+            # A broken answer, not something to drop: the client's stream (and the translators)
+            # would go on without it. The attempt fails, with the relay's own error event.
+            self.malformed = True
+            self.failure = f"malformed {kind} event: {part!r} is not an object"
+            return Verdict.FAILED
         if kind == "message_start":
             self._add((obj.get("message") or {}).get("usage"))
         elif kind == "message_delta":
@@ -106,6 +117,8 @@ class AnthropicMonitor(AnthropicEvents):
     def relays_failure(self) -> bool:
         """The backend's error event is already in the client's shape and ends the stream, unless
         the relay may still continue the answer elsewhere (it then writes its own, if it cannot)."""
+        if self.malformed:  # a broken event is not the client's to see: the relay writes the error
+            return False
         return self._transcript is None or not self._transcript.continuable
 
     def feed(self, data: bytes) -> Verdict:
@@ -136,4 +149,5 @@ class AnthropicMonitor(AnthropicEvents):
 def other_output(obj: Mapping[str, Any]) -> bool:
     """An output event other than text (a tool's input, thinking, citations): what a
     continuation, which goes on from the text, cannot reproduce."""
-    return obj.get("type") == "content_block_delta" and (obj.get("delta") or {}).get("type") != "text_delta"
+    delta = obj.get("delta")
+    return obj.get("type") == "content_block_delta" and (delta.get("type") if isinstance(delta, dict) else None) != "text_delta"

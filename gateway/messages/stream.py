@@ -38,7 +38,7 @@ from .translate import FINISH_REASONS, anthropic_usage, chat_usage, stop_reason,
 from .wire import error_event
 from .wire import sse_event as anthropic_event
 
-__all__ = ["DONE", "ChatToMessagesStream", "MessagesToChatStream", "StreamOrderError", "UpstreamStreamError"]
+__all__ = ["DONE", "ChatToMessagesStream", "MalformedChunk", "MessagesToChatStream", "StreamOrderError", "UpstreamStreamError"]
 
 DONE = "[DONE]"  # the chat stream's last `data:` payload, as fed to ChatToMessagesStream
 
@@ -46,6 +46,17 @@ DONE = "[DONE]"  # the chat stream's last `data:` payload, as fed to ChatToMessa
 class StreamOrderError(ValueError):
     """A chat stream Anthropic's events cannot express: arguments for a tool call after a later
     block began (Anthropic blocks are sequential and never reopened)."""
+
+
+class MalformedChunk(ValueError):
+    """A chat chunk whose parts are not the JSON types the API gives them (a `delta` that is a
+    string, ...): the backend's answer is broken, and its attempt fails."""
+
+
+def _obj(value: Any) -> Mapping[str, Any]:
+    """An event's sub-object, or {} when absent or not an object (the monitors refuse such events
+    before they get here: this only keeps a translator from raising AttributeError)."""
+    return value if isinstance(value, dict) else {}
 
 
 class UpstreamStreamError(Exception):
@@ -99,10 +110,17 @@ class ChatToMessagesStream:
             self.usage = usage
         if chunk.get("x_gateway") is not None:
             self._gateway = chunk["x_gateway"]
-        for choice in chunk.get("choices") or []:
+        choices = chunk.get("choices") or []
+        if not isinstance(choices, list):
+            raise MalformedChunk(f"'choices' is not a list: {str(choices)[:100]!r}")
+        for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
+            if not isinstance(delta, dict):
+                raise MalformedChunk(f"'delta' is not an object: {str(delta)[:100]!r}")
+            if not isinstance(delta.get("tool_calls") or [], list):
+                raise MalformedChunk("'delta.tool_calls' is not a list")
             for key in ("content", "refusal"):
                 text = delta.get(key)
                 if isinstance(text, str) and text:
@@ -157,14 +175,14 @@ class ChatToMessagesStream:
         kind = event.get("type")
         if kind == "message_start":
             self._started = True
-            message = event.get("message") or {}
+            message = _obj(event.get("message"))
             self.message_id = str(message.get("id") or self.message_id)
             self.model = str(message.get("model") or self.model)
-            tokens = (message.get("usage") or {}).get("input_tokens")
+            tokens = _obj(message.get("usage")).get("input_tokens")
             if isinstance(tokens, int) and tokens > 0:
                 self.input_tokens_estimate = tokens
         elif kind == "content_block_start":
-            index, block = event.get("index"), event.get("content_block") or {}
+            index, block = event.get("index"), _obj(event.get("content_block"))
             if isinstance(index, int):
                 self._blocks = max(self._blocks, index + 1)
             self._open = "text" if block.get("type") == "text" else "tool"  # "tool": any block text must not go on in
@@ -267,20 +285,20 @@ class MessagesToChatStream:
         chunk and [DONE] are `feed`'s). Raises UpstreamStreamError for an `error` event."""
         kind = event.get("type")
         if kind == "message_start":
-            message = event.get("message") or {}
+            message = _obj(event.get("message"))
             self._add_usage(message.get("usage"))
             return self._chunk({"role": "assistant", "content": ""})
         if kind == "content_block_start":
-            return self._block_start(event.get("index"), event.get("content_block") or {})
+            return self._block_start(event.get("index"), _obj(event.get("content_block")))
         if kind == "content_block_delta":
-            return self._block_delta(event.get("index"), event.get("delta") or {})
+            return self._block_delta(event.get("index"), _obj(event.get("delta")))
         if kind == "message_delta":
             self._add_usage(event.get("usage"))
-            delta = event.get("delta") or {}
+            delta = _obj(event.get("delta"))
             reason = delta.get("stop_reason")
             return self._chunk({}, finish=FINISH_REASONS.get(str(reason), "stop"), matched=delta.get("stop_sequence"))
         if kind == "error":
-            err = event.get("error") or {}
+            err = _obj(event.get("error"))
             raise UpstreamStreamError(str(err.get("type") or "api_error"), str(err.get("message") or "stream error"))
         return None  # ping, content_block_stop, message_stop, and event types added later
 

@@ -153,8 +153,13 @@ def tool_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
-def _json(value: Any) -> str:
-    return orjson.dumps(value).decode()
+def _json(value: Any, where: str) -> str:
+    """`value` as JSON text. orjson reads deeper nesting than it writes (its recursion limit): such
+    a value is refused naming its field (a 400 for a request, a NotAnAnswer for an answer), not a 500."""
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError as exc:
+        raise TranslationError(f"{where}: nested too deeply to re-encode ({exc})", param=where) from None
 
 
 def parse_arguments(arguments: Any) -> dict[str, Any]:
@@ -244,7 +249,7 @@ def _assistant_to_chat(content: Any, where: str) -> dict[str, Any]:
         if kind == "text":
             texts.append(_block_text(block, at))
         elif kind == "tool_use":
-            fn = {"name": block.get("name"), "arguments": _json(block.get("input") or {})}
+            fn = {"name": block.get("name"), "arguments": _json(block.get("input") or {}, f"{at}.input")}
             calls.append({"id": block.get("id"), "type": "function", "function": fn})
         elif kind == "image":
             raise _refuse(f"images in an assistant turn ({at})")
@@ -301,7 +306,9 @@ def _tools_to_chat(tools: Any) -> list[dict[str, Any]]:
         for key, value in tool.items():
             if key not in _TOOL_KEYS and value is not None:
                 raise _refuse(f"tools[{i}].{key}")
-        out.append(function_tool(tool.get("name"), tool.get("input_schema") or {"type": "object"}, tool))
+        schema = tool.get("input_schema") or {"type": "object"}
+        _json(schema, f"tools[{i}].input_schema")  # sent re-encoded: refused now if orjson cannot write it
+        out.append(function_tool(tool.get("name"), schema, tool))
     return out
 
 
@@ -710,7 +717,7 @@ def message_to_chat_completion(msg: Mapping[str, Any], model: str, *, created: i
         if kind == "text":
             texts.append(str(block.get("text") or ""))
         elif kind == "tool_use":
-            fn = {"name": block.get("name"), "arguments": _json(block.get("input") or {})}
+            fn = {"name": block.get("name"), "arguments": _json(block.get("input") or {}, "content[].input")}
             calls.append({"id": block.get("id"), "type": "function", "function": fn})
     message: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None,
                                "refusal": None}

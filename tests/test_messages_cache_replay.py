@@ -1,0 +1,74 @@
+"""A native Anthropic backend's whole Message is cached only when a stream hit can replay every
+block as it was (message_events: text and tool_use): one with thinking, a server tool or citations
+is asked of the backend again, while a plain text answer is still a hit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.messages.codec import MESSAGES
+from gateway.tenants.auth import hash_key
+
+KEY = "sk-test"
+PLAIN = [{"type": "text", "text": "Answer"}, {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}}]
+RICH = {
+    "thinking": [{"type": "thinking", "thinking": "Let me think...", "signature": "sig=="}, {"type": "text", "text": "Answer"}],
+    "server_tool_use": [{"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "x"}},
+                        {"type": "text", "text": "Answer"}],
+    "citations": [{"type": "text", "text": "Answer", "citations": [{"type": "web_search_result_location", "url": "u",
+                                                                     "title": "t", "encrypted_index": "e", "cited_text": "c"}]}],
+}
+
+
+def _message(content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "claude-x", "content": content,
+            "stop_reason": "end_turn", "stop_sequence": None, "usage": {"input_tokens": 3, "output_tokens": 2}}
+
+
+@pytest.mark.parametrize("name", list(RICH))
+def test_a_message_the_replay_would_alter_makes_no_entry(name):
+    assert MESSAGES.whole(orjson.dumps(_message(RICH[name])), 1 << 20).entry is None
+    assert MESSAGES.whole(orjson.dumps(_message(PLAIN)), 1 << 20).entry is not None
+
+
+@pytest.mark.parametrize("name", list(RICH))
+async def test_a_rich_message_is_not_a_hit_but_a_plain_one_is(monkeypatch, gateway, name):
+    asked: list[str] = []
+
+    async def messages(request: web.Request) -> web.Response:
+        body = await request.json()
+        text = body["messages"][0]["content"]
+        asked.append(text)
+        return web.json_response(_message(RICH[name] if text == "rich" else PLAIN))
+
+    app = web.Application()
+    app.router.add_post("/v1/messages", messages)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-up")
+    try:
+        gw = await gateway({"backends": {"an": {"url": f"http://127.0.0.1:{port}/v1", "kind": "anthropic",
+                                                "api_key_env": "TEST_ANTHROPIC_KEY", "models": {"a": "claude-x"}}},
+                            "reload": {"watch": False}, "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}})
+        async with aiohttp.ClientSession() as http:
+            for prompt in ("rich", "plain"):
+                body = {"model": "a", "max_tokens": 16, "temperature": 0, "messages": [{"role": "user", "content": prompt}]}
+                caches = []
+                for _ in range(2):
+                    async with http.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
+                        assert r.status == 200, await r.text()
+                        caches.append(r.headers.get("x-gateway-cache"))
+                        got = await r.json()
+                    assert got["content"] == (RICH[name] if prompt == "rich" else PLAIN)  # whole, as the backend said
+                assert caches[1] == ("hit" if prompt == "plain" else "miss"), (prompt, caches)
+        assert asked == ["rich", "rich", "plain"]
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,105 @@
+"""Malformed backend events on the Messages paths: an object-valued part (`delta`, `message`,
+`content_block`, `error`) that is not an object fails the attempt (a FAILED verdict, the relay's
+own error event) instead of raising in the gateway; a broken chat backend fails over."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.messages.codec import ChatToMessagesMonitor
+from gateway.messages.monitor import AnthropicMonitor
+from gateway.messages.stream import ChatToMessagesStream, MalformedChunk, MessagesToChatStream
+from gateway.messages.as_chat import AnthropicToChatMonitor
+from gateway.relay.continuation import Transcript
+from gateway.tenants.auth import hash_key
+from gateway.wire.monitor import Verdict
+
+KEY = "sk-test"
+
+
+def _chunk(choice: Any) -> bytes:
+    return orjson.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]})
+
+
+@pytest.mark.parametrize("choice", [{"index": 0, "delta": "oops"}, {"index": 0, "delta": {"tool_calls": 5}}])
+def test_a_chat_chunk_with_a_broken_delta_fails_the_attempt(choice):
+    mon = ChatToMessagesMonitor()
+    assert mon.feed(_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}})) is Verdict.HELD
+    assert mon.feed(_chunk(choice)) is Verdict.FAILED
+    assert mon.failure is not None and "malformed" in mon.failure
+
+
+def test_the_chat_translator_refuses_a_broken_chunk_by_name():
+    with pytest.raises(MalformedChunk):
+        ChatToMessagesStream("m", "msg_1", 1).feed({"choices": [{"index": 0, "delta": "oops"}]})
+    with pytest.raises(MalformedChunk):
+        ChatToMessagesStream("m", "msg_1", 1).feed({"choices": 5})
+
+
+START = b'{"type":"message_start","message":{"id":"msg_1","model":"c","usage":{"input_tokens":3}}}'
+BAD_EVENTS = [
+    b'{"type":"message_start","message":"x"}',
+    b'{"type":"content_block_start","index":0,"content_block":"x"}',
+    b'{"type":"content_block_delta","index":0,"delta":"x"}',
+    b'{"type":"message_delta","delta":"x","usage":{}}',
+    b'{"type":"error","error":"boom"}',
+]
+
+
+@pytest.mark.parametrize("event", BAD_EVENTS, ids=lambda e: orjson.loads(e)["type"])
+@pytest.mark.parametrize("make", [lambda: AnthropicMonitor(), lambda: AnthropicMonitor(Transcript()),
+                                  lambda: AnthropicToChatMonitor(include_usage=True)],
+                         ids=["native", "native+transcript", "as-chat"])
+def test_an_anthropic_event_with_a_non_object_part_fails_the_attempt(make, event):
+    mon = make()
+    first = [] if event.startswith(b'{"type":"message_start"') else [START]
+    for ev in first:
+        assert mon.feed(ev) is Verdict.HELD
+    assert mon.feed(event) is Verdict.FAILED
+    assert mon.failure is not None and "malformed" in mon.failure
+    assert mon.relays_failure is False  # the broken event never reaches the client: the relay writes the error
+
+
+def test_the_anthropic_translator_reads_a_non_object_part_as_empty():
+    tr = MessagesToChatStream("m", "c")
+    for ev in ({"type": "message_start", "message": "x"}, {"type": "content_block_start", "index": 0, "content_block": "x"},
+               {"type": "content_block_delta", "index": 0, "delta": "x"}):
+        tr.feed(ev)  # no AttributeError
+    follow = ChatToMessagesStream("m", "msg_1", 1)
+    follow.follow({"type": "message_start", "message": "x"})
+    follow.follow({"type": "content_block_start", "index": 0, "content_block": 5})
+
+
+async def test_a_chat_backend_sending_a_broken_delta_fails_over(upstream, gateway):
+    async def broken(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + _chunk({"index": 0, "delta": "oops", "finish_reason": None}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", broken)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        good = await upstream("good")
+        gw = await gateway({"backends": {"bad": {"url": f"http://127.0.0.1:{port}/v1", "models": ["m"]},
+                                         "good": {"url": good.url, "models": ["m"]}},
+                            "models": {"m": {"backends": ["bad", "good"], "strategy": "ordered"}},
+                            "reload": {"watch": False}, "cache": {"enabled": False},
+                            "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}})
+        async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0, timeout=10) as c:
+            async with c.messages.stream(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}]) as s:
+                msg = await s.get_final_message()
+        assert msg.content and msg.stop_reason is not None and good.stats.requests == 1
+    finally:
+        await runner.cleanup()
