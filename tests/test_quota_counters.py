@@ -85,6 +85,25 @@ async def test_a_reservation_larger_than_the_limit_is_capped_so_it_can_ever_run(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tenant_tpm, model_tpm", [(1000, 0), (100_000, 1000)])
+async def test_scopes_with_different_tpm_reserve_alike_and_each_settles_to_what_was_used(kind, tenant_tpm, model_tpm):
+    """One Settle delta corrects every scope, so a take reserves the same on each: the smallest
+    tpm's cap, not each scope's own (which left the larger scope overcharged by the difference)."""
+    async with _store(kind) as s:
+        tenant = Scope("", tpm=tenant_tpm)
+        model = Scope("gpt-x", tpm=model_tpm, tokens_per_day=1_000_000)
+        d = await s.quota_take("t", _ask(tenant, model, tokens=50_024))
+        assert d.ok
+        for name in ("", "gpt-x"):
+            u = await s.quota_usage("t", name)
+            assert (u.window_tokens, u.day_tokens) == (1000, 1000), name
+        await s.quota_settle("t", Settle(("", "gpt-x"), d.bucket, d.day, 24 - 1000, 0, "x"))  # it used 24
+        for name in ("", "gpt-x"):
+            u = await s.quota_usage("t", name)
+            assert (u.window_tokens, u.day_tokens) == (24, 24), name
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_concurrency_leases_are_released_by_settle(kind):
     async with _store(kind) as s:
         scope = Scope("", concurrency=2)

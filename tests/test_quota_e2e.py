@@ -154,6 +154,22 @@ async def test_per_model_limits_apply_on_top_of_the_tenants(upstream, gateway):
     await client.chat.completions.create(model="other", messages=MSG)
 
 
+@pytest.mark.parametrize("quota", [
+    {"tpm": 1000, "models": {"gpt-test": {"tokens_per_day": 1_000_000}}},  # the model scope has no tpm
+    {"tpm": 100_000, "models": {"gpt-test": {"tpm": 1000}}},  # the model's tpm is the smaller one
+])
+async def test_per_model_scopes_are_settled_to_the_usage_whatever_their_tpm(upstream, gateway, quota):
+    """A reservation capped by one scope's tpm (50,000 max_tokens under a tpm of 1,000) leaves
+    every scope, the tenant's and the model's, holding exactly the tokens used once settled."""
+    up = await upstream("a", tokens=4)
+    gw = await gateway(_policy(up, quota))
+    r = await gw.client(key=KEY).chat.completions.create(model="gpt-test", messages=MSG, max_tokens=50_000)
+    used = r.usage.total_tokens
+    use = (await _admin_tenants(gw))["acme"]["use"]
+    for scope in ("tenant", "gpt-test"):
+        assert (use[scope]["tokens_60s"], use[scope]["tokens_today"]) == (used, used), (scope, use)
+
+
 async def test_spend_per_day_uses_backend_prices(upstream, gateway):
     up = await upstream("a", tokens=10)
     policy = _policy(up, {"spend_per_day_usd": 0.000001})

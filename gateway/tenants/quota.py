@@ -2,10 +2,11 @@
 
 One Store round trip per request (`quota_take`: every limit checked and taken at once, atomic on
 Redis through a Lua script), one more after it (`quota_settle`). The reservation is the prompt
-estimate plus `max_tokens` (or the tenant's `default_max_tokens`); the settle replaces it with
-the usage the backend reported (asked for on streams: the client's stream does not carry it
-unless it asked), or with what was streamed when a client left before the usage came. A
-reservation whose replica died stays counted at its estimate and leaves the window with it.
+estimate plus `max_tokens` (or the tenant's `default_max_tokens`), capped at the smallest `tpm`
+of its scopes and the same on each; the settle replaces it with the usage the backend reported
+(asked for on streams: the client's stream does not carry it unless it asked), or with an
+estimate when none came (see `_tokens_used`). A reservation whose replica died stays counted at
+its estimate and leaves the window with it.
 
 While the shared store fails, each replica limits on its own counters (the in-memory store),
 logs once a minute and counts `gateway_quota_degraded_total`: never a 5xx. It uses the shared
@@ -24,7 +25,7 @@ import orjson
 
 from ..config.policy import LimitsPolicy, Policy, QuotaPolicy
 from ..errors import RateLimited
-from ..pipeline.call import CacheResult, Call
+from ..pipeline.call import CacheResult, Call, Finish
 from ..pipeline.ids import fresh_id
 from ..store.core import Store, StoreError
 from ..web.sink import Sink
@@ -198,7 +199,8 @@ class Quota:
         On a shared store in a task of its own: the answer is not held up by the round trip, and
         a cancelled handler (the client went away) still gives its lease back. `drain()` awaits
         them. On this process's own counters at once."""
-        self._finish(hold, _tokens_used(call), spend_usd)
+        if hold is not None:
+            self._finish(hold, _tokens_used(call, hold.reserved), spend_usd)
 
     def _finish(self, hold: Hold | None, used: int, spend_usd: float) -> None:
         if hold is None or hold.settled:
@@ -258,14 +260,25 @@ class Quota:
 
 
 def _cap(scopes: tuple[Scope, ...]) -> int:
-    """The counters cap a reservation at the smallest tpm (so a big request can ever run)."""
+    """The counters cap a reservation at the smallest tpm of its scopes, on every scope (so a big
+    request can ever run, and one settle delta fits them all): what `Hold.reserved` records."""
     caps = [s.tpm for s in scopes if s.tpm]
     return min(caps) if caps else 1 << 62
 
 
-def _tokens_used(call: Call) -> int:
-    """What the request consumed: the backend's usage, else what was streamed (a client that left
-    is charged what it got), else nothing (a cache hit, an error before any answer)."""
+def _tokens_used(call: Call, reserved: int) -> int:
+    """What the request consumed, `reserved` being what its hold took: the backend's usage; else
+    an estimate, since a backend that reports none (or was left mid-way) still did the work:
+
+    - a stream: the prompt estimate plus one token per content event delivered (a client that
+      left is charged what it got);
+    - a whole answer: its reservation stands (the prompt estimate plus `max_tokens` or
+      `default_max_tokens`, never below the prompt estimate): its text is not kept for the
+      settle, and `max_tokens` bounds it;
+    - sent to a backend but ended without an answer (the client left, the backends failed, a
+      stream stopped before its first token): the prompt estimate, the backend may have read it;
+    - never sent to a backend (a cache hit, a flight's follower, refused or shed before): 0.
+    """
     if call.cache.result is CacheResult.HIT:
         return 0
     usage = call.out.usage or {}
@@ -277,7 +290,11 @@ def _tokens_used(call: Call) -> int:
         return (p if isinstance(p, int) else 0) + (c if isinstance(c, int) else 0)
     if call.out.streamed_tokens:
         return call.prompt_tokens + call.out.streamed_tokens
-    return 0
+    if not call.timing.sent_at:  # set as an attempt starts sending: no backend was asked
+        return 0
+    if call.out.finish is Finish.OK and not call.stream:
+        return max(reserved, call.prompt_tokens)
+    return call.prompt_tokens
 
 
 def _ask_for_usage(call: Call) -> None:

@@ -42,7 +42,9 @@ class Scope:
 @dataclass(frozen=True, slots=True)
 class Ask:
     """Check every limit of every scope and, when all pass, take one request, `tokens` tokens and
-    a concurrency lease `lease` valid for `lease_ttl_ms`."""
+    a concurrency lease `lease` valid for `lease_ttl_ms`. The tokens are capped at the smallest
+    `tpm` among the scopes (so a big request can ever run) and that same number is taken on every
+    scope: one Settle's delta then corrects each of them to what was used."""
 
     scopes: tuple[Scope, ...]
     tokens: int
@@ -72,8 +74,8 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Settle:
-    """Correct a reservation: `token_delta` (actual - reserved) into its bucket and day, add
-    `spend_micro`, and release the lease."""
+    """Correct a reservation: `token_delta` (actual - reserved) into its bucket and day of every
+    scope (a take reserved the same number on each), add `spend_micro`, and release the lease."""
 
     scopes: tuple[str, ...]
     bucket: int
@@ -174,6 +176,14 @@ class _Counters:
                 del self.leases[lease]
 
 
+def _reservation(ask: Ask) -> int:
+    """The tokens an Ask takes on each of its scopes: capped at the smallest tpm among them, the
+    same on all (a cap per scope would leave each holding a different reservation, which the one
+    delta of a Settle cannot correct)."""
+    caps = [s.tpm for s in ask.scopes if s.tpm]
+    return min(ask.tokens, *caps) if caps else ask.tokens
+
+
 class MemoryQuota:
     """The quota counters of one process (a dict per tenant scope). Every operation is one
     synchronous step on the event loop, so check-and-take is atomic."""
@@ -203,9 +213,9 @@ class MemoryQuota:
         for c in counters:  # one bucket for every scope (a settle corrects that one)
             b = c.tokens.second(c.requests.second(b))
         d = Decision(ok=True, bucket=b, day=day)
+        tokens = _reservation(ask)
         for scope, c in zip(ask.scopes, counters, strict=True):
             reqs, toks = c.requests.total, c.tokens.total
-            tokens = min(ask.tokens, scope.tpm) if scope.tpm else ask.tokens
             if scope.name == "":
                 if scope.rpm:
                     d.limit_requests, d.remaining_requests = scope.rpm, max(0, scope.rpm - reqs)
@@ -231,7 +241,6 @@ class MemoryQuota:
         if not d.ok:
             return d
         for scope, c in zip(ask.scopes, counters, strict=True):
-            tokens = min(ask.tokens, scope.tpm) if scope.tpm else ask.tokens
             c.requests.add(b, 1)
             c.tokens.add(b, tokens)
             c.day[day] = c.day.get(day, 0) + tokens

@@ -65,7 +65,12 @@ local ask, lease, ttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local n = (#ARGV - 3) / 6
 local ok, limit, scope_name, retry = 1, '', '', 0
 local lreq, rreq, reset_req, ltok, rtok, reset_tok = -1, -1, 0, -1, -1, 0
-local toks = {}
+-- capped at the smallest tpm and the same on every scope, so one settle delta corrects them all
+local tokens = ask
+for i = 0, n - 1 do
+  local tpm = tonumber(ARGV[6 + i * 6])
+  if tpm > 0 and tokens > tpm then tokens = tpm end
+end
 for i = 0, n - 1 do
   local a = 4 + i * 6
   local name = ARGV[a]
@@ -75,9 +80,6 @@ for i = 0, n - 1 do
   local reqs, rpairs = window(KEYS[k + 1], b)
   local used, tpairs = window(KEYS[k + 2], b)
   redis.call('ZREMRANGEBYSCORE', KEYS[k + 3], '-inf', math.floor(now * 1000))
-  local tokens = ask
-  if tpm > 0 and tokens > tpm then tokens = tpm end
-  toks[i] = tokens
   if name == '' then
     if rpm > 0 then
       lreq, rreq = rpm, math.max(0, rpm - reqs)
@@ -108,7 +110,6 @@ if ok == 1 then
   for i = 0, n - 1 do
     local a = 4 + i * 6
     local k = i * 5
-    local tokens = toks[i]
     redis.call('HINCRBY', KEYS[k + 1], b, 1)
     redis.call('PEXPIRE', KEYS[k + 1], 62000)
     redis.call('HINCRBY', KEYS[k + 2], b, tokens)
@@ -128,7 +129,8 @@ end
 return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(reset_req), ltok, rtok, tostring(reset_tok)}
 """
 
-# KEYS: 5 per scope. ARGV: bucket, day, token_delta, spend_micro, lease.
+# KEYS: 5 per scope. ARGV: bucket, day, token_delta, spend_micro, lease. One delta for every
+# scope: TAKE reserved the same number of tokens on each.
 SETTLE = r"""
 local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 for k = 0, #KEYS - 1, 5 do
