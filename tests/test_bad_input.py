@@ -103,6 +103,24 @@ async def _post(gw, body):
     return await gw.client().post("/chat/completions", cast_to=object, body=body)
 
 
+async def test_a_body_nested_deeper_than_can_be_re_encoded_is_a_400_and_no_backends_fault(upstream, gateway):
+    # orjson reads 1024 levels and writes ~255: a backend that knows the model by another name
+    # gets a re-encoded body (the others get the bytes as sent).
+    up = await upstream("a")
+    policy = simple_policy(up)
+    policy["backends"]["a"]["models"] = {"gpt-test": "upstream-name"}
+    gw = await gateway(policy)
+    raw = b'{"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "x_vendor": ' + b"[" * 300 + b"]" * 300 + b"}"
+    async with aiohttp.ClientSession() as http:
+        for _ in range(3):
+            async with http.post(gw.url + "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 400
+                assert "nested too deeply" in (await r.json())["error"]["message"]
+        async with http.get(gw.url + "/admin/backends") as r:
+            backend = (await r.json())["backends"]["a"]
+    assert up.stats.requests == 0 and backend["health"] == "healthy" and backend["consecutive_failures"] == 0
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"", b'"text"'])
 async def test_non_json_or_non_object_bodies_are_400(upstream, gateway, raw):
     up = await upstream("a")

@@ -12,6 +12,7 @@ import orjson
 from ..admission.gate import Ticket
 from ..cache.entry import Entry
 from ..classify.classifier import Verdict
+from ..errors import BadRequest
 from ..relay.continuation import Transcript
 from ..routing.affinity import Decision
 from ..tenants.auth import Tenant
@@ -138,7 +139,10 @@ class Call:
             return self.raw
         out = self._bodies.get(upstream_model)
         if out is None:
-            out = self._bodies[upstream_model] = orjson.dumps({**self.body, "model": upstream_model})
+            try:
+                out = self._bodies[upstream_model] = orjson.dumps({**self.body, "model": upstream_model})
+            except orjson.JSONEncodeError:  # orjson reads deeper nesting (1024) than it writes (~255)
+                raise BadRequest("the request body is nested too deeply to be re-encoded for the backend") from None
         return out
 
     def remaining_s(self) -> float:
