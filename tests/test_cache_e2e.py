@@ -91,6 +91,27 @@ async def test_a_streamed_miss_is_stored_and_replayed_as_a_valid_stream(upstream
     assert up.stats.requests == 1
 
 
+async def test_a_streamed_miss_without_usage_asked_stores_the_usage_later_hits_ask_for(upstream, gateway, store_policy):
+    # The backend is asked for the usage chunk whatever the client asked (dropped for it): the
+    # stored answer then serves a stream that asks for usage and a whole answer, which has it.
+    up = await upstream("a", tokens=5)
+    gw = await gateway(_policy(up, store_policy))
+    c = gw.client()
+
+    async def streamed(**kw):
+        raw = await c.chat.completions.with_raw_response.create(model="gpt-test", messages=MSG, seed=3, stream=True, **kw)
+        chunks = [ch async for ch in raw.parse()]
+        return raw.headers["x-gateway-cache"], [ch.usage for ch in chunks if ch.usage], [ch for ch in chunks if not ch.choices]
+
+    cache, usages, empty = await streamed()
+    assert cache == "miss" and usages == [] and empty == []  # the client did not ask: no usage chunk
+    cache, usages, _ = await streamed(stream_options={"include_usage": True})
+    assert cache == "hit" and len(usages) == 1 and usages[0].completion_tokens == 5
+    whole = await c.chat.completions.with_raw_response.create(model="gpt-test", messages=MSG, seed=3)
+    assert whole.headers["x-gateway-cache"] == "hit" and whole.parse().usage.completion_tokens == 5
+    assert up.stats.requests == 1
+
+
 async def test_what_is_not_cached(upstream, gateway):
     up = await upstream("a", tokens=2)
     gw = await gateway(_policy(up, {}))

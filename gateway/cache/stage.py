@@ -78,6 +78,8 @@ class CacheStage:
     ) -> Entry | None:
         """Lead the flight for `key` or follow the one in progress. Returns an entry still to be
         replayed to the client, or None once the client has its answer."""
+        if plan.store:
+            call.ask_usage()  # what is stored has the usage a later hit may be asked for
         async with self.ctx.flight.hold(key, wait_s=call.remaining_s(), stream=call.stream, include_usage=wants_usage(call)) as flight:
             if not flight.leader:
                 if flight.stream is not None and await follow(flight.stream, call, sink):

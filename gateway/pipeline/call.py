@@ -133,6 +133,18 @@ class Call:
         v = self.verdict
         return v.reasons if v is not None and v.features else []
 
+    def ask_usage(self) -> None:
+        """A stream: have the backend send its usage chunk (a quota settles with it, the cache
+        stores it), dropped for a client that did not ask (`asked.strip_usage`)."""
+        if not self.stream or not self.endpoint.asks_usage:
+            return  # a format whose streams always end with their usage (a Responses stream's response.completed)
+        opts = self.body.get("stream_options")
+        if isinstance(opts, dict) and opts.get("include_usage") is True:
+            return
+        self.body = {**self.body, "stream_options": {**(opts if isinstance(opts, dict) else {}), "include_usage": True}}
+        self.raw = orjson.dumps(self.body)
+        self.asked.strip_usage = True
+
     def body_for(self, upstream_model: str) -> bytes:
         """The body to send a backend that knows the model as `upstream_model`."""
         if upstream_model == self.model:

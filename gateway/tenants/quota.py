@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import orjson
 
 from ..config.policy import LimitsPolicy, Policy, QuotaPolicy
 from ..errors import RateLimited
@@ -159,7 +158,7 @@ class Quota:
             assert decision.limit is not None
             raise _exceeded(tenant.name, decision, limits.scopes)
         if plan.counts_tokens:
-            _ask_for_usage(call)
+            call.ask_usage()  # a stream settles with the backend's usage
         return Hold(tenant.name, limits.names, store, decision, min(reserved, limits.cap), ask.lease)
 
     async def reserve_request(self, tenant: Tenant, timeout_s: float, set_header: Callable[[str, str], None]) -> Hold | None:
@@ -295,18 +294,6 @@ def _tokens_used(call: Call, reserved: int) -> int:
     if call.out.finish is Finish.OK and not call.stream:
         return max(reserved, call.prompt_tokens)
     return call.prompt_tokens
-
-
-def _ask_for_usage(call: Call) -> None:
-    """Streams: have the backend send its usage chunk; strip it for a client that did not ask."""
-    if not call.stream or not call.endpoint.asks_usage:
-        return  # a format whose streams always end with their usage (a Responses stream's response.completed)
-    opts = call.body.get("stream_options")
-    if isinstance(opts, dict) and opts.get("include_usage") is True:
-        return
-    call.body = {**call.body, "stream_options": {**(opts if isinstance(opts, dict) else {}), "include_usage": True}}
-    call.raw = orjson.dumps(call.body)
-    call.asked.strip_usage = True
 
 
 def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
