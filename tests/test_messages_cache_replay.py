@@ -13,6 +13,7 @@ from aiohttp import web
 
 from gateway.messages.codec import MESSAGES
 from gateway.tenants.auth import hash_key
+from tests.servers import serve_app
 
 KEY = "sk-test"
 PLAIN = [{"type": "text", "text": "Answer"}, {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}}]
@@ -48,11 +49,7 @@ async def test_a_rich_message_is_not_a_hit_but_a_plain_one_is(monkeypatch, gatew
 
     app = web.Application()
     app.router.add_post("/v1/messages", messages)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_app(app)
     monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-up")
     try:
         gw = await gateway({"backends": {"an": {"url": f"http://127.0.0.1:{port}/v1", "kind": "anthropic",

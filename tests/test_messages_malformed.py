@@ -18,6 +18,7 @@ from gateway.messages.as_chat import AnthropicToChatMonitor
 from gateway.relay.continuation import Transcript
 from gateway.tenants.auth import hash_key
 from gateway.wire.monitor import Verdict
+from tests.servers import serve_app
 
 KEY = "sk-test"
 
@@ -85,11 +86,7 @@ async def test_a_chat_backend_sending_a_broken_delta_fails_over(upstream, gatewa
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", broken)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_app(app)
     try:
         good = await upstream("good")
         gw = await gateway({"backends": {"bad": {"url": f"http://127.0.0.1:{port}/v1", "models": ["m"]},

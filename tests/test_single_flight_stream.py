@@ -520,9 +520,14 @@ async def test_a_lone_leader_that_leaves_mid_stream_stops_its_upstream_call(upst
     assert time.perf_counter() - t0 < 2.0 and up.stats.completed == 0
 
 
-async def test_followers_get_usage_only_when_they_asked_for_it(upstream, gateway):
+@pytest.mark.parametrize("quota", [False, True])
+async def test_followers_get_usage_only_when_they_asked_for_it(upstream, gateway, quota):
+    # With a token quota every stream's backend is asked for usage (dropped for a client that
+    # did not ask): the body a follower holds then says include_usage, its client did not.
     up = await upstream("a", tokens=8, ttft_ms=200, itl_ms=5)
-    gw = await gateway(simple_policy(up))
+    tenants = {"acme": {"key_sha256": [hash_key("sk-acme")], "quota": {"tpm": 1_000_000}}} if quota else None
+    gw = await gateway(simple_policy(up, **({"tenants": tenants} if tenants else {})))
+    gw.client("sk-acme" if quota else "sk-test")  # _stream's client
     lead = asyncio.create_task(_stream(gw, include_usage=True))
     await _until(lambda: len(gw.app[RELAY].flight) == 1)
     tasks = [asyncio.create_task(_stream(gw)), asyncio.create_task(_stream(gw, include_usage=True))]
@@ -543,24 +548,6 @@ async def test_a_follower_that_asks_for_usage_of_a_leader_without_it_goes_upstre
     leader = await lead
     assert leader["usage"] is None and wants["usage"] is not None  # the usage it asked for
     assert wants["cache"] == "miss" and wants["text"] == leader["text"] and up.stats.requests == 2
-
-
-async def test_a_quota_tenants_followers_get_usage_only_when_they_asked_for_it(upstream, gateway):
-    # A token quota asks every stream's backend for usage (hidden from a client that did not ask):
-    # the request a follower sees upstream-side says include_usage, the client did not.
-    up = await upstream("a", tokens=8, ttft_ms=200, itl_ms=5)
-    policy = simple_policy(up, tenants={"acme": {"key_sha256": [hash_key("sk-acme")], "quota": {"tpm": 1_000_000}}})
-    gw = await gateway(policy)
-    gw.client("sk-acme")  # _stream's client
-    lead = asyncio.create_task(_stream(gw, include_usage=True))
-    await _until(lambda: len(gw.app[RELAY].flight) == 1)
-    tasks = [asyncio.create_task(_stream(gw)), asyncio.create_task(_stream(gw, include_usage=True))]
-    await _until(lambda: _following(gw) == 2)
-    plain, wants = await asyncio.gather(*tasks)
-    leader = await lead
-    assert up.stats.requests == 1 and plain["cache"] == wants["cache"] == "hit"
-    assert leader["usage"] is not None and wants["usage"] is not None and plain["usage"] is None
-    assert plain["chunks"] == leader["chunks"] - 1
 
 
 async def test_a_non_streamed_follower_of_a_streamed_leader_gets_the_stored_answer(upstream, gateway):
