@@ -30,6 +30,12 @@ BAD = [
      "messages[1].content[0].input: nested too deeply"),
     (b'{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}],"tools":[{"name":"f","input_schema":{"x":' + DEEP + b'}}]}',
      "tools[0].input_schema: nested too deeply"),
+    # Anthropic's tool pairing, which a lenient chat backend would not check
+    (orjson.dumps({**OK, "messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+                                      {"role": "user", "content": "never mind"}]}), "tool_use ids were found without tool_result"),
+    (orjson.dumps({**OK, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "x"}]}]}),
+     "tool_result block(s) for ids"),
 ]
 
 

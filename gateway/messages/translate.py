@@ -351,6 +351,7 @@ def messages_to_chat(body: Mapping[str, Any], *, prefill: bool = False) -> dict[
         messages.append(_system_to_chat(body["system"]))
     turns = body.get("messages")
     turns = turns if isinstance(turns, list) else []
+    _check_tool_results(turns)
     for i, turn in enumerate(turns):
         where, role = f"messages[{i}]", turn.get("role")
         if role == "assistant":
@@ -501,6 +502,29 @@ def _merge(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]])
         turns[-1]["content"] = merged
     else:
         turns.append({"role": role, "content": blocks})
+
+
+def _blocks_of(turn: Any, kind: str, field: str) -> set[str]:
+    content = turn.get("content") if isinstance(turn, dict) else None
+    blocks = content if isinstance(content, list) else []
+    return {str(b.get(field)) for b in blocks if isinstance(b, dict) and b.get("type") == kind}
+
+
+def _check_tool_results(turns: list[Any]) -> None:
+    """Anthropic's rule, which it checks and an OpenAI backend may not: each tool_use is answered
+    by a tool_result in the very next (user) turn, and a tool_result answers a tool_use of the
+    turn just before it."""
+    pending: set[str] = set()
+    for i, turn in enumerate(turns):
+        results = _blocks_of(turn, "tool_result", "tool_use_id")
+        if pending - results:
+            raise TranslationError(f"messages[{i}]: tool_use ids were found without tool_result blocks immediately "
+                                   f"after: {', '.join(sorted(pending - results))}")
+        if results - pending:
+            raise TranslationError(f"messages[{i}]: tool_result block(s) for ids that the turn before did not use: "
+                                   f"{', '.join(sorted(results - pending))}")
+        role = turn.get("role") if isinstance(turn, dict) else None
+        pending = _blocks_of(turn, "tool_use", "id") if role == "assistant" else set()
 
 
 def _check_tool_pairs(turns: list[dict[str, Any]], prefill: bool) -> None:
