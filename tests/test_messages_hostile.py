@@ -36,6 +36,10 @@ BAD = [
                                       {"role": "user", "content": "never mind"}]}), "tool_use ids were found without tool_result"),
     (orjson.dumps({**OK, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t9", "content": "x"}]}]}),
      "tool_result block(s) for ids"),
+    (orjson.dumps({**OK, "tool_choice": {"type": "any"}}), "tool_choice: 'any' needs tools"),
+    (orjson.dumps({**OK, "tool_choice": {"type": "tool", "name": "f"}}), "tool_choice: 'tool' needs tools"),
+    (orjson.dumps({**OK, "messages": [{"role": "user", "content": []}]}), "messages[0].content: empty"),
+    (orjson.dumps({**OK, "messages": [{"role": "user", "content": ""}]}), "messages[0].content: empty"),
 ]
 
 

@@ -452,7 +452,10 @@ def test_messages_tool_choice_without_tools():
     assert tr.messages_to_chat({**BASE, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}, "tools": []}) == (
         tr.messages_to_chat(BASE))
     assert tr.messages_to_chat({**BASE, "tool_choice": {"type": "none"}}) == tr.messages_to_chat(BASE)
-    assert tr.messages_to_chat({**BASE, "tool_choice": {"type": "any"}})["tool_choice"] == "required"  # the backend's 400
+    for forced in ({"type": "any"}, {"type": "tool", "name": "f"}):  # Anthropic's 400, whatever the chat backend would do
+        with pytest.raises(tr.TranslationError, match="needs tools"):
+            tr.messages_to_chat({**BASE, "tool_choice": forced})
+    assert tr.messages_to_chat({**BASE, "tool_choice": {"type": "any"}, "tools": TOOLS})["tool_choice"] == "required"
     ordered = tr.messages_to_chat({**BASE, "tool_choice": {"type": "auto", "disable_parallel_tool_use": True}, "tools": TOOLS})
     assert ordered["tool_choice"] == "auto" and ordered["parallel_tool_calls"] is False
 

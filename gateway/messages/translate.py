@@ -316,6 +316,8 @@ def _tool_choice_to_chat(choice: Mapping[str, Any], out: dict[str, Any]) -> None
     kind = choice.get("type")
     if not out.get("tools") and kind in ("auto", "none"):
         return  # no tools: the same as no choice (chat refuses a tool_choice without tools)
+    if not out.get("tools"):  # as Anthropic: forcing a tool needs one
+        raise TranslationError(f"tool_choice: {str(kind)[:20]!r} needs tools")
     if kind == "tool":
         out["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
     else:
@@ -354,6 +356,8 @@ def messages_to_chat(body: Mapping[str, Any], *, prefill: bool = False) -> dict[
     _check_tool_results(turns)
     for i, turn in enumerate(turns):
         where, role = f"messages[{i}]", turn.get("role")
+        if turn.get("content") in ("", []) and not (role == "assistant" and i == len(turns) - 1):
+            raise TranslationError(f"{where}.content: empty (only a final assistant turn may be)")
         if role == "assistant":
             if i == len(turns) - 1 and not prefill:
                 raise _refuse(f"a final assistant turn (a prefill, {where})")
