@@ -49,6 +49,11 @@ def foreign(headers: Mapping[str, str]) -> str | None:
     return None
 
 
+_USUAL = frozenset({"127.0.0.1", "localhost", "::1"})  # on every request in open mode: no address parsing
+
+
 def _local(name: str) -> bool:
+    if name in _USUAL:
+        return True
     name = name.rstrip(".")  # a fully qualified `localhost.` is still this machine
     return bool(name) and is_loopback(name)  # `localhost` or a loopback address (never another name)
