@@ -29,13 +29,10 @@ __all__ = ["CacheStage", "Produce", "wants_usage"]
 Produce = Callable[[Sink], Coroutine[Any, Any, None]]
 
 
-async def _still_held(rt: Runtime, call: Call, entry: Entry) -> bool:
-    """Whether a stored answer's id is still the gateway's record (a Response: not deleted since,
-    nor expired): a follow-up on an id its backend no longer holds would be a 404. A store that
-    cannot say counts as no."""
-    rid = call.endpoint.held_id(entry)
-    if rid is None:
-        return True
+async def _still_held(rt: Runtime, rid: str) -> bool:
+    """Whether the id a stored answer hands out is still the gateway's record (a Response: not
+    deleted since, nor expired): a follow-up on an id its backend no longer holds would be a 404.
+    A store that cannot say counts as no."""
     try:
         return await rt.affinity.lookup(rid) is not None
     except Unavailable:
@@ -59,7 +56,7 @@ class CacheStage:
             await produce(sink)
             return
         entry = await cache.lookup(plan.key)
-        if entry is not None and not await _still_held(rt, call, entry):
+        if entry is not None and (rid := call.endpoint.held_id(entry)) is not None and not await _still_held(rt, rid):
             entry = None  # its id was deleted (or forgotten): a fresh answer, stored over it
         if entry is None:
             entry = await self._miss(call, cache, plan, plan.key, rt.policy.cache.lock_ms / 1000, sink, produce)
