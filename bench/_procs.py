@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +44,20 @@ def start(args: list[str], env: dict[str, str] | None = None, cpus: str | None =
     return subprocess.Popen(
         cmd, cwd=cwd, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
     )
+
+
+def need(*tools: str) -> None:
+    """Exit saying how to install them when command-line tools the benchmark drives are missing."""
+    missing = [t for t in tools if not shutil.which(t)]
+    if missing:
+        sys.exit(f"{' and '.join(missing)} not found: apt-get install {' '.join(missing)}")
+
+
+def fake_upstream(*flags: str, cpus: str | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """The fake OpenAI upstream (tests/fake_upstream.py) on a free port, with `flags` (e.g.
+    "--tokens", "16"): the process and its port."""
+    port = free_port()
+    return start(["-m", "tests.fake_upstream", "--port", str(port), *flags], cpus=cpus), port
 
 
 def redis_server(port: int, cpus: str | None = None) -> subprocess.Popen[bytes]:

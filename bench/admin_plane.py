@@ -36,7 +36,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import lua_post, side_by_side_runs, wrk  # noqa: E402
-from bench._procs import cpu_seconds, free_port, redis_server, start, stop, wait_http  # noqa: E402
+from bench._procs import cpu_seconds, free_port, need, redis_server, start, stop, wait_http  # noqa: E402
 from gateway.admin.log_store import RedisLogStore  # noqa: E402
 
 KEY, ADMIN = "sk-bench-tenant", "sk-bench-admin"
@@ -199,8 +199,7 @@ def main() -> None:
     ap.add_argument("--stores", default="memory,redis", help="the side-by-side runs' log stores")
     ap.add_argument("--entries", type=int, default=100_000, help="the requests view's log (0: skip that part)")
     args = ap.parse_args()
-    if not shutil.which("wrk") or not shutil.which("redis-server"):
-        sys.exit("needs wrk and redis-server: apt-get install wrk redis-server")
+    need("wrk", "redis-server")
     tmp = Path(tempfile.mkdtemp(prefix="bench-admin-"))
     up_port, redis_port = free_port(), free_port()
     upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"], cpus="0")

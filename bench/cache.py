@@ -22,7 +22,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import lua_post, pct, run_in_subprocess, wrk  # noqa: E402
-from bench._procs import free_port, start, stop, wait_http  # noqa: E402
+from bench._procs import free_port, need, start, stop, wait_http  # noqa: E402
 
 BODY = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "What is an FAQ?"}], "temperature": 0})
 STREAM = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "What is an FAQ?"}], "temperature": 0, "stream": True})
@@ -70,8 +70,7 @@ def main() -> None:
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--rate", type=float, default=500)
     args = ap.parse_args()
-    if not shutil.which("wrk"):
-        sys.exit("wrk not found: apt-get install wrk")
+    need("wrk")
     r = redis.Redis(host="127.0.0.1", port=6379, db=REDIS_DB)
     r.flushdb()
     tmp = Path(tempfile.mkdtemp(prefix="bench-cache-"))

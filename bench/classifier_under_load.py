@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import ROOT  # noqa: E402
-from bench._procs import free_port, start, stop, wait_http, worktree  # noqa: E402
+from bench._procs import fake_upstream, free_port, need, start, stop, wait_http, worktree  # noqa: E402
 from bench.classifier_cascade import labelled_rows  # noqa: E402
 
 _STAGES = ("rule", "lexical", "encoder", "deadline")
@@ -100,11 +100,9 @@ def main() -> None:
     ap.add_argument("--duration", type=int, default=10)
     ap.add_argument("--connections", type=int, default=16)
     args = ap.parse_args()
-    if not shutil.which("wrk"):
-        sys.exit("wrk not found: apt-get install wrk")
+    need("wrk")
     tmp = Path(tempfile.mkdtemp(prefix="bench-cul-"))
-    up_port = free_port()
-    upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"], cpus="0")
+    upstream, up_port = fake_upstream("--tokens", "16", cpus="0")
     policy, script = tmp / "policy.yaml", tmp / "prompts.lua"
     policy.write_text(_policy(up_port))
     _script(script)

@@ -30,7 +30,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import lua_post, lua_post_unique, pct, run_in_subprocess, wrk  # noqa: E402
-from bench._procs import cpu_seconds, free_port, peak_rss_mb, start, stop, tree_cpu_seconds, wait_http  # noqa: E402
+from bench._procs import cpu_seconds, free_port, need, peak_rss_mb, start, stop, tree_cpu_seconds, wait_http  # noqa: E402
 
 BODY = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "Say hello in one word."}], "max_tokens": 16})
 STREAM_BODY = orjson.dumps(
@@ -53,8 +53,7 @@ def main() -> None:
     ap.add_argument("--stream-n", type=int, default=300)
     ap.add_argument("--workers", type=int, default=2, help="also measure `serve --workers N` (0: skip)")
     args = ap.parse_args()
-    if not shutil.which("wrk"):
-        sys.exit("wrk not found: apt-get install wrk")
+    need("wrk")
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     script = tmp / "post.lua"
     script.write_text(lua_post(BODY, {"Authorization": "Bearer sk-bench"}))

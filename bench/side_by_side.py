@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._load import ROOT, lua_post, lua_post_unique, side_by_side_runs  # noqa: E402
-from bench._procs import free_port, start, stop, wait_http, worktree  # noqa: E402
+from bench._procs import fake_upstream, need, start, stop, wait_http, worktree  # noqa: E402
 from bench.gateway_overhead import BODY, UNIQUE_BODY, every_stage_policy, plain_policy  # noqa: E402
 
 _PATH = "/v1/chat/completions"
@@ -53,13 +53,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--duration", type=int, default=5)
     args = ap.parse_args()
-    if not shutil.which("wrk"):
-        sys.exit("wrk not found: apt-get install wrk")
+    need("wrk")
     tmp = Path(tempfile.mkdtemp(prefix="bench-sbs-"))
     trees = ExitStack()
     base_tree = trees.enter_context(worktree(args.base, tmp / "base")) if args.base else tmp
-    up_port = free_port()
-    upstream = start(["-m", "tests.fake_upstream", "--port", str(up_port), "--tokens", "16"], cpus="0")
+    upstream, up_port = fake_upstream("--tokens", "16", cpus="0")
     policy = tmp / "policy.yaml"
     policy.write_text((every_stage_policy if args.policy == "every" else plain_policy)(up_port))
     gw_script, bare_script = tmp / "gw.lua", tmp / "bare.lua"

@@ -77,5 +77,10 @@ async def test_a_native_model_counts_what_only_translation_refuses(monkeypatch, 
             async with http.post(gw.url + "/v1/messages/count_tokens", json={"model": "a", "messages": [5]},
                                  headers={"x-api-key": KEY}) as r:
                 assert r.status == 400 and (await r.json())["error"]["type"] == "invalid_request_error"
+            deep = b'{"model":"a","messages":[{"role":"user","content":"hi"}],"tools":[{"name":"f","input_schema":{"x":' + DEEP.encode() + b'}}]}'
+            async with http.post(gw.url + "/v1/messages/count_tokens", data=deep,
+                                 headers={"x-api-key": KEY, "content-type": "application/json"}) as r:
+                body = await r.json()  # no translation to catch it: the estimate's own encoding does
+                assert r.status == 400 and "nested too deeply" in body["error"]["message"], body
     finally:
         await fake.stop()

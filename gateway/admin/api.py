@@ -32,6 +32,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _MAX_ADMIN_BODY = 64 * 1024
 _MAX_POLICY_BODY = 1024 * 1024
 _MAX_EXPIRY_S = 10 * 366 * 86400.0
+_ROLE = web.RequestKey("admin_role", Role)  # the caller's Role, set on the request by the guard
 
 
 def _guard(need: Role) -> Callable[[Handler], Handler]:
@@ -43,6 +44,7 @@ def _guard(need: Role) -> Callable[[Handler], Handler]:
             if role is Role.NONE:
                 return error_response(Unauthorized("admin endpoints need an admin key (policy `admin.key_sha256`) "
                                                    "or, to read, a viewer key (`admin.viewer_key_sha256`)"))
+            request[_ROLE] = role  # for a handler whose answer depends on it
             if need is Role.ADMIN and role is not Role.ADMIN:
                 return error_response(Forbidden("a viewer key reads; this needs an admin key (policy `admin.key_sha256`)",
                                                 code="admin_key_required"))
@@ -64,8 +66,7 @@ writes = _guard(Role.ADMIN)  # an admin key
 
 @reads
 async def whoami(request: web.Request) -> web.Response:
-    role = request.app[LIVE].runtime.tenants.role(api_key(request), loopback=request.app[LOOPBACK])
-    return json_response({"role": role.value})
+    return json_response({"role": request[_ROLE].value})
 
 
 # ---- virtual keys -------------------------------------------------------------------------------
@@ -226,8 +227,7 @@ async def check_policy(request: web.Request) -> web.Response:
         except UnicodeDecodeError:
             raise BadRequest("the policy must be UTF-8 text (YAML)") from None
         # Only an admin learns which environment variables this host has (their names, in the warnings).
-        admin = request.app[LIVE].runtime.tenants.role(api_key(request), loopback=request.app[LOOPBACK]) is Role.ADMIN
-        return json_response(await asyncio.to_thread(check_text, text, environment=admin))
+        return json_response(await asyncio.to_thread(check_text, text, environment=request[_ROLE] is Role.ADMIN))
 
 
 def routes() -> list[web.RouteDef]:

@@ -23,7 +23,7 @@ from .broadcast import TeeSink, follow, wants_usage
 from .core import Cache, Flight
 from .entry import Entry
 
-__all__ = ["CacheStage", "Produce", "wants_usage"]
+__all__ = ["CacheStage", "Produce"]
 
 # The stage after the cache: answers the call into the sink it is given (the relay).
 Produce = Callable[[Sink], Coroutine[Any, Any, None]]

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import web
 
 from ..errors import BadRequest, GatewayError
 from ..wire.codec import Endpoint
 from ..web.http_call import api_key, error_response, json_response, read_bounded, request_id
 from ..web.keys import LIVE
-from ..wire.openai_wire import json_object, parse_body
+from ..wire.openai_wire import json_object, validate_body
 from .codec import MESSAGES
+from .translate import encoded
 from .wire import MessagesRequest, gateway_error
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ def estimate_tokens(body: dict[str, Any]) -> int:
         if isinstance(value, str):
             chars += len(value)
         elif value is not None:
-            chars += len(orjson.dumps(value))
+            chars += len(encoded(value, key))  # a 400 for nesting orjson cannot write back
     return max(1, chars // _CHARS_PER_TOKEN)
 
 
@@ -49,18 +49,15 @@ async def count_tokens(request: web.Request) -> web.Response:
             raise BadRequest("max_tokens: Extra inputs are not permitted", param="max_tokens")
         # The same checks as /v1/messages (pipeline/intake.py): its request model, with the
         # max_tokens count_tokens has no use for, then every translating leg of the route.
-        try:
-            full = orjson.dumps({**body, "max_tokens": 1})
-        except orjson.JSONEncodeError:  # orjson reads deeper nesting than it writes
-            raise BadRequest("the request body is nested too deeply") from None
-        parse_body(full, MessagesRequest)
+        validate_body({**body, "max_tokens": 1}, MessagesRequest)
         model = body["model"]
         rt.tenants.authorize(tenant, model)
         route = rt.route(model)  # an unknown model is a 404, as on /v1/messages
         _validate_legs(route, {**body, "max_tokens": 1})
+        tokens = estimate_tokens(body)
     except GatewayError as err:
         return error_response(err, headers, gateway_error(err)[1])
-    return json_response({"input_tokens": estimate_tokens(body)}, headers=headers)
+    return json_response({"input_tokens": tokens}, headers=headers)
 
 
 def _validate_legs(route: Route, body: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from .translate import (
     chat_completion_to_message,
     chat_to_messages,
     chat_usage,
+    encoded,
     message_id,
     message_to_chat_completion,
     messages_to_chat,
@@ -112,10 +113,10 @@ class MessagesViaChat(Endpoint):
         return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
 
     def validate(self, body: Mapping[str, Any]) -> None:
-        _encode(messages_to_chat(dict(body)))  # raises Untranslatable / TranslationError (400s)
+        encoded(messages_to_chat(dict(body)), "the request")  # raises Untranslatable / TranslationError (400s)
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
-        return _encode({**messages_to_chat(dict(body)), "model": upstream_model})
+        return encoded({**messages_to_chat(dict(body)), "model": upstream_model}, "the request")
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:
@@ -147,10 +148,10 @@ class ChatViaMessages(Endpoint):
         self.default_max_tokens = default_max_tokens  # Anthropic requires max_tokens; chat does not
 
     def validate(self, body: Mapping[str, Any]) -> None:
-        _encode(chat_to_messages(body, self.default_max_tokens))  # raises Untranslatable / TranslationError (400s)
+        encoded(chat_to_messages(body, self.default_max_tokens), "the request")  # raises Untranslatable / TranslationError (400s)
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
-        return _encode({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model})
+        return encoded({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model}, "the request")
 
     def upstream_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
         return chat_to_messages(body, self.default_max_tokens)
@@ -173,15 +174,6 @@ class ChatViaMessages(Endpoint):
         body = orjson.dumps(chat)
         entry = Entry(body) if capture and len(body) <= capture and is_complete(chat) else None
         return Whole(chat.get("usage"), entry, body=body)
-
-
-def _encode(request: Mapping[str, Any]) -> bytes:
-    """A translated request's bytes. orjson reads deeper nesting than it writes (its recursion
-    limit): a body it cannot write back is the caller's 400, found at intake (`validate`)."""
-    try:
-        return orjson.dumps(request)
-    except orjson.JSONEncodeError as exc:
-        raise TranslationError(f"the request is nested too deeply to re-encode ({exc})") from None
 
 
 def _json(raw: bytes) -> dict[str, Any] | None:

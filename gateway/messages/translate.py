@@ -153,13 +153,17 @@ def tool_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
-def _json(value: Any, where: str) -> str:
-    """`value` as JSON text. orjson reads deeper nesting than it writes (its recursion limit): such
-    a value is refused naming its field (a 400 for a request, a NotAnAnswer for an answer), not a 500."""
+def encoded(value: Any, where: str) -> bytes:
+    """`value` as JSON. orjson reads deeper nesting than it writes (its recursion limit): such a
+    value is refused naming its place (a 400 for a request, a NotAnAnswer for an answer), not a 500."""
     try:
-        return orjson.dumps(value).decode()
+        return orjson.dumps(value)
     except orjson.JSONEncodeError as exc:
         raise TranslationError(f"{where}: nested too deeply to re-encode ({exc})", param=where) from None
+
+
+def _json(value: Any, where: str) -> str:
+    return encoded(value, where).decode()
 
 
 def parse_arguments(arguments: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ __all__ = [
     "JsonInt",
     "EmbeddingRequest",
     "parse_body",
+    "validate_body",
     "SSEDecoder",
     "SSEEventTooLarge",
     "sse_event",
@@ -123,8 +124,13 @@ def parse_body(raw: bytes, model: type[T]) -> tuple[T, dict[str, Any]]:
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     data = json_object(raw)
+    return validate_body(data, model), data
+
+
+def validate_body(data: dict[str, Any], model: type[T]) -> T:
+    """An already decoded body's typed view; BadRequest naming the offending field."""
     try:
-        return model.model_validate(data), data
+        return model.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
         # Drop pydantic's union-branch names ("str", "list[...]") from the location.
