@@ -975,6 +975,25 @@ def test_a_tool_name_that_comes_after_arguments_and_text_after_a_tool_call():
         ("tool_use", "f", '{"a": 1}'), ("text", None, "done")]
 
 
+def test_a_tool_name_in_pieces_is_sent_whole_and_calls_keep_their_order():
+    # Some servers stream a function's name in pieces; tool_use's name goes out once, at its start.
+    chunks = [ROLE, chunk(tool_delta(0, id="c1", name="get_", args="")), chunk(tool_delta(0, name="weather")),
+              chunk(tool_delta(0, args='{"city": "Paris"}')),
+              chunk(tool_delta(1, id="c2", name="look")), chunk(tool_delta(1, name="up")),
+              chunk(tool_delta(2, id="c3", name="third", args="{}")), chunk(tool_delta(2, args="")),
+              chunk(finish="tool_calls"), DONE]
+    raw = run_chat(chunks)
+    blocks = blocks_of(grammar(raw))
+    assert [(b["id"], b["name"], b["json"]) for b in blocks] == [
+        ("c1", "get_weather", '{"city": "Paris"}'), ("c2", "lookup", ""), ("c3", "third", "{}")]
+    _, final = sdk_final(raw)
+    assert [(c.name, c.input) for c in final.content] == [  # type: ignore[union-attr]
+        ("get_weather", {"city": "Paris"}), ("lookup", {}), ("third", {})]
+    named = run_chat([chunk(tool_delta(0, id="c1", name="sea")), chunk(tool_delta(0, name="rch")),
+                      chunk({"content": "then text"}), chunk(finish="stop"), DONE])
+    assert [(b["type"], b.get("name")) for b in blocks_of(grammar(named))] == [("tool_use", "search"), ("text", None)]
+
+
 def test_a_tool_call_without_an_id_gets_one_and_a_nameless_call_is_sent_at_the_end():
     blocks = blocks_of(grammar(run_chat([chunk(tool_delta(0, name="f", args="{}")), chunk(finish="tool_calls"), DONE])))
     assert blocks[0]["id"].startswith("toolu_")

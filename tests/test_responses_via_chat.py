@@ -523,6 +523,17 @@ def test_two_tool_calls_and_servers_that_send_every_call_at_index_0():
         assert final["usage"] is None  # the backend sent no usage chunk
 
 
+def test_a_tool_name_in_pieces_is_whole_in_every_event():
+    data = run([tool(0, id="call_a", name="get_", args=""), tool(0, name="weather"), tool(0, args='{"q":1}'),
+                tool(1, id="call_b", name="look"), tool(1, name="up"), text("then text", "tool_calls"), DONE])
+    added = [e["item"] for e in events(data) if e["type"] == "response.output_item.added"]
+    assert [(i["type"], i.get("name")) for i in added] == [("function_call", "get_weather"), ("function_call", "lookup"),
+                                                          ("message", None)]
+    final = sdk_checked(data)
+    assert [(o["type"], o.get("name"), o.get("arguments")) for o in final["output"]] == [
+        ("function_call", "get_weather", '{"q":1}'), ("function_call", "lookup", ""), ("message", None, None)]
+
+
 def test_usage_before_or_after_the_finish_reason_and_only_in_the_last_chunk():
     after = run([text("hi"), text("", "stop"), usage_chunk(5, 1, cached=2, reasoning=0), DONE])
     before = run([text("hi"), usage_chunk(5, 1, cached=2, reasoning=0), text("", "stop"), DONE])

@@ -141,7 +141,7 @@ class ChatToMessagesStream:
             return b""
         out = [self._start()]
         for call in self._all:
-            if call.index < 0:  # a call whose name never came: sent as it is
+            if call.index < 0:  # a call without arguments yet, or whose name never came: sent as it is
                 out.append(self._open_tool(call))
         if not self._blocks:
             out.append(self._begin("text", {"type": "text", "text": ""}))
@@ -218,8 +218,14 @@ class ChatToMessagesStream:
         return anthropic_event({"type": "content_block_delta", "index": self._blocks - 1, "delta": delta})
 
     def _text(self, text: str) -> bytes:
-        out = b"" if self._open == "text" else self._begin("text", {"type": "text", "text": ""})
+        out = self._open_pending()
+        out += b"" if self._open == "text" else self._begin("text", {"type": "text", "text": ""})
         return out + self._delta({"type": "text_delta", "text": text})
+
+    def _open_pending(self, keep: _Call | None = None) -> bytes:
+        """Open the named calls still waiting for their first argument piece (all but `keep`), in
+        order: something after them begins."""
+        return b"".join(self._open_tool(c) for c in self._all if c.index < 0 and c.name and c is not keep)
 
     def _open_tool(self, call: _Call) -> bytes:
         call.id = call.id or tool_id()
@@ -242,7 +248,11 @@ class ChatToMessagesStream:
                 call.name += name
             if isinstance(args, str) and args:
                 call.held.append(args)
-            return self._open_tool(call) if call.name else b""
+            # Its block opens with its first argument piece: a name may come in pieces until then
+            # (tool_use's name is sent once, in content_block_start). Calls before it open first.
+            if not (call.name and call.held):
+                return b""
+            return self._open_pending(keep=call) + self._open_tool(call)
         if not (isinstance(args, str) and args):
             return b""
         if self._open != "tool" or call.index != self._blocks - 1:

@@ -560,7 +560,7 @@ class ChatToResponsesStream:
             return b""
         out = [self._start({})]
         for call in self._all:
-            if call.index < 0:  # a call whose name never came: sent as it is
+            if call.index < 0:  # a call without arguments yet, or whose name never came: sent as it is
                 out.append(self._open_call(call))
         self._cut = self._finish in _INCOMPLETE  # the open item (the last) is the one the limit cut
         out.append(self._end_item())
@@ -635,7 +635,7 @@ class ChatToResponsesStream:
         return out + self._event("response.content_part.done", **where, part=whole)
 
     def _text(self, kind: str, text: str) -> bytes:
-        out = b""
+        out = self._open_pending()
         if self._open != "message":
             out += self._end_item()
             self._open, self._open_iid, self._parts = "message", _new_id("msg_"), []
@@ -665,6 +665,11 @@ class ChatToResponsesStream:
         held, call.held = "".join(call.held), []
         return out + (self._args(call, held) if held else b"")
 
+    def _open_pending(self, keep: _Call | None = None) -> bytes:
+        """Open the named calls still waiting for their first argument piece (all but `keep`), in
+        order: something after them begins."""
+        return b"".join(self._open_call(c) for c in self._all if c.index < 0 and c.name and c is not keep)
+
     def _args(self, call: _Call, piece: str) -> bytes:
         call.args.append(piece)
         return self._event("response.function_call_arguments.delta", item_id=call.iid, output_index=call.index, delta=piece)
@@ -683,7 +688,11 @@ class ChatToResponsesStream:
         if call.index < 0:
             if isinstance(args, str) and args:
                 call.held.append(args)
-            return self._open_call(call) if call.name else b""
+            # Its item opens with its first argument piece, so that a name streamed in pieces is
+            # whole in output_item.added too. Calls before it open first.
+            if not (call.name and call.held):
+                return b""
+            return self._open_pending(keep=call) + self._open_call(call)
         if not (isinstance(args, str) and args):
             return b""
         if call is not self._current:
