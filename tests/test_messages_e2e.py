@@ -110,6 +110,34 @@ async def test_errors_are_anthropic_shaped(upstream, gateway):
     assert status == 400 and orjson.loads(raw)["error"]["type"] == "invalid_request_error"
 
 
+async def test_the_sdk_reads_the_gateways_request_id(upstream, gateway):
+    # Anthropic's SDK reads `request-id` (message._request_id, APIStatusError.request_id): the
+    # gateway's id, the one its logs and request log use, as x-request-id carries it.
+    up = await upstream("a", tokens=2)
+    gw = await gateway(_policy(up))
+    c = _client(gw)
+    msg = await c.messages.create(model="m", max_tokens=8, messages=HELLO, extra_headers={"x-request-id": "trace-1"})
+    assert msg._request_id == "trace-1"
+    async with c.messages.stream(model="m", max_tokens=8, messages=HELLO) as stream:
+        await stream.get_final_message()
+    assert stream.request_id and stream.request_id == stream.response.headers["x-request-id"]
+    for call in (c.messages.create(model="nope", max_tokens=8, messages=HELLO),
+                 _client(gw, "sk-wrong").messages.create(model="m", max_tokens=8, messages=HELLO),
+                 c.messages.count_tokens(model="nope", messages=HELLO)):
+        with pytest.raises(anthropic.APIStatusError) as exc:
+            await call
+        assert exc.value.request_id and exc.value.request_id == exc.value.response.headers["x-request-id"]
+    count = await c.messages.with_raw_response.count_tokens(model="m", messages=HELLO, extra_headers={"x-request-id": "trace-2"})
+    assert count.request_id == "trace-2"
+    async with aiohttp.ClientSession() as http:  # other endpoints keep only x-request-id
+        async with http.post(gw.url + "/v1/messages", json={"model": "m", "max_tokens": 8, "messages": HELLO},
+                             headers={"x-api-key": KEY}) as r:
+            assert r.status == 200 and r.headers["request-id"] == r.headers["x-request-id"]
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": HELLO},
+                             headers={"authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 200 and r.headers["x-request-id"] and "request-id" not in r.headers
+
+
 async def test_a_failing_backend_fails_over_and_a_dead_route_is_an_api_error(upstream, gateway):
     bad = await upstream("bad", mode="error_500")
     good = await upstream("good", tokens=3)

@@ -40,7 +40,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """`{"input_tokens": N}` for a Messages body (model, messages, system, tools; no max_tokens):
     authenticated and authorized like the request it counts, calling no backend."""
     rt = request.app[LIVE].runtime
-    headers = {"x-request-id": request_id(request)}
+    headers = MESSAGES.ids(request_id(request))
     try:
         await rt.tenants.catch_up(api_key(request))
         tenant = rt.tenants.authenticate(api_key(request))

@@ -57,6 +57,7 @@ class MessagesEndpoint(Endpoint):
 
     name, path, request = "messages", "/messages", MessagesRequest
     kinds = frozenset({"anthropic"})
+    id_headers = ("x-request-id", "request-id")  # the SDK's `_request_id` and `APIStatusError.request_id`
     asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
     prefill_trims = True  # Anthropic refuses a final assistant turn that ends in whitespace
 

@@ -46,8 +46,10 @@ def _proxy(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamRe
             raw, tenant = await body_if_authenticated(request, rt)
             call = new_call(request, endpoint, raw, rt.server.request_timeout_ms, tenant=tenant)
         except GatewayError as err:
-            return error_response(err, {"x-request-id": request_id(request)}, endpoint.error_body(err))
-        sink = HttpSink(request, {"x-request-id": call.request_id, "x-gateway-queue-ms": "0"}, functools.partial(server_timing, call))
+            return error_response(err, endpoint.ids(request_id(request)), endpoint.error_body(err))
+        headers = endpoint.ids(call.request_id)
+        headers["x-gateway-queue-ms"] = "0"
+        sink = HttpSink(request, headers, functools.partial(server_timing, call))
         with accounted(request, call, rt):
             await request.app[PIPELINE].run(call, rt, endpoint.wrap(sink))
         assert sink.response is not None

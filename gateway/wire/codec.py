@@ -57,6 +57,9 @@ class Endpoint:
     # ...): in the cache key even where cache.core.TRANSPORT_FIELDS leaves them out, so that a
     # hit never hands one caller's values to another.
     echoed: frozenset[str] = frozenset()
+    # Response headers that carry the gateway's request id (the one its logs and request log use):
+    # the name the API's own SDK reads it from, next to the gateway's x-request-id.
+    id_headers: tuple[str, ...] = ("x-request-id",)
 
     def __init__(self) -> None:
         self.upstream = self.upstream or self.name
@@ -89,6 +92,10 @@ class Endpoint:
     # backend when it breaks (relay/continuation.py: its monitor gives the transcript chat chunks,
     # its own or a translation of its events, and applies the continuation's rewrite to them).
     continues = True
+
+    def ids(self, request_id: str) -> dict[str, str]:
+        """The request id's response headers (`id_headers`), a fresh dict."""
+        return dict.fromkeys(self.id_headers, request_id)
 
     def error_body(self, err: GatewayError) -> bytes:
         """An error answer's body in this endpoint's shape (OpenAI's by default)."""
