@@ -579,12 +579,19 @@ def test_chat_to_messages_maps_every_supported_field():
 
 @pytest.mark.parametrize(
     ("limits", "expect"),
-    [({"max_completion_tokens": 7, "max_tokens": 9}, 7), ({"max_tokens": 9}, 9), ({}, 4096), ({"max_tokens": None}, 4096)],
+    [({"max_completion_tokens": 7, "max_tokens": 9}, 7), ({"max_tokens": 9}, 9), ({}, 4096), ({"max_tokens": None}, 4096),
+     ({"max_tokens": 9.0}, 9), ({"max_completion_tokens": 7.0}, 7)],
 )
 def test_chat_to_messages_max_tokens(limits, expect):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **limits}
     out = tr.chat_to_messages(body, 4096)
-    assert out["max_tokens"] == expect and "max_completion_tokens" not in out and anthropic_problem(out) is None
+    assert out["max_tokens"] == expect and type(out["max_tokens"]) is int
+    assert "max_completion_tokens" not in out and anthropic_problem(out) is None
+
+
+def test_messages_to_chat_max_tokens_is_an_integer():
+    out = tr.messages_to_chat({"model": "m", "max_tokens": 10.0, "messages": [{"role": "user", "content": "hi"}]})
+    assert out["max_tokens"] == 10 and type(out["max_tokens"]) is int
 
 
 def test_chat_to_messages_merges_same_role_turns_and_never_sends_empty_text():

@@ -119,6 +119,16 @@ async def test_whole_answers_without_usage_are_charged_their_reservation(gateway
     assert (await _use(gw))["tokens_60s"] == 3 * first["tokens_60s"]
 
 
+async def test_a_whole_float_max_tokens_reserves_what_it_says(gateway, no_usage):
+    """`max_tokens: 300.0` passes validation as 300: the reservation (here the charge) is 300 and
+    the prompt, not the 1,024 of default_max_tokens."""
+    up = await no_usage(words=300)
+    gw = await _gateway(gateway, up, {"tpm": 100_000})
+    async with aiohttp.ClientSession() as http:
+        assert await _post(http, gw, max_tokens=300.0) == 200
+    assert 300 < (await _use(gw))["tokens_60s"] < 400
+
+
 async def test_a_stream_without_usage_is_charged_its_prompt_and_what_it_delivered(gateway, no_usage):
     up = await no_usage(words=40)
     gw = await _gateway(gateway, up, {"tpm": 100_000})

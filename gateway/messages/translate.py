@@ -370,7 +370,7 @@ def messages_to_chat(body: Mapping[str, Any], *, prefill: bool = False) -> dict[
             messages.extend(_user_to_chat(turn.get("content"), where))
         else:
             raise TranslationError(f"{where}.role: 'user' or 'assistant', not {role!r}")
-    out: dict[str, Any] = {"model": body.get("model"), "messages": messages, "max_tokens": body.get("max_tokens")}
+    out: dict[str, Any] = {"model": body.get("model"), "messages": messages, "max_tokens": _count(body.get("max_tokens"))}
     if body.get("tools"):  # chat refuses an empty list
         out["tools"] = _tools_to_chat(body["tools"])
     if body.get("tool_choice") is not None:
@@ -669,6 +669,12 @@ def _option_to_messages(key: str, value: Any, out: dict[str, Any]) -> None:
         raise _refuse_m(key)
 
 
+def _count(value: Any) -> Any:
+    """A token count as an integer: validation let a whole float (100.0) through as the integer it
+    is, and a backend of the other API need not accept one."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def chat_to_messages(body: Mapping[str, Any], default_max_tokens: int, *, prefill: bool = False) -> dict[str, Any]:
     """A chat completions request as a Messages request for an Anthropic backend (see the
     module's list). `default_max_tokens`: Anthropic requires max_tokens; used when the body has
@@ -682,7 +688,7 @@ def chat_to_messages(body: Mapping[str, Any], default_max_tokens: int, *, prefil
         out["system"] = system[0]["text"] if len(system) == 1 else system
     out["messages"] = turns
     limit = body.get("max_completion_tokens")
-    out["max_tokens"] = limit if limit is not None else body.get("max_tokens") or default_max_tokens
+    out["max_tokens"] = _count(limit if limit is not None else body.get("max_tokens") or default_max_tokens)
     tools = _tools_to_messages(body["tools"]) if body.get("tools") else []
     if tools:
         out["tools"] = tools

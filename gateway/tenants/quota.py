@@ -245,8 +245,8 @@ class Quota:
         body = call.body
         for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
             v = body.get(key)
-            if isinstance(v, int) and v > 0:
-                return v
+            if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+                return int(v)  # a whole float (100.0) passed validation as the integer it is
         return plan.default_max_tokens
 
     def _degraded(self, exc: StoreError) -> None:
