@@ -141,7 +141,7 @@ def test_a_good_probe_never_resets_the_count_of_real_failures():
         ("http_404", False, False),
         ("http_405", False, False),
         ("malformed", True, True),
-        ("too_large", True, True),
+        ("too_large", False, False),  # its size depends on what was asked (echo, a long think)
         ("error_event", True, True),
         ("cut", True, True),
         ("cut_mid_stream", True, True),

@@ -224,6 +224,16 @@ class TeeSink(SinkWrapper):
                 raise
             self.detach()  # the leader's client left mid-stream; its followers read on
 
+    async def drain(self, timeout_s: float) -> None:
+        if self.detached:
+            return
+        try:
+            await self._inner.drain(timeout_s)
+        except ConnectionError:  # the leader's client stopped reading: its followers read on
+            if not self.keeps_followers():
+                raise
+            self.detach()
+
     async def end(self) -> None:
         followed = self.keeps_followers()
         self._bc.finish()

@@ -145,6 +145,16 @@ class Call:
         self.raw = orjson.dumps(self.body)
         self.asked.strip_usage = True
 
+    def max_output_tokens(self) -> int | None:
+        """The answer's token limit the request set (`max_completion_tokens`, `max_tokens` or
+        `max_output_tokens`, as validated: a whole float is the integer it is), else None."""
+        body = self.body
+        for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+            v = body.get(key)
+            if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
+                return int(v)
+        return None
+
     def body_for(self, upstream_model: str) -> bytes:
         """The body to send a backend that knows the model as `upstream_model`."""
         if upstream_model == self.model:

@@ -83,9 +83,9 @@ def _ticket(call: Call, rt: Runtime, tenant: Tenant) -> None:
         band_ms = getattr(rt.policy.admission.deadline_ms, band)
         if band_ms is not None:
             call.deadline = min(call.deadline, call.timing.t0_monotonic + band_ms / 1000)
-    max_tokens = call.body.get("max_completion_tokens") or call.body.get("max_tokens") or call.body.get("max_output_tokens")
+    max_tokens = call.max_output_tokens()
     # A base per request, so tiny requests do not take many turns each (DRR shares tokens).
-    cost = 256 + call.prompt_tokens + (max_tokens if isinstance(max_tokens, int) else 256)
+    cost = 256 + call.prompt_tokens + (256 if max_tokens is None else max_tokens)
     call.ticket = Ticket(band, tenant.name, max(1, cost), rt.tenants.weight(tenant.name))
 
 

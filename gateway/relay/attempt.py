@@ -38,6 +38,9 @@ log = logging.getLogger("gateway.relay")
 
 _DEFAULT_COOLDOWN_S = 1.0  # a 429/503 without Retry-After still pauses that backend briefly
 _ERROR_SNIPPET = 300
+# A whole answer's time per token allowed while a backend has streamed too little to measure its
+# own (10 tokens a second: slower than serving stacks are kept running at).
+_COLD_TOKEN_S = 0.1
 # Nothing a backend sends is unbounded: past these, the attempt fails with a 502 naming the backend.
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a non-streamed answer (large embedding batches included)
 MAX_HELD_BYTES = 1024 * 1024  # stream events held back before the first content token
@@ -115,7 +118,28 @@ class Attempt:
                 first_s, live.deadline_floor_ms / 1000, prompt_tokens=self.call.prompt_tokens,
                 mult=live.deadline_p95_multiplier, cold_s=cold_s,
             )
+        if not self.call.stream and self.call.endpoint.generates:
+            first_s = self._whole_s(first_s)  # a whole answer's headers come with the whole answer
         self.first_deadline = min(now + first_s, self.call_deadline)
+
+    def _whole_s(self, first_s: float) -> float:
+        """How long a whole (non-streamed) answer may take to come, its headers coming with it:
+        `total_ms` on the last candidate (no one to fail over to); else the longest of its first
+        token's deadline, that plus the live inter-token allowance for each token the request
+        allows (`_COLD_TOKEN_S` before the backend has streamed enough), and the multiplier x
+        the live P95 of the backend's whole answers; at most `total_ms`. A request without a
+        limit to a backend without history gets the first token's deadline alone: a silent
+        backend is left as soon as a streamed request would leave it."""
+        total_s = self.backend.timeouts.total_ms / 1000
+        live = self.live
+        if live is None:
+            return total_s
+        tracker, mult = self.backend.tracker, live.deadline_p95_multiplier
+        wait_s = max(first_s, tracker.whole_deadline_s(mult=mult))
+        tokens = self.call.max_output_tokens()
+        if tokens is not None:
+            wait_s = max(wait_s, first_s + tokens * tracker.token_deadline_s(_COLD_TOKEN_S, mult=mult))
+        return min(total_s, wait_s)
 
     async def send(self) -> tuple[UpstreamResponse, bytes]:
         """Send the request; the response (its status read) and, for a whole 200, its body."""

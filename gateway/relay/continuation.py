@@ -35,6 +35,11 @@ __all__ = ["Transcript", "Resume", "Mismatch", "Prefill"]
 Prefill = Callable[[Mapping[str, Any], str], dict[str, Any]]  # codec.Endpoint.prefill
 
 
+# The most text a transcript keeps (4 Mi characters, far more than a model answers at once): a
+# backend streaming without end must not grow the gateway's memory with it.
+MAX_CHARS = 4 << 20
+
+
 class Mismatch(Exception):
     """A restarted answer does not begin with the text the client already has."""
 
@@ -43,10 +48,11 @@ class Transcript:
     """What one streamed answer delivered so far. `continuable` turns False for anything a
     continuation cannot reproduce (tool calls, several choices)."""
 
-    __slots__ = ("parts", "id", "model", "created", "continuable", "tokens", "backends", "carry")
+    __slots__ = ("parts", "chars", "id", "model", "created", "continuable", "tokens", "backends", "carry")
 
     def __init__(self) -> None:
         self.parts: list[str] = []
+        self.chars = 0  # the length of the text in parts (bounded: MAX_CHARS)
         self.id: Any = None
         self.model: Any = None
         self.created: Any = None
@@ -75,8 +81,12 @@ class Transcript:
             if text is None:
                 self.continuable = False  # tool calls, a function call, a refusal
             elif text:
-                self.parts.append(text)
                 self.tokens += 1
+                if self.continuable:
+                    self.parts.append(text)
+                    self.chars += len(text)
+                    if self.chars > MAX_CHARS:  # past any real model's answer: not kept, not continued
+                        self.continuable, self.parts = False, []
 
 
 def _text_of(choice: dict[str, Any]) -> str | None:
@@ -135,6 +145,10 @@ class Resume:
             delta = choice.get("delta")
             if isinstance(delta, dict):
                 delta.pop("role", None)  # the client had its role event from the first backend
+                # The client has its thinking from the first backend: the continuation's own
+                # (a new backend thinking again from the start) would read as a second one.
+                delta.pop("reasoning_content", None)
+                delta.pop("reasoning", None)
             if choice.get("finish_reason"):
                 finished = True
                 if self._pending:

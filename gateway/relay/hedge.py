@@ -17,8 +17,8 @@ class Hedging(RelayBase):
     __slots__ = ()
 
     async def hedged(self, primary: Backend, others: Sequence[Backend], cold_s: float | None) -> bool:
-        """Run the primary; if its first token is later than its live P95, run the same request
-        on the next best backend too. Whichever reaches the client first wins; the other is
+        """Run the primary; if its first token (a whole answer: the answer) is later than its
+        live P95, run the same request on the next best backend too. Whichever reaches the client first wins; the other is
         cancelled.
 
         Each attempt acquires and releases its own slot inside its task, so cancelling a task at
@@ -27,7 +27,10 @@ class Hedging(RelayBase):
         hp, budget = route.hedge, route.budget
         assert hp is not None and budget is not None
         budget.note_request()
-        p95 = primary.tracker.ttft_p95_s(call.prompt_tokens)
+        if call.stream or not call.endpoint.generates:
+            p95 = primary.tracker.ttft_p95_s(call.prompt_tokens)
+        else:  # a whole answer comes with its last token: hedge past the P95 of whole answers
+            p95 = primary.tracker.whole_deadline_s(mult=1.0, min_samples=10) or None
         delay = hp.default_delay_ms / 1000 if p95 is None else max(hp.min_delay_ms / 1000, p95)
         tasks = [asyncio.create_task(self.attempt(primary, live=route.routing, cold_s=cold_s))]
         try:

@@ -6,7 +6,9 @@ continuation.py). Events before the first output are held back and released with
 that stalls or fails early costs the client nothing but time: the relay fails over (AttemptFailed).
 One timer, moved as the phases change: the first-output deadline, then the stall deadline after
 each event (from live data when a stall could be rescued elsewhere), then a short wait for the
-end once the answer finished, all within the request's own deadline. After the first output a
+end once the answer finished, all within the request's own deadline. The timer is the backend's:
+when it runs out while a write waits on a client slow to read, the wait goes on for the client
+(bounded: web/sink.py CLIENT_READ_S) and the timer starts again. After the first output a
 broken stream raises Cut (the relay continues it elsewhere or ends it with an error event), except
 the backend's own failure event where the format passes it on (the Responses API).
 """
@@ -21,6 +23,7 @@ from ..pipeline.call import Finish
 from ..routing.health import Kind
 from ..upstream.client import UpstreamHTTPError, UpstreamResponse
 from ..wire.monitor import Verdict
+from ..web.sink import CLIENT_READ_S
 from ..wire.openai_wire import SSEDecoder, SSEEventTooLarge, event_data
 from .attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, client_write
 from .continuation import Mismatch
@@ -38,7 +41,7 @@ class Pump:
     once the stream ended; raises AttemptFailed before the first output, Cut after it."""
 
     __slots__ = ("att", "resp", "mon", "timer", "idle_s", "first", "saw_done", "failed", "broke", "held",
-                 "held_bytes", "last", "client_ttft")
+                 "held_bytes", "last", "client_ttft", "decoder", "writing")
 
     def __init__(self, att: Attempt, resp: UpstreamResponse) -> None:
         call = att.call
@@ -54,13 +57,19 @@ class Pump:
         self.held_bytes = 0
         self.last = 0.0  # when the last output came (perf_counter)
         self.client_ttft = att.resume is None  # a continuation's first token is the backend's TTFT, not the client's
+        self.decoder = SSEDecoder()
+        self.writing = False  # a write to the client is under way
 
     async def run(self) -> Kind:
         att = self.att
         cut: Cut | None = None
         try:
-            async with self.timer:
-                await self._read()
+            while not await self._timed_read():
+                # The bytes were written; only the wait for the client was cut short.
+                await client_write(att.sink.drain(CLIENT_READ_S))
+                if self._over():
+                    break
+                self.timer = asyncio.timeout_at(self._next_deadline(asyncio.get_running_loop()))
         except Mismatch as exc:
             if not self.first:
                 raise AttemptFailed(UpstreamError(f"backend {att.backend.name!r}: {exc}"), Kind.MISMATCH) from None
@@ -88,22 +97,48 @@ class Pump:
             raise cut
         return await self._end()
 
+    async def _timed_read(self) -> bool:
+        """Read the stream under the timer: True once it ended (or the timer ran out on the
+        backend: TimeoutError); False when the timer ran out while a write waited on the client,
+        which says nothing about the backend."""
+        try:
+            async with self.timer:
+                await self._read()
+            return True
+        except TimeoutError:
+            if not self.writing or self.att.call.deadline_passed():
+                raise
+            self.writing = False
+            return False
+
     async def _read(self) -> None:
-        resp, att, mon = self.resp, self.att, self.mon
+        resp, att = self.resp, self.att
+        decoder = self.decoder
         loop = asyncio.get_running_loop()
-        decoder = SSEDecoder()
         while True:
             chunk = await resp.readany()
             if not chunk:
                 return
             out = await self._events(decoder.feed(chunk))
             if out:
+                self.writing = True
                 await client_write(att.sink.write(b"".join(out)))
-            if self.saw_done or self.failed or self.broke is not None:
+                self.writing = False
+            if self._over():
                 return
             if self.first:
-                wait = _AFTER_FINISH_S if mon.finished else self.idle_s
-                self.timer.reschedule(min(loop.time() + wait, att.call_deadline))
+                self.timer.reschedule(self._next_deadline(loop))
+
+    def _over(self) -> bool:
+        return self.saw_done or self.failed or self.broke is not None
+
+    def _next_deadline(self, loop: asyncio.AbstractEventLoop) -> float:
+        """The timer's next deadline: the first output's, then the stall's, then the end's."""
+        att = self.att
+        if not self.first:
+            return att.first_deadline
+        wait = _AFTER_FINISH_S if self.mon.finished else self.idle_s
+        return min(loop.time() + wait, att.call_deadline)
 
     async def _events(self, events: list[bytes]) -> list[bytes]:
         """The bytes to write now for one read's events (held ones included once released)."""

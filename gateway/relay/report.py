@@ -32,7 +32,9 @@ def report(
     whether the attempt is a latency sample at all (a by-id call is not)."""
     o = OUTCOMES[kind]
     if o.sample and sample:
-        completion = (call.out.usage or {}).get("completion_tokens") if kind is Kind.OK else None
+        completion = None
+        if kind is Kind.OK:  # an answer without usage: None; one that decodes nothing (embeddings): 0
+            completion = (call.out.usage or {}).get("completion_tokens", None if call.endpoint.generates else 0)
         backend.tracker.observe_done(
             seconds,
             ok=kind is Kind.OK,

@@ -121,7 +121,10 @@ OUTCOMES: dict[Kind, Outcome] = {
     Kind.HTTP_404: Outcome(health=False, sample=False),
     Kind.HTTP_405: Outcome(health=False, sample=False),
     Kind.MALFORMED: Outcome(health=True, sample=True),
-    Kind.TOO_LARGE: Outcome(health=True, sample=True),
+    # Past a cap on what we read: how big an answer is depends on what was asked (echo of a long
+    # prompt, a large embedding batch, a long think held before the first token), so it says
+    # nothing sure about the backend; another may still answer within the cap.
+    Kind.TOO_LARGE: Outcome(health=False, sample=False),
     Kind.ERROR_EVENT: Outcome(health=True, sample=True),
     Kind.CUT: Outcome(health=True, sample=True),
     Kind.DISCONNECT: Outcome(health=True, sample=True),

@@ -100,6 +100,7 @@ class Tracker:
         self.ttft = Window(window_s, max_samples)
         self.itl = Window(window_s, max_samples)
         self.duration = Window(window_s, max_samples)
+        self.whole = Window(window_s, max_samples)  # durations of answered non-streamed requests
         self.outcomes: deque[tuple[float, bool, bool]] = deque(maxlen=max_samples)  # (t, ok, timeout)
         self.total_requests = 0
         self.total_errors = 0
@@ -112,6 +113,7 @@ class Tracker:
         self._keep = 1.0 - 1.0 / slope_memory
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._itl_ewma: float | None = None
+        self._streamed = False  # a stream's first token was ever timed here
         self._err_keep = 1.0 - 1.0 / error_memory
         self.error_ewma = 0.0  # share of recent attempts that failed (count-decayed)
 
@@ -119,6 +121,7 @@ class Tracker:
 
     def observe_ttft(self, seconds: float, prompt_tokens: int | None = None) -> None:
         """A streamed request's first content token arrived `seconds` after it was sent."""
+        self._streamed = True
         now = self.clock()
         self.ttft.add(now, seconds)
         self._learn(now, seconds, prompt_tokens, fit=True)
@@ -142,7 +145,9 @@ class Tracker:
         """An attempt ended after `seconds`: answered (ok) or failed.
 
         streamed=False with ok: the answer's TTFT is inferred as `seconds - completion_tokens * ITL`,
-        so non-streamed traffic teaches the prediction too. timeout=True marks a first-token (or
+        so non-streamed traffic teaches the prediction too. Without the decode time (no completion
+        count, or no inter-token time yet) the duration stands for it while the backend has only
+        answered whole; once streams have shown real TTFTs, such an answer teaches nothing. timeout=True marks a first-token (or
         whole-answer) deadline: `seconds` is then a lower bound of the TTFT and raises the level,
         so a stuck backend ranks last even though it never produced a sample.
         """
@@ -158,8 +163,17 @@ class Tracker:
             self.total_timeouts += 1
             self._learn(now, seconds, prompt_tokens, fit=False)
         elif ok and not streamed:
-            decode = (completion_tokens or 0) * (self._itl_ewma or 0.0)
-            self._learn(now, max(seconds - decode, 0.0), prompt_tokens, fit=True)
+            self.whole.add(now, seconds)
+            itl = self._itl_ewma
+            if completion_tokens == 0:  # nothing decoded (embeddings): all of it was the wait
+                ttft = seconds
+            elif completion_tokens is not None and itl is not None:
+                ttft = max(seconds - completion_tokens * itl, 0.0)
+            elif not self._streamed:  # whole answers only: the prediction ranks them by duration
+                ttft = seconds
+            else:  # streams taught it real TTFTs: a duration of unknown decode time would read as a spike
+                return
+            self._learn(now, ttft, prompt_tokens, fit=True)
 
     # -- prediction ----------------------------------------------------------------------------
 
@@ -247,6 +261,22 @@ class Tracker:
         if prompt_tokens is not None:
             p95 += self._slope * max(0.0, prompt_tokens - self._mean_x())
         return min(default_s, max(floor_s, mult * p95))
+
+    def token_deadline_s(self, cold_s: float, *, mult: float = 2.0, min_samples: int = 20) -> float:
+        """How long one generated token may take within a whole (non-streamed) answer: mult x the
+        live inter-token P99; cold_s until min_samples exist."""
+        itl = self.itl.sorted(self.clock(), _SORT_EVERY_S)
+        if len(itl) < min_samples:
+            return cold_s
+        return mult * (quantile(itl, 0.99) or 0.0)
+
+    def whole_deadline_s(self, *, mult: float = 2.0, min_samples: int = 20) -> float:
+        """mult x the live P95 of this backend's answered non-streamed requests' durations; 0
+        until min_samples exist."""
+        whole = self.whole.sorted(self.clock(), _SORT_EVERY_S)
+        if len(whole) < min_samples:
+            return 0.0
+        return mult * (quantile(whole, 0.95) or 0.0)
 
     def idle_deadline_s(self, default_s: float, floor_s: float, cold_s: float, *, mult: float = 20.0, min_samples: int = 20) -> float:
         """How long a stream of this backend may pause mid-answer before it counts as stalled:

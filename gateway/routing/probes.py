@@ -66,7 +66,7 @@ async def probe(http: aiohttp.ClientSession, backend: Backend, timeout_s: float)
     try:
         async with asyncio.timeout(timeout_s):
             async with http.get(backend.base_url + "/models", headers=backend.headers) as resp:
-                await resp.read()
+                await read_capped(resp.content, _MAX_BODY_BYTES)  # the status decides; the body is bounded, then dropped
                 return resp.status < 500 and resp.status != 429
     except (TimeoutError, aiohttp.ClientError, OSError):
         return False

@@ -242,12 +242,8 @@ class Quota:
     def _completion_estimate(call: Call, plan: _Plan) -> int:
         if not call.endpoint.generates:
             return 0
-        body = call.body
-        for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-            v = body.get(key)
-            if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
-                return int(v)  # a whole float (100.0) passed validation as the integer it is
-        return plan.default_max_tokens
+        limit = call.max_output_tokens()
+        return plan.default_max_tokens if limit is None else limit
 
     def _degraded(self, exc: StoreError) -> None:
         if self._on_degraded is not None:

@@ -7,7 +7,8 @@ error event in the stream.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from aiohttp import web
@@ -15,7 +16,14 @@ from aiohttp import web
 from ..errors import GatewayError
 from ..wire.openai_wire import sse_event
 
-__all__ = ["Sink", "HttpSink", "SinkWrapper"]
+__all__ = ["Sink", "HttpSink", "SinkWrapper", "CLIENT_READ_S"]
+
+# How long a client may take none of its answer (its socket's buffer full) before it counts as
+# gone: its backend slot and upstream call are not held for a reader that stopped reading.
+CLIENT_READ_S = 60.0
+# Bytes waiting in the socket's buffer past which a write may wait for the client (under any
+# transport's high-water mark, 64 KiB by default): only such writes pay for a timer.
+_MAY_WAIT = 16 * 1024
 
 _SSE_HEADERS = {
     "Content-Type": "text/event-stream; charset=utf-8",
@@ -32,6 +40,7 @@ class Sink(Protocol):
     async def end(self) -> None: ...
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None: ...
     async def fail(self, err: GatewayError) -> None: ...
+    async def drain(self, timeout_s: float) -> None: ...
     def set_header(self, name: str, value: str) -> None: ...
 
 
@@ -69,13 +78,40 @@ class HttpSink:
         self.committed = True
 
     async def write(self, data: bytes) -> None:
+        """Write stream bytes; a client that takes none of them for CLIENT_READ_S is gone
+        (ConnectionResetError, as if it had reset the connection)."""
         if not self.committed:
             await self.commit()
-        await self.response.write(data)  # type: ignore[union-attr]
+        resp = self.response
+        assert resp is not None
+        if self._may_wait(len(data)):
+            await self._bounded(resp.write(data), CLIENT_READ_S)
+        else:
+            await resp.write(data)
 
     async def end(self) -> None:
         if self.response is not None and self.committed:
-            await self.response.write_eof()
+            if self._may_wait(0):
+                await self._bounded(self.response.write_eof(), CLIENT_READ_S)
+            else:
+                await self.response.write_eof()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait until the client has taken what was written (ConnectionResetError after timeout_s)."""
+        if self.response is not None and self.committed:
+            await self._bounded(self.request.writer.drain(), timeout_s)  # the response's own writer
+
+    def _may_wait(self, size: int) -> bool:
+        transport = self.request.transport
+        return transport is not None and transport.get_write_buffer_size() + size > _MAY_WAIT
+
+    @staticmethod
+    async def _bounded(aw: Awaitable[None], timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await aw
+        except TimeoutError:
+            raise ConnectionResetError(f"the client took none of its answer for {timeout_s:g} s") from None
 
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self.response = web.Response(
@@ -86,8 +122,8 @@ class HttpSink:
         """Answer with an OpenAI-shaped error: a status while we can, an error event once streaming."""
         if self.committed:
             # No [DONE] after it: a cut stream must never look like a success.
-            await self.response.write(sse_event(err.to_dict()))  # type: ignore[union-attr]
-            await self.response.write_eof()  # type: ignore[union-attr]
+            await self.write(sse_event(err.to_dict()))
+            await self.end()
             return
         self.response = web.Response(
             status=err.status,
@@ -129,3 +165,6 @@ class SinkWrapper:
 
     async def fail(self, err: GatewayError) -> None:
         await self._inner.fail(err)
+
+    async def drain(self, timeout_s: float) -> None:
+        await self._inner.drain(timeout_s)

@@ -1,7 +1,7 @@
 """The chat and completions stream monitor (sans-io, see monitor.py).
 
 A stream is `data: {chunk}` events ending with `data: [DONE]`. A chunk with text, a tool call, a
-function call or a refusal in a choice is output; one with a `finish_reason` finishes the answer
+function call, a refusal or reasoning text in a choice is output; one with a `finish_reason` finishes the answer
 (its usage chunk and [DONE] may follow); one with an `error` is the backend's failure. The usage
 chunk (empty choices) the gateway asked for itself (`strip_usage`) is dropped. A continuation's
 chunks are rewritten by its `rewrite` hook (continuation.Resume.rewrite) before anything else
@@ -120,13 +120,16 @@ class OverChat:
 
 
 def has_content(obj: dict[str, Any]) -> bool:
-    """Whether a chunk carries output: text, a tool or function call, a refusal."""
+    """Whether a chunk carries output: text, a tool or function call, a refusal, or a reasoning
+    model's thinking (`reasoning_content`: vLLM, DeepSeek; `reasoning`: OpenRouter, Ollama), which
+    is generated tokens too: the first one is the first token, and a stream that thinks is alive."""
     for choice in obj.get("choices") or ():
         if not isinstance(choice, dict):
             continue
         delta = choice.get("delta")
         if isinstance(delta, dict):
-            if delta.get("content") or delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal"):
+            if (delta.get("content") or delta.get("tool_calls") or delta.get("function_call") or delta.get("refusal")
+                    or delta.get("reasoning_content") or delta.get("reasoning")):
                 return True
         elif choice.get("text"):
             return True
