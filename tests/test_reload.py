@@ -193,3 +193,21 @@ async def test_a_worker_holds_its_share_of_max_concurrency_across_reloads(tmp_pa
     path.write_text(yaml.safe_dump(policy))
     ok, _ = await app[RELOADER].reload("test")
     assert ok and app[LIVE].runtime.backends["a"].slots is slots and slots.limit == 4
+
+
+async def test_a_worker_that_does_not_answer_a_reload_is_no_verdict_on_the_policy(tmp_path):
+    """A worker restarting (or stuck) when a reload fans out: its control socket cannot answer.
+    That is a 503 reload_incomplete, not the 400 invalid_policy of a policy some process refused."""
+    from gateway.process import control
+    from gateway.web.api import reload_failure
+
+    results = await control.ask_all([tmp_path / "worker-1.sock"], "POST", "/reload", 0.5)
+    assert results[0]["ok"] is False and results[0]["unreachable"] is True and results[0]["socket"] == "worker-1.sock"
+    answered = {"ok": True, "worker": 0}
+    err = reload_failure({"ok": True}, [answered, results[0]], str(results[0]["error"]))
+    assert (err.status, err.code) == (503, "reload_incomplete") and "worker-1.sock did not answer" in err.message
+    rejected = {"ok": False, "worker": 0, "error": "backends.b.url: bad"}
+    for sup, workers in (({"ok": True}, [rejected, results[0]]), ({"ok": False, "error": "bad"}, [results[0]]),
+                         ({}, [rejected])):
+        err = reload_failure(sup, workers, "backends.b.url: bad")
+        assert (err.status, err.code) == (400, "invalid_policy")

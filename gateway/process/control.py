@@ -96,7 +96,7 @@ async def ask_all(paths: list[Path], method: str, route: str, timeout_s: float) 
     async def one(path: Path) -> dict[str, Any]:
         try:
             return await ask(path, method, route, timeout_s)
-        except ControlError as exc:
-            return {"ok": False, "error": str(exc), "socket": path.name}
+        except ControlError as exc:  # not a verdict on what was asked: it was never answered
+            return {"ok": False, "error": str(exc), "socket": path.name, "unreachable": True}
 
     return list(await asyncio.gather(*(one(p) for p in paths)))

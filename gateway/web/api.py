@@ -6,12 +6,12 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import orjson
 from aiohttp import web
 
-from ..errors import BadRequest, GatewayError, InternalError, NotFound, Unauthorized
+from ..errors import BadRequest, GatewayError, InternalError, NotFound, Unauthorized, Unavailable
 from ..observe.metrics import refresh_gauges
 from ..observe.observer import server_timing
 from ..process.control import ControlError, ask
@@ -235,6 +235,7 @@ async def admin_reload(request: web.Request) -> web.Response:
     the answer lists each one's result. 200 when this replica reloaded everywhere."""
     app = request.app
     worker = app[WORKER]
+    sup: dict[str, object] = {}
     if worker is None:
         ok, detail = await app[RELOADER].reload("admin")
         rt = app[LIVE].runtime
@@ -255,8 +256,20 @@ async def admin_reload(request: web.Request) -> web.Response:
     gen = app[LIVE].runtime.generation
     if ok:
         return json_response({"status": "reloaded", "policy_generation": gen, "workers": workers, "replicas": replicas})
-    err = BadRequest(f"policy rejected, the previous one stays in force: {detail}", code="invalid_policy")
-    return error_response(err)
+    return error_response(reload_failure(sup, workers, detail))
+
+
+def reload_failure(supervisor: Mapping[str, object], workers: list[dict[str, object]], detail: str) -> GatewayError:
+    """Why a reload did not succeed everywhere: a process rejected the policy (400
+    invalid_policy: it stays on the previous one), or only some processes did not answer (503
+    reload_incomplete: the policy is in force in every one that did; a worker restarting reads
+    the policy file as it starts)."""
+    failed = [r for r in workers if not r.get("ok")]
+    if supervisor.get("ok", True) is not False and failed and all(r.get("unreachable") for r in failed):
+        missing = ", ".join(str(r.get("socket", "?")) for r in failed)
+        return Unavailable(f"the policy is in force in every process that answered; {missing} did not answer "
+                           f"({detail}): retry the reload", code="reload_incomplete")
+    return BadRequest(f"policy rejected, the previous one stays in force: {detail}", code="invalid_policy")
 
 
 async def not_found(request: web.Request) -> web.Response:
