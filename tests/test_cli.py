@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -247,3 +248,18 @@ def test_a_port_taken_after_the_check_still_ends_in_one_line(tmp_path):
     assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
     assert r.stderr.splitlines()[-1] == f"gateway: cannot listen on 127.0.0.1:{port}: address already in use", r.stderr
+
+
+def test_a_worker_lifts_its_open_file_limit_to_the_hard_limit():
+    """Each stream holds two connections: the usual soft limit (1024) would refuse clients first."""
+    code = (
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))\n"
+        "from gateway.process.serve import raise_fd_limit\n"
+        "raise_fd_limit()\n"
+        "print(*resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    soft, hard = (int(x) for x in out.split())
+    assert soft == (1 << 20 if hard == resource.RLIM_INFINITY else hard)

@@ -17,6 +17,7 @@ import gc
 import logging
 import multiprocessing
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -189,12 +190,27 @@ def settle_heap() -> None:
     gc.set_threshold(_GC_GEN0, 20, 20)
 
 
+def raise_fd_limit() -> None:
+    """Lift this process's soft limit on open files to its hard limit: each stream holds a client
+    and an upstream connection, and the usual soft limit (1024) would refuse connections long
+    before `server.max_connections_per_client` or memory do."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:  # a container that forbids it: the soft limit stays
+        log.warning("could not raise the open-file limit from %s to %s: %s", soft, target, exc)
+
+
 def run_worker(
     policy: str, host: str, port: int, reuse_port: bool, access_log: bool, worker: WorkerInfo | None = None
 ) -> int:
     """Serve until SIGTERM/SIGINT, on uvloop when it is installed. Returns the exit code: 0, or 1
     when the port could not be opened (said in one line on stderr)."""
     setup_logging()
+    raise_fd_limit()
     try:
         try:
             import uvloop
