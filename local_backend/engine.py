@@ -55,6 +55,7 @@ class _Slot:
     generated: int = 0
     tokens: list[int] = field(default_factory=list)
     done: bool = field(default=False)
+    failed: bool = False  # ended by an error: its blocks are not kept for a next turn
 
 
 class Engine:
@@ -196,7 +197,9 @@ class Engine:
                         self._drop_done()
                 except Exception as exc:  # a failed forward pass fails its batch, not the engine
                     for slot in self._active:
-                        slot.seq.deliver(exc)
+                        if not slot.done:
+                            self.stats.observe_finish("error")
+                            slot.seq.deliver(exc)
                     self._active = []
                     self._cache.clear()
                 self.stats.set_load(len(self._waiting), len(self._active))
@@ -250,6 +253,7 @@ class Engine:
                 holding = {id(slot.seq) for slot in self._active}
                 for later in admitted[k:]:
                     if id(later) not in holding:
+                        self.stats.observe_finish("error")
                         later.deliver(exc)
                 raise
 
@@ -275,6 +279,9 @@ class Engine:
         logits = self._run_prefill(prompt, row, start)
         self._active.append(slot)
         token = choose_tokens(logits[None], [req.sampling], [slot.generator])[0]
+        if isinstance(token, Exception):
+            self._fail(slot, token)
+            return
         self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(prompt))
         self.stats.observe_tokens(1, decode_step=False)
         self._emit(slot, token)
@@ -309,9 +316,12 @@ class Engine:
             logits = self.model.decode(ids, self._cache)
         params = [s.seq.request.sampling for s in self._active]
         tokens = choose_tokens(logits, params, [s.generator for s in self._active])
-        self.stats.observe_tokens(len(tokens), decode_step=True)
+        self.stats.observe_tokens(sum(not isinstance(t, Exception) for t in tokens), decode_step=True)
         for slot, token in zip(self._active, tokens, strict=True):
-            self._emit(slot, token)
+            if isinstance(token, Exception):
+                self._fail(slot, token)  # that request alone: its row leaves in _drop_done, the others go on
+            else:
+                self._emit(slot, token)
 
     def _start_thread_pools(self) -> None:
         """Have OpenMP start this thread's workers for every count the picker may choose, before
@@ -361,6 +371,12 @@ class Engine:
             tokens = tuple(slot.tokens) if finish is not None else ()
             slot.seq.deliver(Delta(text, finish, prompt, slot.generated, tokens))
 
+    def _fail(self, slot: _Slot, exc: Exception) -> None:
+        """End one sequence with ``exc`` (its row is freed in _drop_done); counted as finish "error"."""
+        slot.done = slot.failed = True
+        self.stats.observe_finish("error")
+        slot.seq.deliver(exc)
+
     def _drop_done(self) -> None:
         # From the end, so the row that moves into a freed one has already been looked at.
         removed = False
@@ -383,7 +399,7 @@ class Engine:
         kernel modes only: there a token's K/V are the same bits from a decode step as from a prefill,
         so the next turn continues exactly as a cold prompt would. The row holds the K/V of the prompt
         and of every generated token but the last (sampled, never fed back)."""
-        if self.prefix is None or not self.model.row_invariant or not slot.prompt_stored:
+        if self.prefix is None or not self.model.row_invariant or not slot.prompt_stored or slot.failed:
             return
         ids = slot.seq.request.prompt_ids + slot.tokens
         self.prefix.store(ids, self._cache.lengths[row], self._cache, row)

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-__all__ = ["Delta", "EngineClosed", "GenerationRequest", "QueueFull", "SamplingParams", "Sequence", "TooLong"]
+__all__ = ["GREEDY_BELOW_TEMPERATURE", "Delta", "EngineClosed", "GenerationRequest", "QueueFull", "SamplingParams", "Sequence", "TooLong"]
 
 
 class QueueFull(RuntimeError):
@@ -22,13 +22,18 @@ class EngineClosed(RuntimeError):
     """The engine stopped before the request finished."""
 
 
+# Temperatures below this decode greedily (vLLM's _SAMPLING_EPS): logits / 1e-45 overflow to inf, and
+# nothing this close to 0 samples differently from argmax anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 class TooLong(ValueError):
     """The request's prompt and max_tokens need more KV cache than the engine may ever hold for one sequence."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens. ``temperature == 0`` means greedy."""
+    """How one request picks its tokens. ``temperature == 0`` (or below GREEDY_BELOW_TEMPERATURE) means greedy."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -36,7 +41,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,21 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     return generator
 
 
+def _argmax_finite(logits: torch.Tensor) -> int:
+    """The likeliest token among the finite logits (what sampling tends to as temperature goes to 0)."""
+    finite = torch.isfinite(logits)
+    if not bool(finite.any()):
+        raise ValueError("the model produced no finite logits for this sequence")
+    return int(torch.where(finite, logits, float("-inf")).argmax().item())
+
+
 def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+    logits = logits.float()
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    # logits / temperature can overflow to inf (inf - inf = NaN in softmax), or the model can give NaN:
+    # multinomial would raise, so take the limit of a vanishing temperature instead.
+    if not bool(torch.isfinite(probs).all()):
+        return _argmax_finite(logits)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
@@ -37,10 +50,16 @@ def choose_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
-) -> list[int]:
-    """Pick one token per row of ``logits`` [batch, vocab]; greedy rows are decided in one argmax."""
-    greedy = logits.argmax(dim=-1).tolist()
+) -> list[int | Exception]:
+    """Pick one token per row of ``logits`` [batch, vocab]; greedy rows are decided in one argmax.
+
+    A row whose sampling raises gets its exception in place of a token, so the caller fails that
+    request alone: one request's parameters must never cost its batch-mates their answers."""
+    chosen: list[int | Exception] = [int(t) for t in logits.argmax(dim=-1).tolist()]
     for row, p in enumerate(params):
         if not p.greedy:
-            greedy[row] = _sample_row(logits[row], p, generators[row])
-    return [int(t) for t in greedy]
+            try:
+                chosen[row] = _sample_row(logits[row], p, generators[row])
+            except Exception as exc:  # noqa: BLE001 - handed to the engine, which fails this row only
+                chosen[row] = exc
+    return chosen

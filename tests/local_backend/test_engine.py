@@ -184,3 +184,74 @@ async def test_a_failed_prefill_fails_the_requests_admitted_with_it_and_the_engi
     deltas, _ = await _run(engine, requests[0])  # the engine still serves
     assert deltas[-1].finish_reason in ("stop", "length")
     assert await _eventually(lambda: engine.snapshot()["batch_size"] == 0)
+
+
+async def test_a_vanishing_temperature_decodes_greedily(tiny: LoadedModel, make_engine) -> None:
+    """1e-45 passes the API's 0..2 check; logits / 1e-45 overflow to inf, and sampling them raised."""
+    engine = make_engine()
+    ids = chat_ids(tiny, QUESTIONS[0])
+    _, greedy = await _run(engine, GenerationRequest(ids, max_tokens=12))
+    for temperature in (1e-45, 1e-30, 1e-6):
+        deltas, text = await _run(engine, GenerationRequest(ids, max_tokens=12, sampling=SamplingParams(temperature=temperature)))
+        assert deltas[-1].finish_reason == "length" and text == greedy, temperature
+
+
+def test_sampling_survives_logits_that_overflow_or_are_nan() -> None:
+    from local_backend.sampling import choose_tokens
+
+    logits = torch.tensor([[1.0, 3.0e38, -3.0e38, 2.0], [0.5, float("nan"), 4.0, 1.0]])
+    hot = SamplingParams(temperature=1e-5 * 1.01, seed=1)  # sampled (above the greedy threshold), yet overflows
+    got = choose_tokens(logits, [hot, hot], [torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)])
+    assert got == [1, 2]  # the likeliest finite logit, as a vanishing temperature gives
+
+
+async def test_a_row_whose_sampling_fails_fails_that_request_alone(tiny: LoadedModel, make_engine, monkeypatch) -> None:
+    """A sampled row with no finite logits cannot pick a token: that request ends with an error (counted
+    as finish "error"); its batch-mates, here a greedy one, carry on to the same answer as alone."""
+    engine = make_engine(max_batch=8, start=False)
+    ids = chat_ids(tiny, QUESTIONS[1])
+    greedy = GenerationRequest(ids, max_tokens=10)
+    sampled = GenerationRequest(chat_ids(tiny, QUESTIONS[0]), max_tokens=10, sampling=SamplingParams(temperature=1.0, seed=3))
+    real = engine.model.decode
+
+    def nan_in_the_sampled_row(tokens, cache):
+        logits = real(tokens, cache)
+        if logits.shape[0] == 2:
+            logits[1] = float("nan")  # row 1: the sampled request (admitted second)
+        return logits
+
+    monkeypatch.setattr(engine.model, "decode", nan_in_the_sampled_row)
+    seqs = [engine.submit(greedy), engine.submit(sampled)]  # queued before start: admitted together, in order
+    engine.start()
+    deltas = [d async for d in seqs[0].deltas()]
+    with pytest.raises(ValueError, match="no finite logits"):
+        async for _ in seqs[1].deltas():
+            pass
+    monkeypatch.setattr(engine.model, "decode", real)
+    _, alone = await _run(engine, greedy)
+    assert deltas[-1].finish_reason == "length" and "".join(d.text for d in deltas) == alone
+    text = engine.stats.render("tiny-random")
+    assert 'local_backend_requests_total{model="tiny-random",finish_reason="error"} 1' in text
+    assert 'local_backend_requests_total{model="tiny-random",finish_reason="length"} 2' in text
+    assert await _eventually(lambda: engine.snapshot()["batch_size"] == 0)
+
+
+async def test_requests_failed_by_a_forward_pass_are_counted_as_errors(tiny: LoadedModel, make_engine, monkeypatch) -> None:
+    engine = make_engine(max_batch=8, start=False)
+    real = engine.model.decode
+    calls = {"n": 0}
+
+    def fails_once(tokens, cache):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated decode failure")
+        return real(tokens, cache)
+
+    monkeypatch.setattr(engine.model, "decode", fails_once)
+    seqs = [engine.submit(GenerationRequest(chat_ids(tiny, q), max_tokens=50, ignore_eos=True)) for q in QUESTIONS[:2]]
+    engine.start()  # both queued first: admitted together, so the failed pass is both of theirs
+    for seq in seqs:
+        with pytest.raises(RuntimeError, match="simulated decode failure"):
+            async for _ in seq.deltas():
+                pass
+    assert 'local_backend_requests_total{model="tiny-random",finish_reason="error"} 2' in engine.stats.render("tiny-random")

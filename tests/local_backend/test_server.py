@@ -288,3 +288,22 @@ async def test_a_request_without_sampling_fields_gets_the_servers_defaults(serve
     state.default_top_p = 1.0
     assert any([await text(seed=s) != expected for s in range(8)])
     assert await text(seed=0, temperature=0) == expected  # the request's own fields win
+
+
+async def test_a_vanishing_temperature_neither_fails_nor_breaks_other_callers_streams(server: RunningServer) -> None:
+    """The review's repro: temperature 1e-45 (valid per the API) made sampling raise inside the batch step,
+    which failed every running stream with an in-band error and the caller with a 500."""
+    victim_body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "max_tokens": 1500, "ignore_eos": True, "stream": True})
+    events: list[dict[str, object]] = []
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{server.base_url}/chat/completions", data=victim_body) as victim:
+            await victim.content.readline()  # the victim is decoding
+            body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "max_tokens": 5, "temperature": 1e-45})
+            status, payload, _ = await _post(f"{server.base_url}/chat/completions", body)
+            async for line in victim.content:
+                if line.startswith(b"data: {"):
+                    events.append(orjson.loads(line[6:]))
+    assert status == 200, payload
+    assert payload["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
+    assert not any("error" in e for e in events)
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]] == ["length"]  # type: ignore[index]
