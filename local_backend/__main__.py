@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
     serve.add_argument("--served-name", default=None, help="the model id clients send (default: the model name)")
     serve.add_argument("--default-max-tokens", type=int, default=512, help="chat max_tokens when the request sets none")
+    serve.add_argument("--max-tokens-cap", type=_positive_int, default=2048,
+                       help="the most tokens one request generates: a larger max_tokens is clamped to it (finish_reason length)")
     serve.add_argument(
         "--default-temperature",
         type=_temperature,
@@ -179,6 +181,7 @@ async def _serve(args: argparse.Namespace) -> int:
     state = BackendState(
         served_name=args.served_name or _served_name(args.model),
         default_max_tokens=args.default_max_tokens,
+        max_tokens_cap=args.max_tokens_cap,
         default_temperature=defaults.temperature,
         default_top_p=defaults.top_p,
     )

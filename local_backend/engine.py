@@ -213,25 +213,42 @@ class Engine:
         return min(self.context_length, len(request.prompt_ids) + max(0, request.max_tokens))
 
     def _take_waiting(self) -> list[Sequence]:
-        """Pop waiting requests, in order, that fit the batch, the KV cache's budget (with the running
-        ones at their limits) and this step's prefill budget (at least one prompt's worth)."""
+        """Pop waiting requests that fit the batch, the KV cache's budget (with the running ones at their
+        limits) and this step's prefill budget (at least one prompt's worth), oldest first.
+
+        One that does not fit the KV budget yet does not hold up smaller ones behind it: they go ahead
+        while they fit, but at most ``max_batch`` of them overtake it; after that nothing behind it is
+        admitted until running sequences finish and it fits (submit refused any that never could), so
+        it is never starved either.
+        """
         taken: list[Sequence] = []
         limits: list[int] = []
         budget = self.prefill_budget_tokens
+        passed: list[Sequence] = []  # waiting requests that did not fit, in order, left in the queue
+        kept: deque[Sequence] = deque()
         while self._waiting and len(self._active) + len(taken) < self.max_batch:
-            seq = self._waiting[0]
+            seq = self._waiting.popleft()
             if seq.cancelled:
-                self._waiting.popleft()
                 self._count_cancelled(1)
                 continue
             if taken and len(seq.request.prompt_ids) > budget:
+                kept.append(seq)
                 break
             limit = self._limit(seq.request)
             if not self._cache.fits(*limits, limit):
-                break  # it waits for running sequences to finish (submit refused any that could never fit)
+                kept.append(seq)
+                passed.append(seq)
+                continue
+            if any(earlier.overtaken >= self.max_batch for earlier in passed):
+                kept.append(seq)
+                break  # one ahead of it has been overtaken enough: the queue waits for it
+            for earlier in passed:
+                earlier.overtaken += 1
             budget -= len(seq.request.prompt_ids)
             limits.append(limit)
-            taken.append(self._waiting.popleft())
+            taken.append(seq)
+        kept.extend(self._waiting)
+        self._waiting = kept
         return taken
 
     def _count_cancelled(self, n: int) -> None:

@@ -73,6 +73,7 @@ class Sequence:
         self.request = request
         self.submitted_at = time.perf_counter()
         self.cancelled = False  # set on the loop thread, read by the engine thread (a plain bool is atomic)
+        self.overtaken = 0  # engine thread: later requests admitted ahead of this one while it did not fit
         self._loop = loop
         self._queue: asyncio.Queue[Delta | BaseException] = asyncio.Queue()
 

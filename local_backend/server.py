@@ -45,6 +45,10 @@ class BackendState:
     engine: Engine | None = None
     load_error: str | None = None
     default_max_tokens: int = 512
+    # The most tokens one request may generate; more is clamped (finish_reason "length" there). A request's
+    # prompt + max_tokens is what it reserves of the KV budget, so max_tokens=10**9 would hold the whole
+    # context and keep others waiting for the length of its answer.
+    max_tokens_cap: int = 2048
     default_temperature: float = 0.0  # for a request without temperature: see sampling_defaults()
     default_top_p: float = 1.0
     body_limit_bytes: int = 1 << 20
@@ -151,7 +155,7 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
     temperature = state.default_temperature if req.temperature is None else req.temperature
     top_p = state.default_top_p if req.top_p is None else req.top_p
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=req.seed)
-    limit = req.token_limit() or state.default_max_tokens
+    limit = min(req.token_limit() or state.default_max_tokens, state.max_tokens_cap)
     try:
         return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos))
     except QueueFull as exc:

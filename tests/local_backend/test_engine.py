@@ -255,3 +255,31 @@ async def test_requests_failed_by_a_forward_pass_are_counted_as_errors(tiny: Loa
             async for _ in seq.deltas():
                 pass
     assert 'local_backend_requests_total{model="tiny-random",finish_reason="error"} 2' in engine.stats.render("tiny-random")
+
+
+async def test_a_request_that_does_not_fit_yet_lets_smaller_ones_go_ahead_a_bounded_number_of_times(
+    tiny: LoadedModel, make_engine
+) -> None:
+    """The KV budget (1 MB: 2,048 tiny positions) holds a running answer A (~256 positions) with small
+    requests, but not A with B (~1,030 positions: every row is priced at the largest, 2 x 2,048). Strictly
+    FIFO, B kept every small request behind it waiting for A to finish. Now small ones overtake B, but at
+    most max_batch (4) of them: the fifth and sixth wait behind B, so B is not starved either."""
+    engine = make_engine(max_batch=4, kv_cache_mb=1)
+    ids = chat_ids(tiny, "Hi")
+    order: list[str] = []
+
+    async def run(name: str, deltas) -> None:
+        async for _ in deltas:
+            pass
+        order.append(name)
+
+    a = engine.submit(GenerationRequest(ids, max_tokens=200, ignore_eos=True)).deltas()
+    await anext(a)  # A is decoding
+    tasks = [asyncio.create_task(run("A", a))]
+    big = engine.submit(GenerationRequest(ids, max_tokens=1000, ignore_eos=True))
+    tasks.append(asyncio.create_task(run("B", big.deltas())))
+    small = [engine.submit(GenerationRequest(ids, max_tokens=4, ignore_eos=True)) for _ in range(6)]
+    tasks += [asyncio.create_task(run(f"s{i}", seq.deltas())) for i, seq in enumerate(small, 1)]
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert sorted(order[:4]) == ["s1", "s2", "s3", "s4"], order  # they went ahead of B while A ran
+    assert order[4:6] == ["A", "B"] and sorted(order[6:]) == ["s5", "s6"], order  # then B's turn came

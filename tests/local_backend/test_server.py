@@ -307,3 +307,24 @@ async def test_a_vanishing_temperature_neither_fails_nor_breaks_other_callers_st
     assert payload["choices"][0]["finish_reason"] == "length"  # type: ignore[index]
     assert not any("error" in e for e in events)
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]] == ["length"]  # type: ignore[index]
+
+
+async def test_max_tokens_beyond_the_servers_cap_is_clamped(make_engine, serve) -> None:
+    """max_tokens=10**9 reserved the whole context's KV cache for the length of its answer (two such
+    requests kept every other caller waiting); the server clamps it to --max-tokens-cap."""
+    server = serve(make_engine(), max_tokens_cap=16, default_max_tokens=512)
+    for extra in ({"max_tokens": 10**9}, {"max_completion_tokens": 10**9}, {}):
+        body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "ignore_eos": True, **extra})
+        status, payload, _ = await _post(f"{server.base_url}/chat/completions", body)
+        assert status == 200, payload
+        assert payload["choices"][0]["finish_reason"] == "length" and payload["usage"]["completion_tokens"] == 16, extra  # type: ignore[index]
+    body = orjson.dumps({"model": "tiny-random", "prompt": "Once upon a time", "max_tokens": 10**9, "ignore_eos": True})
+    status, payload, _ = await _post(f"{server.base_url}/completions", body)
+    assert status == 200 and payload["usage"]["completion_tokens"] == 16  # type: ignore[index]
+
+
+def test_the_max_tokens_cap_flag_defaults_to_2048() -> None:
+    from local_backend.__main__ import _parser
+
+    assert _parser().parse_args(["serve"]).max_tokens_cap == 2048
+    assert _parser().parse_args(["serve", "--max-tokens-cap", "64"]).max_tokens_cap == 64
