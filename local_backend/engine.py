@@ -25,6 +25,7 @@ import torch
 
 from .llama import LeanLlama
 from .llama.prefix import PrefixCache
+from .prompts import longest_token_chars
 from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, Sequence, TooLong
 from .sampling import choose_tokens, make_generator
 from .stats import EngineStats, render_load
@@ -78,6 +79,7 @@ class Engine:
         self.model = model
         self.threads = threads  # CPU: each pass's thread count; None leaves torch's setting alone
         self.tokenizer = tokenizer
+        self.longest_token_chars = longest_token_chars(tokenizer)  # the server's length check before tokenizing
         self.device = model.device
         self.max_batch = max_batch
         self.max_queue = max_queue

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -93,6 +95,10 @@ def sampling_defaults(
 
 
 STATE = web.AppKey("state", BackendState)
+# Tokenization runs here, one prompt at a time: it bounds the memory prompts being tokenized hold, and
+# the tokenizer's split-special-tokens switch (used to encode control tokens in messages as text) is
+# state shared by every call, which concurrent calls would race on.
+TOKENIZER_THREAD = web.AppKey("tokenizer_thread", ThreadPoolExecutor)
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -209,6 +215,12 @@ async def _stream(
     return resp
 
 
+async def _tokenize(request: web.Request, encode: Callable[..., list[int]], engine: Engine, req: ChatRequest | CompletionRequest) -> list[int]:
+    """Run ``encode`` on the app's tokenizer thread, with the engine's pre-tokenization length check."""
+    call = functools.partial(encode, engine.tokenizer, req, max_chars=engine.longest_token_chars, context_length=engine.context_length)
+    return await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_THREAD], call)
+
+
 def _rid(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
@@ -221,7 +233,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     if refusal is not None:
         raise refusal
     engine = _engine_for(state, req.model)
-    ids = await asyncio.get_running_loop().run_in_executor(None, encode_chat, engine.tokenizer, req)
+    ids = await _tokenize(request, encode_chat, engine, req)
     seq = await _submit(state, engine, ids, req, "messages")
     rid, created, name = _rid("chatcmpl"), int(time.time()), state.served_name
     try:
@@ -255,7 +267,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_request(CompletionRequest, await _read_body(request, state.body_limit_bytes))
     engine = _engine_for(state, req.model)
-    ids = await asyncio.get_running_loop().run_in_executor(None, encode_completion, engine.tokenizer, req)
+    ids = await _tokenize(request, encode_completion, engine, req)
     seq = await _submit(state, engine, ids, req, "prompt")
     rid, created, name = _rid("cmpl"), int(time.time()), state.served_name
     try:
@@ -304,11 +316,19 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
 
+async def _tokenizer_thread(app: web.Application) -> AsyncIterator[None]:
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-backend-tokenize")
+    app[TOKENIZER_THREAD] = pool
+    yield
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def create_app(state: BackendState) -> web.Application:
     """The application; run it with ``handler_cancellation=True`` so a vanished client frees its slot."""
     # aiohttp's own body cap sits above ours so our check answers first, in OpenAI's shape.
     app = web.Application(middlewares=[_errors], client_max_size=state.body_limit_bytes + 1)
     app[STATE] = state
+    app.cleanup_ctx.append(_tokenizer_thread)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", list_models)
