@@ -49,6 +49,7 @@ class Metrics:
         self.lookup = {res: self.cache_lookups.labels(res) for res in ("hit", "miss", "bypass")}
         self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
         self.per_stage = {s: self.classifier_decisions.labels(s.value) for s in Stage}
+        self.access_log_drops = {r: self.access_log_dropped.labels(r) for r in ("queue_full", "write")}  # at 0 from the start
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
@@ -173,6 +174,10 @@ class Metrics:
         self.request_log_dropped = Counter(
             "gateway_request_log_dropped", "Request log entries dropped: queue_full (the writer is behind), store (a write failed), "
             "encode (an entry the writer could not make: a bug, logged)",
+            ["reason"], registry=r,
+        )
+        self.access_log_dropped = Counter(
+            "gateway_access_log_dropped", "Access log lines dropped: queue_full (stdout slow or stalled), write (stdout failed)",
             ["reason"], registry=r,
         )
 

@@ -8,13 +8,14 @@ upstream (`sent_at`), the upstream's headers (`headers_at`) and the first conten
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import logging
-import queue
+import os
 import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 import orjson
@@ -30,6 +31,13 @@ if TYPE_CHECKING:
 __all__ = ["AccessLog", "Observer", "parse_traceparent", "server_timing", "stages"]
 
 log = logging.getLogger("gateway.pipeline")
+
+# What a log line or a span keeps of a caller-sized value: the model asked for (a client may send
+# megabytes of it, each a cheap 404) as the request log keeps it (admin/entry.py), an error
+# (which may quote that model) and, with `log.prompts`, the prompt's JSON text.
+MODEL_CHARS = 200
+ERROR_CHARS = 300
+PROMPT_CHARS = 2000
 
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?")
 
@@ -104,6 +112,7 @@ class Observer:
             self._start_tracing(policy.tracing)
 
     def close(self) -> None:
+        """Write out the access log (for at most AccessLog.CLOSE_WAIT_S) and the batched spans."""
         if self._access is not None:
             self._access.close()  # writes what is queued
             self._access = None
@@ -154,7 +163,8 @@ class Observer:
     # ---- access log -----------------------------------------------------------------------------
 
     def _start_access_log(self) -> AccessLog:
-        self._access = AccessLog(sys.stdout)
+        drops = self.metrics.access_log_drops
+        self._access = AccessLog(sys.stdout, on_drop=lambda reason, n: drops[reason].inc(n))
         return self._access
 
     # ---- tracing --------------------------------------------------------------------------------
@@ -175,8 +185,9 @@ class Observer:
         now_ns = time.time_ns()
         end_ns = now_ns - int((time.perf_counter() - end) * 1e9)
         start_ns = end_ns - int((end - call.timing.t0) * 1e9)
+        model = call.model[:MODEL_CHARS]  # the caller's string: a span (and its batch queue) holds what is cut here
         attrs: dict[str, Any] = {
-            "gateway.request_id": call.request_id, "gateway.tenant": "" if call.tenant is None else call.tenant.name, "gen_ai.request.model": call.model,
+            "gateway.request_id": call.request_id, "gateway.tenant": "" if call.tenant is None else call.tenant.name, "gen_ai.request.model": model,
             "gateway.class": call.cls, "gateway.backend": call.out.backend or "", "gateway.cache": call.cache.result,
             "http.response.status_code": call.out.status, "gateway.stream": call.stream,
         }  # fmt: skip
@@ -190,33 +201,59 @@ class Observer:
                 attrs[f"gen_ai.usage.{key}"] = usage[key]
         # The caller's span (from its traceparent) as the parent of the gateway's, else a new trace.
         context = None if call.asked.trace_parent is None else self._otel.parent(*call.asked.trace_parent)
-        span = self._tracer.start_span(f"{call.endpoint.name} {call.model}", context=context, start_time=start_ns, attributes=attrs)
+        span = self._tracer.start_span(f"{call.endpoint.name} {model}", context=context, start_time=start_ns, attributes=attrs)
         if call.out.status >= 500:
-            span.set_status(self._otel.error(call.out.error or ""))
+            span.set_status(self._otel.error((call.out.error or "")[:ERROR_CHARS]))
         span.end(end_time=end_ns)
+
+
+# Writes of at most PIPE_BUF bytes to a pipe are atomic (POSIX; 4096 on Linux): with
+# `--workers N` on one stdout pipe, a batch of whole lines never interleaves with another worker's.
+_PIPE_BUF = 4096
 
 
 class AccessLog:
     """One JSON line per request on `out`, written by a thread in batches: a slow pipe never
-    stalls the event loop, and a request costs a queue put, not a logging record and a thread
-    wake-up (the queue is unbounded; a line is a few hundred bytes)."""
+    stalls the event loop, and a request costs a deque append, not a logging record and a thread
+    wake-up.
+
+    Bounded: at most `max_queued` lines wait (each cut to a few hundred bytes by `_line`); past
+    that, while stdout is slow or stalled, lines are dropped and counted (`on_drop("queue_full",
+    n)`; `"write"`: stdout failed). A real file descriptor is written with os.write in chunks of
+    whole lines of at most _PIPE_BUF bytes (a longer line goes alone), bypassing sys.stdout's
+    buffer, which would cut lines at its 8 KiB boundaries."""
 
     _EVERY_S = 0.05  # how often the writer wakes up to write what came
+    MAX_QUEUED = 8192  # lines: a few MiB, and 160k requests/s between two wake-ups
+    CLOSE_WAIT_S = 2.0  # what close() waits for a stalled stdout: within the supervisor's 5 s after the drain
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, on_drop: Callable[[str, int], None] | None = None, max_queued: int = MAX_QUEUED) -> None:
         self._out = out
-        self._q: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._fd = _fileno(out)
+        self._on_drop = on_drop
+        self._max = max_queued
+        # deque: append and popleft are atomic under the GIL, len() is O(1) (SimpleQueue has no bound)
+        self._q: collections.deque[bytes] = collections.deque()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gateway-access-log", daemon=True)
         self._thread.start()
 
     def write(self, line: bytes) -> None:
-        self._q.put(line)
+        """Queue one line (without its newline); dropped and counted when `max_queued` wait."""
+        if len(self._q) < self._max:
+            self._q.append(line)
+        elif self._on_drop is not None:
+            self._on_drop("queue_full", 1)
 
-    def close(self) -> None:
-        """Write what is queued and stop the writer."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Write what is queued and stop the writer, waiting at most `wait_s`: a stdout that
+        nobody reads must not hold the shutdown (the daemon thread dies with the process)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(wait_s)
+        if self._thread.is_alive():
+            logging.getLogger("gateway").warning(
+                "access log: stdout did not take its last lines within %.1f s; %d not written", wait_s, len(self._q)
+            )
 
     def _run(self) -> None:
         while not self._stop.wait(self._EVERY_S):
@@ -224,17 +261,39 @@ class AccessLog:
         self._flush()
 
     def _flush(self) -> None:
-        lines: list[bytes] = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                lines.append(self._q.get_nowait())
-        if lines:
-            lines.append(b"")
-            try:
-                self._out.write(b"\n".join(lines).decode())
+        q = self._q
+        while q:
+            batch = [q.popleft()]
+            size = len(batch[0]) + 1
+            while q and size + len(q[0]) + 1 <= _PIPE_BUF:
+                line = q.popleft()
+                batch.append(line)
+                size += len(line) + 1
+            batch.append(b"")
+            self._emit(b"\n".join(batch), len(batch) - 1)
+
+    def _emit(self, data: bytes, lines: int) -> None:
+        try:
+            if self._fd is None:  # a stream without a descriptor (a test's capture)
+                self._out.write(data.decode())
                 self._out.flush()
-            except (OSError, ValueError):  # stdout closed or gone: the lines are dropped, not the gateway
-                pass
+                return
+            view = memoryview(data)
+            while view:  # one write unless a line is longer than _PIPE_BUF
+                view = view[os.write(self._fd, view):]
+        except (OSError, ValueError):  # stdout closed or gone: the lines are dropped, not the gateway
+            if self._on_drop is not None:
+                self._on_drop("write", lines)
+
+
+def _fileno(out: TextIO) -> int | None:
+    """The descriptor under `out` (its buffer flushed first), or None when it has none."""
+    try:
+        fd = out.fileno()
+        out.flush()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        return None
+    return fd
 
 
 _STAGE_KEYS = {name: f"{name}_ms" for name in STAGES}  # the access log's field per stage (stages() names only these)
@@ -247,7 +306,7 @@ def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
         "request_id": call.request_id,
         "tenant": None if call.tenant is None else call.tenant.name,
         "endpoint": call.endpoint.name,
-        "model": call.model,
+        "model": call.model[:MODEL_CHARS],  # the caller's string: a line stays a few hundred bytes
         "class": call.cls,
         "class_stage": None if call.cls == "none" or call.verdict is None else call.verdict.stage,  # what decided it
         "backend": call.out.backend,
@@ -266,8 +325,20 @@ def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
     if call.out.affinity is not None:
         line["affinity"] = call.out.affinity.view()
     if call.out.error:
-        line["error"] = call.out.error[:300]
+        line["error"] = call.out.error[:ERROR_CHARS]
     if rt.policy.log.prompts:
         body = call.body
-        line["prompt"] = body.get("messages", body.get("prompt", body.get("input")))
+        _cut_prompt(line, body.get("messages", body.get("prompt", body.get("input"))))
     return orjson.dumps(line, default=str)
+
+
+def _cut_prompt(line: dict[str, Any], prompt: Any) -> None:
+    """The prompt as sent, or its JSON text cut to PROMPT_CHARS (and `prompt_truncated`)."""
+    if isinstance(prompt, str) and len(prompt) <= PROMPT_CHARS:
+        line["prompt"] = prompt
+        return
+    text = prompt if isinstance(prompt, str) else orjson.dumps(prompt, default=str).decode()
+    if len(text) <= PROMPT_CHARS:
+        line["prompt"] = prompt
+    else:
+        line["prompt"], line["prompt_truncated"] = text[:PROMPT_CHARS], True

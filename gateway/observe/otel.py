@@ -7,7 +7,7 @@ from typing import Any
 
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags, set_span_in_context
@@ -16,6 +16,11 @@ from ..config.policy import TracingPolicy
 
 __all__ = ["error", "parent", "provider"]
 
+# The longest string attribute a span keeps (the SDK cuts longer ones). The gateway cuts the
+# caller's strings itself (observer.MODEL_CHARS); this bounds any other, so the batch queue's
+# 2048 spans stay a few MiB whatever the callers send.
+MAX_ATTRIBUTE_CHARS = 512
+
 
 def provider(tp: TracingPolicy) -> TracerProvider:
     """A tracer provider exporting over OTLP/HTTP, sampling as the policy says."""
@@ -23,6 +28,7 @@ def provider(tp: TracingPolicy) -> TracerProvider:
         # A caller's traceparent decides for its own trace (its sampled flag); sample_ratio for the rest.
         resource=Resource.create({"service.name": tp.service_name}),
         sampler=ParentBased(TraceIdRatioBased(tp.sample_ratio)),
+        span_limits=SpanLimits(max_attribute_length=MAX_ATTRIBUTE_CHARS),
     )
     out.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=tp.otlp_endpoint)))
     return out
