@@ -50,6 +50,7 @@ class Metrics:
         self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
         self.per_stage = {s: self.classifier_decisions.labels(s.value) for s in Stage}
         self.access_log_drops = {r: self.access_log_dropped.labels(r) for r in ("queue_full", "write")}  # at 0 from the start
+        self.backend_names: frozenset[str] | None = None  # the runtime's, at the last refresh_gauges (None: all)
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
         self._backends: dict[str, BackendMetrics] = {}
         self._durations: dict[str, Any] = {}
@@ -256,18 +257,41 @@ class Metrics:
         return bm
 
     def exposition(self) -> bytes:
-        """The text /metrics serves; all workers' values when running multi-process."""
+        """The text /metrics serves; all workers' values when running multi-process. The live
+        gauges of a backend that a reload removed are left out (`backend_names`)."""
+        source: Any = self.registry
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            merged = CollectorRegistry()
-            multiprocess.MultiProcessCollector(merged)
-            return generate_latest(merged)
-        return generate_latest(self.registry)
+            source = CollectorRegistry()
+            multiprocess.MultiProcessCollector(source)
+        return generate_latest(_InForce(source, self.backend_names))
+
+
+# Gauges of a backend's live state: a backend no longer in the policy has none. Filtered out at
+# exposition rather than removed: prometheus_client cannot remove a series from the multiprocess
+# mmap files, and a backend added back must keep counting on the same child.
+_BACKEND_GAUGES = ("gateway_backend_inflight", "gateway_backend_healthy", "gateway_backend_ttft_p95_seconds")
+
+
+class _InForce:
+    """A collector view of `source` without the backend gauges of backends not in `names`."""
+
+    def __init__(self, source: Any, names: frozenset[str] | None) -> None:
+        self._source, self._names = source, names
+
+    def collect(self) -> Any:
+        names = self._names
+        for family in self._source.collect():
+            if names is not None and family.name in _BACKEND_GAUGES:
+                family.samples = [s for s in family.samples if s.labels.get("backend") in names]
+            yield family
 
 
 def refresh_gauges(m: Metrics, rt: "Runtime", admission: "Admission") -> None:
-    """Set the gauges that mirror live state (queues, in flight, health, live TTFT P95). Called on
-    every scrape, and every second in each worker of `--workers N` (a scrape reaches one worker,
-    but /metrics shows all of them)."""
+    """Set the gauges that mirror live state (queues, in flight, health, live TTFT P95), for the
+    backends of `rt` (the runtime in force: those of backends it no longer has leave /metrics).
+    Called on every scrape, and every second in each worker of `--workers N` (a scrape reaches
+    one worker, but /metrics shows all of them)."""
+    m.backend_names = frozenset(rt.backends)
     depth = dict(admission.gate.queue.sizes)
     for b in rt.backends.values():
         for band, n in b.slots.queue.sizes.items():
