@@ -839,6 +839,18 @@ def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
             if digest in seen and seen[digest] != tname:
                 problems.append((("tenants", tname, "key_sha256", i), f"key also belongs to tenant {seen[digest]!r}"))
             seen[digest] = tname
+    # Tenants that name the same `cache_namespace` share answers and stored Responses on purpose;
+    # naming another tenant's own (`tenant:<name>`, which it never opted into) would share its.
+    own = {f"tenant:{t}": str(t) for t, tenant in tenants.items() if not _as_dict(tenant).get("cache_namespace")}
+    for tname, tenant in tenants.items():
+        ns = str(_as_dict(tenant).get("cache_namespace"))
+        other = own.get(ns)
+        if other is not None and other != str(tname):
+            problems.append((
+                ("tenants", tname, "cache_namespace"),
+                f"{ns!r} is the default namespace of tenant {other!r}: tenant {tname!r} would share its cached answers "
+                f"and stored Responses without {other!r} opting in; to share, give both tenants the same `cache_namespace`",
+            ))  # fmt: skip
     ports: dict[str, str] = {}
     for bname, backend in backends.items():
         b = _as_dict(backend)
