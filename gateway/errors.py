@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 __all__ = [
+    "shown",
     "GatewayError",
     "BadRequest",
     "PayloadTooLarge",
@@ -28,6 +29,12 @@ __all__ = [
     "AllBackendsFailed",
     "InternalError",
 ]
+
+
+def shown(value: str, limit: int = 200) -> str:
+    """A caller's value as an error message quotes it: its repr, cut to `limit` characters (a
+    megabyte model name must not come back as a megabyte error)."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"... ({len(value)} characters)"
 
 
 class GatewayError(Exception):

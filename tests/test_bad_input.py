@@ -206,3 +206,17 @@ async def test_odd_bodies_never_crash_the_gateway(upstream, gateway):
                     assert set(orjson.loads(raw)["error"]) == {"message", "type", "param", "code"}
             async with http.post(gw.url + "/v1/route/explain", json=odd()) as r:
                 assert r.status in (200, 400, 404), (r.status, await r.text())
+
+
+@pytest.mark.parametrize("allowed", [None, ["gpt-test"]])
+async def test_a_huge_model_name_comes_back_cut_in_the_error(upstream, gateway, allowed):
+    """404 (no such model) or 403 (not the tenant's): the message quotes the name, cut."""
+    up = await upstream("a")
+    gw = await gateway(_tenant_policy(up, **({} if allowed is None else {"models": allowed})))
+    model = "m" * 1_000_000
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": model, "messages": MSG},
+                             headers={"Authorization": "Bearer sk-acme"}) as r:
+            raw = await r.read()
+    assert r.status == (404 if allowed is None else 403) and len(raw) < 1000
+    assert "(1000000 characters)" in orjson.loads(raw)["error"]["message"]

@@ -20,7 +20,7 @@ from ..cache.core import Cache, cache_key, cacheable_request
 from ..classify.cascade import LEXICAL_ONLY, Cascade, EncoderWorker, band_for
 from ..classify.classifier import DEFAULT_WEIGHTS, Classifier, Rules, Verdict
 from ..classify.encoder_meta import meta_of
-from ..errors import BadRequest, ModelNotFound
+from ..errors import BadRequest, ModelNotFound, shown
 from ..pipeline.call import CacheResult, Call
 from ..responses.affinity import Affinity
 from ..routing.affinity import PrefixMap
@@ -133,7 +133,7 @@ class Route:
         p = pair[0] if cls == "simple" else pair[1]
         if p is None:
             raise BadRequest(
-                f"the model {self.model!r} is not served on /v1{ENDPOINTS[endpoint].path}: "
+                f"the model {shown(self.model)} is not served on /v1{ENDPOINTS[endpoint].path}: "
                 f"no backend of its route lists {endpoint!r} in its `endpoints`",
                 param="model",
                 code="unsupported_endpoint",
@@ -367,7 +367,7 @@ class Runtime:
     def route(self, model: str) -> Route:
         route = self.routes.get(model)
         if route is None:
-            raise ModelNotFound(f"the model {model!r} does not exist", param="model")
+            raise ModelNotFound(f"the model {shown(model)} does not exist", param="model")
         return route
 
 

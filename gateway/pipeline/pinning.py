@@ -22,7 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config.runtime import Route, Runtime
-from ..errors import AllBackendsFailed, BadRequest, GatewayError, NotFound, RateLimited, Unavailable, UpstreamError
+from ..errors import AllBackendsFailed, BadRequest, GatewayError, NotFound, RateLimited, Unavailable, UpstreamError, shown
 from ..responses.affinity import Holder
 from ..routing.backends import Backend
 from ..wire.codec import Endpoint
@@ -152,7 +152,7 @@ def _narrowed(call: Call, route: Route, rt: Runtime, field: str, rid: str, holde
                        param=field, code=call.endpoint.missing_code(field))
     if backend not in serving(route, call.endpoint):
         raise BadRequest(
-            f"{what} is held by backend {backend.name!r}, which does not serve model {call.model!r} on /v1{call.endpoint.path}: "
+            f"{what} is held by backend {backend.name!r}, which does not serve model {shown(call.model)} on /v1{call.endpoint.path}: "
             "send the follow-up with a model routed to that backend",
             param="model", code="response_backend_mismatch",
         )

@@ -24,7 +24,7 @@ import orjson
 from aiohttp import web
 
 from ..config.runtime import Runtime
-from ..errors import BadRequest, GatewayError, NotFound, UpstreamError
+from ..errors import BadRequest, GatewayError, NotFound, UpstreamError, shown
 from ..pipeline.pinning import not_yours, serving, usable_or_raise
 from ..routing.backends import Backend
 from ..tenants.auth import Tenant
@@ -98,7 +98,7 @@ def _conversation_backend(rt: Runtime, tenant: Tenant, model: str | None) -> Bac
         rt.tenants.authorize(tenant, model)
         candidates = serving(rt.route(model), RESPONSES)
         if not candidates:
-            raise BadRequest(f"no backend of model {model!r} serves the Responses API", param="model", code="unsupported_endpoint")
+            raise BadRequest(f"no backend of model {shown(model)} serves the Responses API", param="model", code="unsupported_endpoint")
     else:
         candidates = []
         for name, route in rt.routes.items():

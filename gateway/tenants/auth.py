@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Protocol
 
 from ..config.policy import CacheOverride, Policy
-from ..errors import Forbidden, Unauthorized
+from ..errors import Forbidden, Unauthorized, shown
 
 __all__ = [
     "Role",
@@ -237,7 +237,7 @@ class Tenants:
 
     def authorize(self, tenant: Tenant, model: str) -> None:
         if not tenant.may_use(model):
-            raise Forbidden(f"tenant {tenant.name!r} may not use model {model!r}", param="model")
+            raise Forbidden(f"tenant {tenant.name!r} may not use model {shown(model)}", param="model")
 
     def is_admin(self, api_key: str | None, *, loopback: bool = True) -> bool:
         """Admin endpoints need an admin key. A policy that lists none leaves them open only in
