@@ -4,7 +4,13 @@ Entries are ordered by the time a request ended (microseconds since the epoch: t
 first when read. A page is read from a cursor (`before`: the score of the last entry seen) and
 filtered by tenant (an index of its own: a tenant's page never scans other tenants' entries),
 model and status (read in chunks and filtered; a page scans at most `_MAX_SCAN` entries, and its
-cursor then says where to go on). The log keeps its newest `size` entries.
+cursor then says where to go on).
+
+Bounded by `size` entries, fairly: a full log evicts the oldest entry of a tenant holding the most
+entries (among those holding as many, the oldest of theirs), so a tenant that floods the log
+(requests for unknown models, 429s from its own quota: each is logged) evicts its own entries, not
+the others' recent history; a tenant holding fewer than `size` / N entries (N: the tenants in the
+log) loses none. Where tenants hold as many, that is the log's oldest entry, as a plain bound.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ __all__ = ["Filter", "Page", "LogStore", "MemoryLogStore", "RedisLogStore"]
 
 _MAX_SCAN = 20_000  # entries one page may read past while filtering (bounded work per request)
 _CHUNK = 500
+_PART, _PART_BYTES = 256, 256 << 10  # a tenant's part grows to this by merging (a page merges every part)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,106 +81,292 @@ async def scan(store: LogStore, f: Filter, before: int | None = None, chunk: int
         before = int(page.next)
 
 
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    """One written batch, in score order: its entries in one blob (one allocation for the
-    allocator, not one per entry: many small long-lived objects pin the memory arenas that
-    each request's garbage goes to, and the process grows), its scores and ends in arrays."""
+class _Part:
+    """Entries of one tenant, in score order, in one blob (one allocation for the allocator, not one
+    per entry: many small long-lived objects pin the memory arenas that each request's garbage goes
+    to, and the process grows), their scores and ends in arrays. Those before `start` were evicted
+    (their bytes go with the part)."""
 
-    scores: array[int]
-    ends: array[int]  # where each entry ends in `blob`
-    tenants: tuple[str, ...]
-    blob: bytes
+    __slots__ = ("scores", "ends", "blob", "start")
+
+    def __init__(self, scores: array[int], ends: array[int], blob: bytes) -> None:
+        self.scores, self.ends, self.blob, self.start = scores, ends, blob, 0
+
+    @classmethod
+    def of(cls, rows: list[tuple[int, bytes]]) -> _Part:
+        """A part of (score, entry) rows in score order."""
+        scores, ends = array("q", (r[0] for r in rows)), array("q", accumulate(len(r[1]) for r in rows))
+        return cls(scores, ends, b"".join(r[1] for r in rows))
+
+    def __len__(self) -> int:
+        return len(self.scores) - self.start
 
     def entry(self, i: int) -> bytes:
         return self.blob[self.ends[i - 1] if i else 0 : self.ends[i]]
 
+    def compact(self) -> int:
+        """Let go of the evicted entries' bytes (a copy of the kept ones); the bytes freed."""
+        cut = self.ends[self.start - 1] if self.start else 0
+        if cut:
+            self.blob = self.blob[cut:]
+            self.ends = array("q", (e - cut for e in self.ends[self.start :]))
+            self.scores = self.scores[self.start :]
+            self.start = 0
+        return cut
+
+    def then(self, newer: _Part) -> _Part:
+        """This part's kept entries and then `newer`'s, in one part (merged in score order when
+        they overlap: the supervisor's workers' batches interleave)."""
+        a, cut = self.start, self.ends[self.start - 1] if self.start else 0
+        if newer.scores[0] < self.scores[-1]:
+            rows = [(self.scores[i], self.entry(i)) for i in range(a, len(self.scores))]
+            rows += [(newer.scores[i], newer.entry(i)) for i in range(len(newer.scores))]
+            return _Part.of(sorted(rows, key=lambda r: r[0]))
+        ends = self.ends[a:] if not cut else array("q", (e - cut for e in self.ends[a:]))
+        last = ends[-1]
+        ends.extend(e + last for e in newer.ends)
+        return _Part(self.scores[a:] + newer.scores, ends, self.blob[cut:] + newer.blob)
+
 
 class MemoryLogStore:
-    """The log in this process: the written batches in the order they came (each in time order;
-    several writers' batches may interleave), the oldest dropped whole once the newer ones hold
-    `size` entries or the log passes `max_bytes`."""
+    """The log in this process: each tenant's entries in parts, in the order they came (merged as
+    they come, up to `_PART` entries, so that a page merges few of them). Past `size` entries or
+    `max_bytes`, a tenant holding the most entries loses its first ones: in time order, as one
+    process writes (the supervisor's workers' batches interleave by up to a flush)."""
 
     def __init__(self, size: int, max_bytes: int = 64 << 20) -> None:
-        self.size = size
-        self.max_bytes = max_bytes
-        self._chunks: deque[_Chunk] = deque()
+        self._size, self._max_bytes = size, max_bytes
+        self._parts: dict[str, deque[_Part]] = {}
+        self._held: dict[str, int] = {}  # entries per tenant
+        self._levels: list[int] = []  # the distinct counts tenants hold, ascending
+        self._at: dict[int, dict[str, None]] = {}  # the tenants holding each count
         self._count = 0
-        self._bytes = 0
+        self._bytes = 0  # the parts' blobs: an evicted entry's bytes go with its part
+
+    @property
+    def size(self) -> int:
+        """Entries kept (a smaller one, from a reloaded policy, applies at once)."""
+        return self._size
+
+    @size.setter
+    def size(self, size: int) -> None:
+        self._size = size
+        self._trim()
+
+    @property
+    def max_bytes(self) -> int:
+        """The bytes of the entries kept."""
+        return self._max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._trim()
 
     def __len__(self) -> int:
-        return min(self._count, self.size)
+        return self._count
 
     async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
-        if not batch:
-            return
-        batch = sorted(batch, key=lambda b: b[0])
-        chunk = _Chunk(array("q", (b[0] for b in batch)), array("q", accumulate(len(b[2]) for b in batch)),
-                       tuple(b[1] for b in batch), b"".join(b[2] for b in batch))
-        self._chunks.append(chunk)
-        self._count += len(batch)
-        self._bytes += len(chunk.blob)
-        while len(self._chunks) > 1 and (self._count - len(self._chunks[0].scores) >= self.size or self._bytes > self.max_bytes):
-            old = self._chunks.popleft()
-            self._count -= len(old.scores)
-            self._bytes -= len(old.blob)
+        by_tenant: dict[str, list[tuple[int, bytes]]] = {}
+        for score, tenant, entry in batch:
+            by_tenant.setdefault(tenant, []).append((score, entry))
+        for tenant, rows in by_tenant.items():
+            rows.sort(key=lambda r: r[0])
+            part = _Part.of(rows)
+            self._bytes += len(part.blob)
+            parts = self._parts.setdefault(tenant, deque())
+            # Merged into the last part while that is no larger (an entry is copied at most
+            # log2(_PART) times) and both fit in a part: a tenant holds about n / _PART + log2(_PART).
+            while (parts and len(parts[-1]) <= len(part) and len(parts[-1]) + len(part) <= _PART
+                   and len(parts[-1].blob) + len(part.blob) <= _PART_BYTES):
+                last = parts.pop()
+                merged = last.then(part)
+                self._bytes += len(merged.blob) - len(last.blob) - len(part.blob)
+                part = merged
+            parts.append(part)
+            self._count += len(rows)
+            self._move(tenant, len(rows))
+        self._trim()
+
+    def _trim(self) -> None:
+        while self._count > self._size or (self._bytes > self._max_bytes and self._count > 1):
+            over = self._count - self._size
+            if over > 0:
+                self._evict(over, compact=False)  # an evicted entry's bytes go with its part
+            else:  # the bytes: as many entries as the bytes over hold, on average; then again
+                n = -(-(self._bytes - self._max_bytes) * self._count // self._bytes)
+                self._evict(min(self._count - 1, n), compact=True)
+
+    def _evict(self, n: int, compact: bool) -> None:
+        """Evict `n` entries as if one by one, each the first of a tenant holding the most: the
+        tenants on top come down together to the next count, level after level (O(tenants moved))."""
+        while n > 0:
+            level = self._levels[-1]
+            group = list(self._at[level])
+            floor = self._levels[-2] if len(self._levels) > 1 else 0
+            if n >= len(group) * (level - floor):
+                each, extra = level - floor, 0
+            else:  # they stop between: the one more each goes from those whose first entry is oldest
+                each, extra = divmod(n, len(group))
+                if extra:
+                    group.sort(key=self._first)
+            for i, tenant in enumerate(group):
+                k = each + (i < extra)
+                if k:
+                    self._drop(tenant, k, compact)
+                    n -= k
+
+    def _first(self, tenant: str) -> int:
+        part = self._parts[tenant][0]
+        return part.scores[part.start]
+
+    def _drop(self, tenant: str, k: int, compact: bool) -> None:
+        """Evict `tenant`'s first `k` entries (`compact`: and free their bytes now)."""
+        parts, left = self._parts[tenant], k
+        while left:
+            part = parts[0]
+            m = min(left, len(part))
+            part.start += m
+            left -= m
+            if not len(part):
+                parts.popleft()
+                self._bytes -= len(part.blob)
+        if compact and parts:
+            self._bytes -= parts[0].compact()
+        self._count -= k
+        self._move(tenant, -k)
+
+    def _move(self, tenant: str, by: int) -> None:
+        """`tenant` holds `by` entries more (or fewer): the counts stay sorted (O(log tenants))."""
+        held = self._held.get(tenant, 0)
+        if held:
+            at = self._at[held]
+            del at[tenant]
+            if not at:
+                del self._at[held], self._levels[bisect.bisect_left(self._levels, held)]
+        held += by
+        if held:
+            self._held[tenant] = held
+            if held not in self._at:
+                self._at[held] = {}
+                bisect.insort(self._levels, held)
+            self._at[held][tenant] = None
+        else:
+            del self._held[tenant], self._parts[tenant]
 
     async def page(self, f: Filter, limit: int, before: int | None) -> Page:
-        # The batches' entries merged newest first: one process writes its batches in time order,
-        # but the supervisor's log (admin/relayed.py) takes every worker's, and theirs interleave.
-        chunks = list(self._chunks)
-        heads: list[tuple[int, int, int]] = []  # (-score, chunk, index) of each chunk's next entry
-        seen = scanned = 0  # entries newer than this one (the log shows the newest `size`); entries read
-        for n, chunk in enumerate(chunks):
-            i = len(chunk.scores) if before is None else bisect.bisect_left(chunk.scores, before)
-            seen += len(chunk.scores) - i
-            if i:
-                heads.append((-chunk.scores[i - 1], n, i - 1))
+        # The parts' entries merged newest first (a tenant's page reads its own parts only): each
+        # part is in time order, several tenants' and the supervisor's workers' interleave.
+        if f.tenant is None:
+            parts = [p for ps in self._parts.values() for p in ps]
+        else:
+            parts = list(self._parts.get(f.tenant, ()))
+        heads: list[tuple[int, int, int]] = []  # (-score, part, index) of each part's next entry
+        for n, part in enumerate(parts):
+            i = len(part.scores) if before is None else bisect.bisect_left(part.scores, before, part.start)
+            if i > part.start:
+                heads.append((-part.scores[i - 1], n, i - 1))
         heapq.heapify(heads)
         out: list[dict[str, Any]] = []
+        scanned = 0
         while heads:
             neg, n, i = heads[0]
-            seen += 1
-            if seen > self.size:
-                return Page(out, None)
             if scanned >= _MAX_SCAN:
                 return Page(out, str(-neg + 1))  # the next page starts with this entry
             scanned += 1
-            chunk = chunks[n]
-            if i:
-                heapq.heapreplace(heads, (-chunk.scores[i - 1], n, i - 1))
+            part = parts[n]
+            if i > part.start:
+                heapq.heapreplace(heads, (-part.scores[i - 1], n, i - 1))
             else:
                 heapq.heappop(heads)
-            if f.tenant is not None and chunk.tenants[i] != f.tenant:
-                continue
-            e = decode(chunk.entry(i))
+            e = decode(part.entry(i))
             if f.keeps(e):
                 out.append(e)
                 if len(out) == limit:
-                    return Page(out, str(chunk.scores[i]))
+                    return Page(out, str(part.scores[i]))
         return Page(out, None)
 
     async def close(self) -> None:
         return None
 
 
-# Add a batch and keep the newest `size`; a tenant's index loses what the log lost. KEYS[1]: the
-# log, KEYS[2]: the tenant index prefix. ARGV[1]: size; ARGV[2]: the batch, one "score TAB tenant
-# TAB entry" line per entry (one argument: the gateway encodes one string, not three per entry;
-# JSON from orjson holds no raw tab or newline, a tenant name neither).
+# Add a batch, then evict past `size` fairly, as if one by one: the oldest entry of a tenant holding
+# the most (among equals, the one whose oldest is oldest), from its index and the log alike; the
+# tenants on top come down together to the next count, level after level. KEYS[1]: the log, KEYS[2]: the tenant index prefix,
+# KEYS[3]: the tenants by entries held (a sorted set: O(log n) to find the top one). ARGV[1]: size;
+# ARGV[2]: the batch, one "score TAB tenant TAB entry" line per entry (one argument: the gateway
+# encodes one string, not three per entry; JSON from orjson holds no raw tab or newline, a tenant
+# name neither). A tenant's count is set to its index's size wherever the index changed, so counts
+# heal where something else changed the index (a replica of an older version, which trimmed the
+# log oldest-first); a log without counts (written by an older version) is counted once, here.
 _APPEND = r"""
 local size = tonumber(ARGV[1])
+if redis.call('EXISTS', KEYS[3]) == 0 and redis.call('ZCARD', KEYS[1]) > 0 then
+  local found, start = {}, 0
+  while true do
+    local rows = redis.call('ZRANGE', KEYS[1], start, start + 999)
+    for _, raw in ipairs(rows) do
+      -- a row: [version, id, time, tenant, ...] (read without decoding it where plain); an object before
+      local t = string.match(raw, '^%[1,"[^"\\]*",[^,]*,"([^"\\]*)"')
+      if not t then
+        local ok, e = pcall(cjson.decode, raw)
+        t = ok and type(e) == 'table' and (e[4] or e.tenant)
+      end
+      found[type(t) == 'string' and t or ''] = true
+    end
+    if #rows < 1000 then break end
+    start = start + 1000
+  end
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
+  for t, _ in pairs(found) do
+    local idx = KEYS[2] .. t
+    redis.call('ZREMRANGEBYSCORE', idx, '-inf', '(' .. oldest)  -- what the log lost before
+    local held = redis.call('ZCARD', idx)
+    if held > 0 then redis.call('ZADD', KEYS[3], held, t) end
+  end
+end
 local touched = {}
 for score, tenant, entry in string.gmatch(ARGV[2], "(%d+)\t([^\t\n]*)\t([^\n]*)\n") do
   redis.call('ZADD', KEYS[1], score, entry)
   redis.call('ZADD', KEYS[2] .. tenant, score, entry)
   touched[tenant] = true
 end
-redis.call('ZREMRANGEBYRANK', KEYS[1], 0, -size - 1)
-local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2]
-if oldest then
-  for t, _ in pairs(touched) do
-    redis.call('ZREMRANGEBYSCORE', KEYS[2] .. t, '-inf', '(' .. oldest)
+for t, _ in pairs(touched) do
+  redis.call('ZADD', KEYS[3], redis.call('ZCARD', KEYS[2] .. t), t)
+end
+local excess = redis.call('ZCARD', KEYS[1]) - size
+while excess > 0 do
+  local top = redis.call('ZREVRANGE', KEYS[3], 0, 0, 'WITHSCORES')
+  if #top == 0 then  -- entries no count covers: oldest first
+    redis.call('ZREMRANGEBYRANK', KEYS[1], 0, excess - 1)
+    break
+  end
+  local level = tonumber(top[2])
+  local group = redis.call('ZRANGEBYSCORE', KEYS[3], level, level)
+  local below = redis.call('ZREVRANGEBYSCORE', KEYS[3], '(' .. level, '-inf', 'WITHSCORES', 'LIMIT', 0, 1)
+  local each, extra = level - tonumber(below[2] or 0), 0
+  if excess < #group * each then  -- they stop between: one more from those whose oldest is oldest
+    each, extra = math.floor(excess / #group), excess % #group
+    if extra > 0 then
+      local first = {}
+      for _, t in ipairs(group) do
+        first[t] = tonumber(redis.call('ZRANGE', KEYS[2] .. t, 0, 0, 'WITHSCORES')[2] or 0)
+      end
+      table.sort(group, function(a, b) return first[a] < first[b] or (first[a] == first[b] and a < b) end)
+    end
+  end
+  for i, t in ipairs(group) do
+    local n = each + (i <= extra and 1 or 0)
+    if n > 0 then
+      local idx = KEYS[2] .. t
+      local old = redis.call('ZRANGE', idx, 0, n - 1)
+      redis.call('ZREMRANGEBYRANK', idx, 0, n - 1)
+      for j = 1, #old, 1000 do
+        excess = excess - redis.call('ZREM', KEYS[1], unpack(old, j, math.min(j + 999, #old)))
+      end
+      local held = redis.call('ZCARD', idx)
+      if held > 0 then redis.call('ZADD', KEYS[3], held, t) else redis.call('ZREM', KEYS[3], t) end
+    end
   end
 end
 return 1
@@ -181,9 +374,10 @@ return 1
 
 
 class RedisLogStore:
-    """The log in Redis: `{prefix}{log}` (every entry) and `{prefix}{log}:t:{tenant}` (a tenant's):
-    one hash slot (the `{log}` tag), so the append script, which names the tenants' keys itself,
-    runs on a Cluster too (on one of its nodes: the log is bounded by `size`)."""
+    """The log in Redis: `{prefix}{log}` (every entry), `{prefix}{log}:t:{tenant}` (a tenant's) and
+    `{prefix}{log}:held` (each tenant's count of entries, for the eviction): one hash slot (the
+    `{log}` tag), so the append script, which names the tenants' keys itself, runs on a Cluster too
+    (on one of its nodes: the log is bounded by `size`)."""
 
     def __init__(
         self, url: str, size: int, *, prefix: str = "gateway:", timeout_s: float = 1.0, tls: StoreTlsPolicy | None = None
@@ -192,12 +386,13 @@ class RedisLogStore:
         self._redis: Any = connect(url, tls, timeout_s=timeout_s, max_connections=ADMIN_CONNECTIONS,
                                    name=f"gw-log-{os.getpid()}")
         self._timeout_s = timeout_s
-        self._log, self._by_tenant = f"{prefix}{{log}}", f"{prefix}{{log}}:t:"
+        self._log, self._by_tenant, self._held = f"{prefix}{{log}}", f"{prefix}{{log}}:t:", f"{prefix}{{log}}:held"
         self._append = self._redis.register_script(_APPEND)
 
     async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
         lines = b"".join(b"%d\t%s\t%s\n" % (score, tenant.encode(), entry) for score, tenant, entry in batch)
-        await self._call("write the request log", self._append(keys=[self._log, self._by_tenant], args=[self.size, lines]))
+        keys = [self._log, self._by_tenant, self._held]
+        await self._call("write the request log", self._append(keys=keys, args=[self.size, lines]))
 
     async def page(self, f: Filter, limit: int, before: int | None) -> Page:
         key = self._log if f.tenant is None else self._by_tenant + f.tenant
