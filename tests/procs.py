@@ -30,6 +30,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def both_workers(url: str, headers: dict[str, str], workers: int = 2) -> dict[str, Any]:
+    """/admin/backends once every worker of `gateway serve --workers N` answers on its control
+    socket (a reload needs every one)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 60
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(url + "/admin/backends", headers=headers) as r:
+                body = await r.json()
+            if len(body.get("workers", [])) == workers and all("backends" in w for w in body["workers"]):
+                return body
+            assert loop.time() < end, body
+            await asyncio.sleep(0.2)
+
+
 async def wait_http(url: str, timeout_s: float, status: int = 200) -> None:
     """Poll `url` until it answers `status`; AssertionError after `timeout_s`."""
     loop = asyncio.get_running_loop()

@@ -4,7 +4,6 @@ it is there again. Real gateways on loopback, fake upstreams."""
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 from typing import Any
 
@@ -12,7 +11,7 @@ import aiohttp
 import yaml
 
 from gateway.tenants.auth import hash_key
-from tests.procs import serve
+from tests.procs import both_workers, serve
 
 GAUGES = ("gateway_backend_healthy", "gateway_backend_inflight", "gateway_backend_ttft_p95_seconds")
 KEY = "sk-" + secrets.token_urlsafe(16)
@@ -78,20 +77,6 @@ async def test_a_reload_that_removes_a_backend_removes_its_gauges(upstream, gate
     assert await _scrape(gw.url, {}) == {g: {"a", "b"} for g in GAUGES}
 
 
-async def _both_workers(url: str, headers: dict[str, str]) -> None:
-    """Until both workers answer on their control sockets (a reload needs every one)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 60
-    async with aiohttp.ClientSession() as http:
-        while True:
-            async with http.get(url + "/admin/backends", headers=headers) as r:
-                body = await r.json()
-            if len(body.get("workers", [])) == 2 and all("backends" in w for w in body["workers"]):
-                return
-            assert loop.time() < end, body
-            await asyncio.sleep(0.2)
-
-
 async def test_two_workers_drop_a_removed_backends_gauges(upstream, tmp_path):
     a, b = await upstream("a", ttft_ms=5), await upstream("b", ttft_ms=5)
     auth = {"tenants": {"t": {"key_sha256": [hash_key(KEY)]}}, "admin": {"key_sha256": [hash_key(ADMIN)]}}
@@ -99,7 +84,7 @@ async def test_two_workers_drop_a_removed_backends_gauges(upstream, tmp_path):
     path.write_text(yaml.safe_dump(_policy(a, b, **auth)))
     adm = {"Authorization": f"Bearer {ADMIN}"}
     async with serve(path, tmp_path, "--workers", "2") as gw:
-        await _both_workers(gw.url, adm)
+        await both_workers(gw.url, adm)
         for i in range(8):  # fresh connections: SO_REUSEPORT spreads them over both workers
             await _ask(gw.url, ("m-a", "m-b")[i % 2], {"Authorization": f"Bearer {KEY}"})
         assert (await _scrape(gw.url, adm))["gateway_backend_healthy"] == {"a", "b"}

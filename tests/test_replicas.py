@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from tests.procs import free_port, redis_server, serve, wait_http
+from tests.procs import both_workers, free_port, redis_server, serve, wait_http
 
 KEY = "sk-" + secrets.token_urlsafe(24)
 ADMIN = "sk-" + secrets.token_urlsafe(24)
@@ -150,27 +150,13 @@ async def test_killing_one_replica_mid_stream_loses_only_its_own_streams(upstrea
             assert results[2:] == [full] * 4, results[2:]  # the others' streams finish whole
 
 
-async def _both_workers(url: str) -> dict[str, Any]:
-    """/admin/backends once both workers answer on their control sockets."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + 60
-    async with aiohttp.ClientSession() as http:
-        while True:
-            async with http.get(url + "/admin/backends", headers=ADM) as r:
-                body = await r.json()
-            if len(body.get("workers", [])) == 2 and all("backends" in w for w in body["workers"]):
-                return body
-            assert loop.time() < end, body
-            await asyncio.sleep(0.2)
-
-
 async def test_two_workers_reload_together_share_max_concurrency_and_drain_on_sigterm(upstream, tmp_path):
     up = await upstream("up", ttft_ms=30, itl_ms=40, tokens=10)
     policy = _policy(up.url, server={"drain_delay_ms": 1500, "shutdown_timeout_ms": 20000})
     path = tmp_path / "policy.yaml"
     path.write_text(yaml.safe_dump(policy))
     async with serve(path, tmp_path, "--workers", "2") as gw:
-        view = await _both_workers(gw.url)
+        view = await both_workers(gw.url, ADM)
         shares = sorted(w["backends"]["up"]["max_concurrency_this_worker"] for w in view["workers"])
         assert shares == [2, 2] and view["backends"]["up"]["max_concurrency"] == 4
         assert sorted(w["worker"] for w in view["workers"]) == [0, 1]
