@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from gateway.config.policy import PolicyError, parse_policy
+from gateway.config.policy import LaunchPolicy, PolicyError, parse_policy
 from gateway.errors import Unauthorized
 from gateway.tenants.auth import Tenants, key_warnings
 
@@ -104,6 +107,15 @@ def test_launched_backends_need_a_loopback_url():
         "    models: [gpt-4o-mini]\n", "    models: [gpt-4o-mini]\n    launch: {model: tiny-random}\n", 1
     ).replace("http://127.0.0.1:9001/v1/", "http://10.0.0.5:9001/v1")
     assert any("loopback" in p for p in _problems(text))
+
+
+def test_launch_settings_become_the_local_servers_flags():
+    assert LaunchPolicy(model="tiny-random").server_args() == ()
+    args = LaunchPolicy(model="tiny-random", kv_cache_mb=2048, max_tokens_cap=8192, kernel="avx2").server_args()
+    assert args == ("--kv-cache-mb", "2048", "--max-tokens-cap", "8192", "--kernel", "avx2")
+    out = subprocess.run(  # the flags exist in the real CLI
+        [sys.executable, "-m", "local_backend", "serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert all(flag in out.stdout for flag in args[::2])
 
 
 def test_the_shipped_policies_are_valid():

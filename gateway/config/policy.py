@@ -66,6 +66,9 @@ class LaunchPolicy(_Section):
     # The local server's memory (None: its defaults, 1024 and 256 MB) and its int8 kernel build on CPU.
     kv_cache_mb: int | None = Field(None, gt=0)
     prefix_cache_mb: int | None = Field(None, ge=0)
+    # The most tokens one answer may ask for (None: the server's 2048): a larger max_tokens is
+    # cut to it, so that one request cannot reserve the whole KV cache.
+    max_tokens_cap: int | None = Field(None, gt=0)
     kernel: Literal["auto", "avx512_vnni", "avx2"] = "auto"
     extra_args: tuple[str, ...] = ()
 
@@ -76,6 +79,8 @@ class LaunchPolicy(_Section):
             out += ["--kv-cache-mb", str(self.kv_cache_mb)]
         if self.prefix_cache_mb is not None:
             out += ["--prefix-cache-mb", str(self.prefix_cache_mb)]
+        if self.max_tokens_cap is not None:
+            out += ["--max-tokens-cap", str(self.max_tokens_cap)]
         if self.kernel != "auto":
             out += ["--kernel", self.kernel]
         return tuple(out)
