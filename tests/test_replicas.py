@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import secrets
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -224,3 +226,47 @@ async def test_two_workers_with_a_launched_local_model_answer_every_request_once
         assert await gw.stop() == 0
     log = gw.log.read_text()
     assert log.count("[local] started pid") == 1, "launched once, by the supervisor"
+
+
+@pytest.mark.slow
+async def test_a_reload_a_worker_rejects_leaves_the_launched_model_where_the_workers_route(tmp_path):
+    """The supervisor parses a policy; a worker checks more (here: an API key variable that is not
+    set). A policy that moves the launched model but that the workers reject must not move it."""
+    port, moved = free_port(), free_port()
+
+    def policy(at: int, extra: bool) -> dict[str, Any]:
+        p: dict[str, Any] = {
+            "version": 1,
+            "reload": {"watch": False},
+            "admin": {"key_sha256": [_sha(ADMIN)]},
+            "tenants": {"t": {"key_sha256": [_sha(KEY)]}},
+            "backends": {"local": {"url": f"http://127.0.0.1:{at}/v1", "models": ["tiny-random"],
+                                   "launch": {"model": "tiny-random", "quantize": "none", "threads": 1}}},
+        }
+        if extra:
+            p["backends"]["paid"] = {"url": "http://127.0.0.1:9/v1", "models": ["gpt-x"], "api_key_env": "GATEWAY_TEST_UNSET_KEY"}
+        return p
+
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(policy(port, False)))
+    os.environ.pop("GATEWAY_TEST_UNSET_KEY", None)
+    async with serve(path, tmp_path, "--workers", "2", ready="/readyz", wait_s=180) as gw:
+        await both_workers(gw.url, ADM)
+        for _ in range(120):  # readiness is one worker's view; answers from both prove the model is up
+            got = [(await _fresh_post(gw.url + "/v1/chat/completions", _chat("tiny-random", f"up {i}?", max_tokens=2)))[0]
+                   for i in range(4)]
+            if got == [200] * 4:
+                break
+            await asyncio.sleep(0.5)
+        path.write_text(yaml.safe_dump(policy(moved, True)))
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/admin/reload", headers=ADM) as r:
+                body = await r.json()
+        assert r.status == 400 and body["error"]["code"] == "invalid_policy", body
+        assert "GATEWAY_TEST_UNSET_KEY" in body["error"]["message"]
+        status, _, _ = await _fresh_post(gw.url + "/v1/chat/completions", _chat("tiny-random", "still there?", max_tokens=2))
+        assert status == 200
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", moved)) != 0  # never started where the workers do not route
+        assert await gw.stop() == 0
+    assert gw.log.read_text().count("[local] started pid") == 1

@@ -32,7 +32,7 @@ from aiohttp import web
 from prometheus_client import multiprocess
 
 from ..admin.relayed import SharedAdmin
-from ..config.policy import PolicyError, load_policy
+from ..config.policy import Policy, PolicyError, load_policy
 from ..config.reload import _digest, _stat
 from ..store.connect import warn_over_budget
 from ..web.app import create_app
@@ -370,27 +370,35 @@ class _Supervisor:
     def _launch_specs(self) -> list[tuple[str, str, Any]]:
         return [(name, b.url, b.launch) for name, b in self.policy.backends.items() if b.launch is not None]
 
-    async def _reload_self(self, trigger: str) -> dict[str, Any]:
-        try:
-            policy = await asyncio.to_thread(load_policy, self.path)
-        except (PolicyError, ValueError) as exc:
-            log.error("supervisor: policy reload (%s) rejected: %s", trigger, exc)
-            return {"ok": False, "error": str(exc)}
+    async def reload_all(self, trigger: str) -> dict[str, Any]:
+        """Reload every worker, then here: the launched models follow the new policy only when
+        no worker rejected it (a worker checks more than parsing: its API key variables, weights
+        files, store URL, open mode), so they never move to where the workers do not route."""
+        async with self._lock:
+            try:
+                policy: Policy | None = await asyncio.to_thread(load_policy, self.path)
+                own: dict[str, Any] = {"ok": True}
+            except (PolicyError, ValueError) as exc:
+                log.error("supervisor: policy reload (%s) rejected: %s", trigger, exc)
+                policy, own = None, {"ok": False, "error": str(exc)}
+            sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
+            results = await control.ask_all(sockets, "POST", "/reload", _FANOUT_TIMEOUT_S)
+            rejected = [r for r in results if not r.get("ok") and not r.get("unreachable")]
+            if policy is not None and rejected:
+                why = next((str(r["error"]) for r in rejected if r.get("error")), "a worker rejected it")
+                log.error("supervisor: policy reload (%s) rejected by a worker; launched models stay as they are: %s", trigger, why)
+                own = {"ok": False, "error": why}
+            elif policy is not None:
+                await self._apply(policy)
+        ok = bool(own["ok"]) and all(r.get("ok") for r in results)
+        return {"ok": ok, "supervisor": {"pid": os.getpid(), **own}, "workers": results}
+
+    async def _apply(self, policy: Policy) -> None:
         self.policy = policy
         self.generation += 1
         if self.admin is not None:
             self.admin.resize(policy.request_log.size, policy.request_log.memory_max_bytes)
         await self.children.reconcile(self._launch_specs())
-        return {"ok": True}
-
-    async def reload_all(self, trigger: str) -> dict[str, Any]:
-        """Reload here (the launched models follow the policy) and in every worker."""
-        async with self._lock:
-            own = await self._reload_self(trigger)
-            sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
-            results = await control.ask_all(sockets, "POST", "/reload", _FANOUT_TIMEOUT_S)
-        ok = bool(own["ok"]) and all(r.get("ok") for r in results)
-        return {"ok": ok, "supervisor": {"pid": os.getpid(), **own}, "workers": results}
 
     async def reload_everywhere(self, trigger: str) -> dict[str, Any]:
         """reload_all, then the other replicas on the same Redis (their answers included)."""
@@ -407,7 +415,8 @@ class _Supervisor:
         return {"workers": await control.ask_all(sockets, "GET", "/backends", _FANOUT_TIMEOUT_S)}
 
     async def _watch_file(self) -> None:
-        """Follow the policy file for the launched models (each worker watches it too)."""
+        """Follow the policy file: a change reloads every worker, then the launched models
+        (reload_all; the workers do not watch the file themselves)."""
         last, digest = _stat(self.path), _digest(self.path)
         while True:
             await asyncio.sleep(self.policy.reload.interval_ms / 1000)
@@ -419,5 +428,4 @@ class _Supervisor:
             last = now
             if now is not None and (d := _digest(self.path)) != digest:
                 digest = d
-                async with self._lock:
-                    await self._reload_self("file change")
+                await self.reload_all("file change")

@@ -344,7 +344,9 @@ async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
 async def _reload_watch(app: web.Application) -> AsyncIterator[None]:
     reloader = app[RELOADER]
     watcher = None
-    if reloader.path is not None and app[LIVE].runtime.policy.reload.watch:
+    # A worker of `serve --workers N` does not watch the file: its supervisor does, and reloads
+    # every worker, then its launched models, only where no worker rejects the policy.
+    if reloader.path is not None and app[LIVE].runtime.policy.reload.watch and app[WORKER] is None:
         watcher = asyncio.create_task(reloader.watch(app[LIVE].runtime.policy.reload.interval_ms / 1000))
     hup = reloader.install_sighup() if reloader.path is not None else False
     yield
