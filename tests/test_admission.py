@@ -236,3 +236,25 @@ async def test_a_queue_that_drains_below_the_target_sheds_nothing():
         assert await w
     g.release()
     assert g.used == 0
+
+
+async def test_the_starvation_guard_never_leaves_a_slot_idle_that_a_waiting_priority_request_may_take():
+    """Limit 10, 2 reserved for priority; lower bands hold their 8. When the guard's turn comes
+    round (every 10th dispatch) its lower band has no room: the freed slot goes to priority,
+    not nowhere (it once stayed free until a lower-band request ended)."""
+    from gateway.admission.gate import reserve_slots
+
+    g = Gate(10, starvation_share=0.1, reserve=reserve_slots(10, 20))
+    for band in ["priority"] * 2 + ["default"] * 8:
+        assert g.try_acquire(band)
+    lower = asyncio.create_task(g.acquire(30, Ticket("default", "b", 512)))
+    waiters = [asyncio.create_task(g.acquire(30, Ticket("priority", "a", 512))) for _ in range(12)]
+    await asyncio.sleep(0)
+    for step in range(12):  # a priority holder ends; its slot goes to the next priority waiter
+        g.release("priority")
+        await asyncio.sleep(0)
+        assert sum(w.done() for w in waiters) == step + 1, f"step {step}: a free slot idles while priority waits"
+    assert g.counter.inflight == 10 and not lower.done()
+    g.release("default")  # a lower-band slot frees: the lower waiter takes it
+    await asyncio.sleep(0)
+    assert lower.done()

@@ -98,9 +98,9 @@ class FairQueue:
             return max(waiting[1:], key=self._head_wait)
         return waiting[0]
 
-    def pop(self) -> Ticket | None:
-        """The next waiter to dispatch (None when nobody waits)."""
-        band = self.next_band()
+    def pop(self, band: str | None = None) -> Ticket | None:
+        """The next waiter to dispatch (None when nobody waits): of `band`, else of next_band()."""
+        band = band or self.next_band()
         if band is None:
             return None
         lower_waits = any(self.sizes[b] for b in BANDS[BANDS.index(self._top()) + 1 :])
@@ -129,6 +129,10 @@ class FairQueue:
             if sizes[b]:
                 return True
         return False
+
+    def top(self) -> str | None:
+        """The highest band that waits (None when nobody does)."""
+        return next((b for b in BANDS if self.sizes[b] > 0), None)
 
     def _top(self) -> str:
         return next(b for b in BANDS if self.sizes[b] > 0)
@@ -296,8 +300,8 @@ class Gate:
     def dispatch(self) -> None:
         """Hand free slots to waiters, as long as their band has room (also after the limit was
         raised, e.g. by a reload)."""
-        while (band := self.queue.next_band()) is not None and self._room(band, self.counter.inflight):
-            t = self.queue.pop()
+        while (band := self._dispatchable()) is not None:
+            t = self.queue.pop(band)
             if t is None:
                 return
             if t.fut is not None and not t.fut.done():
@@ -305,6 +309,19 @@ class Gate:
                 self._took(t.band)
                 t.fut.set_result(None)  # the slot passes to the waiter
                 self._standing(time.monotonic() - t.enqueued)
+
+    def _dispatchable(self) -> str | None:
+        """The band a free slot goes to now: the queue's choice when that band has room, else
+        (the starvation guard's lower band, held back by the priority reserve) the highest band
+        that waits, when it has room: a free slot never idles while a band that may take it waits."""
+        band = self.queue.next_band()
+        if band is None:
+            return None
+        inflight = self.counter.inflight
+        if self._room(band, inflight):
+            return band
+        top = self.queue.top()
+        return top if top is not None and top != band and self._room(top, inflight) else None
 
     def _standing(self, waited_s: float) -> None:
         """CoDel-style: a queue whose every dispatch waited over the target for a whole interval

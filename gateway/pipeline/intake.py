@@ -15,7 +15,11 @@ from ..tenants.priority import asked_band, cap
 from ..wire.openai_wire import parse_body
 from .call import Call
 
-__all__ = ["intake", "parse", "verdict_view"]
+__all__ = ["intake", "parse", "verdict_view", "DEFAULT_ANSWER_TOKENS"]
+
+# A request's answer tokens when it sets no limit and its tenant no quota (a quota's own
+# default_max_tokens is the same 1024).
+DEFAULT_ANSWER_TOKENS = 1024
 
 
 def parse(call: Call) -> None:
@@ -83,9 +87,17 @@ def _ticket(call: Call, rt: Runtime, tenant: Tenant) -> None:
         band_ms = getattr(rt.policy.admission.deadline_ms, band)
         if band_ms is not None:
             call.deadline = min(call.deadline, call.timing.t0_monotonic + band_ms / 1000)
-    max_tokens = call.max_output_tokens()
+    # What the answer may cost: without a limit, what the tenant's quota reserves for one (a
+    # request must not take a smaller share by leaving max_tokens out); `n` answers cost n times.
+    answer = call.max_output_tokens()
+    if answer is None:
+        tp = rt.policy.tenants.get(tenant.name)
+        answer = tp.quota.default_max_tokens if tp is not None and tp.quota is not None else DEFAULT_ANSWER_TOKENS
+    n = call.body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        answer *= n
     # A base per request, so tiny requests do not take many turns each (DRR shares tokens).
-    cost = 256 + call.prompt_tokens + (256 if max_tokens is None else max_tokens)
+    cost = 256 + call.prompt_tokens + answer
     call.ticket = Ticket(band, tenant.name, max(1, cost), rt.tenants.weight(tenant.name))
 
 
