@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Self
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -856,21 +857,43 @@ def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
                 f"{ns!r} is the default namespace of tenant {other!r}: tenant {tname!r} would share its cached answers "
                 f"and stored Responses without {other!r} opting in; to share, give both tenants the same `cache_namespace`",
             ))  # fmt: skip
-    ports: dict[str, str] = {}
+    ports: dict[int, str] = {}
     for bname, backend in backends.items():
         b = _as_dict(backend)
         url = b.get("url")
         if b.get("launch") is None or not isinstance(url, str):
             continue
-        url = url.rstrip("/")
-        if not re.match(r"^http://(127\.0\.0\.1|localhost|\[::1\]):\d+", url):
-            problems.append((("backends", bname, "url"), "a launched backend needs an explicit loopback host:port URL"))
-        if url in ports:
-            problems.append((("backends", bname, "url"), f"same URL as launched backend {ports[url]!r}"))
-        ports[url] = bname
+        port = _launch_port(url)
+        if port is None:
+            problems.append((
+                ("backends", bname, "url"),
+                "a launched backend needs an explicit loopback host:port URL (http://127.0.0.1:PORT/v1, or localhost, "
+                "[::1]; no user, query or fragment)",
+            ))  # fmt: skip
+            continue
+        # By port, not URL: every loopback name is this machine, so two children would collide.
+        if port in ports:
+            problems.append((("backends", bname, "url"), f"same port ({port}) as launched backend {ports[port]!r}"))
+        ports[port] = bname
     if _as_dict(data.get("server")).get("open_access") is True and tenants:
         problems.append((("server", "open_access"), "a policy with tenants is never open; remove `open_access`"))
     return problems
+
+
+def _launch_port(url: str) -> int | None:
+    """The port of a launched backend's URL, or None unless it is plain http on a loopback name
+    with an explicit port. Parsed as the launcher parses it (urlsplit), not matched as text: the
+    child listens on this URL's host, so `http://127.0.0.1:1@0.0.0.0:2/v1` (userinfo: the host is
+    0.0.0.0) must not pass."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or out of range
+        return None
+    plain = parts.scheme == "http" and "@" not in parts.netloc and not any(c in url for c in "?#")
+    if not plain or parts.hostname not in ("127.0.0.1", "localhost", "::1") or not port:
+        return None
+    return port
 
 
 def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | None:

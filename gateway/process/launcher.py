@@ -26,7 +26,7 @@ import aiohttp
 
 from ..config.policy import LaunchPolicy
 
-__all__ = ["ChildBackend", "Children", "LaunchError", "LaunchSpec", "LaunchState", "watch_launched"]
+__all__ = ["NOT_ANSWERING", "ChildBackend", "Children", "LaunchError", "LaunchSpec", "LaunchState", "watch_launched"]
 
 log = logging.getLogger("gateway.launcher")
 
@@ -36,6 +36,17 @@ _BACKOFF_START_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _STABLE_AFTER_S = 60.0  # a child that ran this long resets the restart backoff
 _TAIL_LINES = 20
+# Once ready, the child's /healthz is checked every _HEALTH_EVERY_S; after _HEALTH_FAILURES failed
+# checks in a row (no 200 within _HEALTH_TIMEOUT_S) it is killed and restarted: a hung engine
+# (alive, answering nothing) would otherwise hold its port for good. A hung child is caught within
+# about 12 s. No stricter: a kill cuts every request in flight, and a loaded but working server
+# answers at once (it serves /healthz from its event loop, the engine runs in a thread of its own).
+_HEALTH_EVERY_S = 1.0
+_HEALTH_TIMEOUT_S = 3.0
+_HEALTH_FAILURES = 3
+# Why a launched model that was up is not ready now while it still runs: the same words from the
+# launching process (which restarts it) and from a worker (which only sees its /healthz fail).
+NOT_ANSWERING = "the model stopped answering its health check (/healthz)"
 
 
 class LaunchError(RuntimeError):
@@ -117,7 +128,8 @@ class ChildBackend:
         self.name = name
         self.host = parts.hostname
         self.port = parts.port or 80
-        self.health_url = f"http://{self.host}:{self.port}/healthz"
+        # An IPv6 literal keeps its brackets in a URL (`http://::1:8001/` is no URL at all).
+        self.health_url = f"http://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}/healthz"
         self.startup_timeout_s = startup_timeout_s
         self.command = [
             python, "-m", "local_backend", "serve",
@@ -175,9 +187,10 @@ class ChildBackend:
 
     async def supervise(self, on_change: Callable[[LaunchState], None] = _ignore) -> None:
         """Run until cancelled or stopped: start the child unless it runs, and whenever a start
-        fails or the child dies, back off (exponentially, capped) and start it again, so a
-        backend whose port was taken comes up once it is free. `on_change` hears each change
-        (ready; or failed, why, and when the next try is)."""
+        fails, the child dies, or it stops answering /healthz (then it is killed), back off
+        (exponentially, capped) and start it again, so a backend whose port was taken comes up
+        once it is free. `on_change` hears each change (ready; or failed, why, and when the next
+        try is)."""
         backoff = _BACKOFF_START_S
         failures = 0
         while not self._stopping:
@@ -194,17 +207,27 @@ class ChildBackend:
             on_change(LaunchState(True))
             proc = self._proc
             assert proc is not None
-            code = await proc.wait()
+            hung = await self._until_exit_or_hung(proc)
             if self._stopping:
                 return
-            if self._pump is not None:  # its last lines explain the exit
-                await asyncio.wait({self._pump}, timeout=1.0)
             if time.monotonic() - self._started_at >= _STABLE_AFTER_S:
                 backoff, failures = _BACKOFF_START_S, 0
             failures += 1
-            log.warning("%s exited with code %s; restarting in %.1f s", self._prefix, code, backoff)
-            on_change(LaunchState(False, self._summary(f"exited with code {code}"), time.monotonic() + backoff, failures))
-            await asyncio.sleep(backoff)
+            retry_at = time.monotonic() + backoff
+            if hung:
+                log.warning(
+                    "%s pid %d failed %d health checks in a row (%s); killing it, restarting in %.1f s",
+                    self._prefix, proc.pid, _HEALTH_FAILURES, self.health_url, backoff,
+                )  # fmt: skip
+                # Not ready from now on, not once it is gone: a hung child may take the grace period.
+                on_change(LaunchState(False, NOT_ANSWERING, retry_at, failures))
+                await self._terminate()
+            else:
+                if self._pump is not None:  # its last lines explain the exit
+                    await asyncio.wait({self._pump}, timeout=1.0)
+                log.warning("%s exited with code %s; restarting in %.1f s", self._prefix, proc.returncode, backoff)
+                on_change(LaunchState(False, self._summary(f"exited with code {proc.returncode}"), retry_at, failures))
+            await asyncio.sleep(max(0.0, retry_at - time.monotonic()))
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def stop(self) -> None:
@@ -278,6 +301,25 @@ class ChildBackend:
                 if time.monotonic() >= deadline:
                     raise self._error(f"not healthy after {self.startup_timeout_s:.0f} s")
                 await asyncio.sleep(_POLL_INTERVAL_S)
+
+    async def _until_exit_or_hung(self, proc: asyncio.subprocess.Process) -> bool:
+        """Wait while the ready child runs: False once it exited, True once it failed
+        _HEALTH_FAILURES health checks in a row while still running (hung: the caller kills it)."""
+        exited = asyncio.ensure_future(proc.wait())
+        failed = 0
+        timeout = aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_S)
+        try:
+            async with aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()) as session:
+                while True:
+                    if (await asyncio.wait({exited}, timeout=_HEALTH_EVERY_S))[0]:
+                        return False
+                    # A child that exits meanwhile fails this check at once (its socket closes):
+                    # the next round's wait then sees the exit, so an exit is never taken for a hang.
+                    failed = 0 if await _healthy(session, self.health_url) else failed + 1
+                    if failed >= _HEALTH_FAILURES and proc.returncode is None:
+                        return True
+        finally:
+            exited.cancel()
 
     def _error(self, what: str) -> LaunchError:
         tail = "\n  ".join(self._tail) or "(no output)"
@@ -391,9 +433,11 @@ async def watch_launched(
     their /healthz (`backends()` yields name, base URL and a setter, read anew each round so it
     follows reloads). While one is not ready, `launch_states()` (the launching process's
     `Children.states()`, at most once a second; empty when it cannot answer) says why, e.g. a
-    failed start and its retry. Runs until cancelled."""
+    failed start and its retry, or a model that stopped answering and is being restarted.
+    Runs until cancelled."""
     failures: dict[str, int] = {}
     ready: dict[str, bool] = {}
+    was_up: set[str] = set()  # ready at some point: failing now is not "starting"
     known: Mapping[str, LaunchState] = {}
     asked_at = -math.inf
     timeout = aiohttp.ClientTimeout(total=2.0)
@@ -412,7 +456,17 @@ async def watch_launched(
                     log.info("backend %s: launched model %s", name, "ready" if now else "not ready")
                 ready[name] = now
                 theirs = known.get(name)
-                set_state(LaunchState(True) if now else (theirs if theirs is not None and not theirs.ready else LaunchState(False)))
+                if now:
+                    was_up.add(name)
+                    set_state(LaunchState(True))
+                elif theirs is not None and not theirs.ready:
+                    set_state(theirs)  # the launcher's word: starting, a failed start, a restart
+                elif name in was_up:
+                    # The launcher still counts it as up (its own checks are more lenient, as it
+                    # kills on them) or cannot say: this worker's polls fail, so say that.
+                    set_state(LaunchState(False, NOT_ANSWERING))
+                else:
+                    set_state(LaunchState(False))
             starting = any(not ready.get(name, False) for name, _, _ in current)
             await asyncio.sleep(_WATCH_STARTING_S if starting else _WATCH_READY_S)
 
