@@ -38,7 +38,7 @@ async def both_workers(url: str, headers: dict[str, str], workers: int = 2) -> d
     async with aiohttp.ClientSession() as http:
         while True:
             async with http.get(url + "/admin/backends", headers=headers) as r:
-                body = await r.json()
+                body: dict[str, Any] = await r.json()
             if len(body.get("workers", [])) == workers and all("backends" in w for w in body["workers"]):
                 return body
             assert loop.time() < end, body
