@@ -92,6 +92,10 @@ class Relay(Rescue, Hedging):
                     answered = await self.attempt(backend, live=None if last else route.routing, cold_s=cold_s)
                 if answered or self.progress.owner is not None:
                     return  # once an attempt owns the client, nothing else starts for this request
+                if answered is None:  # its last slot went to another request since free(): full after all
+                    tries.count -= 1
+                    full.append(backend)
+                    break
                 if not await self._retrying(backend):
                     break
         if tries.count == 0 and full and await self._queued(full, shed):

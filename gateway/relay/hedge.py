@@ -16,10 +16,11 @@ __all__ = ["Hedging"]
 class Hedging(RelayBase):
     __slots__ = ()
 
-    async def hedged(self, primary: Backend, others: Sequence[Backend], cold_s: float | None) -> bool:
+    async def hedged(self, primary: Backend, others: Sequence[Backend], cold_s: float | None) -> bool | None:
         """Run the primary; if its first token (a whole answer: the answer) is later than its
-        live P95, run the same request on the next best backend too. Whichever reaches the client first wins; the other is
-        cancelled.
+        live P95, run the same request on the next best backend too. Whichever reaches the
+        client first wins; the other is cancelled. None when the primary found no slot after all
+        (taken by another request before its task ran) and nothing was sent.
 
         Each attempt acquires and releases its own slot inside its task, so cancelling a task at
         any point (before its first step included) leaks nothing."""
@@ -57,4 +58,6 @@ class Hedging(RelayBase):
                 raise r
             if isinstance(r, BaseException) and not isinstance(r, (UpstreamRejected, asyncio.CancelledError)):
                 raise r  # a bug in an attempt: the pipeline's edge answers it
+        if len(results) == 1 and results[0] is None:
+            return None  # the primary's slot was taken before its task ran (attempt's None)
         return any(r is True for r in results)
