@@ -167,9 +167,10 @@ async def _readyz(http: aiohttp.ClientSession, url: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("workers", [1, 2])
 async def test_the_gateway_restarts_a_launched_model_that_stops_answering(fake: Path, workers: int) -> None:
-    """With the real intervals: /readyz turns 503 saying the model stopped answering its health
-    check (in one process never "starting"; a worker may see only the restart's new child
-    starting), the child is replaced, and /readyz is 200 again."""
+    """With the real intervals: the child is replaced and /readyz is 200 again. In one process
+    /readyz is 503 meanwhile, saying the model stopped answering its health check (never
+    "starting"); a worker may see only the restart's new child starting, or nothing when the
+    restart is quicker than its own polls."""
     port = free_port()
     policy = fake / "policy.yaml"
     policy.write_text(yaml.safe_dump(_policy(port)))
@@ -197,14 +198,16 @@ async def test_the_gateway_restarts_a_launched_model_that_stops_answering(fake: 
                 status, why = await _readyz(http, url)
                 if status != 200:
                     reasons.add(why)
-                elif reasons and len(_pids(fake)) == 2:
-                    break  # was down, is up again on a new child
+                elif (reasons or workers > 1) and len(_pids(fake)) == 2:
+                    # Up again on a new child. With workers, a restart quicker than their own
+                    # polls notice (the supervisor's 3 checks vs theirs) may never show as down.
+                    break
                 assert time.monotonic() < end, f"never down and up again: {reasons}\n{log.read_text()[-3000:]}"
                 await asyncio.sleep(0.1)
         down = {why for why in reasons if why.startswith(f"the backend could not be launched: {NOT_ANSWERING}; retrying")}
         if workers == 1:
             assert down and reasons == down, reasons
-        else:  # a worker may see only the supervisor's restart (its new child starting) in between
+        else:  # a worker may see only the supervisor's restart (its new child starting), or nothing
             assert reasons - down <= {"the backend is starting"}, reasons
         assert len(_pids(fake)) == 2 and not _alive(first)
     finally:
