@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import aiohttp
@@ -97,6 +97,20 @@ async def _until(cond: Callable[[], object], timeout_s: float, what: str) -> Non
         await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def _supervised(child: ChildBackend) -> AsyncIterator[list[LaunchState]]:
+    """The child supervised (its states, in order), once ready; stopped after."""
+    states: list[LaunchState] = []
+    task = asyncio.create_task(child.supervise(states.append))
+    try:
+        await _until(lambda: bool(states) and states[-1].ready, 20, "the child never became ready")
+        yield states
+    finally:
+        await child.stop()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_child_that_hangs_is_killed_and_restarted(fake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGSTOP: alive, its port open, nothing answered. The supervisor kills it (SIGTERM cannot
     reach a stopped process: SIGKILL after the grace) and starts a new one."""
@@ -104,10 +118,7 @@ async def test_a_child_that_hangs_is_killed_and_restarted(fake: Path, monkeypatc
     monkeypatch.setattr(launcher, "_HEALTH_TIMEOUT_S", 0.5)
     monkeypatch.setattr(launcher, "_STOP_GRACE_S", 1.0)
     child = _child(fake)
-    states: list[LaunchState] = []
-    task = asyncio.create_task(child.supervise(states.append))
-    try:
-        await _until(lambda: states and states[-1].ready, 20, "the child never became ready")
+    async with _supervised(child) as states:
         first = child.pid
         assert first is not None
         os.kill(first, signal.SIGSTOP)
@@ -116,29 +127,18 @@ async def test_a_child_that_hangs_is_killed_and_restarted(fake: Path, monkeypatc
         await _until(lambda: states[-1].ready and child.pid != first, 20, "a hung child was never restarted")
         assert not _alive(first)
         assert [s.ready for s in states] == [True, False, True]  # never "starting" in between
-    finally:
-        await child.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_a_child_that_answers_now_and_then_is_not_killed(fake: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Only failed checks in a row count: one that passes every other check keeps running."""
     monkeypatch.setattr(launcher, "_HEALTH_EVERY_S", 0.1)
     child = _child(fake)
-    states: list[LaunchState] = []
-    task = asyncio.create_task(child.supervise(states.append))
-    try:
-        await _until(lambda: states and states[-1].ready, 20, "the child never became ready")
+    async with _supervised(child) as states:
         first = child.pid
         assert first is not None
         (fake / "sick").write_text(f"{first} flaky")
         await asyncio.sleep(2.0)  # ~20 checks, half of them failed
         assert child.pid == first and _alive(first) and [s.ready for s in states] == [True]
-    finally:
-        await child.stop()
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_an_ipv6_loopback_child_becomes_ready(fake: Path) -> None:
