@@ -147,9 +147,10 @@ class Tracker:
         streamed=False with ok: the answer's TTFT is inferred as `seconds - completion_tokens * ITL`,
         so non-streamed traffic teaches the prediction too. Without the decode time (no completion
         count, or no inter-token time yet) the duration stands for it while the backend has only
-        answered whole; once streams have shown real TTFTs, such an answer teaches nothing. timeout=True marks a first-token (or
-        whole-answer) deadline: `seconds` is then a lower bound of the TTFT and raises the level,
-        so a stuck backend ranks last even though it never produced a sample.
+        answered whole; once streams have shown real TTFTs, such an answer teaches nothing.
+        timeout=True marks a first-token (or whole-answer) deadline: `seconds` is then a lower
+        bound of the TTFT and raises the level, so a stuck backend ranks last even though it never
+        produced a sample.
         """
         now = self.clock()
         self.duration.add(now, seconds)
