@@ -294,7 +294,7 @@ class Engine:
         row = self._cache.add_row(len(prompt), self._limit(req))
         start = 0
         if self.prefix is not None:  # at least the last token is computed: its logits pick the first token
-            start = self.prefix.load(self.prefix.match(prompt, len(prompt) - 1), self._cache, row)
+            start = self.prefix.load(self.prefix.match(prompt, len(prompt) - 1, req.cache_salt), self._cache, row)
         logits = self._run_prefill(prompt, row, start)
         self._active.append(slot)
         token = choose_tokens(logits[None], [req.sampling], [slot.generator])[0]
@@ -305,7 +305,7 @@ class Engine:
         self.stats.observe_tokens(1, decode_step=False)
         self._emit(slot, token)
         if self.prefix is not None:  # after the first token went out: the copy does not delay it
-            self.prefix.store(prompt, len(prompt), self._cache, row)
+            self.prefix.store(prompt, len(prompt), self._cache, row, salt=req.cache_salt)
             slot.prompt_stored = True
 
     def _run_prefill(self, ids: list[int], row: int, start: int) -> torch.Tensor:
@@ -421,7 +421,7 @@ class Engine:
         if self.prefix is None or not self.model.row_invariant or not slot.prompt_stored or slot.failed:
             return
         ids = slot.seq.request.prompt_ids + slot.tokens
-        self.prefix.store(ids, self._cache.lengths[row], self._cache, row)
+        self.prefix.store(ids, self._cache.lengths[row], self._cache, row, salt=slot.seq.request.cache_salt)
 
     def snapshot(self) -> dict[str, Any]:
         """Queue depth, batch size and the KV cache's use right now (any thread)."""

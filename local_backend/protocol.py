@@ -53,6 +53,9 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False  # generate max_tokens whatever the model says (benchmarks)
+    # vLLM's `cache_salt`: requests share prefix-cache blocks only with requests of the same salt
+    # (a caller cannot time another's cached prompt); "" shares with every unsalted request.
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)

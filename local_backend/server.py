@@ -163,7 +163,7 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
     sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=req.seed)
     limit = min(req.token_limit() or state.default_max_tokens, state.max_tokens_cap)
     try:
-        return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos))
+        return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos, req.cache_salt or ""))
     except QueueFull as exc:
         raise ApiError(429, f"the local model is busy: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except TooLong as exc:  # prompt + max_tokens beyond what the KV cache may hold for one sequence

@@ -89,6 +89,9 @@ class _Sampling(_Request):
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     ignore_eos: bool = False  # vLLM's extension: keep generating past the end-of-turn token
+    # vLLM's extension: prefix-cache blocks are shared only among requests of the same salt (a
+    # gateway sends one per tenant, so a caller cannot time another tenant's cached prompt).
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("stop")
     @classmethod

@@ -187,3 +187,30 @@ async def test_smollm2_answers_paris_through_the_gateway_stream_and_not(gateway)
     s = await c.chat.completions.create(model="auto", messages=q, max_tokens=24, temperature=0, stream=True)
     text = "".join([ch.choices[0].delta.content or "" async for ch in s if ch.choices])
     assert "Paris" in text
+
+
+async def _prefix_hits(port: int) -> float:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"http://127.0.0.1:{port}/metrics") as r:
+            text = await r.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total"))
+
+
+async def test_tenants_do_not_share_the_launched_models_prefix_cache(gateway):
+    """A caller could time another tenant's cached prompt (a hit answers ~9x faster): requests to
+    a launched model carry their tenant's cache namespace as vLLM's `cache_salt`."""
+    from gateway.tenants.auth import hash_key
+
+    port = _free_port()
+    policy = _policy(port, "tiny-random", "tiny-random")
+    policy["tenants"] = {"a": {"key_sha256": [hash_key("sk-a")]}, "b": {"key_sha256": [hash_key("sk-b")]}}
+    policy["cache"] = {"enabled": False}
+    gw = await gateway(policy)
+    await _wait_ready(gw, 90)
+    secret = [{"role": "user", "content": "My PIN is 7316. " + "A long private preamble that fills blocks. " * 60}]
+    hits = [await _prefix_hits(port)]
+    for key in ("sk-a", "sk-a", "sk-b"):
+        await gw.client(key).chat.completions.create(model="tiny-random", messages=secret, max_tokens=2)
+        hits.append(await _prefix_hits(port))
+    assert hits[2] > hits[1] == hits[0]  # tenant a's second ask hits its own blocks
+    assert hits[3] == hits[2]  # tenant b asks the same: nothing of a's is found

@@ -155,14 +155,19 @@ class Call:
                 return int(v)
         return None
 
-    def body_for(self, upstream_model: str) -> bytes:
-        """The body to send a backend that knows the model as `upstream_model`."""
-        if upstream_model == self.model:
+    def body_for(self, upstream_model: str, cache_salt: str | None = None) -> bytes:
+        """The body to send a backend that knows the model as `upstream_model` (with vLLM's
+        `cache_salt` when given: its prefix cache is then shared only with the same salt)."""
+        if upstream_model == self.model and cache_salt is None:
             return self.raw
-        out = self._bodies.get(upstream_model)
+        key = upstream_model if cache_salt is None else f"{upstream_model}\0{cache_salt}"
+        out = self._bodies.get(key)
         if out is None:
+            body = {**self.body, "model": upstream_model}
+            if cache_salt is not None:
+                body["cache_salt"] = cache_salt
             try:
-                out = self._bodies[upstream_model] = orjson.dumps({**self.body, "model": upstream_model})
+                out = self._bodies[key] = orjson.dumps(body)
             except orjson.JSONEncodeError:  # orjson reads deeper nesting (1024) than it writes (~255)
                 raise BadRequest("the request body is nested too deeply to be re-encoded for the backend") from None
         return out

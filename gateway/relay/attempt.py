@@ -22,6 +22,7 @@ from ..observe.metrics import BackendMetrics
 from ..pipeline.call import Call, Finish
 from ..routing.backends import Backend
 from ..routing.health import Kind
+from ..tenants.auth import OPEN_TENANT
 from ..upstream.client import UpstreamConnectError, UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse, UpstreamTooLarge
 from ..web.sink import Sink
 from ..wire.codec import NotAnAnswer
@@ -147,11 +148,18 @@ class Attempt:
         leg = self.leg
         upstream_model = backend.upstream_model(call.model)
         url = backend.urls[leg.upstream]
+        # A launched local model's prefix cache is shared by every caller: salted per tenant
+        # namespace, a caller cannot time another tenant's cached prompt (open mode: one caller).
+        tenant = call.tenant
+        salt = tenant.cache_namespace if backend.policy.launch is not None and tenant not in (None, OPEN_TENANT) else None
         if self.resume is not None:  # the request in the backend's format, plus what was delivered
-            body = self.resume.body(leg.upstream_request(call.body), upstream_model, leg.prefill, trim=leg.prefill_trims)
+            request = leg.upstream_request(call.body)
+            if salt is not None:
+                request["cache_salt"] = salt
+            body = self.resume.body(request, upstream_model, leg.prefill, trim=leg.prefill_trims)
         else:
             translated = leg.upstream_body(call.body, upstream_model)  # in the backend's API's format
-            body = call.body_for(upstream_model) if translated is None else translated
+            body = call.body_for(upstream_model, salt) if translated is None else translated
         headers = {**backend.headers, "X-Request-Id": call.request_id}
         resp: UpstreamResponse | None = None
         timer = asyncio.timeout_at(self.first_deadline)  # one timer per attempt, moved as the phases change

@@ -76,10 +76,11 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.capacity > 0
 
-    def _chain(self, ids: Sequence[int], blocks: int) -> list[tuple[int, int | None, tuple[int, ...]]]:
-        """(key, parent key, tokens) of the first ``blocks`` full blocks of ``ids``."""
+    def _chain(self, ids: Sequence[int], blocks: int, salt: str = "") -> list[tuple[int, int | None, tuple[int, ...]]]:
+        """(key, parent key, tokens) of the first ``blocks`` full blocks of ``ids``; a ``salt`` is the
+        first block's parent, so only requests of the same salt share blocks."""
         out: list[tuple[int, int | None, tuple[int, ...]]] = []
-        parent: int | None = None
+        parent: int | None = hash(("salt", salt)) if salt else None
         b = self.block_tokens
         for i in range(blocks):
             tokens = tuple(ids[i * b : (i + 1) * b])
@@ -88,14 +89,14 @@ class PrefixCache:
             parent = key
         return out
 
-    def match(self, ids: Sequence[int], limit: int) -> list[int]:
+    def match(self, ids: Sequence[int], limit: int, salt: str = "") -> list[int]:
         """Pool indices of the longest run of ``ids``' leading blocks held here, covering at most ``limit``
         tokens; counts the query and the hit (tokens) and marks the blocks used."""
         if not self.enabled:
             return []
         found: list[int] = []
         keys: list[int] = []
-        for key, parent, tokens in self._chain(ids, max(0, min(limit, len(ids))) // self.block_tokens):
+        for key, parent, tokens in self._chain(ids, max(0, min(limit, len(ids))) // self.block_tokens, salt):
             block = self._blocks.get(key)
             if block is None or block.parent != parent or block.tokens != tokens:
                 break
@@ -120,12 +121,12 @@ class PrefixCache:
                 dst[row, :, : n * b] = blocks.transpose(0, 1).reshape(blocks.shape[1], n * b, blocks.shape[3])
         return n * b
 
-    def store(self, ids: Sequence[int], upto: int, cache: KVCache, row: int, *, pinned: bool = False) -> int:
+    def store(self, ids: Sequence[int], upto: int, cache: KVCache, row: int, *, pinned: bool = False, salt: str = "") -> int:
         """Keep the full blocks of ``ids[:upto]`` not held yet, copied from ``row`` (which holds their K/V);
         evicts least recently used blocks for room. Returns the blocks stored."""
         if not self.enabled:
             return 0
-        chain = self._chain(ids, max(0, min(upto, len(ids))) // self.block_tokens)
+        chain = self._chain(ids, max(0, min(upto, len(ids))) // self.block_tokens, salt)
         mine = {key for key, _, _ in chain}
         missing: list[tuple[int, int, int | None, tuple[int, ...]]] = []  # (position, key, parent, tokens)
         for i, (key, parent, tokens) in enumerate(chain):

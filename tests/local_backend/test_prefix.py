@@ -236,3 +236,27 @@ async def test_vllm_style_series_on_the_engines_metrics(tiny: LoadedModel, engin
         assert f'{series}{{model_name="tiny-random"' in text, series
     hits = float(next(line for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits_total")).split()[-1])
     assert hits > 0
+
+
+async def test_a_cache_salt_shares_blocks_only_with_requests_of_the_same_salt(tiny: LoadedModel, engine_for) -> None:
+    """vLLM's cache_salt: a tenant's cached prompt is no faster (no hit) for a caller of another
+    salt, or of none, so its timing tells nothing; the same salt shares as before, and answers
+    are the same either way."""
+    engine = engine_for("none", None)
+    ids = _chat(tiny, "The secret PIN is 7316. What is it?", system="A long private preamble. " * 80)
+    b = engine.prefix.block_tokens
+    assert len(ids) > 2 * b
+
+    async def run(salt: str) -> tuple[tuple[int, ...], int]:
+        before = engine.prefix.stats().hits_tokens
+        deltas = [d async for d in engine.submit(GenerationRequest(ids, max_tokens=4, cache_salt=salt)).deltas()]
+        return deltas[-1].token_ids, engine.prefix.stats().hits_tokens - before
+
+    first, cold = await run("tenant-a")
+    assert cold == 0
+    again, hit = await run("tenant-a")
+    assert hit == b * ((len(ids) - 1) // b) and again == first  # its own salt: the prompt's blocks
+    for other in ("tenant-b", ""):
+        answer, hit = await run(other)
+        assert hit == 0 and answer == first  # another salt, or none: nothing of tenant-a's
+
