@@ -14,7 +14,9 @@ from aiohttp import web
 
 from gateway.web.app import create_app
 from gateway.web.edge import EdgeRunner
+from gateway.admin.log_store import MemoryLogStore, RedisLogStore
 from tests.fake_upstream import Behaviour, FakeUpstream
+from tests.procs import redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -113,3 +115,22 @@ def simple_policy(*ups: FakeUpstream, model: str = "gpt-test", **extra: Any) -> 
     }
     policy.update(extra)
     return policy
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def log_store(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """A factory of empty request-log stores of `size` entries (in memory; on a Redis of the
+    test's own, each under its own prefix)."""
+    if request.param == "memory":
+        yield MemoryLogStore
+        return
+    async with redis_server() as url:
+        made: list[RedisLogStore] = []
+
+        def make(size: int) -> RedisLogStore:
+            made.append(RedisLogStore(url, size, prefix=f"t{len(made)}:"))
+            return made[-1]
+
+        yield make
+        for s in made:
+            await s.close()

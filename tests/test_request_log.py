@@ -8,12 +8,10 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
-import pytest
 import redis.asyncio as aredis
 
 from gateway.admin.entry import decode, encode, row_of, take
@@ -61,24 +59,6 @@ def test_a_finished_request_waits_for_the_writer_without_the_long_strings_its_ca
     assert not any(part is call or part is out or part is call.body for part in taken)
     row = decode(encode(row_of(taken))[2])
     assert len(row["model"]) == 200 and len(row["error"]) == 300 and row["status"] == 404
-
-
-@pytest.fixture(params=["memory", "redis"])
-async def log_store(request: pytest.FixtureRequest) -> AsyncIterator[Any]:
-    """A factory of empty stores of `size` entries."""
-    if request.param == "memory":
-        yield MemoryLogStore
-        return
-    async with redis_server() as url:
-        made: list[RedisLogStore] = []
-
-        def make(size: int) -> RedisLogStore:
-            made.append(RedisLogStore(url, size, prefix=f"t{len(made)}:"))
-            return made[-1]
-
-        yield make
-        for s in made:
-            await s.close()
 
 
 async def _all(store: LogStore, f: Filter, limit: int) -> tuple[list[str], int]:

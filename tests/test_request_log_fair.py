@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
 
 import orjson
 import pytest
@@ -34,29 +33,11 @@ async def _held(store: LogStore) -> Counter[str]:
     return Counter(i.rsplit("-", 1)[0] for i in await _ids(store))
 
 
-@pytest.fixture(params=["memory", "redis"])
-async def make_store(request: pytest.FixtureRequest) -> AsyncIterator[Callable[[int], LogStore]]:
-    """A factory of empty stores of `size` entries (on Redis: each under its own prefix)."""
-    if request.param == "memory":
-        yield MemoryLogStore
-        return
-    async with redis_server() as url:
-        made: list[RedisLogStore] = []
-
-        def make(size: int) -> LogStore:
-            made.append(RedisLogStore(url, size, prefix=f"f{len(made)}:"))
-            return made[-1]
-
-        yield make
-        for s in made:
-            await s.close()
-
-
-async def test_a_tenant_flooding_the_log_evicts_its_own_entries_and_the_others_keep_theirs(make_store):
+async def test_a_tenant_flooding_the_log_evicts_its_own_entries_and_the_others_keep_theirs(log_store):
     """The review's case: tenant b's few requests, then tenant a's thousands (batches of every
     size, some of b's requests among them). b keeps all of its entries, a its newest, the log
     `size`; a tenant's page reads what the whole log holds of it."""
-    store = make_store(100)
+    store = log_store(100)
     for n in range(1, 6):
         await store.append([_entry(n, "b")])
     written: dict[str, list[str]] = {"a": [], "b": [f"b-{n}" for n in range(1, 6)]}
@@ -76,10 +57,10 @@ async def test_a_tenant_flooding_the_log_evicts_its_own_entries_and_the_others_k
     assert sorted(ids) == sorted(a_ids + b_ids)
 
 
-async def test_the_log_is_shared_out_evenly_among_the_tenants_that_fill_it(make_store):
+async def test_the_log_is_shared_out_evenly_among_the_tenants_that_fill_it(log_store):
     """z writes 10, y 50, then x floods: z (under size / 3) loses nothing, x and y share the rest
     evenly, each its newest; and a tenant's page and the whole log agree."""
-    store = make_store(90)
+    store = log_store(90)
     n = 0
     for tenant, count in (("z", 10), ("y", 50)):
         for _ in range(count):
