@@ -8,6 +8,7 @@ from typing import Any
 
 from ..admission.gate import Ticket
 from ..classify.classifier import Stage
+from ..config.policy import QuotaPolicy
 from ..config.runtime import Route, Runtime
 from ..routing.prefix import prefix_keys
 from ..tenants.auth import Tenant
@@ -15,11 +16,11 @@ from ..tenants.priority import asked_band, cap
 from ..wire.openai_wire import parse_body
 from .call import Call
 
-__all__ = ["intake", "parse", "verdict_view", "DEFAULT_ANSWER_TOKENS"]
+__all__ = ["intake", "parse", "verdict_view"]
 
-# A request's answer tokens when it sets no limit and its tenant no quota (a quota's own
-# default_max_tokens is the same 1024).
-DEFAULT_ANSWER_TOKENS = 1024
+# A request's answer tokens when it sets no limit and its tenant has no quota: what a quota
+# reserves by default (`quota.default_max_tokens`), read from the policy model, not copied.
+_DEFAULT_ANSWER_TOKENS: int = QuotaPolicy.model_fields["default_max_tokens"].default
 
 
 def parse(call: Call) -> None:
@@ -92,7 +93,7 @@ def _ticket(call: Call, rt: Runtime, tenant: Tenant) -> None:
     answer = call.max_output_tokens()
     if answer is None:
         tp = rt.policy.tenants.get(tenant.name)
-        answer = tp.quota.default_max_tokens if tp is not None and tp.quota is not None else DEFAULT_ANSWER_TOKENS
+        answer = tp.quota.default_max_tokens if tp is not None and tp.quota is not None else _DEFAULT_ANSWER_TOKENS
     n = call.body.get("n")
     if isinstance(n, int) and not isinstance(n, bool) and n > 1:
         answer *= n

@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-__all__ = ["ControlError", "DataHandler", "Handler", "ask", "ask_all", "serve_unix"]
+__all__ = ["ControlError", "DataHandler", "Handler", "ask", "ask_all", "rejections", "serve_unix"]
 
 log = logging.getLogger("gateway.control")
 
@@ -88,6 +88,11 @@ async def ask(path: Path, method: str, route: str, timeout_s: float, data: Any =
                 return out
     except (aiohttp.ClientError, OSError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
         raise ControlError(f"{path.name} did not answer {method} {route}: {type(exc).__name__}: {exc}") from None
+
+
+def rejections(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The answers of `ask_all` that refused what was asked (not those that could not answer)."""
+    return [r for r in results if not r.get("ok") and not r.get("unreachable")]
 
 
 async def ask_all(paths: list[Path], method: str, route: str, timeout_s: float) -> list[dict[str, Any]]:

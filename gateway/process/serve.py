@@ -383,7 +383,7 @@ class _Supervisor:
                 policy, own = None, {"ok": False, "error": str(exc)}
             sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
             results = await control.ask_all(sockets, "POST", "/reload", _FANOUT_TIMEOUT_S)
-            rejected = [r for r in results if not r.get("ok") and not r.get("unreachable")]
+            rejected = control.rejections(results)
             if policy is not None and rejected:
                 why = next((str(r["error"]) for r in rejected if r.get("error")), "a worker rejected it")
                 log.error("supervisor: policy reload (%s) rejected by a worker; launched models stay as they are: %s", trigger, why)

@@ -14,7 +14,7 @@ from aiohttp import web
 from ..errors import BadRequest, GatewayError, InternalError, NotFound, Unauthorized, Unavailable
 from ..observe.metrics import refresh_gauges
 from ..observe.observer import server_timing
-from ..process.control import ControlError, ask
+from ..process.control import ControlError, ask, rejections
 from ..admin.api import reads, routes as admin_routes, writes
 from ..classify.cascade import EncoderState
 from ..console.routes import routes as console_routes
@@ -265,7 +265,7 @@ def reload_failure(supervisor: Mapping[str, object], workers: list[dict[str, obj
     reload_incomplete: the policy is in force in every one that did; a worker restarting reads
     the policy file as it starts)."""
     failed = [r for r in workers if not r.get("ok")]
-    if supervisor.get("ok", True) is not False and failed and all(r.get("unreachable") for r in failed):
+    if supervisor.get("ok", True) is not False and failed and not rejections(failed):
         missing = ", ".join(str(r.get("socket", "?")) for r in failed)
         return Unavailable(f"the policy is in force in every process that answered; {missing} did not answer "
                            f"({detail}): retry the reload", code="reload_incomplete")
