@@ -25,9 +25,10 @@ import torch
 
 from .llama import LeanLlama
 from .llama.prefix import PrefixCache
+from .logprobs import TokenText
 from .prompts import longest_token_chars
-from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, Sequence, TooLong
-from .sampling import choose_tokens, make_generator
+from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, Sequence, TokenLogprob, TooLong
+from .sampling import choose_tokens, logprobs_of, make_generator
 from .stats import EngineStats, render_load
 from .textstream import TextAssembler
 from .threads import ThreadPicker
@@ -55,6 +56,7 @@ class _Slot:
     last_token: int = -1
     generated: int = 0
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # asked for, not yet delivered with a delta
     done: bool = field(default=False)
     failed: bool = False  # ended by an error: its blocks are not kept for a next turn
 
@@ -80,6 +82,8 @@ class Engine:
         self.threads = threads  # CPU: each pass's thread count; None leaves torch's setting alone
         self.tokenizer = tokenizer
         self.longest_token_chars = longest_token_chars(tokenizer)  # the server's length check before tokenizing
+        self.vocab_size = len(tokenizer)  # the token ids a logit_bias may name
+        self.token_text = TokenText(tokenizer)  # a token's text and bytes, for log probabilities
         self.device = model.device
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -303,7 +307,7 @@ class Engine:
             return
         self.stats.observe_ttft(time.perf_counter() - seq.submitted_at, len(prompt))
         self.stats.observe_tokens(1, decode_step=False)
-        self._emit(slot, token)
+        self._emit(slot, token, logprobs_of(logits[None], [req.sampling], [token])[0])
         if self.prefix is not None:  # after the first token went out: the copy does not delay it
             self.prefix.store(prompt, len(prompt), self._cache, row, salt=req.cache_salt)
             slot.prompt_stored = True
@@ -334,13 +338,14 @@ class Engine:
         with self._timed(("decode", len(self._active)), 1):
             logits = self.model.decode(ids, self._cache)
         params = [s.seq.request.sampling for s in self._active]
-        tokens = choose_tokens(logits, params, [s.generator for s in self._active])
+        tokens = choose_tokens(logits, params, [s.generator for s in self._active], [s.tokens for s in self._active])
+        logprobs = logprobs_of(logits, params, tokens)
         self.stats.observe_tokens(sum(not isinstance(t, Exception) for t in tokens), decode_step=True)
-        for slot, token in zip(self._active, tokens, strict=True):
+        for slot, token, lp in zip(self._active, tokens, logprobs, strict=True):
             if isinstance(token, Exception):
                 self._fail(slot, token)  # that request alone: its row leaves in _drop_done, the others go on
             else:
-                self._emit(slot, token)
+                self._emit(slot, token, lp)
 
     def _start_thread_pools(self) -> None:
         """Have OpenMP start this thread's workers for every count the picker may choose, before
@@ -368,15 +373,18 @@ class Engine:
         yield
         self.threads.record(key, n, (time.perf_counter() - started) / max(1, units))
 
-    def _emit(self, slot: _Slot, token: int) -> None:
-        """Account one new token for ``slot`` and send the text it completes."""
+    def _emit(self, slot: _Slot, token: int, logprob: TokenLogprob | None = None) -> None:
+        """Account one new token for ``slot`` and send the text it completes (with the log
+        probabilities of the tokens since the last delta, when asked for)."""
         slot.last_token = token
         slot.generated += 1
         slot.tokens.append(token)
         finish: str | None = None
         if token in self.stop_token_ids and not slot.seq.request.ignore_eos:
-            text, finish = slot.assembler.flush(), "stop"
+            text, finish = slot.assembler.flush(), "stop"  # the end-of-turn token is no text: no logprob either
         else:
+            if logprob is not None:
+                slot.logprobs.append(logprob)
             text = slot.assembler.push(token)
             if slot.assembler.stopped:
                 finish = "stop"
@@ -388,7 +396,8 @@ class Engine:
         if text or finish is not None:
             prompt = len(slot.seq.request.prompt_ids)
             tokens = tuple(slot.tokens) if finish is not None else ()
-            slot.seq.deliver(Delta(text, finish, prompt, slot.generated, tokens))
+            logprobs, slot.logprobs = tuple(slot.logprobs), []
+            slot.seq.deliver(Delta(text, finish, prompt, slot.generated, tokens, logprobs))
 
     def _fail(self, slot: _Slot, exc: Exception) -> None:
         """End one sequence with ``exc`` (its row is freed in _drop_done); counted as finish "error"."""

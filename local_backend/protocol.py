@@ -11,7 +11,17 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-__all__ = ["GREEDY_BELOW_TEMPERATURE", "Delta", "EngineClosed", "GenerationRequest", "QueueFull", "SamplingParams", "Sequence", "TooLong"]
+__all__ = [
+    "GREEDY_BELOW_TEMPERATURE",
+    "Delta",
+    "EngineClosed",
+    "GenerationRequest",
+    "QueueFull",
+    "SamplingParams",
+    "Sequence",
+    "TokenLogprob",
+    "TooLong",
+]
 
 
 class QueueFull(RuntimeError):
@@ -38,10 +48,31 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    # OpenAI's penalties, on the counts of the tokens generated so far: logit -= count x frequency
+    # + (count > 0) x presence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # None: no log probabilities; k >= 0: each generated token's, with the k likeliest alternatives.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before a token is picked (penalties or a bias)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token's log probability under the model, and the ``top`` likeliest (id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +98,8 @@ class Delta:
     prompt_tokens: int
     completion_tokens: int
     token_ids: tuple[int, ...] = ()
+    # The log probabilities of the tokens generated since the previous delta, when asked for.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Sequence:

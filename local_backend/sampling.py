@@ -1,12 +1,18 @@
-"""Choose the next token for each row of a batch: greedy, or sampled with temperature and top-p."""
+"""Choose the next token for each row of a batch: greedy, or sampled with temperature and top-p,
+after the request's penalties and logit bias; and the log probabilities a request asked for."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from .protocol import SamplingParams
+from .protocol import SamplingParams, TokenLogprob
 
-__all__ = ["choose_tokens", "make_generator"]
+__all__ = ["choose_tokens", "logprobs_of", "make_generator"]
+
+# What OpenAI reports for a token the model gives no chance (JSON has no -inf).
+_LOGPROB_FLOOR = -9999.0
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -46,20 +52,62 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def _adjusted(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:
+    """``logits`` [vocab] after OpenAI's presence and frequency penalties (on the tokens this
+    request generated so far) and its logit bias; a copy, the batch's logits stay as they were."""
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    if history and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(torch.tensor(history, dtype=torch.long, device=out.device), minlength=vocab)[:vocab].to(out.dtype)
+        out -= counts * params.frequency_penalty + (counts > 0).to(out.dtype) * params.presence_penalty
+    bias = [(t, b) for t, b in params.logit_bias if 0 <= t < vocab]  # the server checked ids against the tokenizer
+    if bias:
+        ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=out.device)
+        out.index_add_(0, ids, torch.tensor([b for _, b in bias], dtype=out.dtype, device=out.device))
+    return out
+
+
 def choose_tokens(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
+    histories: Sequence[Sequence[int]] | None = None,
 ) -> list[int | Exception]:
-    """Pick one token per row of ``logits`` [batch, vocab]; greedy rows are decided in one argmax.
+    """Pick one token per row of ``logits`` [batch, vocab]; greedy rows without penalties or bias
+    are decided in one argmax. ``histories``: each row's generated tokens (for the penalties).
 
     A row whose sampling raises gets its exception in place of a token, so the caller fails that
     request alone: one request's parameters must never cost its batch-mates their answers."""
     chosen: list[int | Exception] = [int(t) for t in logits.argmax(dim=-1).tolist()]
     for row, p in enumerate(params):
-        if not p.greedy:
-            try:
-                chosen[row] = _sample_row(logits[row], p, generators[row])
-            except Exception as exc:  # noqa: BLE001 - handed to the engine, which fails this row only
-                chosen[row] = exc
+        if p.greedy and not p.adjusts_logits:
+            continue
+        try:
+            row_logits = _adjusted(logits[row], p, histories[row] if histories else ()) if p.adjusts_logits else logits[row]
+            chosen[row] = _argmax_finite(row_logits) if p.greedy else _sample_row(row_logits, p, generators[row])
+        except Exception as exc:  # noqa: BLE001 - handed to the engine, which fails this row only
+            chosen[row] = exc
     return chosen
+
+
+def _floored(value: float) -> float:
+    return value if value >= _LOGPROB_FLOOR else _LOGPROB_FLOOR  # also NaN (every comparison is false)
+
+
+def logprobs_of(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int | Exception]) -> list[TokenLogprob | None]:
+    """Each row's chosen token's log probability and its ``params.logprobs`` likeliest alternatives,
+    for the rows that asked (None for the others and for failed rows).
+
+    As vLLM reports them by default: the model's own distribution (log-softmax of the raw logits),
+    before temperature, top-p, penalties and bias change what is sampled."""
+    out: list[TokenLogprob | None] = [None] * len(params)
+    for row, (p, token) in enumerate(zip(params, tokens, strict=True)):
+        if p.logprobs is None or isinstance(token, Exception):
+            continue
+        lp = torch.log_softmax(logits[row].float(), dim=-1)
+        top: tuple[tuple[int, float], ...] = ()
+        if p.logprobs > 0:
+            values, ids = torch.topk(lp, min(p.logprobs, lp.shape[-1]))
+            top = tuple((int(i), _floored(float(v))) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
+        out[row] = TokenLogprob(token, _floored(float(lp[token])), top)
+    return out

@@ -16,7 +16,8 @@ import orjson
 from aiohttp import web
 
 from .prompts import encode_chat, encode_completion
-from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, SamplingParams, Sequence, TooLong
+from .logprobs import chat_logprobs, completion_logprobs
+from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, SamplingParams, Sequence, TokenLogprob, TooLong
 from .wire import (
     SSE_DONE,
     ApiError,
@@ -160,7 +161,15 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
         )
     temperature = state.default_temperature if req.temperature is None else req.temperature
     top_p = state.default_top_p if req.top_p is None else req.top_p
-    sampling = SamplingParams(temperature=temperature, top_p=top_p, seed=req.seed)
+    sampling = SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        seed=req.seed,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=req.bias_pairs(engine.vocab_size),
+        logprobs=req.logprob_count(),
+    )
     limit = min(req.token_limit() or state.default_max_tokens, state.max_tokens_cap)
     try:
         return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos, req.cache_salt or ""))
@@ -172,12 +181,15 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
         raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
 
 
-async def _collect(seq: Sequence) -> tuple[str, Delta]:
+async def _collect(seq: Sequence) -> tuple[str, Delta, list[TokenLogprob]]:
+    """The whole answer: its text, its last delta (finish, usage) and every token's log probability asked for."""
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     async for delta in seq.deltas():
         parts.append(delta.text)
+        logprobs.extend(delta.logprobs)
         if delta.finish_reason is not None:
-            return "".join(parts), delta
+            return "".join(parts), delta, logprobs
     raise EngineClosed("the sequence ended without a finish reason")
 
 
@@ -236,19 +248,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ids = await _tokenize(request, encode_chat, engine, req)
     seq = await _submit(state, engine, ids, req, "messages")
     rid, created, name = _rid("chatcmpl"), int(time.time()), state.served_name
+    wants_logprobs = req.logprob_count() is not None
     try:
         if not req.stream:
-            text, last = await _collect(seq)
+            text, last, logprobs = await _collect(seq)
             use = usage(last.prompt_tokens, last.completion_tokens)
-            return _json(chat_response(rid, created, name, text, last.finish_reason or "stop", use))
+            body = chat_response(rid, created, name, text, last.finish_reason or "stop", use)
+            if wants_logprobs:
+                body["choices"][0]["logprobs"] = chat_logprobs(logprobs, engine.token_text)
+            return _json(body)
 
         def frame(delta: Delta, is_first: bool) -> list[bytes]:
             out: list[bytes] = []
             with_usage = req.include_usage
             if is_first:
                 out.append(sse(chat_chunk(rid, created, name, {"role": "assistant", "content": ""}, None, with_usage_field=with_usage)))
-            if delta.text:
-                out.append(sse(chat_chunk(rid, created, name, {"content": delta.text}, None, with_usage_field=with_usage)))
+            if delta.text or delta.logprobs:
+                chunk = chat_chunk(rid, created, name, {"content": delta.text}, None, with_usage_field=with_usage)
+                if wants_logprobs:
+                    chunk["choices"][0]["logprobs"] = chat_logprobs(delta.logprobs, engine.token_text)
+                out.append(sse(chunk))
             if delta.finish_reason is not None:
                 out.append(sse(chat_chunk(rid, created, name, {}, delta.finish_reason, with_usage_field=with_usage)))
                 if with_usage:
@@ -266,18 +285,30 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions"""
     state = request.app[STATE]
     req = parse_request(CompletionRequest, await _read_body(request, state.body_limit_bytes))
+    refusal = req.unsupported()
+    if refusal is not None:
+        raise refusal
     engine = _engine_for(state, req.model)
     ids = await _tokenize(request, encode_completion, engine, req)
     seq = await _submit(state, engine, ids, req, "prompt")
     rid, created, name = _rid("cmpl"), int(time.time()), state.served_name
+    wants_logprobs = req.logprob_count() is not None
+    offset = 0  # text_offset of a stream's next token (no echo: the answer's own text starts at 0)
     try:
         if not req.stream:
-            text, last = await _collect(seq)
+            text, last, logprobs = await _collect(seq)
             use = usage(last.prompt_tokens, last.completion_tokens)
-            return _json(completion_response(rid, created, name, text, last.finish_reason or "stop", use))
+            body = completion_response(rid, created, name, text, last.finish_reason or "stop", use)
+            if wants_logprobs:
+                body["choices"][0]["logprobs"] = completion_logprobs(logprobs, engine.token_text, 0)[0]
+            return _json(body)
 
         def frame(delta: Delta, is_first: bool) -> list[bytes]:
-            out = [sse(completion_chunk(rid, created, name, delta.text, delta.finish_reason))]
+            nonlocal offset
+            chunk = completion_chunk(rid, created, name, delta.text, delta.finish_reason)
+            if wants_logprobs:
+                chunk["choices"][0]["logprobs"], offset = completion_logprobs(delta.logprobs, engine.token_text, offset)
+            out = [sse(chunk)]
             if delta.finish_reason is not None and req.include_usage:
                 tail = {**completion_chunk(rid, created, name, "", None), "choices": []}
                 tail["usage"] = usage(delta.prompt_tokens, delta.completion_tokens)

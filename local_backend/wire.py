@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 __all__ = [
     "ApiError",
@@ -25,6 +25,7 @@ __all__ = [
 ]
 
 SSE_DONE = b"data: [DONE]\n\n"
+_MAX_LOGIT_BIAS = 1024  # entries: bounds the work one request adds to each of its steps
 
 
 class ApiError(Exception):
@@ -54,8 +55,10 @@ def error_body(message: str, *, type: str, param: str | None = None, code: str |
 
 
 class _Request(BaseModel):
-    # Unknown OpenAI fields (user, metadata, penalties...) are accepted and ignored, as vLLM does.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown OpenAI fields (user, metadata, service_tier...) are accepted and ignored, as vLLM does.
+    # Strict types, as OpenAI's own API checks them: `"stream": "yes"`, `"n": true` or
+    # `"max_tokens": 100.0` are 400s, not read one way here and another by a gateway in front.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
@@ -87,7 +90,12 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = 1
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    # Token id (as a string, as OpenAI takes it) -> a bias added to its logit; ids checked against
+    # the tokenizer by the server (bias_pairs).
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=_MAX_LOGIT_BIAS)
     ignore_eos: bool = False  # vLLM's extension: keep generating past the end-of-turn token
     # vLLM's extension: prefix-cache blocks are shared only among requests of the same salt (a
     # gateway sends one per tenant, so a caller cannot time another tenant's cached prompt).
@@ -99,6 +107,28 @@ class _Sampling(_Request):
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
         return v
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("the local model answers one choice per request (n: 1)")
+        return v
+
+    def bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; a 400 naming the entry that is not a token
+        id of this model or whose bias is outside [-100, 100]."""
+        pairs: list[tuple[int, float]] = []
+        for key, bias in (self.logit_bias or {}).items():
+            # isascii: str.isdigit takes '²', which int() refuses; 9 digits: int() of a long string is slow
+            if not (key.isascii() and key.isdigit() and len(key) <= 9) or int(key) >= vocab_size:
+                raise ApiError(400, f"logit_bias: {key[:40]!r} is not a token id of this model (0 to {vocab_size - 1})",
+                               param="logit_bias", code="invalid_value")
+            if not -100.0 <= bias <= 100.0:
+                raise ApiError(400, f"logit_bias: the bias of token {key} is {bias}; it must be between -100 and 100",
+                               param="logit_bias", code="invalid_value")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
 
     def stop_sequences(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -120,9 +150,24 @@ class ChatRequest(_Sampling):
     tool_choice: Any = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):  # `logprobs` is declared first: validated already
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        """How many alternatives each token's log probability comes with; None: no log probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> ApiError | None:
         """The 400 for a request this backend cannot honour (rather than answer prose and ignore it)."""
@@ -132,6 +177,9 @@ class ChatRequest(_Sampling):
         for param in ("tool_choice", "function_call"):
             if getattr(self, param) not in (None, "none"):
                 return _unsupported(param, f"{param}: the local model cannot call tools; send this request to a model that can")
+        if self.audio is not None or any(m != "text" for m in self.modalities or ()):
+            param = "audio" if self.audio is not None else "modalities"
+            return _unsupported(param, f"{param}: the local model answers text only; send this request to a model that speaks")
         return self._unsupported_format()
 
     def _unsupported_format(self) -> ApiError | None:
@@ -158,6 +206,10 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(min_length=1)
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for /v1/completions
     echo: Literal[False] = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's legacy form: the alternatives per token
+    # Read only to refuse them: the engine cannot fill in a middle (suffix) or rank several answers.
+    suffix: str | None = None
+    best_of: int | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -168,6 +220,17 @@ class CompletionRequest(_Sampling):
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+    def unsupported(self) -> ApiError | None:
+        """The 400 for a completion this backend cannot honour."""
+        if self.suffix:
+            return _unsupported("suffix", "suffix: the local model cannot insert text before a suffix")
+        if self.best_of not in (None, 1):
+            return _unsupported("best_of", "best_of: the local model generates one answer per request (best_of: 1)")
+        return None
 
 
 _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})

@@ -72,6 +72,16 @@ async def test_the_gateway_launches_routes_to_and_stops_the_local_backend(gatewa
     s = await c.chat.completions.create(model="tiny-random", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, stream=True)
     chunks = [ch async for ch in s]
     assert chunks and chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # Log probabilities pass through the gateway, whole and streamed, and such answers are not cached.
+    asked = {"model": "auto", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2}
+    for _ in range(2):
+        lp = await c.chat.completions.with_raw_response.create(**asked)  # type: ignore[call-overload]
+        assert lp.headers["x-gateway-cache"] != "hit"
+        content = lp.parse().choices[0].logprobs.content
+        assert content and len(content) == lp.parse().usage.completion_tokens and len(content[0].top_logprobs) == 2
+    streamed = [t async for ch in await c.chat.completions.create(**asked, stream=True)  # type: ignore[call-overload]
+                if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content or []]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
     await gw.runner.cleanup()  # shutdown stops the child: the port is free again
     gw.clients.clear()
     for _ in range(50):

@@ -283,3 +283,60 @@ async def test_a_request_that_does_not_fit_yet_lets_smaller_ones_go_ahead_a_boun
     await asyncio.wait_for(asyncio.gather(*tasks), 60)
     assert sorted(order[:4]) == ["s1", "s2", "s3", "s4"], order  # they went ahead of B while A ran
     assert order[4:6] == ["A", "B"] and sorted(order[6:]) == ["s5", "s6"], order  # then B's turn came
+
+
+def _reference_greedy(tiny: LoadedModel, ids: list[int], n: int, params: SamplingParams) -> list[int]:
+    """Greedy decoding by transformers' forward pass with OpenAI's penalties and bias applied by hand."""
+    out: list[int] = []
+    bias = dict(params.logit_bias)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = tiny.model(torch.tensor([ids + out])).logits[0, -1].float()
+            for token in set(out):
+                logits[token] -= out.count(token) * params.frequency_penalty + params.presence_penalty
+            for token, b in bias.items():
+                logits[token] += b
+            out.append(int(logits.argmax()))
+    return out
+
+
+async def test_penalties_and_bias_decode_as_openai_defines_them_and_leave_batch_mates_alone(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine(max_batch=4)
+    ids = chat_ids(tiny, QUESTIONS[0])
+    plain = GenerationRequest(ids, max_tokens=12, ignore_eos=True)
+    _, alone = await _run(engine, plain)
+    first_plain = (await _run(engine, GenerationRequest(ids, max_tokens=1, ignore_eos=True)))[0][-1].token_ids[0]
+    cases = [
+        SamplingParams(frequency_penalty=2.0),
+        SamplingParams(presence_penalty=2.0, frequency_penalty=0.5),
+        SamplingParams(logit_bias=((first_plain, -100.0),)),
+    ]
+    results = await asyncio.gather(*(_run(engine, GenerationRequest(ids, 12, p, ignore_eos=True)) for p in cases), _run(engine, plain))
+    for params, (deltas, _) in zip(cases, results, strict=False):
+        assert list(deltas[-1].token_ids) == _reference_greedy(tiny, ids, 12, params), params
+    assert results[-1][1] == alone  # the plain request batched with them decodes as alone
+    assert results[2][0][-1].token_ids[0] != first_plain  # the banned token did not come
+
+
+async def test_logprobs_come_with_the_deltas_of_their_tokens(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine(max_batch=4)
+    ids = chat_ids(tiny, QUESTIONS[1])
+    asks = GenerationRequest(ids, max_tokens=10, sampling=SamplingParams(logprobs=3), ignore_eos=True)
+    deltas, text = await _run(engine, asks)
+    entries = [e for d in deltas for e in d.logprobs]
+    assert [e.token for e in entries] == list(deltas[-1].token_ids)
+    for e in entries:  # greedy: the chosen token is the likeliest, and the alternatives come best first
+        assert len(e.top) == 3 and e.top[0] == (e.token, e.logprob)
+        assert [lp for _, lp in e.top] == sorted((lp for _, lp in e.top), reverse=True)
+    assert b"".join(bytes(engine.token_text(e.token)[1]) for e in entries).decode("utf-8", "replace") == text
+    plain, _ = await _run(engine, GenerationRequest(ids, max_tokens=10, ignore_eos=True))
+    assert all(d.logprobs == () for d in plain)  # nobody pays for what they did not ask
+
+
+async def test_the_end_of_turn_token_has_no_logprob(tiny: LoadedModel, make_engine) -> None:
+    engine = make_engine()
+    ids = chat_ids(tiny, QUESTIONS[1])
+    eot = next(iter(engine.stop_token_ids))
+    deltas, _ = await _run(engine, GenerationRequest(ids, max_tokens=5, sampling=SamplingParams(logprobs=0, logit_bias=((eot, 100.0),))))
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].token_ids == (eot,)
+    assert [e for d in deltas for e in d.logprobs] == []

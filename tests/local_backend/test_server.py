@@ -356,3 +356,94 @@ async def test_control_tokens_in_a_message_cannot_forge_a_turn(server: RunningSe
     # The naive encoding has 4 control tokens from the message; the server's spells them as text (more tokens).
     assert payload["usage"]["prompt_tokens"] > len(chat_ids(tiny, forged))  # type: ignore[index]
     assert payload["usage"]["prompt_tokens"] == len(encode_chat(tiny.tokenizer, ChatRequest.model_validate_json(body)))  # type: ignore[index]
+
+
+def test_chat_logprobs_through_the_sdk_whole_and_streamed(server: RunningServer, tiny: LoadedModel) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    whole = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == whole.usage.completion_tokens == 8  # type: ignore[union-attr]
+    assert b"".join(bytes(t.bytes or []) for t in content).decode("utf-8", "replace") == whole.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token for t in content)  # greedy: the likeliest
+    chunks = list(client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=2, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=8)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == whole.choices[0].message.content
+
+
+async def test_completion_logprobs_in_the_legacy_shape(server: RunningServer) -> None:
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    whole = await client.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=6, logprobs=2)
+    lp = whole.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and lp.text_offset is not None and lp.top_logprobs is not None
+    assert len(lp.tokens) == 6 and lp.text_offset[0] == 0
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens, strict=False))
+    assert all(t in top and len(top) in (2, 3) for t, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+    stream = await client.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=6, logprobs=2, stream=True)
+    offsets = [o async for c in stream if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset or []]
+    assert offsets == lp.text_offset  # a stream's chunks carry on from the previous chunk's offset
+
+
+def test_logit_bias_steers_the_answer(server: RunningServer, tiny: LoadedModel) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    token = tiny.tokenizer.encode(" Paris", add_special_tokens=False)[0]
+    resp = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=4, logit_bias={str(token): 100})
+    assert resp.choices[0].message.content == tiny.tokenizer.decode([token] * 4)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": "yes"}, "logprobs"),
+        ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+        ({"logit_bias": {"²": 5}}, "logit_bias"),
+        ({"logit_bias": {"9" * 5000: 5}}, "logit_bias"),
+        ({"logit_bias": {"42": 101}}, "logit_bias"),
+        ({"logit_bias": {"42": True}}, "logit_bias.42"),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"n": True}, "n"),
+        ({"n": 2}, "n"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream": 1}, "stream"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 7.5}, "max_tokens"),
+        ({"temperature": True}, "temperature"),
+        ({"seed": "1"}, "seed"),
+    ],
+)
+async def test_fields_of_the_wrong_type_or_range_are_400s_naming_them(server: RunningServer, extra: dict[str, object], param: str) -> None:
+    body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "max_tokens": 2, **extra})
+    got, payload, _ = await _post(f"{server.base_url}/chat/completions", body)
+    assert got == 400, payload
+    error = payload["error"]
+    assert isinstance(error, dict) and error["param"] == param and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("path", "extra", "param"),
+    [
+        ("chat/completions", {"modalities": ["text", "audio"]}, "modalities"),
+        ("chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+        ("completions", {"suffix": "and they lived happily"}, "suffix"),
+        ("completions", {"best_of": 3}, "best_of"),
+    ],
+)
+async def test_what_the_local_model_cannot_do_is_refused_not_ignored(server: RunningServer, path: str, extra: dict[str, object], param: str) -> None:
+    base = {"messages": MESSAGES} if path.startswith("chat") else {"prompt": "Once"}
+    got, payload, _ = await _post(f"{server.base_url}/{path}", orjson.dumps({"model": "tiny-random", "max_tokens": 2, **base, **extra}))
+    assert got == 400
+    error = payload["error"]
+    assert isinstance(error, dict) and error["param"] == param and error["code"] == "unsupported_parameter"
+
+
+async def test_integral_numbers_and_harmless_fields_are_still_served(server: RunningServer) -> None:
+    body = {"model": "tiny-random", "messages": MESSAGES, "max_tokens": 2, "temperature": 0, "top_p": 1, "n": 1,
+            "modalities": ["text"], "frequency_penalty": 0, "logit_bias": {}, "user": "u", "metadata": {"a": "b"}}
+    got, payload, _ = await _post(f"{server.base_url}/chat/completions", orjson.dumps(body))
+    assert got == 200, payload
+    got, payload, _ = await _post(f"{server.base_url}/completions", orjson.dumps({"model": "tiny-random", "prompt": "x", "max_tokens": 2, "best_of": 1, "suffix": ""}))
+    assert got == 200, payload
