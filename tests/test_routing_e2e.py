@@ -185,3 +185,22 @@ async def test_when_both_hedged_attempts_fail_the_next_backend_answers_and_none_
     gw = await gateway(policy)
     assert await _stream(gw.client()) == "c"
     assert (a.stats.requests, b.stats.requests, c3.stats.requests) == (1, 1, 1)
+
+
+async def test_a_hedge_counts_within_max_attempts(upstream, gateway):
+    # max_attempts 2: the primary and its hedge are the two; a third backend is never called.
+    a = await upstream("a", mode="stall")
+    b = await upstream("b", mode="stall")
+    c3 = await upstream("c", ttft_ms=5, tokens=2)
+    policy = _policy(a, b, c3, strategy="ordered", model={"hedge": {"max_extra_pct": 100, "min_delay_ms": 20, "default_delay_ms": 50}},
+                     server={"max_attempts": 2})
+    for name in ("a", "b"):
+        policy["backends"][name]["timeouts"] = {"first_token_ms": 300}
+    gw = await gateway(policy)
+    try:
+        await _stream(gw.client())
+        raise AssertionError(f"answered: {(a.stats.requests, b.stats.requests, c3.stats.requests)}")
+    except openai.APIStatusError as err:
+        assert err.status_code in (502, 504), err
+    assert (a.stats.requests, b.stats.requests, c3.stats.requests) == (1, 1, 0)
+    assert 'gateway_hedges_total{result="started"} 1.0' in await _metrics(gw)

@@ -19,7 +19,8 @@ class Hedging(RelayBase):
     async def hedged(self, primary: Backend, others: Sequence[Backend], cold_s: float | None) -> bool | None:
         """Run the primary; if its first token (a whole answer: the answer) is later than its
         live P95, run the same request on the next best backend too. Whichever reaches the
-        client first wins; the other is cancelled. None when the primary found no slot after all
+        client first wins; the other is cancelled. The hedge is a try of its own (the caller
+        hedges only while one more fits within max_attempts). None when the primary found no slot after all
         (taken by another request before its task ran) and nothing was sent.
 
         Each attempt acquires and releases its own slot inside its task, so cancelling a task at
@@ -44,6 +45,7 @@ class Hedging(RelayBase):
                     metrics.hedges.labels("budget_exhausted").inc()
                 else:
                     metrics.hedges.labels("started").inc()
+                    self.tries.count += 1  # a second upstream call: it counts within server.max_attempts
                     progress.rivals = tasks
                     tasks.append(asyncio.create_task(self.attempt(second, live=route.routing, cold_s=cold_s)))
             results = await asyncio.gather(*tasks, return_exceptions=True)
