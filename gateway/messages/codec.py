@@ -32,7 +32,7 @@ from ..web.sink import Sink, SinkWrapper
 from ..wire.chat_monitor import ChatMonitor, OverChat
 from ..wire.codec import Endpoint, NotAnAnswer, Whole
 from ..wire.monitor import Monitor, Rewrite, Verdict
-from .stream import ChatToMessagesStream, MalformedChunk, StreamOrderError
+from .stream import BadArguments, ChatToMessagesStream, MalformedChunk, StreamOrderError
 from ..wire.openai_wire import ChatRequest
 from .as_chat import AnthropicToChatMonitor, ResumedMessageMonitor
 from .monitor import AnthropicMonitor
@@ -268,6 +268,9 @@ class ChatToMessagesMonitor(OverChat):
                 return Verdict.FAILED
             except MalformedChunk as exc:  # a broken answer: the attempt fails (another backend may do better)
                 self._chat.failure = f"malformed chunk: {exc}"
+                return Verdict.FAILED
+            except BadArguments as exc:  # a Message's tool input is a JSON object: before the client has it, another backend may do better
+                self._chat.failure = str(exc)
                 return Verdict.FAILED
         return v
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import pydantic_core
 
 from ..wire.openai_wire import SSE_DONE, tool_call_delta
 from ..wire.openai_wire import sse_event as chat_event
@@ -38,7 +39,7 @@ from .translate import FINISH_REASONS, anthropic_usage, chat_usage, stop_reason,
 from .wire import error_event
 from .wire import sse_event as anthropic_event
 
-__all__ = ["DONE", "ChatToMessagesStream", "MalformedChunk", "MessagesToChatStream", "StreamOrderError", "UpstreamStreamError"]
+__all__ = ["DONE", "BadArguments", "ChatToMessagesStream", "MalformedChunk", "MessagesToChatStream", "StreamOrderError", "UpstreamStreamError"]
 
 DONE = "[DONE]"  # the chat stream's last `data:` payload, as fed to ChatToMessagesStream
 
@@ -76,6 +77,45 @@ class _Call:
     name: str
     held: list[str]  # argument pieces that came before its name
     index: int = -1  # its Anthropic block index, once opened
+    sent: str = ""  # its arguments as sent to the client so far
+
+
+class BadArguments(ValueError):
+    """A tool call's arguments that are not (the start of) a JSON object: Anthropic's `input` is
+    one, and the SDK's accumulator raises on anything else."""
+
+
+# Each piece's check re-reads the arguments so far (partial JSON); past this many characters the
+# pieces go unchecked (a long argument would cost quadratic time) until the call's finish.
+_PARTIAL_CHECK_CHARS = 4096
+
+
+def _check_partial(call: _Call, piece: str) -> None:
+    """Add `piece` to what was sent of `call`; raise BadArguments when it is no longer the start
+    of a JSON object (single quotes, a bare string, ...), before the client gets it."""
+    call.sent += piece
+    if len(call.sent) - len(piece) >= _PARTIAL_CHECK_CHARS:
+        return
+    try:
+        parsed = pydantic_core.from_json(call.sent, allow_partial=True)
+    except ValueError as exc:
+        raise BadArguments(f"tool call {call.name[:100]!r}: arguments are not JSON: {call.sent[:200]!r} ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise BadArguments(f"tool call {call.name[:100]!r}: arguments are not a JSON object: {call.sent[:200]!r}")
+
+
+def _check_whole(call: _Call) -> None:
+    """At the answer's finish: `call`'s arguments (sent, or held while its name did not come) are
+    one whole JSON object ("" is {})."""
+    text = call.sent + "".join(call.held)
+    if not text.strip():
+        return
+    try:
+        parsed = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise BadArguments(f"tool call {call.name[:100]!r}: arguments are not JSON: {call.sent[:200]!r} ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise BadArguments(f"tool call {call.name[:100]!r}: arguments are not a JSON object: {call.sent[:200]!r}")
 
 
 class ChatToMessagesStream:
@@ -132,6 +172,9 @@ class ChatToMessagesStream:
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
                 self._matched = choice.get("stop_reason")
+                if self._finish != "length":  # cut by max_tokens: its last arguments may stop anywhere, as Anthropic's do
+                    for c in self._all:
+                        _check_whole(c)
         return b"".join(out)
 
     def close(self) -> bytes:
@@ -142,7 +185,7 @@ class ChatToMessagesStream:
         out = [self._start()]
         for call in self._all:
             if call.index < 0:  # a call without arguments yet, or whose name never came: sent as it is
-                out.append(self._open_tool(call))
+                out.append(self._open_tool(call, check=False))  # checked at the finish (_check_whole); close never raises
         if not self._blocks:
             out.append(self._begin("text", {"type": "text", "text": ""}))
         out.append(self._stop_block())
@@ -227,11 +270,13 @@ class ChatToMessagesStream:
         order: something after them begins."""
         return b"".join(self._open_tool(c) for c in self._all if c.index < 0 and c.name and c is not keep)
 
-    def _open_tool(self, call: _Call) -> bytes:
+    def _open_tool(self, call: _Call, *, check: bool = True) -> bytes:
         call.id = call.id or tool_id()
         out = self._begin("tool", {"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
         call.index = self._blocks - 1
         held, call.held = "".join(call.held), []
+        if held and check:
+            _check_partial(call, held)
         return out + (self._delta({"type": "input_json_delta", "partial_json": held}) if held else b"")
 
     def _tool(self, delta: Mapping[str, Any]) -> bytes:
@@ -257,6 +302,7 @@ class ChatToMessagesStream:
             return b""
         if self._open != "tool" or call.index != self._blocks - 1:
             raise StreamOrderError(f"arguments for tool call {at} after a later block began")
+        _check_partial(call, args)
         return self._delta({"type": "input_json_delta", "partial_json": args})
 
 
