@@ -76,8 +76,11 @@ def make_policy(
     return {
         "version": 1,
         "server": {"max_attempts": 3, **(server or {})},
-        # Probes off for the length of a test: they would race the passive health we assert on.
-        "health": {"failures_to_eject": 3, "eject_ms": 10_000, "probe_interval_ms": 600_000, **(health or {})},
+        # Probes off for the length of a test: they would race the passive health we assert on
+        # (request probes too: an ejection one tenant's requests caused is probed at once, which
+        # tests/test_health_blame.py covers).
+        "health": {"failures_to_eject": 3, "eject_ms": 10_000, "probe_interval_ms": 600_000, "recovery_probe_interval_ms": 0,
+                   **(health or {})},
         "cache": {"enabled": False},
         "backends": backends,
         "models": {"gpt-test": {"backends": route, "strategy": "ordered"}},

@@ -343,3 +343,71 @@ def test_a_primary_down_60_s_is_used_again_within_seconds_of_recovery_with_one_a
 def test_without_request_probes_the_capped_back_off_still_brings_it_back():
     recovered_after, trials = _flapping_primary(request_probes=False)
     assert recovered_after <= 30.25 and all(n == 1 for n in trials), (recovered_after, trials)
+
+
+def _asked(h: Health, tenant: str, n: int = 1) -> None:
+    for _ in range(n):
+        h.report_failure(tenant, asked=True)
+
+
+def test_an_ejection_one_tenant_alone_caused_waits_for_a_probe_that_undoes_it_and_forgives_that_tenant():
+    clock = Clock()
+    h = _health(clock, max_eject_s=30)
+    _asked(h, "mallory", 3)
+    assert h.state() == "ejected" and h.verifying and h.suspect == "mallory"
+    h.report_probe(True)  # a model list answering is no word on completions: still waiting
+    assert h.verifying
+    h.report_probe(True, request=True)  # the gateway's own request is answered
+    assert h.state() == "healthy" and not h.verifying and h.ejections == 0 and h.consecutive_failures == 0
+    _asked(h, "mallory", 10)  # forgiven for max_eject_s
+    assert h.state() == "healthy" and h.consecutive_failures == 0
+    _asked(h, "alice", 2)  # anyone else's count as ever
+    assert h.consecutive_failures == 2
+    h.report_success()
+    clock.t += 31  # forgiveness runs out
+    _asked(h, "mallory", 3)
+    assert h.state() == "ejected" and h.suspect == "mallory"
+
+
+def test_a_failed_probe_confirms_the_ejection():
+    clock = Clock()
+    h = _health(clock)
+    _asked(h, "alice", 3)
+    h.report_probe(False)
+    assert h.state() == "ejected" and not h.verifying and h.ejections == 1
+    h.report_probe(True, request=True)  # later, a good one is a recovery as usual: half-open, not undone
+    assert h.state() == "probing" and h.ejections == 1
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        [("alice", True), ("bob", True), ("alice", True)],  # two tenants corroborate each other
+        [("alice", True), ("alice", False), ("alice", True)],  # a timeout or a cut is the backend's own
+        [("alice", True), (None, True), ("alice", True)],  # no tenant (a by-id call before auth)
+    ],
+)
+def test_a_run_of_several_tenants_or_of_the_backends_own_kinds_ejects_without_waiting(run):
+    h = _health(Clock())
+    for tenant, asked in run:
+        h.report_failure(tenant, asked=asked)
+    assert h.state() == "ejected" and not h.verifying
+
+
+def test_without_corroboration_and_in_half_open_one_tenant_ejects_as_before():
+    h = _health(Clock(), corroborate=False)
+    _asked(h, "mallory", 3)
+    assert h.state() == "ejected" and not h.verifying
+    clock = Clock()
+    h = _health(clock)
+    _fail(h, 3)  # the backend's own failures: ejected, nothing to verify
+    clock.t += 11
+    assert h.state() == "probing"
+    _asked(h, "mallory")  # a failed half-open trial re-ejects at once, whoever sent it
+    assert h.state() == "ejected" and not h.verifying and h.ejections == 2
+
+
+def test_asked_kinds_are_the_ones_a_request_can_cause():
+    asked = {k for k, o in OUTCOMES.items() if o.asked}
+    assert asked == {Kind.HTTP_5XX, Kind.MALFORMED, Kind.ERROR_EVENT, Kind.ERROR_EVENT_MID_STREAM}
+    assert all(OUTCOMES[k].health for k in asked)

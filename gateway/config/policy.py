@@ -551,6 +551,10 @@ class HealthPolicy(_Section):
     # A one-token request to each ejected (backend, model) this often; a good one ends
     # the ejection, so a recovery is seen within about this long. 0: off.
     recovery_probe_interval_ms: int = Field(1_000, ge=0)
+    # An ejection by failures that may be the request's doing (a 500, an answer that is no answer,
+    # an error event) that one tenant's requests alone met is undone when a request probe is
+    # answered: one tenant cannot eject a backend for the others. Needs request probes and tenants.
+    corroborate: bool = True
 
 
 class StoreTlsPolicy(_Section):

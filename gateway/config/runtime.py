@@ -226,6 +226,8 @@ class Runtime:
                 h.failures_to_eject = hp.failures_to_eject
                 h.eject_s = hp.eject_ms / 1000
                 h.max_eject_s = hp.max_eject_ms / 1000
+                # The probes decide; with one tenant (or none) there is nobody else to protect.
+                h.corroborate = hp.corroborate and hp.recovery_probe_interval_ms > 0 and len(self.policy.tenants) > 1
             slots = backend.slots
             slots.limit = self.slot_limits[name]
             slots.reserve = reserve_slots(slots.limit, ap.priority_reserve_pct)
@@ -307,8 +309,7 @@ class Runtime:
             new = self._new_models.setdefault(b.name, {})
             h = new.get(upstream)
             if h is None:
-                p = b.health  # as BackendState.model_health makes one
-                h = new[upstream] = Health(p.failures_to_eject, p.eject_s, p.clock, p.max_eject_s, p.jitter, p.rng, parent=p)
+                h = new[upstream] = b.health.for_model()  # as BackendState.model_health makes one
         return h
 
     def single_pool(self, model: str, backend: str) -> Pool:

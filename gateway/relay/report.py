@@ -57,7 +57,7 @@ def report(
         if kind in _WHOLE_BACKEND:
             health = backend.health
         ejections = health.ejections
-        health.report_failure()
+        health.report_failure(None if call.tenant is None else call.tenant.name, asked=o.asked)
         if health.ejections > ejections:
             m.ejections.inc()
             metrics.relay_events.labels("ejection", label).inc()

@@ -49,10 +49,7 @@ class BackendState:
         """The health of one upstream model on this backend (created on first use)."""
         h = self.models.get(upstream)
         if h is None:
-            p = self.health
-            h = self.models[upstream] = Health(
-                p.failures_to_eject, p.eject_s, p.clock, p.max_eject_s, p.jitter, p.rng, parent=p
-            )
+            h = self.models[upstream] = self.health.for_model()
         return h
 
     def __post_init__(self) -> None:

@@ -23,6 +23,11 @@ probe while its real requests fail), its request probes end nothing until a real
 and a good *model-list* probe, which is no evidence that completions work, ends only a first
 ejection.
 
+One tenant cannot eject a backend for the others (`corroborate`): an ejection by a run of
+failures a request can cause (`Outcome.asked`: a 500 on what a caller sent) that one tenant's
+requests alone met is `verifying`: the request prober probes it at once, and an answer undoes it
+and forgives that tenant's failures for `max_eject_s`; a failure confirms it.
+
 "Never eject the last healthy backend" needs a view of all candidates: see `routing.usable()`.
 
 Health is kept per (backend, upstream model): a provider's 429 or 500 on one model says nothing
@@ -96,23 +101,28 @@ class Kind(StrEnum):
 class Outcome:
     """How one attempt's ending is accounted. `health`: counts as a failure of the backend (a run
     of them ejects it). `sample`: the attempt is a latency/error sample for the tracker (a timeout
-    sample raises the TTFT estimate). `failover`: the next candidate may take over."""
+    sample raises the TTFT estimate). `failover`: the next candidate may take over. `asked`: what
+    the request held may have caused it (a 500 on one caller's input): a run of such failures that
+    one tenant alone met needs a probe's corroboration to eject (Health.corroborate)."""
 
     health: bool
     sample: bool
     failover: bool = True
+    asked: bool = False
 
 
 # kind -> accounting. Only what the backend itself did wrong counts against it; what the caller
 # did (a short deadline, a disconnect, a bad request, an endpoint the backend does not serve)
-# says nothing about the backend and is neither a failure nor a latency sample.
+# says nothing about the backend and is neither a failure nor a latency sample. A 500, an answer
+# that is no answer or an error event may be the backend's reaction to one caller's input
+# (`asked`); refused connections, resets, cuts and timeouts are the backend's own.
 OUTCOMES: dict[Kind, Outcome] = {
     Kind.OK: Outcome(health=False, sample=True, failover=False),
     Kind.CONNECT: Outcome(health=True, sample=True),
     Kind.RESET_BEFORE_HEADERS: Outcome(health=True, sample=True),
     Kind.TIMEOUT: Outcome(health=True, sample=True),
     Kind.FIRST_TOKEN_TIMEOUT: Outcome(health=True, sample=True),
-    Kind.HTTP_5XX: Outcome(health=True, sample=True),
+    Kind.HTTP_5XX: Outcome(health=True, sample=True, asked=True),
     Kind.HTTP_503: Outcome(health=True, sample=True),
     Kind.HTTP_429: Outcome(health=False, sample=False),
     Kind.HTTP_401: Outcome(health=True, sample=True),
@@ -120,16 +130,16 @@ OUTCOMES: dict[Kind, Outcome] = {
     Kind.HTTP_408: Outcome(health=True, sample=True),
     Kind.HTTP_404: Outcome(health=False, sample=False),
     Kind.HTTP_405: Outcome(health=False, sample=False),
-    Kind.MALFORMED: Outcome(health=True, sample=True),
+    Kind.MALFORMED: Outcome(health=True, sample=True, asked=True),
     # Past a cap on what we read: how big an answer is depends on what was asked (echo of a long
     # prompt, a large embedding batch, a long think held before the first token), so it says
     # nothing sure about the backend; another may still answer within the cap.
     Kind.TOO_LARGE: Outcome(health=False, sample=False),
-    Kind.ERROR_EVENT: Outcome(health=True, sample=True),
+    Kind.ERROR_EVENT: Outcome(health=True, sample=True, asked=True),
     Kind.CUT: Outcome(health=True, sample=True),
     Kind.DISCONNECT: Outcome(health=True, sample=True),
     Kind.CUT_MID_STREAM: Outcome(health=True, sample=True, failover=False),
-    Kind.ERROR_EVENT_MID_STREAM: Outcome(health=True, sample=True, failover=False),
+    Kind.ERROR_EVENT_MID_STREAM: Outcome(health=True, sample=True, failover=False, asked=True),
     Kind.REJECTED: Outcome(health=False, sample=False, failover=False),
     Kind.CALLER_DEADLINE: Outcome(health=False, sample=False, failover=False),
     Kind.CLIENT_DISCONNECT: Outcome(health=False, sample=False, failover=False),
@@ -176,6 +186,18 @@ class Health:
     # A trial that a good request probe opened failed: this backend passes probes while its real
     # requests fail, so its probes end no ejection until a real request succeeds.
     probes_misled: bool = False
+    # An ejection by a run of `asked` failures that one tenant's requests alone met is checked at
+    # once by a request probe of the gateway's own: if it is answered, the ejection is undone and
+    # that tenant's failures count for nothing for `max_eject_s` (a caller must not eject a
+    # backend for everyone by sending what it answers 500 to). Off where request probes are off.
+    corroborate: bool = True
+    run_tenant: str | None = None  # the tenant every failure of the current run came from, if one
+    run_mixed: bool = False  # the run has failures of several tenants, or of the backend's own kinds
+    # The tenant whose requests alone caused the current ejection, while a probe has not confirmed
+    # or undone it (None: nothing waits for a probe).
+    suspect: str | None = None
+    forgiven: str | None = None  # the tenant whose failures a probe showed to be its requests' doing
+    forgiven_until: float = 0.0
 
     def starting_reason(self, *, detail: bool = True) -> str:
         """Why a backend that is not ready cannot answer: starting, or its failed launch and retry.
@@ -195,25 +217,54 @@ class Health:
             return None
         return max(1.0, self.start_retry_at - self.clock())
 
+    def for_model(self) -> Health:
+        """A new health for one of this backend's models, with this one's settings and as its parent."""
+        h = Health(self.failures_to_eject, self.eject_s, self.clock, self.max_eject_s, self.jitter, self.rng, parent=self)
+        h.corroborate = self.corroborate
+        return h
+
     def report_success(self) -> None:
         """A request (not a probe) was answered: the backend is fully healthy again."""
         self.consecutive_failures = 0
         self.ejections = 0
         self.ejected_until = 0.0
         self.probe_opened = self.probes_misled = False
+        self.suspect = None
+        self._end_run()
 
-    def report_failure(self) -> None:
-        """A request failed or timed out in a way that is the backend's fault."""
-        self._failure(trial=True)
+    def report_failure(self, tenant: str | None = None, *, asked: bool = False) -> None:
+        """A request failed or timed out in a way that is the backend's fault. `tenant`: whose
+        request it was; `asked`: the kind may have been caused by what the request held."""
+        self._failure(trial=True, tenant=tenant if asked else None)
 
-    def _failure(self, *, trial: bool) -> None:
+    @property
+    def verifying(self) -> bool:
+        """The current ejection waits for a request probe to confirm it or undo it."""
+        return self.suspect is not None
+
+    def _end_run(self) -> None:
+        self.run_tenant, self.run_mixed = None, False
+
+    def _failure(self, *, trial: bool, tenant: str | None = None) -> None:
         now = self.clock()
         if now < self.ejected_until:
             return  # started before the ejection: it tells us nothing new
+        if tenant is not None and tenant == self.forgiven and now < self.forgiven_until:
+            return  # a probe showed this tenant's failures to be its requests' doing, not long ago
         self.consecutive_failures += 1
+        if tenant is None:  # the backend's own kind of failure (or a probe's): no caller to blame
+            self.run_mixed = True
+        elif self.consecutive_failures == 1:
+            self.run_tenant, self.run_mixed = tenant, False
+        elif tenant != self.run_tenant:
+            self.run_mixed = True
         if self.ejections > 0 or self.consecutive_failures >= self.failures_to_eject:
             if trial and self.probe_opened:
                 self.probes_misled = True  # the probe said "back", the real request said otherwise
+            # One tenant's requests alone: a probe confirms the ejection or undoes it, at once.
+            alone = self.ejections == 0 and self.corroborate and not self.run_mixed
+            self.suspect = self.run_tenant if alone else None
+            self._end_run()
             self._eject(now)  # a failed half-open trial re-ejects at once, for longer
 
     def report_probe(self, ok: bool, *, request: bool = False) -> None:
@@ -224,9 +275,18 @@ class Health:
         back-off is kept, so a failed trial re-ejects for longer), unless an earlier probe proved
         misleading (see `probes_misled`). A good model-list probe ends only a first ejection: a
         model list that answers is no evidence that completions work. Neither resets the count of
-        real failures. A failed probe counts as a failure unless the backend is already out."""
+        real failures. A failed probe counts as a failure unless the backend is already out.
+        While `verifying`, a good request probe undoes the ejection instead (and forgives the
+        suspect tenant's failures for `max_eject_s`); a failed one confirms it."""
         if not ok:
+            self.suspect = None  # an ejection waiting for this word stands
             self._failure(trial=False)  # a probe failing in half-open re-ejects, but misleads nobody
+            return
+        if request and self.verifying:
+            # The gateway's own request is answered: the failures were its caller's requests' doing.
+            self.forgiven, self.forgiven_until = self.suspect, self.clock() + self.max_eject_s
+            self.ejections, self.ejected_until, self.consecutive_failures = 0, 0.0, 0
+            self.suspect = None
             return
         if self.clock() >= self.ejected_until:
             return

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,31 +127,43 @@ def _is_answer(raw: bytes | None, key: str) -> bool:
 def recovery_targets(backend: Backend) -> list[tuple[str, float]]:
     """The upstream models of `backend` that a request probe should try now, each with when its
     ejection began: each one ejected itself, or (when only the backend as a whole is out, e.g.
-    refused connections) one model it serves. Not a half-open one: its next request is the trial
+    refused connections) one model it serves; and each model whose run of failures one tenant's
+    requests alone met, which a probe corroborates or clears (health.Health.corroborate). Not a half-open one: its next request is the trial
     (probing it would cost a request a second for as long as it stays idle). None while a launched
     backend starts: its launcher watches it."""
     h = backend.health
     if not h.ready:
         return []
     now = h.clock()
-    models = [(m, mh.ejected_at) for m, mh in backend.state.models.items() if now < mh.ejected_until]
+    # A model whose one-tenant run of failures waits for a probe's word is due at once (-inf).
+    models = [(m, -math.inf if mh.verifying else mh.ejected_at) for m, mh in backend.state.models.items()
+              if now < mh.ejected_until or mh.verifying]
     if not models and now < h.ejected_until:
         models = [(next(iter(backend.state.models), backend.default_model), h.ejected_at)]
     return models
 
 
-def _report_request(backend: Backend, model: str, result: ProbeResult) -> None:
+def _report_request(backend: Backend, model: str, result: ProbeResult, metrics: Metrics) -> None:
     """Report a request probe to the health it is about (health decides what it means)."""
     if result.ok is None:
         return
     mh = backend.state.model_health(model)
+    verifying, suspect = mh.verifying, mh.suspect
     if result.ok:  # the model answered: the backend as a whole did too
         backend.health.report_probe(True, request=True)
         mh.report_probe(True, request=True)
     elif result.whole_backend:
         backend.health.report_probe(False)
+        if verifying:
+            mh.report_probe(False)  # the one-tenant run waiting for this probe is corroborated
     else:
         mh.report_probe(False)
+    if verifying:
+        metrics.health_verifications.labels(backend.name, "cleared" if result.ok else "confirmed").inc()
+        how = ("was answered: the ejection is undone, and that tenant's failures do not count for a while" if result.ok
+               else f"failed too ({result.why}): the ejection stands")
+        log.warning("backend %s model %r was ejected after failures that only tenant %r's requests met; the gateway's own request probe %s",
+                    backend.name, model, suspect, how)
 
 
 async def _recover(
@@ -164,7 +177,7 @@ async def _recover(
         result = await probe_request(http, backend, model, timeout_s, shapes.get(key))
         if result.endpoint is not None:
             shapes[key] = result.endpoint
-        _report_request(backend, model, result)
+        _report_request(backend, model, result, metrics)
         label = {True: "ok", False: "failed", None: "inconclusive"}[result.ok]
         metrics.probes.labels(backend.name, label).inc()
         after = backend.headline_health().state()
@@ -185,8 +198,9 @@ async def _recovery_probes(live: Live, metrics: Metrics, http: aiohttp.ClientSes
     shapes: dict[tuple[str, str], str] = {}  # the endpoint that last gave each target a conclusive answer
     while True:
         every = live.runtime.policy.health.recovery_probe_interval_ms / 1000
-        # A quarter interval between looks: each target is probed within ~1.25 intervals.
-        await asyncio.sleep(max(0.05, every / 4) if every > 0 else 1.0)  # off: look again later (a reload may turn it on)
+        # A quarter interval between looks (at most 0.1 s: an ejection waiting for a probe's word,
+        # Health.corroborate, is probed at once): each target is probed within ~1.25 intervals.
+        await asyncio.sleep(max(0.05, min(0.1, every / 4)) if every > 0 else 1.0)  # off: look again later (a reload may turn it on)
         rt = live.runtime  # follows reloads
         hp = rt.policy.health
         every = hp.recovery_probe_interval_ms / 1000

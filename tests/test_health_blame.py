@@ -1,0 +1,141 @@
+"""One tenant's requests cannot eject a backend for everyone: a run of failures that only one
+tenant's requests met (a backend that answers 500 to what that caller sends) ejects only when a
+request probe of the gateway's own fails too."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.tenants.auth import hash_key
+from gateway.web.keys import LIVE
+from tests.servers import serve_app
+
+MALLORY, ALICE, BOB = "sk-mallory", "sk-alice", "sk-bob"
+
+
+async def _poisoned(broken: dict[str, bool]) -> tuple[web.AppRunner, int, collections.Counter[str]]:
+    """A chat backend that answers 500 to any prompt holding "POISON" (or to everything while
+    `broken["all"]`), and a counter of what it answered."""
+    seen: collections.Counter[str] = collections.Counter()
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.read()
+        if b"POISON" in body or broken["all"]:
+            seen["500"] += 1
+            return web.json_response({"error": {"message": "internal error", "type": "server_error"}}, status=500)
+        seen["ok"] += 1
+        answer = {"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "pong"}, "finish_reason": "stop"}],
+                  "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def completions(request: web.Request) -> web.Response:  # what a request probe asks
+        if broken["all"]:
+            return web.json_response({"error": {"message": "internal error"}}, status=500)
+        return web.json_response({"id": "p", "object": "text_completion", "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    runner, port = await serve_app(app)
+    return runner, port, seen
+
+
+def _policy(fast_port: int, slow_url: str, **health: object) -> dict:
+    return {
+        "backends": {"fast": {"url": f"http://127.0.0.1:{fast_port}/v1", "models": ["m"]}, "slow": {"url": slow_url, "models": ["m"]}},
+        "models": {"m": {"backends": ["fast", "slow"], "strategy": "ordered"}},
+        "health": {"failures_to_eject": 3, "eject_ms": 30000, "recovery_probe_interval_ms": 200, **health},
+        "cache": {"enabled": False}, "reload": {"watch": False},
+        "tenants": {name: {"key_sha256": [hash_key(key)]} for name, key in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))},
+    }
+
+
+async def _ask(gw, key: str, text: str) -> str:
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0) as c:
+        raw = await c.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": text}])
+        return raw.headers["x-gateway-backend"]
+
+
+async def _metric(gw, name: str) -> str:
+    async with aiohttp.ClientSession() as http, http.get(gw.url + "/metrics") as r:
+        return "\n".join(line for line in (await r.text()).splitlines() if line.startswith(name))
+
+
+async def test_one_tenants_poisoned_requests_do_not_eject_a_backend_that_serves_everyone_else(upstream, gateway):
+    broken = {"all": False}
+    runner, port, seen = await _poisoned(broken)
+    try:
+        slow = await upstream("slow", ttft_ms=30, tokens=1)
+        gw = await gateway(_policy(port, slow.url))
+        health = gw.app[LIVE].runtime.backends["fast"].health_for("m")
+        for _ in range(3):  # each fails on `fast` (500) and is answered by `slow`; the third ejects `fast`
+            assert await _ask(gw, MALLORY, "POISON please") == "slow"
+        assert health.state() == "ejected"
+        for _ in range(40):  # the prober looks every 50 ms here and probes it at once: answered, the ejection is undone
+            if health.state() == "healthy":
+                break
+            await asyncio.sleep(0.05)
+        assert health.state() == "healthy", health.state()
+        assert 'result="cleared"' in await _metric(gw, "gateway_health_verifications_total")
+        # Mallory's further failures count for nothing (for max_eject_ms): `fast` stays in for everyone.
+        for _ in range(6):
+            assert await _ask(gw, MALLORY, "POISON again") == "slow"
+        assert health.state() == "healthy" and seen["500"] == 9
+        assert [await _ask(gw, ALICE, "hello") for _ in range(5)] == ["fast"] * 5
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_backend_failing_everyone_is_still_ejected(upstream, gateway):
+    broken = {"all": True}
+    runner, port, seen = await _poisoned(broken)
+    try:
+        slow = await upstream("slow", ttft_ms=30, tokens=1)
+        gw = await gateway(_policy(port, slow.url))
+        health = gw.app[LIVE].runtime.backends["fast"].health_for("m")
+        # One tenant only: three failures eject it, and the gateway's own probe, failing too, confirms it.
+        for _ in range(3):
+            assert await _ask(gw, ALICE, "hello") == "slow"
+        assert health.state() == "ejected"
+        for _ in range(40):
+            if 'result="confirmed"' in await _metric(gw, "gateway_health_verifications_total"):
+                break
+            await asyncio.sleep(0.05)
+        assert 'result="confirmed"' in await _metric(gw, "gateway_health_verifications_total")
+        assert health.state() == "ejected" and not health.verifying
+        # Two tenants' failures corroborate each other: ejected at the third, no probe needed.
+        gw2 = await gateway(_policy(port, slow.url, recovery_probe_interval_ms=60000))
+        health2 = gw2.app[LIVE].runtime.backends["fast"].health_for("m")
+        for key in (ALICE, BOB, ALICE):
+            await _ask(gw2, key, "hello")
+        assert health2.state() == "ejected"
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("probes_off", [True, False])
+async def test_without_request_probes_or_with_corroborate_off_one_tenant_ejects_as_before(upstream, gateway, probes_off):
+    broken = {"all": False}
+    runner, port, _ = await _poisoned(broken)
+    try:
+        slow = await upstream("slow", ttft_ms=30, tokens=1)
+        extra = {"recovery_probe_interval_ms": 0} if probes_off else {"corroborate": False}
+        gw = await gateway(_policy(port, slow.url, **extra))
+        health = gw.app[LIVE].runtime.backends["fast"].health_for("m")
+        for _ in range(3):
+            await _ask(gw, MALLORY, "POISON")
+        assert health.state() == "ejected"
+    finally:
+        await runner.cleanup()
