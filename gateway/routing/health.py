@@ -189,7 +189,8 @@ class Health:
     # An ejection by a run of `asked` failures that one tenant's requests alone met is checked at
     # once by a request probe of the gateway's own: if it is answered, the ejection is undone and
     # that tenant's failures count for nothing for `max_eject_s` (a caller must not eject a
-    # backend for everyone by sending what it answers 500 to). Off where request probes are off.
+    # backend for everyone by sending what it answers 500 to). The runtime turns it off where
+    # request probes are off (nothing would decide) and where a policy has fewer than two tenants.
     corroborate: bool = True
     run_tenant: str | None = None  # the tenant every failure of the current run came from, if one
     run_mixed: bool = False  # the run has failures of several tenants, or of the backend's own kinds
