@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 __all__ = [
     "ApiError",
@@ -54,10 +54,20 @@ def error_body(message: str, *, type: str, param: str | None = None, code: str |
     return orjson.dumps({"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
+def _whole(value: Any) -> Any:
+    """A whole float (100.0) is the integer it spells, as the gateway reads it; anything else goes
+    on to strict validation (7.5, "7" and true are 400s)."""
+    return int(value) if isinstance(value, float) and value.is_integer() and abs(value) < 2**53 else value
+
+
+# An integer field: strict, but 100.0 is 100.
+Int = Annotated[int, BeforeValidator(_whole)]
+
+
 class _Request(BaseModel):
     # Unknown OpenAI fields (user, metadata, service_tier...) are accepted and ignored, as vLLM does.
-    # Strict types, as OpenAI's own API checks them: `"stream": "yes"`, `"n": true` or
-    # `"max_tokens": 100.0` are 400s, not read one way here and another by a gateway in front.
+    # Strict types: `"stream": "yes"`, `"n": true` or `"max_tokens": "7"` are 400s, not read one
+    # way here and another by a gateway in front (whose rule this follows: a whole float is an integer).
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
@@ -86,11 +96,11 @@ class _Sampling(_Request):
     model: str = Field(min_length=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: Int = 1
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # Token id (as a string, as OpenAI takes it) -> a bias added to its logit; ids checked against
@@ -142,8 +152,8 @@ class _Sampling(_Request):
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: Int | None = Field(default=None, ge=1)
+    max_completion_tokens: Int | None = Field(default=None, ge=1)
     # Read only to refuse them: a 135M model can neither call tools nor promise JSON output.
     tools: list[Any] | None = None
     functions: list[Any] | None = None
@@ -153,7 +163,7 @@ class ChatRequest(_Sampling):
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -204,12 +214,12 @@ def _unsupported(param: str, message: str) -> ApiError:
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for /v1/completions
+    max_tokens: Int | None = Field(default=16, ge=1)  # OpenAI's default for /v1/completions
     echo: Literal[False] = False
-    logprobs: int | None = Field(default=None, ge=0, le=5)  # OpenAI's legacy form: the alternatives per token
+    logprobs: Int | None = Field(default=None, ge=0, le=5)  # OpenAI's legacy form: the alternatives per token
     # Read only to refuse them: the engine cannot fill in a middle (suffix) or rank several answers.
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     @field_validator("prompt")
     @classmethod

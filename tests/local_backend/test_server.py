@@ -411,6 +411,7 @@ def test_logit_bias_steers_the_answer(server: RunningServer, tiny: LoadedModel) 
         ({"stream": 1}, "stream"),
         ({"max_tokens": True}, "max_tokens"),
         ({"max_tokens": 7.5}, "max_tokens"),
+        ({"max_tokens": "7"}, "max_tokens"),
         ({"temperature": True}, "temperature"),
         ({"seed": "1"}, "seed"),
     ],
@@ -441,7 +442,7 @@ async def test_what_the_local_model_cannot_do_is_refused_not_ignored(server: Run
 
 
 async def test_integral_numbers_and_harmless_fields_are_still_served(server: RunningServer) -> None:
-    body = {"model": "tiny-random", "messages": MESSAGES, "max_tokens": 2, "temperature": 0, "top_p": 1, "n": 1,
+    body = {"model": "tiny-random", "messages": MESSAGES, "max_tokens": 2.0, "temperature": 0, "top_p": 1, "n": 1, "seed": 3.0,
             "modalities": ["text"], "frequency_penalty": 0, "logit_bias": {}, "user": "u", "metadata": {"a": "b"}}
     got, payload, _ = await _post(f"{server.base_url}/chat/completions", orjson.dumps(body))
     assert got == 200, payload
