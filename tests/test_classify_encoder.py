@@ -275,6 +275,31 @@ async def test_a_batch_holds_only_what_ends_before_its_first_deadline(tmp_path: 
         w.close()
 
 
+@pytest.mark.parametrize("share", [None, 2])
+async def test_one_tenants_flood_holds_only_its_share_of_the_queue(tmp_path: Path, share: int | None) -> None:
+    """A tenant sending many uncertain requests at once: with no share, its queue makes the other
+    tenant's request late (None at once: the big model); with a share, it waits its share and
+    the other tenant's request is scored in time."""
+    folder = tiny_folder(tmp_path)
+    w = await _ready(EncoderPolicy(weights_dir=str(folder), max_batch=4))
+    slow = _swap(w, _PerText(Encoder.load(folder), 0.05))
+    try:
+        for n in (1, 2) * 4:  # the cost line: 0.05 s a text
+            assert all(x is not None for x in await asyncio.gather(*(w.score(f"learn {i}", 5.0) for i in range(n))))
+        flood = [asyncio.create_task(w.score(f"flood {i}", 0.6, "mallory", share)) for i in range(30)]
+        await asyncio.sleep(0.01)
+        other = await w.score("alice's question", 0.3, "alice", share)
+        got = await asyncio.gather(*flood)
+        if share is None:
+            assert other is None  # the hole: mallory's queue made alice late
+        else:
+            assert other is not None
+            assert sum(x is not None for x in got) <= share  # the rest found its share waiting: the big model at once
+        assert w._waiting_of == {}  # nobody waits: the map holds nothing
+    finally:
+        w.close()
+
+
 def test_the_one_graph_forward_equals_the_module_and_batches_equal_single_texts(tmp_path: Path) -> None:
     """The traced forward pass (one graph: no GIL between its operations) gives the module's
     logits for any batch and width, and a text scores the same alone (encode) as in a batch
@@ -353,12 +378,22 @@ def test_shipped_encoder_matches_the_data_and_the_lexical_weights() -> None:
         assert b["low"] <= thr < b["high"], b
 
 
-def _policy(**classifier: Any) -> Any:
+def _policy(tenants: int = 0, **classifier: Any) -> Any:
     from gateway.config.policy import parse_policy
 
     return parse_policy(json.dumps({
         "version": 1, "backends": {"a": {"url": "http://127.0.0.1:9", "models": ["m"]}},
-        "models": {"auto": {"simple": ["a"], "complex": ["a"]}}, "classifier": classifier}))
+        "models": {"auto": {"simple": ["a"], "complex": ["a"]}}, "classifier": classifier,
+        "tenants": {f"t{i}": {"key_sha256": [f"{i:064x}"]} for i in range(tenants)}}))
+
+
+def test_a_tenants_share_of_the_encoders_queue_applies_with_two_tenants_or_more() -> None:
+    from gateway.config.runtime import build_runtime
+
+    assert build_runtime(_policy(), {}, 1).cascade.share is None  # open mode: one caller
+    assert build_runtime(_policy(tenants=1), {}, 1).cascade.share is None
+    assert build_runtime(_policy(tenants=2), {}, 1).cascade.share == 4  # half of max_batch (8)
+    assert build_runtime(_policy(tenants=2, encoder={"max_waiting_per_tenant": 6}), {}, 1).cascade.share == 6
 
 
 def test_each_policy_build_picks_its_band_and_deadline(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -150,6 +150,7 @@ class EncoderWorker:
         self._scorer: _Scorer | None = None
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting = 0
+        self._waiting_of: dict[str, int] = {}  # by tenant, while some wait (loop-only: no lock)
         self._thread: threading.Thread | None = None
         self._observe = observe
         self._loaded = threading.Event()
@@ -207,10 +208,15 @@ class EncoderWorker:
     def ready(self) -> bool:
         return self.state is EncoderState.READY
 
-    async def score(self, text: str, timeout_s: float) -> float | None:
+    async def score(self, text: str, timeout_s: float, tenant: str = "", share: int | None = None) -> float | None:
         """The encoder's P(complex) for `text`, or None when it is not ready, too busy (too
-        many waiting, or its turn would end past `timeout_s`) or not done within `timeout_s`."""
+        many waiting, `tenant` has `share` of its requests waiting already, or its turn would end
+        past `timeout_s`) or not done within `timeout_s`. `share` keeps one tenant's flood from
+        filling the queue, whose length makes every later request late, other tenants' too."""
         if self.state is not EncoderState.READY or self._waiting >= self.settings.max_waiting:
+            return None
+        mine = self._waiting_of.get(tenant, 0)
+        if share is not None and mine >= share:
             return None
         units = text_units(text, self._window)
         now = time.monotonic()
@@ -219,6 +225,7 @@ class EncoderWorker:
         loop = asyncio.get_running_loop()
         job = _Job(text, loop, loop.create_future(), now + timeout_s, units)
         self._waiting += 1
+        self._waiting_of[tenant] = mine + 1
         self._put_jobs += 1
         self._put_units += units
         self._jobs.put(job)
@@ -230,6 +237,11 @@ class EncoderWorker:
         finally:  # late, or the request went away: the worker skips it if it has not started it
             job.abandoned = not job.future.done()
             self._waiting -= 1
+            left = self._waiting_of[tenant] - 1
+            if left:
+                self._waiting_of[tenant] = left
+            else:
+                del self._waiting_of[tenant]  # the map holds only tenants with requests waiting
             if self._observe is not None:
                 self._observe(time.perf_counter() - t0)
 
@@ -413,25 +425,26 @@ def _shared(enc: Any, folder: Path | None, device: str) -> _Loaded:
 
 
 class Cascade:
-    """One runtime's cascade: its band (for the policy's recall target) and the app's encoder."""
+    """One runtime's cascade: its band (for the policy's recall target), the app's encoder and
+    each tenant's `share` of the encoder's queue (None: no limit, as with one tenant)."""
 
-    __slots__ = ("worker", "band", "deadline_s")
+    __slots__ = ("worker", "band", "deadline_s", "share")
 
-    def __init__(self, worker: EncoderWorker | None, band: Band | None, deadline_s: float) -> None:
-        self.worker, self.band, self.deadline_s = worker, band, deadline_s
+    def __init__(self, worker: EncoderWorker | None, band: Band | None, deadline_s: float, share: int | None = None) -> None:
+        self.worker, self.band, self.deadline_s, self.share = worker, band, deadline_s, share
 
     def uncertain(self, v: Verdict) -> bool:
         """Whether the encoder should decide `v` (a lexical verdict no rule forced)."""
         return self.band is not None and v.rule is None and self.band.holds(v.score)
 
-    async def decide(self, v: Verdict, body: Mapping[str, Any]) -> Verdict:
-        """The class of a request whose lexical verdict is uncertain."""
+    async def decide(self, v: Verdict, body: Mapping[str, Any], tenant: str = "") -> Verdict:
+        """The class of a request of `tenant` whose lexical verdict is uncertain."""
         band, worker = self.band, self.worker
         assert band is not None
         if worker is None or not worker.ready:
             return v  # loading (or failed): the lexical scorer decides alone, as without one
         try:
-            enc = await worker.score(encoder_text(body), self.deadline_s)
+            enc = await worker.score(encoder_text(body), self.deadline_s, tenant, self.share)
         except RuntimeError:  # the batch failed (logged by the worker)
             enc = None
         if enc is None:

@@ -305,6 +305,9 @@ class EncoderPolicy(_Section):
     deadline_ms: float = Field(12.0, gt=0, le=10_000)
     max_batch: int = Field(8, ge=1, le=256)  # requests scored together (one forward pass)
     max_waiting: int = Field(64, ge=1, le=100_000)  # more waiting: `complex` at once, not queued
+    # With two tenants or more: one tenant's requests waiting at most (more: `complex` at once), so
+    # that its flood cannot make everyone else's uncertain requests late. None: half of max_batch.
+    max_waiting_per_tenant: int | None = Field(None, ge=1, le=100_000)
     threads: int = Field(1, ge=1, le=256)  # torch's threads for the encoder (CPU)
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: the GPU when torch sees one
 

@@ -389,7 +389,9 @@ def _cascade(policy: Policy, lexical: Classifier, encoder: EncoderWorker | None)
         log.warning("classifier: the encoder's band was calibrated on other lexical weights than %s: "
                     "the lexical scorer decides alone", cp.weights_file or DEFAULT_WEIGHTS)
         return LEXICAL_ONLY
-    return Cascade(encoder, band, ep.deadline_ms / 1000)
+    # With two tenants or more, one tenant's requests may hold at most its share of the queue.
+    share = None if len(policy.tenants) < 2 else ep.max_waiting_per_tenant or max(1, ep.max_batch // 2)
+    return Cascade(encoder, band, ep.deadline_ms / 1000, share)
 
 
 def _serves(b: Backend, codec: Endpoint) -> bool:

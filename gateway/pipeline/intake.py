@@ -51,7 +51,7 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
         view = call.endpoint.classify_view(call.body)  # a translation for some endpoints: once
         verdict = rt.classify(view, route)
         if rt.uncertain(verdict, route):
-            verdict = await rt.cascade.decide(verdict, view)
+            verdict = await rt.cascade.decide(verdict, view, tenant.name)
         call.verdict = verdict
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
