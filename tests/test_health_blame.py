@@ -13,6 +13,10 @@ import orjson
 import pytest
 from aiohttp import web
 
+from gateway.config.policy import BackendPolicy
+from gateway.observe.metrics import Metrics
+from gateway.routing.backends import Backend, BackendState
+from gateway.routing.probes import ProbeResult, _report_request, recovery_targets
 from gateway.tenants.auth import hash_key
 from gateway.web.keys import LIVE
 from tests.servers import serve_app
@@ -139,3 +143,19 @@ async def test_without_request_probes_or_with_corroborate_off_one_tenant_ejects_
         assert health.state() == "ejected"
     finally:
         await runner.cleanup()
+
+
+def test_a_backend_wide_ejection_one_tenant_caused_is_probed_at_once_too():
+    # A call naming no model (a by-id Responses call) reports to the backend's own health.
+    b = Backend("b", BackendPolicy(url="http://127.0.0.1:9/v1", models=["m"]), BackendState())
+    b.state.model_health("m")
+    for _ in range(3):
+        b.health.report_failure("mallory", asked=True)
+    assert b.health.verifying and recovery_targets(b) == [("m", float("-inf"))]
+    metrics = Metrics()
+    _report_request(b, "m", ProbeResult(ok=True, endpoint="completions"), metrics)
+    assert b.health.state() == "healthy" and not b.health.verifying
+    for _ in range(3):
+        b.health.report_failure("alice", asked=True)
+    _report_request(b, "m", ProbeResult(ok=False, why="HTTP 500"), metrics)
+    assert b.health.state() == "ejected" and not b.health.verifying and recovery_targets(b)[0][1] > float("-inf")

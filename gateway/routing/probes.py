@@ -127,19 +127,18 @@ def _is_answer(raw: bytes | None, key: str) -> bool:
 def recovery_targets(backend: Backend) -> list[tuple[str, float]]:
     """The upstream models of `backend` that a request probe should try now, each with when its
     ejection began: each one ejected itself, or (when only the backend as a whole is out, e.g.
-    refused connections) one model it serves; and each model whose run of failures one tenant's
-    requests alone met, which a probe corroborates or clears (health.Health.corroborate). Not a half-open one: its next request is the trial
-    (probing it would cost a request a second for as long as it stays idle). None while a launched
-    backend starts: its launcher watches it."""
+    refused connections) one model it serves. An ejection that only one tenant's requests caused
+    (health.Health.verifying) is due at once (-inf): the probe confirms or undoes it. Not a
+    half-open one: its next request is the trial (probing it would cost a request a second for as
+    long as it stays idle). None while a launched backend starts: its launcher watches it."""
     h = backend.health
     if not h.ready:
         return []
     now = h.clock()
-    # A model whose one-tenant run of failures waits for a probe's word is due at once (-inf).
     models = [(m, -math.inf if mh.verifying else mh.ejected_at) for m, mh in backend.state.models.items()
               if now < mh.ejected_until or mh.verifying]
-    if not models and now < h.ejected_until:
-        models = [(next(iter(backend.state.models), backend.default_model), h.ejected_at)]
+    if not models and (now < h.ejected_until or h.verifying):
+        models = [(next(iter(backend.state.models), backend.default_model), -math.inf if h.verifying else h.ejected_at)]
     return models
 
 
@@ -148,16 +147,19 @@ def _report_request(backend: Backend, model: str, result: ProbeResult, metrics: 
     if result.ok is None:
         return
     mh = backend.state.model_health(model)
-    verifying, suspect = mh.verifying, mh.suspect
+    whole = backend.health  # its own ejection waits for this probe when a call naming no model caused it
+    verifying, suspect = mh.verifying or whole.verifying, mh.suspect or whole.suspect
     if result.ok:  # the model answered: the backend as a whole did too
         backend.health.report_probe(True, request=True)
         mh.report_probe(True, request=True)
     elif result.whole_backend:
         backend.health.report_probe(False)
-        if verifying:
+        if mh.verifying:
             mh.report_probe(False)  # the one-tenant run waiting for this probe is corroborated
     else:
         mh.report_probe(False)
+        if whole.verifying:
+            whole.report_probe(False)  # its ejection stands (it is out: nothing more is counted)
     if verifying:
         metrics.health_verifications.labels(backend.name, "cleared" if result.ok else "confirmed").inc()
         how = ("was answered: the ejection is undone, and that tenant's failures do not count for a while" if result.ok
