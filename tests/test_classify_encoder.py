@@ -257,6 +257,12 @@ async def test_an_idle_encoder_tries_a_request_now_and_then_to_correct_its_estim
         w.close()
 
 
+async def _learn_cost(w: EncoderWorker) -> None:
+    """Batches of one and two texts, four times each: the worker's cost line for its scorer."""
+    for n in (1, 2) * 4:
+        assert all(x is not None for x in await asyncio.gather(*(w.score(f"learn {i}", 5.0) for i in range(n))))
+
+
 async def test_a_batch_holds_only_what_ends_before_its_first_deadline(tmp_path: Path) -> None:
     """Eight requests at once, each with 0.35 s, a text costing 0.1 s: one batch of eight would
     end after every deadline; a batch of what fits scores some of them in time, and the rest are
@@ -265,8 +271,7 @@ async def test_a_batch_holds_only_what_ends_before_its_first_deadline(tmp_path: 
     w = await _ready(EncoderPolicy(weights_dir=str(folder), max_batch=8))
     slow = _swap(w, _PerText(Encoder.load(folder), 0.1))
     try:
-        for n in (1, 2) * 4:  # the cost line: 0.1 s a text
-            assert all(s is not None for s in await asyncio.gather(*(w.score(f"learn {i}", 5.0) for i in range(n))))
+        await _learn_cost(w)  # 0.1 s a text
         slow.batches.clear()
         got = await asyncio.gather(*(w.score(f"request {i}", 0.35) for i in range(8)))
         assert sum(s is not None for s in got) >= 2, (got, slow.batches)
@@ -284,8 +289,7 @@ async def test_one_tenants_flood_holds_only_its_share_of_the_queue(tmp_path: Pat
     w = await _ready(EncoderPolicy(weights_dir=str(folder), max_batch=4))
     slow = _swap(w, _PerText(Encoder.load(folder), 0.05))
     try:
-        for n in (1, 2) * 4:  # the cost line: 0.05 s a text
-            assert all(x is not None for x in await asyncio.gather(*(w.score(f"learn {i}", 5.0) for i in range(n))))
+        await _learn_cost(w)  # 0.05 s a text
         flood = [asyncio.create_task(w.score(f"flood {i}", 0.6, "mallory", share)) for i in range(30)]
         await asyncio.sleep(0.01)
         other = await w.score("alice's question", 0.3, "alice", share)

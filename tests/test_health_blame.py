@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from typing import Any
 
 import aiohttp
 import openai
@@ -77,72 +78,75 @@ async def _metric(gw, name: str) -> str:
         return "\n".join(line for line in (await r.text()).splitlines() if line.startswith(name))
 
 
-async def test_one_tenants_poisoned_requests_do_not_eject_a_backend_that_serves_everyone_else(upstream, gateway):
-    broken = {"all": False}
-    runner, port, seen = await _poisoned(broken)
-    try:
+@pytest.fixture
+async def poisoned(upstream, gateway):
+    """make(broken_all, **health) -> (gateway, fast's health for model m, what fast answered):
+    `fast` (answering 500 to "POISON", or to everything) before a healthy `slow`."""
+    runners: list[web.AppRunner] = []
+
+    async def make(broken_all: bool, **health: object) -> tuple[Any, Any, collections.Counter[str]]:
+        runner, port, seen = await _poisoned({"all": broken_all})
+        runners.append(runner)
         slow = await upstream("slow", ttft_ms=30, tokens=1)
-        gw = await gateway(_policy(port, slow.url))
-        health = gw.app[LIVE].runtime.backends["fast"].health_for("m")
-        for _ in range(3):  # each fails on `fast` (500) and is answered by `slow`; the third ejects `fast`
-            assert await _ask(gw, MALLORY, "POISON please") == "slow"
-        assert health.state() == "ejected"
-        for _ in range(40):  # the prober looks every 50 ms here and probes it at once: answered, the ejection is undone
-            if health.state() == "healthy":
-                break
-            await asyncio.sleep(0.05)
-        assert health.state() == "healthy", health.state()
-        assert 'result="cleared"' in await _metric(gw, "gateway_health_verifications_total")
-        # Mallory's further failures count for nothing (for max_eject_ms): `fast` stays in for everyone.
-        for _ in range(6):
-            assert await _ask(gw, MALLORY, "POISON again") == "slow"
-        assert health.state() == "healthy" and seen["500"] == 9
-        assert [await _ask(gw, ALICE, "hello") for _ in range(5)] == ["fast"] * 5
-    finally:
+        gw = await gateway(_policy(port, slow.url, **health))
+        return gw, gw.app[LIVE].runtime.backends["fast"].health_for("m"), seen
+
+    yield make
+    for runner in runners:
         await runner.cleanup()
 
 
-async def test_a_backend_failing_everyone_is_still_ejected(upstream, gateway):
-    broken = {"all": True}
-    runner, port, seen = await _poisoned(broken)
-    try:
-        slow = await upstream("slow", ttft_ms=30, tokens=1)
-        gw = await gateway(_policy(port, slow.url))
-        health = gw.app[LIVE].runtime.backends["fast"].health_for("m")
-        # One tenant only: three failures eject it, and the gateway's own probe, failing too, confirms it.
-        for _ in range(3):
-            assert await _ask(gw, ALICE, "hello") == "slow"
-        assert health.state() == "ejected"
-        for _ in range(40):
-            if 'result="confirmed"' in await _metric(gw, "gateway_health_verifications_total"):
-                break
-            await asyncio.sleep(0.05)
-        assert 'result="confirmed"' in await _metric(gw, "gateway_health_verifications_total")
-        assert health.state() == "ejected" and not health.verifying
-        # Two tenants' failures corroborate each other: ejected at the third, no probe needed.
-        gw2 = await gateway(_policy(port, slow.url, recovery_probe_interval_ms=60000))
-        health2 = gw2.app[LIVE].runtime.backends["fast"].health_for("m")
-        for key in (ALICE, BOB, ALICE):
-            await _ask(gw2, key, "hello")
-        assert health2.state() == "ejected"
-    finally:
-        await runner.cleanup()
+async def _until(check: Any, timeout_s: float = 2.0) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if await check():
+            return True
+        await asyncio.sleep(0.05)
+    return bool(await check())
+
+
+async def test_one_tenants_poisoned_requests_do_not_eject_a_backend_that_serves_everyone_else(poisoned):
+    gw, health, seen = await poisoned(False)
+    for _ in range(3):  # each fails on `fast` (500) and is answered by `slow`; the third ejects `fast`
+        assert await _ask(gw, MALLORY, "POISON please") == "slow"
+    assert health.state() == "ejected"
+
+    async def healthy() -> bool:  # the prober looks every 50 ms here and probes it at once
+        return health.state() == "healthy"
+
+    assert await _until(healthy), health.state()  # answered: the ejection is undone
+    assert 'result="cleared"' in await _metric(gw, "gateway_health_verifications_total")
+    # Mallory's further failures count for nothing (for max_eject_ms): `fast` stays in for everyone.
+    for _ in range(6):
+        assert await _ask(gw, MALLORY, "POISON again") == "slow"
+    assert health.state() == "healthy" and seen["500"] == 9
+    assert [await _ask(gw, ALICE, "hello") for _ in range(5)] == ["fast"] * 5
+
+
+async def test_a_backend_failing_everyone_is_still_ejected(poisoned):
+    gw, health, _ = await poisoned(True)
+    # One tenant only: three failures eject it, and the gateway's own probe, failing too, confirms it.
+    for _ in range(3):
+        assert await _ask(gw, ALICE, "hello") == "slow"
+    assert health.state() == "ejected"
+
+    async def confirmed() -> bool:
+        return 'result="confirmed"' in await _metric(gw, "gateway_health_verifications_total")
+
+    assert await _until(confirmed)
+    assert health.state() == "ejected" and not health.verifying
+    # Two tenants' failures corroborate each other: ejected at the third, no probe needed.
+    gw2, health2, _ = await poisoned(True, recovery_probe_interval_ms=60000)
+    for key in (ALICE, BOB, ALICE):
+        await _ask(gw2, key, "hello")
+    assert health2.state() == "ejected" and not health2.verifying
 
 
 @pytest.mark.parametrize("probes_off", [True, False])
-async def test_without_request_probes_or_with_corroborate_off_one_tenant_ejects_as_before(upstream, gateway, probes_off):
-    broken = {"all": False}
-    runner, port, _ = await _poisoned(broken)
-    try:
-        slow = await upstream("slow", ttft_ms=30, tokens=1)
-        extra = {"recovery_probe_interval_ms": 0} if probes_off else {"corroborate": False}
-        gw = await gateway(_policy(port, slow.url, **extra))
-        health = gw.app[LIVE].runtime.backends["fast"].health_for("m")
-        for _ in range(3):
-            await _ask(gw, MALLORY, "POISON")
-        assert health.state() == "ejected"
-    finally:
-        await runner.cleanup()
+async def test_without_request_probes_or_with_corroborate_off_one_tenant_ejects_as_before(poisoned, probes_off):
+    gw, health, _ = await poisoned(False, **({"recovery_probe_interval_ms": 0} if probes_off else {"corroborate": False}))
+    for _ in range(3):
+        await _ask(gw, MALLORY, "POISON")
+    assert health.state() == "ejected" and not health.verifying
 
 
 def test_a_backend_wide_ejection_one_tenant_caused_is_probed_at_once_too():
