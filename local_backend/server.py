@@ -7,7 +7,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -23,8 +23,10 @@ from .wire import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    chat_choice,
     chat_chunk,
     chat_response,
+    completion_choice,
     completion_chunk,
     completion_response,
     parse_request,
@@ -151,7 +153,9 @@ def _engine_for(state: BackendState, model: str) -> Engine:
     return state.engine
 
 
-async def _submit(state: BackendState, engine: Engine, ids: list[int], req: ChatRequest | CompletionRequest, param: str) -> Sequence:
+async def _submit(state: BackendState, engine: Engine, ids: list[int], req: ChatRequest | CompletionRequest, param: str) -> list[Sequence]:
+    """One sequence per choice (`n`), choice i seeded `seed + i` when a seed is given; all or none
+    (a later one refused cancels those already queued)."""
     if len(ids) >= engine.context_length:
         raise ApiError(
             400,
@@ -161,24 +165,32 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
         )
     temperature = state.default_temperature if req.temperature is None else req.temperature
     top_p = state.default_top_p if req.top_p is None else req.top_p
-    sampling = SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        seed=req.seed,
-        presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty,
-        logit_bias=req.bias_pairs(engine.vocab_size),
-        logprobs=req.logprob_count(),
-    )
+    bias, logprobs = req.bias_pairs(engine.vocab_size), req.logprob_count()
     limit = min(req.token_limit() or state.default_max_tokens, state.max_tokens_cap)
+    seqs: list[Sequence] = []
     try:
-        return engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos, req.cache_salt or ""))
-    except QueueFull as exc:
-        raise ApiError(429, f"the local model is busy: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-    except TooLong as exc:  # prompt + max_tokens beyond what the KV cache may hold for one sequence
-        raise ApiError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
-    except EngineClosed as exc:
-        raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+        for i in range(req.n):
+            sampling = SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                seed=None if req.seed is None else req.seed + i,
+                presence_penalty=req.presence_penalty,
+                frequency_penalty=req.frequency_penalty,
+                logit_bias=bias,
+                logprobs=logprobs,
+            )
+            seqs.append(engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos, req.cache_salt or "")))
+    except BaseException as exc:
+        for seq in seqs:
+            seq.cancel()
+        if isinstance(exc, QueueFull):
+            raise ApiError(429, f"the local model is busy: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        if isinstance(exc, TooLong):  # prompt + max_tokens beyond what the KV cache may hold for one sequence
+            raise ApiError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
+        if isinstance(exc, EngineClosed):
+            raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+        raise
+    return seqs
 
 
 async def _collect(seq: Sequence) -> tuple[str, Delta, list[TokenLogprob]]:
@@ -193,30 +205,66 @@ async def _collect(seq: Sequence) -> tuple[str, Delta, list[TokenLogprob]]:
     raise EngineClosed("the sequence ended without a finish reason")
 
 
+async def _merged(seqs: list[Sequence]) -> AsyncGenerator[tuple[int, Delta], None]:
+    """The deltas of every choice as they come, each with its choice's index, until all finished."""
+    if len(seqs) == 1:  # the common case: no tasks
+        async for delta in seqs[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException]] = asyncio.Queue()
+
+    async def pump(i: int, seq: Sequence) -> None:
+        try:
+            async for delta in seq.deltas():
+                queue.put_nowait((i, delta))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader, which raises it
+            queue.put_nowait((i, exc))
+
+    tasks = [asyncio.create_task(pump(i, seq)) for i, seq in enumerate(seqs)]
+    try:
+        left = len(seqs)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield i, item
+            left -= item.finish_reason is not None
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def _stream(
     request: web.Request,
-    seq: Sequence,
-    frame: Callable[[Delta, bool], list[bytes]],
+    seqs: list[Sequence],
+    frame: Callable[[int, Delta, bool], list[bytes]],
+    tail: Callable[[int, int], list[bytes]],
 ) -> web.StreamResponse:
-    """Relay deltas as SSE. Headers go out with the first token, so a failure before it is a clean error."""
-    deltas = seq.deltas()
+    """Relay every choice's deltas as SSE (`frame(index, delta, first of its choice)`), then
+    `tail(prompt tokens, completion tokens)` once all finished. Headers go out with the first
+    token, so a failure before it is a clean error."""
+    deltas = _merged(seqs)
     try:
         first = await anext(deltas)
     except (EngineClosed, StopAsyncIteration) as exc:
         raise ApiError(503, f"generation stopped: {exc}", type="server_error") from None
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    delta: Delta | None = first
-    is_first = True
+    started: set[int] = set()
+    prompt = completion = 0
     try:
-        while delta is not None:
-            await resp.write(b"".join(frame(delta, is_first)))
-            is_first = False
-            delta = None if delta.finish_reason is not None else await anext(deltas, None)
-        await resp.write(SSE_DONE)
+        item: tuple[int, Delta] | None = first
+        while item is not None:
+            i, delta = item
+            await resp.write(b"".join(frame(i, delta, i not in started)))
+            started.add(i)
+            if delta.finish_reason is not None:
+                prompt, completion = delta.prompt_tokens, completion + delta.completion_tokens
+            item = await anext(deltas, None)
+        await resp.write(b"".join(tail(prompt, completion)) + SSE_DONE)
         await resp.write_eof()
     except ConnectionResetError:
-        pass  # the client left; the handler's `finally` frees the slot
+        pass  # the client left; the handler's `finally` frees the slots
     except Exception as exc:  # too late for a status code: tell the client in-band
         log.warning("stream failed after its first token: %s", exc)
         error = {"message": str(exc), "type": "server_error", "param": None, "code": None}
@@ -224,7 +272,15 @@ async def _stream(
             await resp.write(sse({"error": error}) + SSE_DONE)
         except ConnectionResetError:
             pass
+    finally:
+        await deltas.aclose()
     return resp
+
+
+async def _collect_all(seqs: list[Sequence]) -> tuple[list[tuple[str, Delta, list[TokenLogprob]]], dict[str, int]]:
+    """Every choice's whole answer, and the usage of them all (the prompt counted once)."""
+    answers = list(await asyncio.gather(*(_collect(seq) for seq in seqs)))
+    return answers, usage(answers[0][1].prompt_tokens, sum(last.completion_tokens for _, last, _ in answers))
 
 
 async def _tokenize(request: web.Request, encode: Callable[..., list[int]], engine: Engine, req: ChatRequest | CompletionRequest) -> list[int]:
@@ -246,39 +302,41 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise refusal
     engine = _engine_for(state, req.model)
     ids = await _tokenize(request, encode_chat, engine, req)
-    seq = await _submit(state, engine, ids, req, "messages")
+    seqs = await _submit(state, engine, ids, req, "messages")
     rid, created, name = _rid("chatcmpl"), int(time.time()), state.served_name
     wants_logprobs = req.logprob_count() is not None
+    with_usage = req.include_usage
     try:
         if not req.stream:
-            text, last, logprobs = await _collect(seq)
-            use = usage(last.prompt_tokens, last.completion_tokens)
-            body = chat_response(rid, created, name, text, last.finish_reason or "stop", use)
-            if wants_logprobs:
-                body["choices"][0]["logprobs"] = chat_logprobs(logprobs, engine.token_text)
-            return _json(body)
+            answers, use = await _collect_all(seqs)
+            choices = [chat_choice(i, text, last.finish_reason or "stop", chat_logprobs(lps, engine.token_text) if wants_logprobs else None)
+                       for i, (text, last, lps) in enumerate(answers)]
+            return _json(chat_response(rid, created, name, choices, use))
 
-        def frame(delta: Delta, is_first: bool) -> list[bytes]:
+        def frame(i: int, delta: Delta, is_first: bool) -> list[bytes]:
             out: list[bytes] = []
-            with_usage = req.include_usage
             if is_first:
-                out.append(sse(chat_chunk(rid, created, name, {"role": "assistant", "content": ""}, None, with_usage_field=with_usage)))
+                out.append(sse(chat_chunk(rid, created, name, {"role": "assistant", "content": ""}, None, with_usage_field=with_usage, index=i)))
             if delta.text or delta.logprobs:
-                chunk = chat_chunk(rid, created, name, {"content": delta.text}, None, with_usage_field=with_usage)
+                chunk = chat_chunk(rid, created, name, {"content": delta.text}, None, with_usage_field=with_usage, index=i)
                 if wants_logprobs:
                     chunk["choices"][0]["logprobs"] = chat_logprobs(delta.logprobs, engine.token_text)
                 out.append(sse(chunk))
             if delta.finish_reason is not None:
-                out.append(sse(chat_chunk(rid, created, name, {}, delta.finish_reason, with_usage_field=with_usage)))
-                if with_usage:
-                    tail = {**chat_chunk(rid, created, name, {}, None, with_usage_field=False), "choices": []}
-                    tail["usage"] = usage(delta.prompt_tokens, delta.completion_tokens)
-                    out.append(sse(tail))
+                out.append(sse(chat_chunk(rid, created, name, {}, delta.finish_reason, with_usage_field=with_usage, index=i)))
             return out
 
-        return await _stream(request, seq, frame)
+        def tail(prompt: int, completion: int) -> list[bytes]:
+            if not with_usage:
+                return []
+            last = {**chat_chunk(rid, created, name, {}, None, with_usage_field=False), "choices": []}
+            last["usage"] = usage(prompt, completion)
+            return [sse(last)]
+
+        return await _stream(request, seqs, frame, tail)
     finally:
-        seq.cancel()  # a no-op when finished; frees the slot when the client went away
+        for seq in seqs:
+            seq.cancel()  # a no-op when finished; frees the slot when the client went away
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -290,34 +348,33 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise refusal
     engine = _engine_for(state, req.model)
     ids = await _tokenize(request, encode_completion, engine, req)
-    seq = await _submit(state, engine, ids, req, "prompt")
+    seqs = await _submit(state, engine, ids, req, "prompt")
     rid, created, name = _rid("cmpl"), int(time.time()), state.served_name
     wants_logprobs = req.logprob_count() is not None
-    offset = 0  # text_offset of a stream's next token (no echo: the answer's own text starts at 0)
+    offsets = [0] * len(seqs)  # each choice's text_offset of its next token (no echo: its text starts at 0)
     try:
         if not req.stream:
-            text, last, logprobs = await _collect(seq)
-            use = usage(last.prompt_tokens, last.completion_tokens)
-            body = completion_response(rid, created, name, text, last.finish_reason or "stop", use)
-            if wants_logprobs:
-                body["choices"][0]["logprobs"] = completion_logprobs(logprobs, engine.token_text, 0)[0]
-            return _json(body)
+            answers, use = await _collect_all(seqs)
+            choices = [completion_choice(i, text, last.finish_reason or "stop",
+                                         completion_logprobs(lps, engine.token_text, 0)[0] if wants_logprobs else None)
+                       for i, (text, last, lps) in enumerate(answers)]
+            return _json(completion_response(rid, created, name, choices, use))
 
-        def frame(delta: Delta, is_first: bool) -> list[bytes]:
-            nonlocal offset
-            chunk = completion_chunk(rid, created, name, delta.text, delta.finish_reason)
+        def frame(i: int, delta: Delta, is_first: bool) -> list[bytes]:
+            chunk = completion_chunk(rid, created, name, delta.text, delta.finish_reason, index=i)
             if wants_logprobs:
-                chunk["choices"][0]["logprobs"], offset = completion_logprobs(delta.logprobs, engine.token_text, offset)
-            out = [sse(chunk)]
-            if delta.finish_reason is not None and req.include_usage:
-                tail = {**completion_chunk(rid, created, name, "", None), "choices": []}
-                tail["usage"] = usage(delta.prompt_tokens, delta.completion_tokens)
-                out.append(sse(tail))
-            return out
+                chunk["choices"][0]["logprobs"], offsets[i] = completion_logprobs(delta.logprobs, engine.token_text, offsets[i])
+            return [sse(chunk)]
 
-        return await _stream(request, seq, frame)
+        def tail(prompt: int, completion: int) -> list[bytes]:
+            if not req.include_usage:
+                return []
+            return [sse({**completion_chunk(rid, created, name, "", None), "choices": [], "usage": usage(prompt, completion)})]
+
+        return await _stream(request, seqs, frame, tail)
     finally:
-        seq.cancel()
+        for seq in seqs:
+            seq.cancel()
 
 
 async def list_models(request: web.Request) -> web.Response:

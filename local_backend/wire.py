@@ -13,9 +13,11 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "StreamOptions",
+    "chat_choice",
     "chat_chunk",
     "chat_response",
     "completion_chunk",
+    "completion_choice",
     "completion_response",
     "error_body",
     "parse_request",
@@ -26,6 +28,8 @@ __all__ = [
 
 SSE_DONE = b"data: [DONE]\n\n"
 _MAX_LOGIT_BIAS = 1024  # entries: bounds the work one request adds to each of its steps
+# Choices per request (`n`): each is a sequence of the batch, so one request holds at most this many.
+_MAX_CHOICES = 8
 
 
 class ApiError(Exception):
@@ -100,7 +104,7 @@ class _Sampling(_Request):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Int = 1
+    n: Int = Field(default=1, ge=1, le=_MAX_CHOICES)  # choices: each its own sequence in the batch
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # Token id (as a string, as OpenAI takes it) -> a bias added to its logit; ids checked against
@@ -116,13 +120,6 @@ class _Sampling(_Request):
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
-        return v
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("the local model answers one choice per request (n: 1)")
         return v
 
     def bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
@@ -289,20 +286,17 @@ def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def chat_response(rid: str, created: int, model: str, text: str, finish: str, use: dict[str, int]) -> dict[str, Any]:
+def chat_choice(index: int, text: str, finish: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": logprobs}
+
+
+def chat_response(rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish,
-                "logprobs": None,
-            }
-        ],
+        "choices": choices,
         "usage": use,
         "system_fingerprint": None,
     }
@@ -316,13 +310,14 @@ def chat_chunk(
     finish: str | None,
     *,
     with_usage_field: bool,
+    index: int = 0,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}],
+        "choices": [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}],
         "system_fingerprint": None,
     }
     if with_usage_field:
@@ -330,19 +325,22 @@ def chat_chunk(
     return chunk
 
 
-def completion_response(rid: str, created: int, model: str, text: str, finish: str | None, use: dict[str, int] | None) -> dict[str, Any]:
+def completion_choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def completion_response(rid: str, created: int, model: str, choices: list[dict[str, Any]], use: dict[str, int] | None) -> dict[str, Any]:
     """A ``text_completion`` object: the whole answer, or one stream chunk (``use`` None)."""
-    body: dict[str, Any] = {
+    return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
+        "choices": choices,
         "system_fingerprint": None,
+        "usage": use,
     }
-    body["usage"] = use
-    return body
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> dict[str, Any]:
-    return completion_response(rid, created, model, text, finish, None)
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None, index: int = 0) -> dict[str, Any]:
+    return completion_response(rid, created, model, [completion_choice(index, text, finish)], None)

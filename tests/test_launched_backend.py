@@ -82,6 +82,13 @@ async def test_the_gateway_launches_routes_to_and_stops_the_local_backend(gatewa
     streamed = [t async for ch in await c.chat.completions.create(**asked, stream=True)  # type: ignore[call-overload]
                 if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.content or []]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    # Several choices, whole and streamed, pass through as the model server gives them.
+    many = {"model": "auto", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "n": 2, "temperature": 1.0, "seed": 5}
+    whole = await c.chat.completions.create(**many)  # type: ignore[call-overload]
+    assert [ch.index for ch in whole.choices] == [0, 1]
+    parts = [ch async for ch in await c.chat.completions.create(**many, stream=True)]  # type: ignore[call-overload]
+    assert {i: "".join(p.choices[0].delta.content or "" for p in parts if p.choices and p.choices[0].index == i) for i in (0, 1)} \
+        == {i: whole.choices[i].message.content for i in (0, 1)}
     await gw.runner.cleanup()  # shutdown stops the child: the port is free again
     gw.clients.clear()
     for _ in range(50):

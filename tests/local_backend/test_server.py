@@ -406,7 +406,8 @@ def test_logit_bias_steers_the_answer(server: RunningServer, tiny: LoadedModel) 
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"n": True}, "n"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 9}, "n"),
         ({"stream": "yes"}, "stream"),
         ({"stream": 1}, "stream"),
         ({"max_tokens": True}, "max_tokens"),
@@ -448,3 +449,42 @@ async def test_integral_numbers_and_harmless_fields_are_still_served(server: Run
     assert got == 200, payload
     got, payload, _ = await _post(f"{server.base_url}/completions", orjson.dumps({"model": "tiny-random", "prompt": "x", "max_tokens": 2, "best_of": 1, "suffix": ""}))
     assert got == 200, payload
+
+
+def test_n_choices_whole_and_streamed_each_their_own_sequence(server: RunningServer, tiny: LoadedModel) -> None:
+    client = openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    one = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=11)
+    whole = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=6, n=3, temperature=1.0, seed=11)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert whole.choices[0].message.content == one.choices[0].message.content  # choice i is seeded seed + i
+    assert len({c.message.content for c in whole.choices}) > 1  # sampled apart
+    assert whole.usage is not None and whole.usage.prompt_tokens == one.usage.prompt_tokens  # type: ignore[union-attr]
+    assert whole.usage.completion_tokens == 18
+    chunks = list(client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=6, n=3, temperature=1.0, seed=11,
+                                                 stream=True, stream_options={"include_usage": True}))
+    texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)}
+    assert texts == {i: whole.choices[i].message.content for i in range(3)}
+    finals = sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert finals == [0, 1, 2]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 18
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1, 2]  # each choice opens with its role
+
+
+async def test_n_completions_with_logprobs_and_a_full_queue_refuses_all_of_them(make_engine, serve) -> None:
+    server = serve(make_engine(max_batch=1, max_queue=2))
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    whole = await client.completions.create(model="tiny-random", prompt="Once upon a time", max_tokens=3, n=2, logprobs=1)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert all(c.logprobs is not None and len(c.logprobs.tokens or []) == 3 for c in whole.choices)
+    assert whole.choices[0].text == whole.choices[1].text  # greedy: the same answer twice, as vLLM gives
+    # Three choices cannot all queue behind a batch of one with room for two: 429, and none is left running.
+    with pytest.raises(openai.RateLimitError):
+        await client.completions.create(model="tiny-random", prompt="Once", max_tokens=3, n=4)
+    assert server.engine is not None
+    for _ in range(100):
+        snap = server.engine.snapshot()
+        if snap["queue_depth"] == 0 and snap["batch_size"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert snap["queue_depth"] == 0 and snap["batch_size"] == 0, snap

@@ -28,7 +28,7 @@ def test_valid_chat_request_parses() -> None:
         ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": 3}, "temperature"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
         ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
         ({"messages": [{"role": "user", "content": "x"}]}, "model"),
     ],
