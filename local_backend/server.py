@@ -279,7 +279,12 @@ async def _stream(
 
 async def _collect_all(seqs: list[Sequence]) -> tuple[list[tuple[str, Delta, list[TokenLogprob]]], dict[str, int]]:
     """Every choice's whole answer, and the usage of them all (the prompt counted once)."""
-    answers = list(await asyncio.gather(*(_collect(seq) for seq in seqs)))
+    tasks = [asyncio.ensure_future(_collect(seq)) for seq in seqs]
+    try:
+        answers = list(await asyncio.gather(*tasks))
+    finally:  # one choice failed (or the client left): the others' waits end with it
+        for task in tasks:
+            task.cancel()
     return answers, usage(answers[0][1].prompt_tokens, sum(last.completion_tokens for _, last, _ in answers))
 
 
