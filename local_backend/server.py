@@ -180,17 +180,17 @@ async def _submit(state: BackendState, engine: Engine, ids: list[int], req: Chat
                 logprobs=logprobs,
             )
             seqs.append(engine.submit(GenerationRequest(ids, limit, sampling, req.stop_sequences(), req.ignore_eos, req.cache_salt or "")))
-    except BaseException as exc:
-        for seq in seqs:
-            seq.cancel()
-        if isinstance(exc, QueueFull):
-            raise ApiError(429, f"the local model is busy: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
-        if isinstance(exc, TooLong):  # prompt + max_tokens beyond what the KV cache may hold for one sequence
-            raise ApiError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
-        if isinstance(exc, EngineClosed):
-            raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
-        raise
-    return seqs
+        return seqs
+    except QueueFull as exc:
+        raise ApiError(429, f"the local model is busy: {exc}", type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
+    except TooLong as exc:  # prompt + max_tokens beyond what the KV cache may hold for one sequence
+        raise ApiError(400, f"{param}: {exc}", param=param, code="context_length_exceeded") from None
+    except EngineClosed as exc:
+        raise ApiError(503, str(exc), type="server_error", code="shutting_down") from None
+    finally:
+        if len(seqs) < req.n:  # a later choice was refused: none of them runs
+            for seq in seqs:
+                seq.cancel()
 
 
 async def _collect(seq: Sequence) -> tuple[str, Delta, list[TokenLogprob]]:

@@ -738,6 +738,12 @@ class Policy(_Section):
         """No tenants: every caller is let in, without a key."""
         return not self.tenants
 
+    @property
+    def shared(self) -> bool:
+        """Two tenants or more: one tenant's requests must not cost the others shared things (a
+        backend's health, the classifier encoder's queue)."""
+        return len(self.tenants) > 1
+
     def public_models(self) -> list[str]:
         names = dict.fromkeys(self.models)
         names.update(dict.fromkeys(self.served_models()))

@@ -227,7 +227,7 @@ class Runtime:
                 h.eject_s = hp.eject_ms / 1000
                 h.max_eject_s = hp.max_eject_ms / 1000
                 # The probes decide; with one tenant (or none) there is nobody else to protect.
-                h.corroborate = hp.corroborate and hp.recovery_probe_interval_ms > 0 and len(self.policy.tenants) > 1
+                h.corroborate = hp.corroborate and hp.recovery_probe_interval_ms > 0 and self.policy.shared
             slots = backend.slots
             slots.limit = self.slot_limits[name]
             slots.reserve = reserve_slots(slots.limit, ap.priority_reserve_pct)
@@ -390,7 +390,7 @@ def _cascade(policy: Policy, lexical: Classifier, encoder: EncoderWorker | None)
                     "the lexical scorer decides alone", cp.weights_file or DEFAULT_WEIGHTS)
         return LEXICAL_ONLY
     # With two tenants or more, one tenant's requests may hold at most its share of the queue.
-    share = None if len(policy.tenants) < 2 else ep.max_waiting_per_tenant or max(1, ep.max_batch // 2)
+    share = ep.max_waiting_per_tenant or max(1, ep.max_batch // 2) if policy.shared else None
     return Cascade(encoder, band, ep.deadline_ms / 1000, share)
 
 

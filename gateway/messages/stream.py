@@ -99,9 +99,9 @@ def _check_partial(call: _Call, piece: str) -> None:
     try:
         parsed = pydantic_core.from_json(call.sent, allow_partial=True)
     except ValueError as exc:
-        raise BadArguments(f"tool call {call.name[:100]!r}: arguments are not JSON: {call.sent[:200]!r} ({exc})") from None
+        raise _bad(call, call.sent, f"not JSON ({exc})") from None
     if not isinstance(parsed, dict):
-        raise BadArguments(f"tool call {call.name[:100]!r}: arguments are not a JSON object: {call.sent[:200]!r}")
+        raise _bad(call, call.sent, "not a JSON object")
 
 
 def _check_whole(call: _Call) -> None:
@@ -113,9 +113,13 @@ def _check_whole(call: _Call) -> None:
     try:
         parsed = orjson.loads(text)
     except orjson.JSONDecodeError as exc:
-        raise BadArguments(f"tool call {call.name[:100]!r}: arguments are not JSON: {call.sent[:200]!r} ({exc})") from None
+        raise _bad(call, text, f"not JSON ({exc})") from None
     if not isinstance(parsed, dict):
-        raise BadArguments(f"tool call {call.name[:100]!r}: arguments are not a JSON object: {call.sent[:200]!r}")
+        raise _bad(call, text, "not a JSON object")
+
+
+def _bad(call: _Call, text: str, why: str) -> BadArguments:
+    return BadArguments(f"tool call {call.name[:100]!r}: arguments are {why}: {text[:200]!r}")
 
 
 class ChatToMessagesStream:
