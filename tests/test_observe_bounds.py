@@ -57,6 +57,47 @@ async def test_the_access_log_line_of_a_huge_model_name_stays_small(gateway, ups
     assert entry["status"] == 404 and entry["model"] == HUGE[:MODEL_CHARS]
 
 
+@pytest.mark.parametrize(
+    "content",
+    ["\x01" * 1500, "表" * 1900, "\U0001f600" * 1200, "é\n" * 700],
+    ids=["control-characters", "cjk", "emoji", "short-escapes"],
+)
+async def test_with_prompts_logged_a_line_stays_one_atomic_write(gateway, upstream, captured_stdout, content):
+    # 2,000 characters of JSON text escape to up to 12 KB: past PIPE_BUF, where --workers N
+    # writers on one pipe cut into one another's lines. The cut is by bytes as well.
+    up = await upstream("a", tokens=1)
+    gw = await gateway(simple_policy(up, log={"access": True, "prompts": True}))
+    messages = [{"role": "user", "content": content}]
+    async with aiohttp.ClientSession() as http:
+        for model in ("gpt-test", "\x01" * 1000):  # a 200 and a 404 quoting a model of escapes
+            body = {"model": model, "messages": messages}
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+    gw.app[OBSERVER].close()
+    lines = [line for line in captured_stdout.readouterr().out.splitlines() if line.startswith("{")]
+    assert len(lines) == 2
+    for line in lines:
+        assert len(line.encode()) < 4096, len(line.encode())
+        entry = orjson.loads(line)
+        text = orjson.dumps(messages).decode()
+        assert entry["prompt_truncated"] is True and text.startswith(entry["prompt"])
+        assert len(entry["prompt"]) > 300, len(entry["prompt"])  # cut to fit, not dropped
+    assert [orjson.loads(line)["status"] for line in lines] == [200, 404]
+
+
+async def test_with_prompts_logged_a_short_prompt_is_kept_as_sent(gateway, upstream, captured_stdout):
+    up = await upstream("a", tokens=1)
+    gw = await gateway(simple_policy(up, log={"access": True, "prompts": True}))
+    messages = [{"role": "user", "content": "é" * 900}]  # 1,800 bytes: within the line
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "gpt-test", "messages": messages}) as r:
+            assert r.status == 200
+    gw.app[OBSERVER].close()
+    (line,) = [line for line in captured_stdout.readouterr().out.splitlines() if line.startswith("{")]
+    entry = orjson.loads(line)
+    assert entry["prompt"] == messages and "prompt_truncated" not in entry
+
+
 async def test_a_span_keeps_a_cut_model_name_and_the_provider_cuts_long_attributes(gateway, upstream):
     async with _otlp_collector() as (url, spans):
         up = await upstream("a")

@@ -328,17 +328,30 @@ def _line(call: Call, rt: "Runtime", st: dict[str, float], end: float) -> bytes:
         line["error"] = call.out.error[:ERROR_CHARS]
     if rt.policy.log.prompts:
         body = call.body
-        _cut_prompt(line, body.get("messages", body.get("prompt", body.get("input"))))
+        return _with_prompt(line, body.get("messages", body.get("prompt", body.get("input"))))
     return orjson.dumps(line, default=str)
 
 
-def _cut_prompt(line: dict[str, Any], prompt: Any) -> None:
-    """The prompt as sent, or its JSON text cut to PROMPT_CHARS (and `prompt_truncated`)."""
-    if isinstance(prompt, str) and len(prompt) <= PROMPT_CHARS:
-        line["prompt"] = prompt
-        return
+_LINE_BYTES = _PIPE_BUF - 1  # a line and its newline in one atomic write
+
+
+def _with_prompt(line: dict[str, Any], prompt: Any) -> bytes:
+    """The line with the prompt as sent, or with its JSON text cut (and `prompt_truncated`) to
+    PROMPT_CHARS characters and to what keeps the line within one atomic write: escaped control
+    characters take 6 bytes each and other scripts up to 4, so 2,000 characters can be 12 KB."""
     text = prompt if isinstance(prompt, str) else orjson.dumps(prompt, default=str).decode()
     if len(text) <= PROMPT_CHARS:
         line["prompt"] = prompt
-    else:
-        line["prompt"], line["prompt_truncated"] = text[:PROMPT_CHARS], True
+        out = orjson.dumps(line, default=str)
+        if len(out) <= _LINE_BYTES:
+            return out
+    line["prompt"], line["prompt_truncated"] = "", True
+    room = _LINE_BYTES - len(orjson.dumps(line, default=str))
+    n = min(len(text), PROMPT_CHARS, max(room, 0))
+    while n > 0:
+        size = len(orjson.dumps(text[:n])) - 2  # without its quotes
+        if size <= room:
+            break
+        n = min(n - 1, n * room // size)
+    line["prompt"] = text[:n]
+    return orjson.dumps(line, default=str)
