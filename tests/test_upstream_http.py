@@ -4,10 +4,14 @@ asyncio server for the misbehaving ones (drops, hangs, stale keep-alive, HTTP/1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import shutil
+import socket
 import ssl
+import struct
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -533,6 +537,164 @@ async def test_an_endless_body_stops_at_max_bytes_and_drops_the_socket() -> None
         await pool.close()
 
 
+async def test_an_endless_trailer_fails_at_the_framing_cap_and_drops_the_socket() -> None:
+    # The parser buffers an unfinished trailer line (as it does a header line): without a cap an
+    # upstream would grow it without bound, at a quadratic cost on the event loop.
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: "
+        await endless(writer, head, b"a" * 16384, gone)
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        with pytest.raises(UpstreamProtocolError, match="framing"):
+            async with asyncio.timeout(5):
+                await resp.read(max_bytes=1 << 20)
+        await asyncio.wait_for(gone.wait(), 2)
+        resp.release()
+        await pool.close()
+
+
+async def test_many_small_chunks_and_trailers_within_the_cap_are_read_whole() -> None:
+    # The framing's cap grows with the chunks: 20,000 one-byte chunks (6 bytes of framing each)
+    # are an answer, not an attack. Trailers are read and dropped: they are not response headers.
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1;e=x\r\nz\r\n" * 20_000)
+            writer.write(b"0\r\nRetry-After: 9\r\nX-Trailer: " + b"t" * 1000 + b"\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        for _ in range(2):
+            resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+            assert await resp.read() == b"z" * 20_000
+            assert "Retry-After" not in resp.headers and "X-Trailer" not in resp.headers
+            resp.release()
+        assert sum(len(d) for d in pool._idle.values()) == 1  # the connection was reused
+        await pool.close()
+
+
+async def test_a_reset_cuts_a_body_that_ends_with_the_connection() -> None:
+    # Only a clean close ends an HTTP/1.0-style body; a reset says it was cut.
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n{"choices":[{"message":{"content":"the answer is 4')
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # a close with SO_LINGER 0: a RST, not a FIN
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+        with pytest.raises(UpstreamDisconnected, match="mid-body"):
+            await resp.read(max_bytes=1 << 20)
+        resp.release()
+        await pool.close()
+
+
+async def test_an_answer_that_came_before_the_request_was_written_closes_the_connection() -> None:
+    # An upstream that answers (a 401, a 413) before it read the body, and keeps the connection:
+    # reused, the rest of that body would go ahead of the next request, another tenant's, and
+    # the upstream would read it as that request.
+    conns: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conns.append(b"")
+        if len(conns) == 1:
+            await reader.readuntil(b"\r\n\r\n")  # the head only
+            writer.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 2\r\n\r\nno")
+            await writer.drain()
+            await asyncio.sleep(0.3)  # not reading the body
+            conns[0] = await reader.read(64)  # what this upstream would take for the next request
+            writer.close()
+            return
+        while body := await read_request(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body.split(b"\r\n\r\n", 1)[1]), body.split(b"\r\n\r\n", 1)[1]))
+            await writer.drain()
+        writer.close()
+
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        secret = b'{"content":"tenant A ' + b"x" * (24 << 20) + b'"}'  # past what the sockets buffer
+        resp = await pool.post(url, secret, H, connect_timeout_s=1)
+        assert (resp.status, await resp.read()) == (401, b"no")
+        resp.release()
+        resp = await pool.post(url, b'{"tenant": "B"}', H, connect_timeout_s=1)
+        assert (resp.status, await resp.read()) == (200, b'{"tenant": "B"}')
+        resp.release()
+        assert len(conns) == 2  # B went on a connection of its own
+        await asyncio.sleep(0.4)
+        assert b"POST" not in conns[0]  # the first connection never carried B's request
+        await pool.close()
+
+
+async def test_bytes_that_came_to_an_idle_connection_drop_it_even_when_the_loop_read_them_late() -> None:
+    # The upstream (a thread: it runs while the loop is busy) sends a second, unasked-for answer
+    # while the connection is idle and the loop is busy until after the next request is due:
+    # polled before reuse, the connection is dropped, and the next request does not read that
+    # answer as its own.
+    lsock = socket.create_server(("127.0.0.1", 0))
+    lsock.settimeout(5)
+    conns = 0
+
+    def request(c: socket.socket) -> bool:
+        buf = b""
+        while b"\r\n\r\n" not in buf or not buf.endswith(b"{}"):
+            got = c.recv(4096)
+            if not got:
+                return False
+            buf += got
+        return True
+
+    def serve() -> None:
+        nonlocal conns
+        for leftover in (True, False):
+            with contextlib.suppress(OSError):
+                c, _ = lsock.accept()
+                conns += 1
+                with c:
+                    c.settimeout(5)
+                    request(c)
+                    if leftover:
+                        c.sendall(OK)
+                        time.sleep(0.02)
+                        c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nLEFTOVER")
+                        if not request(c):  # the client dropped this connection, as it should
+                            continue
+                    c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nown")
+                    time.sleep(0.1)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{lsock.getsockname()[1]}"
+    pool = UpstreamPool()
+    try:
+        async with asyncio.timeout(5):
+            resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+            assert await resp.read() == b"ok"
+            time.sleep(0.1)  # a busy loop: the leftover answer waits in the socket, unread
+            resp.release()
+            resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+            assert await resp.read() == b"own"
+            resp.release()
+        assert conns == 2
+    finally:
+        await pool.close()
+        lsock.close()
+        thread.join(2)
+
+
 async def test_an_endless_sse_event_fails_at_the_decoders_cap() -> None:
     gone = asyncio.Event()
 
@@ -671,6 +833,11 @@ def test_the_same_behaviour_on_uvloop() -> None:
         test_too_many_header_lines_and_a_big_head_in_one_read_fail,
         test_an_endless_body_stops_at_max_bytes_and_drops_the_socket,
         test_an_endless_sse_event_fails_at_the_decoders_cap,
+        test_an_endless_trailer_fails_at_the_framing_cap_and_drops_the_socket,
+        test_many_small_chunks_and_trailers_within_the_cap_are_read_whole,
+        test_a_reset_cuts_a_body_that_ends_with_the_connection,
+        test_an_answer_that_came_before_the_request_was_written_closes_the_connection,
+        test_bytes_that_came_to_an_idle_connection_drop_it_even_when_the_loop_read_them_late,
     )
 
     async def main() -> None:

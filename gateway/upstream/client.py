@@ -9,6 +9,7 @@ body over as bytes as they arrive.
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 from collections import deque
 from collections.abc import Mapping
@@ -33,6 +34,8 @@ __all__ = [
 _HIGH_WATER = 1 << 20  # buffered body bytes at which we stop reading the socket until the consumer reads
 MAX_HEADER_BYTES = 64 * 1024  # default cap on a response's head (status line, headers, interim responses)
 MAX_HEADERS = 256  # default cap on the number of response header lines (LLM APIs send a few dozen)
+# Bytes a chunk's framing may take (its size line, extensions and CRLF): far above any real one.
+_CHUNK_FRAMING = 1024
 _MAX_TARGETS = 256  # parsed URLs kept; the relay posts to a handful of fixed URLs
 _METHODS = frozenset({"POST", "GET", "DELETE"})  # `method=`: the Responses API's by-id calls use GET and DELETE
 
@@ -112,9 +115,9 @@ class _Conn(asyncio.Protocol):
     """One connection; its per-exchange state is reset by begin() for each request."""
 
     __slots__ = (
-        "active", "body", "buffered", "closed", "complete", "exc", "head_bytes", "header_bytes",
-        "headers_done", "idle_since", "info", "keep_alive", "key", "loop", "max_header_bytes", "max_headers",
-        "parser", "paused", "raw_headers", "registry", "status", "transport", "waiter",
+        "active", "body", "buffered", "chunks", "closed", "complete", "exc", "fd", "fed", "header_bytes",
+        "header_lines", "headers_done", "idle_since", "info", "keep_alive", "key", "loop", "max_header_bytes",
+        "max_headers", "parser", "paused", "raw_headers", "received", "registry", "status", "transport", "waiter",
     )  # fmt: skip
 
     def __init__(
@@ -131,6 +134,7 @@ class _Conn(asyncio.Protocol):
         self.max_header_bytes = max_header_bytes
         self.max_headers = max_headers
         self.transport: asyncio.Transport | None = None
+        self.fd = -1  # the socket's descriptor, polled before an idle connection is reused
         self.parser = httptools.HttpResponseParser(self)
         self.closed = False
         self.idle_since = 0.0
@@ -145,8 +149,15 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.keep_alive = False
         self.status = 0
-        self.head_bytes = 0  # bytes read while the headers were incomplete (the parser buffers a header line)
-        self.header_bytes = 0  # the size of the header lines parsed (trailers included)
+        # Bytes fed to the parser: while the headers are incomplete all of them count against the
+        # head's cap (the parser buffers an unfinished header line); after, all but the body's
+        # count against the framing's (chunk size lines, extensions and trailers, which the
+        # parser also buffers: an endless trailer line would grow, at a quadratic cost, unseen).
+        self.fed = 0
+        self.received = 0  # body bytes, over the whole answer
+        self.chunks = 0
+        self.header_bytes = 0  # the size of the header lines parsed (interim responses' and trailers included)
+        self.header_lines = 0  # this response's header lines (trailers included)
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
         self.buffered = 0
@@ -156,12 +167,15 @@ class _Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        self.fd = sock.fileno() if sock is not None else -1
         self.registry.add(self)
 
     def data_received(self, data: bytes) -> None:
         if not self.active or self.complete:
             self.abort()  # bytes nobody asked for: this socket can't be trusted again
             return
+        self.fed += len(data)
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # 101 is no answer to a POST
@@ -171,10 +185,13 @@ class _Conn(asyncio.Protocol):
             self.wake()
             return
         if not self.headers_done:
-            self.head_bytes += len(data)
-            if self.head_bytes > self.max_header_bytes:  # e.g. one endless header line, never passed to on_header
+            if self.fed > self.max_header_bytes:  # e.g. one endless header line, never passed to on_header
                 self._head_too_large()
                 return
+        elif self.fed - self.received > 2 * self.max_header_bytes + _CHUNK_FRAMING * self.chunks:
+            self.fail(UpstreamProtocolError("response framing (chunk extensions, trailers) over the size limit"))
+            self.abort()
+            return
         self.wake()  # once per read, however many parser events it held
         if self.buffered > _HIGH_WATER and not self.paused and not self.complete and self.transport is not None:
             self.paused = True
@@ -189,8 +206,9 @@ class _Conn(asyncio.Protocol):
         if not self.active or self.complete or self.exc is not None:
             self.wake()
             return
-        if self.headers_done and self._eof_delimited():
-            self.complete = True  # an HTTP/1.0-style body ends with the connection
+        if self.headers_done and exc is None and self._eof_delimited():
+            # An HTTP/1.0-style body ends with the connection; a reset ends it cut (below).
+            self.complete = True
             self.keep_alive = False
             self.wake()
             return
@@ -207,14 +225,16 @@ class _Conn(asyncio.Protocol):
             raise UpstreamProtocolError("unsolicited bytes after the response")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.raw_headers.append((name, value))
+        if not self.headers_done:  # a trailer is counted, not kept: the headers were handed over already
+            self.raw_headers.append((name, value))
+        self.header_lines += 1
         self.header_bytes += len(name) + len(value) + 4
-        if self.header_bytes > self.max_header_bytes or len(self.raw_headers) > self.max_headers:
+        if self.header_bytes > self.max_header_bytes or self.header_lines > self.max_headers:
             self._head_too_large()
             raise self.exc  # type: ignore[misc]  # stops the parser; data_received keeps this error
 
     def _head_too_large(self) -> None:
-        if len(self.raw_headers) > self.max_headers:
+        if self.header_lines > self.max_headers:
             msg, limit = f"response headers exceed {self.max_headers} lines", self.max_headers
         else:
             msg, limit = f"response headers exceed {self.max_header_bytes} bytes", self.max_header_bytes
@@ -226,6 +246,7 @@ class _Conn(asyncio.Protocol):
         if 100 <= status < 200:  # interim (100 Continue, 103 Early Hints): the real answer follows
             self.info = True
             self.raw_headers = []
+            self.header_lines = 0
             return
         self.status = status
         self.keep_alive = self.parser.should_keep_alive()
@@ -234,6 +255,10 @@ class _Conn(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
         self.buffered += len(body)
+        self.received += len(body)
+
+    def on_chunk_header(self) -> None:
+        self.chunks += 1
 
     def on_message_complete(self) -> None:
         if self.info:
@@ -368,7 +393,9 @@ class UpstreamResponse:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if conn.complete and conn.keep_alive and not conn.closed and conn.exc is None:
+        # A request still being written (an answer that came early: a 401, a 413) would put the
+        # rest of its body on the wire ahead of the next request: such a connection is closed.
+        if conn.complete and conn.keep_alive and not conn.closed and conn.exc is None and _sent(conn):
             self._pool._put(conn)
         else:
             self._closed = not conn.complete  # reading a complete body after release gives b""
@@ -380,6 +407,22 @@ class UpstreamResponse:
         self._closed = True
         if conn is not None:
             conn.abort()
+
+
+def _sent(conn: _Conn) -> bool:
+    """Whether the request's bytes have all left for the kernel."""
+    return conn.transport is not None and conn.transport.get_write_buffer_size() == 0
+
+
+def _readable(fd: int) -> bool:
+    """Whether bytes or an EOF wait on `fd` that the loop has not read yet (urllib3's check before
+    it reuses a connection). A busy loop reads a socket late: bytes an upstream sent to an idle
+    connection would be parsed as the next request's answer, which may be another tenant's."""
+    if fd < 0:
+        return False
+    p = select.poll()
+    p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 class _Target:
@@ -490,7 +533,7 @@ class UpstreamPool:
         oldest_ok = self._now() - self._idle_timeout_s
         while idle:
             conn = idle.pop()  # most recently used first: least likely to have been closed
-            if not conn.closed and conn.idle_since >= oldest_ok and not conn.transport.is_closing():  # type: ignore[union-attr]
+            if not conn.closed and conn.idle_since >= oldest_ok and not conn.transport.is_closing() and not _readable(conn.fd):  # type: ignore[union-attr]
                 return conn
             conn.abort()
         return None
