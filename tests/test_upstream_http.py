@@ -21,7 +21,7 @@ from aiohttp import web
 
 pytest.importorskip("httptools")
 
-from gateway.upstream.client import UpstreamConnectError, UpstreamDisconnected, UpstreamHeadersTooLarge, UpstreamMaybeSent, UpstreamPool, UpstreamProtocolError, UpstreamTooLarge
+from gateway.upstream.client import UpstreamConnectError, UpstreamDisconnected, UpstreamHeadersTooLarge, UpstreamMaybeSent, UpstreamPool, UpstreamProtocolError, UpstreamResponse, UpstreamTooLarge
 from gateway.wire.openai_wire import SSEDecoder, SSEEventTooLarge
 
 BIG = bytes(range(256)) * 8192  # 2 MiB
@@ -111,6 +111,25 @@ Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]
 async def raw_server(handler: Handler) -> tuple[asyncio.Server, str]:
     server = await asyncio.start_server(handler, "127.0.0.1", 0)
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@contextlib.asynccontextmanager
+async def served(handler: Handler) -> AsyncIterator[tuple[UpstreamPool, str]]:
+    """A raw server running `handler`, its URL and a pool (closed after)."""
+    server, url = await raw_server(handler)
+    pool = UpstreamPool()
+    async with server:
+        try:
+            yield pool, url
+        finally:
+            await pool.close()
+
+
+@contextlib.asynccontextmanager
+async def answered(handler: Handler) -> AsyncIterator[tuple[UpstreamPool, UpstreamResponse]]:
+    """served(), and the pool's response to one POST."""
+    async with served(handler) as (pool, url):
+        yield pool, await pool.post(url, b"{}", H, connect_timeout_s=1)
 
 
 async def read_request(reader: asyncio.StreamReader) -> bytes:
@@ -216,14 +235,10 @@ async def test_drop_mid_body_raises() -> None:
         await writer.drain()
         writer.close()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
-        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+    async with answered(handler) as (pool, resp):
         with pytest.raises(UpstreamDisconnected, match="mid-body"):
             await resp.read()
         resp.close()
-        await pool.close()
 
 
 async def test_drop_mid_chunked_stream_raises_after_the_bytes_that_came() -> None:
@@ -234,15 +249,11 @@ async def test_drop_mid_chunked_stream_raises_after_the_bytes_that_came() -> Non
         await asyncio.sleep(0.02)
         writer.close()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
-        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+    async with answered(handler) as (pool, resp):
         assert await resp.readany() == b"data: 1\n\n"
         with pytest.raises(UpstreamDisconnected):
             await resp.readany()
         resp.close()
-        await pool.close()
 
 
 async def test_eof_delimited_body_is_complete() -> None:
@@ -252,13 +263,9 @@ async def test_eof_delimited_body_is_complete() -> None:
         await writer.drain()
         writer.close()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
-        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+    async with answered(handler) as (pool, resp):
         assert await resp.read() == b"until the end"
         resp.release()
-        await pool.close()
 
 
 async def test_interim_response_is_skipped_and_extra_bytes_drop_the_socket() -> None:
@@ -272,15 +279,12 @@ async def test_interim_response_is_skipped_and_extra_bytes_drop_the_socket() -> 
             await writer.drain()
         writer.close()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         for _ in range(2):
             resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
             assert (resp.status, await resp.read()) == (200, b"ok")
             resp.release()
         assert conns == 2  # a socket that sent a second, unasked-for response is not reused
-        await pool.close()
 
 
 async def test_garbage_is_a_protocol_error() -> None:
@@ -289,12 +293,9 @@ async def test_garbage_is_a_protocol_error() -> None:
         writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
         await writer.drain()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         with pytest.raises(UpstreamProtocolError):
             await pool.post(url, b"{}", H, connect_timeout_s=1)
-        await pool.close()
 
 
 async def test_timeout_on_a_silent_upstream_closes_the_socket() -> None:
@@ -305,14 +306,11 @@ async def test_timeout_on_a_silent_upstream_closes_the_socket() -> None:
         await reader.read()  # returns when the client closes
         gone.set()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         with pytest.raises(TimeoutError):
             async with asyncio.timeout(0.1):
                 await pool.post(url, b"{}", H, connect_timeout_s=1)
         await asyncio.wait_for(gone.wait(), 1)
-        await pool.close()
 
 
 async def test_cancelling_a_stream_read_closes_the_socket() -> None:
@@ -325,9 +323,7 @@ async def test_cancelling_a_stream_read_closes_the_socket() -> None:
         await reader.read()
         gone.set()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
         assert await resp.readany() == b"abc"
         task = asyncio.create_task(resp.readany())
@@ -340,7 +336,6 @@ async def test_cancelling_a_stream_read_closes_the_socket() -> None:
             await resp.readany()
         resp.release()  # a half-read connection is closed, never pooled
         assert not pool._idle.get(("http", "127.0.0.1", int(url.rsplit(":", 1)[1])))
-        await pool.close()
 
 
 async def test_a_request_written_then_dropped_is_never_resent() -> None:
@@ -359,9 +354,7 @@ async def test_a_request_written_then_dropped_is_never_resent() -> None:
             await writer.drain()
         writer.close()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
         assert await resp.read() == b"ok"
         resp.release()  # pooled, and still open when the next post takes it
@@ -373,7 +366,6 @@ async def test_a_request_written_then_dropped_is_never_resent() -> None:
         assert await resp.read() == b"ok"
         resp.release()
         assert (conns, requests) == (2, 3)
-        await pool.close()
 
 
 async def test_a_pooled_connection_closed_before_the_write_is_replaced_and_sent_once() -> None:
@@ -419,13 +411,10 @@ async def test_a_fresh_connection_that_drops_is_not_retried() -> None:
         await read_request(reader)
         writer.close()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         with pytest.raises(UpstreamDisconnected, match="before the response headers"):
             await pool.post(url, b"{}", H, connect_timeout_s=1)
         assert conns == 1
-        await pool.close()
 
 
 async def test_connect_refused_is_a_connect_error(pool: UpstreamPool) -> None:
@@ -461,16 +450,13 @@ async def test_an_endless_response_header_fails_at_the_cap(piece: bytes) -> None
         await read_request(reader)
         await endless(writer, b"HTTP/1.1 200 OK\r\nX-Junk: ", piece, gone)
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         with pytest.raises(UpstreamProtocolError, match="response headers exceed 65536 bytes") as info:
             async with asyncio.timeout(5):
                 await pool.post(url, b"{}", H, connect_timeout_s=1)
         assert isinstance(info.value, UpstreamHeadersTooLarge) and isinstance(info.value, UpstreamTooLarge)
         assert info.value.limit == 65536
         await asyncio.wait_for(gone.wait(), 2)  # the socket was dropped, not left reading
-        await pool.close()
 
 
 async def test_too_many_header_lines_and_a_big_head_in_one_read_fail() -> None:
@@ -523,10 +509,7 @@ async def test_an_endless_body_stops_at_max_bytes_and_drops_the_socket() -> None
         await read_request(reader)
         await endless(writer, b"HTTP/1.0 200 OK\r\n\r\n", b"x" * 65536, gone)
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
-        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+    async with answered(handler) as (pool, resp):
         with pytest.raises(UpstreamTooLarge):
             async with asyncio.timeout(5):
                 await resp.read(max_bytes=1 << 20)
@@ -534,7 +517,6 @@ async def test_an_endless_body_stops_at_max_bytes_and_drops_the_socket() -> None
         with pytest.raises(UpstreamTooLarge):  # the response stays failed
             await resp.readany()
         resp.release()
-        await pool.close()
 
 
 async def test_an_endless_trailer_fails_at_the_framing_cap_and_drops_the_socket() -> None:
@@ -547,16 +529,12 @@ async def test_an_endless_trailer_fails_at_the_framing_cap_and_drops_the_socket(
         head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\nX-Trailer: "
         await endless(writer, head, b"a" * 16384, gone)
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
-        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+    async with answered(handler) as (pool, resp):
         with pytest.raises(UpstreamProtocolError, match="framing"):
             async with asyncio.timeout(5):
                 await resp.read(max_bytes=1 << 20)
         await asyncio.wait_for(gone.wait(), 2)
         resp.release()
-        await pool.close()
 
 
 async def test_many_small_chunks_and_trailers_within_the_cap_are_read_whole() -> None:
@@ -569,16 +547,13 @@ async def test_many_small_chunks_and_trailers_within_the_cap_are_read_whole() ->
             await writer.drain()
         writer.close()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         for _ in range(2):
             resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
             assert await resp.read() == b"z" * 20_000
             assert "Retry-After" not in resp.headers and "X-Trailer" not in resp.headers
             resp.release()
         assert sum(len(d) for d in pool._idle.values()) == 1  # the connection was reused
-        await pool.close()
 
 
 async def test_a_reset_cuts_a_body_that_ends_with_the_connection() -> None:
@@ -592,14 +567,10 @@ async def test_a_reset_cuts_a_body_that_ends_with_the_connection() -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.transport.abort()  # a close with SO_LINGER 0: a RST, not a FIN
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
-        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+    async with answered(handler) as (pool, resp):
         with pytest.raises(UpstreamDisconnected, match="mid-body"):
             await resp.read(max_bytes=1 << 20)
         resp.release()
-        await pool.close()
 
 
 async def test_an_answer_that_came_before_the_request_was_written_closes_the_connection() -> None:
@@ -623,9 +594,7 @@ async def test_an_answer_that_came_before_the_request_was_written_closes_the_con
             await writer.drain()
         writer.close()
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
+    async with served(handler) as (pool, url):
         secret = b'{"content":"tenant A ' + b"x" * (24 << 20) + b'"}'  # past what the sockets buffer
         resp = await pool.post(url, secret, H, connect_timeout_s=1)
         assert (resp.status, await resp.read()) == (401, b"no")
@@ -636,7 +605,6 @@ async def test_an_answer_that_came_before_the_request_was_written_closes_the_con
         assert len(conns) == 2  # B went on a connection of its own
         await asyncio.sleep(0.4)
         assert b"POST" not in conns[0]  # the first connection never carried B's request
-        await pool.close()
 
 
 async def test_bytes_that_came_to_an_idle_connection_drop_it_even_when_the_loop_read_them_late() -> None:
@@ -704,10 +672,7 @@ async def test_an_endless_sse_event_fails_at_the_decoders_cap() -> None:
         first = b"data: 1\n\ndata: "
         await endless(writer, head + b"%x\r\n%s\r\n" % (len(first), first), b"400\r\n" + b"x" * 1024 + b"\r\n", gone)
 
-    server, url = await raw_server(handler)
-    pool = UpstreamPool()
-    async with server:
-        resp = await pool.post(url, b"{}", H, connect_timeout_s=1)
+    async with answered(handler) as (pool, resp):
         decoder = SSEDecoder(max_event_bytes=256 * 1024)
         events: list[bytes] = []
         with pytest.raises(SSEEventTooLarge, match="an SSE event exceeds 262144 bytes") as info:
@@ -718,7 +683,6 @@ async def test_an_endless_sse_event_fails_at_the_decoders_cap() -> None:
         assert events == [b"data: 1\n\n"]
         resp.close()
         await asyncio.wait_for(gone.wait(), 2)
-        await pool.close()
 
 
 def test_sse_event_cap_counts_whole_events_too() -> None:
