@@ -23,7 +23,9 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
     if params.seed is None:
         generator.seed()
     else:
-        generator.manual_seed(params.seed)
+        # Any integer a caller sends (and seed + i for its i-th choice) maps to a seed torch takes:
+        # manual_seed raises past 2**64 - 1, which here would fail the whole batch.
+        generator.manual_seed(params.seed % 2**64)
     return generator
 
 
@@ -44,8 +46,10 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         return _argmax_finite(logits)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        # Keep the smallest prefix whose mass reaches top_p. The first token always stays: a top_p
+        # under float32's smallest step is 0 there, which would drop every token.
         drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         pick = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[pick].item())

@@ -30,6 +30,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 _MAX_LOGIT_BIAS = 1024  # entries: bounds the work one request adds to each of its steps
 # Choices per request (`n`): each is a sequence of the batch, so one request holds at most this many.
 _MAX_CHOICES = 8
+_MAX_STOP_CHARS = 1000  # characters of one stop sequence (OpenAI documents none; vLLM none)
 
 
 class ApiError(Exception):
@@ -120,12 +121,17 @@ class _Sampling(_Request):
     def _stop_list(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > 4:
             raise ValueError("at most 4 stop sequences")
+        # Text held back while it may be the start of a stop is matched against each of its
+        # prefixes at every token: a stop of 400,000 spaces cost the engine thread 0.3 s a token.
+        if any(len(s) > _MAX_STOP_CHARS for s in ([v] if isinstance(v, str) else v or [])):
+            raise ValueError(f"a stop sequence is at most {_MAX_STOP_CHARS} characters")
         return v
 
     def bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
         """``logit_bias`` as (token id, bias) pairs; a 400 naming the entry that is not a token
         id of this model or whose bias is outside [-100, 100]."""
         pairs: list[tuple[int, float]] = []
+        seen: set[int] = set()
         for key, bias in (self.logit_bias or {}).items():
             # isascii: str.isdigit takes '²', which int() refuses; 9 digits: int() of a long string is slow
             if not (key.isascii() and key.isdigit() and len(key) <= 9) or int(key) >= vocab_size:
@@ -134,7 +140,11 @@ class _Sampling(_Request):
             if not -100.0 <= bias <= 100.0:
                 raise ApiError(400, f"logit_bias: the bias of token {key} is {bias}; it must be between -100 and 100",
                                param="logit_bias", code="invalid_value")
-            pairs.append((int(key), bias))
+            token = int(key)
+            if token in seen:  # "42" and "042": two biases on one token would add past the bound
+                raise ApiError(400, f"logit_bias: token {token} is named twice ({key[:40]!r})", param="logit_bias", code="invalid_value")
+            seen.add(token)
+            pairs.append((token, bias))
         return tuple(pairs)
 
     def stop_sequences(self) -> tuple[str, ...]:

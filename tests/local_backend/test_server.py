@@ -392,6 +392,29 @@ def test_logit_bias_steers_the_answer(server: RunningServer, tiny: LoadedModel) 
     assert resp.choices[0].message.content == tiny.tokenizer.decode([token] * 4)
 
 
+async def test_a_seed_past_64_bits_for_a_second_choice_fails_nothing(server: RunningServer) -> None:
+    # Choice i is seeded seed + i: 2**64 - 1 + 1 once made torch's manual_seed raise inside the
+    # prefill, which failed every sequence of the batch (a batch-mate's stream cut mid-answer).
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    victim = asyncio.create_task(client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=40, extra_body={"ignore_eos": True}))
+    for seed in (2**64 - 1, -(2**63)):
+        resp = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=6, n=2, seed=seed, temperature=1.0)
+        assert [c.index for c in resp.choices] == [0, 1]
+    wrapped = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=6, n=2, seed=2**64 - 1, temperature=1.0)
+    zero = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=6, seed=0, temperature=1.0)
+    assert wrapped.choices[1].message.content == zero.choices[0].message.content  # seeds are taken modulo 2**64
+    answer = await victim
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 40
+
+
+async def test_a_top_p_under_float32s_smallest_step_keeps_the_likeliest_token(server: RunningServer) -> None:
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
+    greedy = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=5, temperature=0)
+    for top_p in (1e-46, 1e-300):
+        got = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=5, temperature=1.5, top_p=top_p, seed=3)
+        assert got.choices[0].message.content == greedy.choices[0].message.content
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -403,6 +426,9 @@ def test_logit_bias_steers_the_answer(server: RunningServer, tiny: LoadedModel) 
         ({"logit_bias": {"9" * 5000: 5}}, "logit_bias"),
         ({"logit_bias": {"42": 101}}, "logit_bias"),
         ({"logit_bias": {"42": True}}, "logit_bias.42"),
+        ({"logit_bias": {"42": 100, "042": 100}}, "logit_bias"),  # one token twice: 200 past the bound
+        ({"stop": " " * 1001}, "stop"),
+        ({"stop": ["x", " " * 1001]}, "stop"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"n": True}, "n"),
