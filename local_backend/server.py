@@ -57,6 +57,10 @@ class BackendState:
     default_temperature: float = 0.0  # for a request without temperature: see sampling_defaults()
     default_top_p: float = 1.0
     body_limit_bytes: int = 1 << 20
+    # Bytes of request bodies whose prompts wait for (or are in) the one tokenizer thread. A
+    # prompt costs about 1.6 s a MB to tokenize before its length can be refused, so past twice
+    # the body limit waiting, a request is refused at once (429) instead of queueing behind them.
+    tokenizing_bytes: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -288,10 +292,21 @@ async def _collect_all(seqs: list[Sequence]) -> tuple[list[tuple[str, Delta, lis
     return answers, usage(answers[0][1].prompt_tokens, sum(last.completion_tokens for _, last, _ in answers))
 
 
-async def _tokenize(request: web.Request, encode: Callable[..., list[int]], engine: Engine, req: ChatRequest | CompletionRequest) -> list[int]:
-    """Run ``encode`` on the app's tokenizer thread, with the engine's pre-tokenization length check."""
+async def _tokenize(request: web.Request, encode: Callable[..., list[int]], engine: Engine, req: ChatRequest | CompletionRequest,
+                    size: int) -> list[int]:
+    """Run ``encode`` on the app's tokenizer thread, with the engine's pre-tokenization length
+    check; a 429 when the bodies waiting for that thread (`size` bytes this one) pass twice the
+    body limit: one caller's large prompts cannot hold every other caller's behind them."""
+    state = request.app[STATE]
+    if state.tokenizing_bytes and state.tokenizing_bytes + size > 2 * state.body_limit_bytes:
+        raise ApiError(429, f"the local model is busy: {state.tokenizing_bytes} bytes of prompts wait to be tokenized",
+                       type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
     call = functools.partial(encode, engine.tokenizer, req, max_chars=engine.longest_token_chars, context_length=engine.context_length)
-    return await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_THREAD], call)
+    state.tokenizing_bytes += size
+    try:
+        return await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_THREAD], call)
+    finally:
+        state.tokenizing_bytes -= size
 
 
 def _rid(prefix: str) -> str:
@@ -301,12 +316,13 @@ def _rid(prefix: str) -> str:
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions"""
     state = request.app[STATE]
-    req = parse_request(ChatRequest, await _read_body(request, state.body_limit_bytes))
+    body = await _read_body(request, state.body_limit_bytes)
+    req = parse_request(ChatRequest, body)
     refusal = req.unsupported()
     if refusal is not None:
         raise refusal
     engine = _engine_for(state, req.model)
-    ids = await _tokenize(request, encode_chat, engine, req)
+    ids = await _tokenize(request, encode_chat, engine, req, len(body))
     seqs = await _submit(state, engine, ids, req, "messages")
     rid, created, name = _rid("chatcmpl"), int(time.time()), state.served_name
     wants_logprobs = req.logprob_count() is not None
@@ -347,12 +363,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions"""
     state = request.app[STATE]
-    req = parse_request(CompletionRequest, await _read_body(request, state.body_limit_bytes))
+    body = await _read_body(request, state.body_limit_bytes)
+    req = parse_request(CompletionRequest, body)
     refusal = req.unsupported()
     if refusal is not None:
         raise refusal
     engine = _engine_for(state, req.model)
-    ids = await _tokenize(request, encode_completion, engine, req)
+    ids = await _tokenize(request, encode_completion, engine, req, len(body))
     seqs = await _submit(state, engine, ids, req, "prompt")
     rid, created, name = _rid("cmpl"), int(time.time()), state.served_name
     wants_logprobs = req.logprob_count() is not None

@@ -407,6 +407,26 @@ async def test_a_seed_past_64_bits_for_a_second_choice_fails_nothing(server: Run
     assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 40
 
 
+async def test_prompts_waiting_for_the_tokenizer_are_bounded_in_bytes(make_engine, serve) -> None:
+    # The largest prompts the length check lets through cost a quarter of a second each to
+    # tokenize (on one thread, to be refused after): past twice the body limit waiting, the next
+    # is a 429 at once, and a small request is not queued behind a dozen of them.
+    engine = make_engine(max_batch=8, max_queue=8)
+    prompt = "a " * (((engine.context_length - 1) * engine.longest_token_chars - 10) // 2)
+    body = orjson.dumps({"model": "tiny-random", "prompt": prompt, "max_tokens": 1})
+    server = serve(engine, body_limit_bytes=len(body) + 1000)  # two such bodies may wait
+    url = f"{server.base_url}/completions"
+    got = await asyncio.gather(*(_post(url, body) for _ in range(8)))
+    codes = sorted(status for status, _, _ in got)
+    assert 429 in codes and codes.count(429) >= 4, codes
+    busy = next(payload for status, payload, _ in got if status == 429)
+    assert busy["error"]["code"] == "queue_full"  # type: ignore[index]
+    assert set(codes) <= {400, 429}  # the rest were tokenized, then found too long for the context
+    assert server.state.tokenizing_bytes == 0
+    status, _, _ = await _post(url, orjson.dumps({"model": "tiny-random", "prompt": "Once", "max_tokens": 1}))
+    assert status == 200
+
+
 async def test_a_top_p_under_float32s_smallest_step_keeps_the_likeliest_token(server: RunningServer) -> None:
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
     greedy = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=5, temperature=0)
