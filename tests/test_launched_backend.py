@@ -231,3 +231,20 @@ async def test_tenants_do_not_share_the_launched_models_prefix_cache(gateway):
         hits.append(await _prefix_hits(port))
     assert hits[2] > hits[1] == hits[0]  # tenant a's second ask hits its own blocks
     assert hits[3] == hits[2]  # tenant b asks the same: nothing of a's is found
+
+    # The Responses and Messages APIs reach the model as a chat request the gateway translates:
+    # the same salt (it was missing from translated requests).
+    for api in ("responses", "messages"):
+        text = f"{api}: my PIN is 2024. " + "Another private preamble that fills blocks. " * 60
+        hits = [await _prefix_hits(port)]
+        for key in ("sk-a", "sk-a", "sk-b"):
+            if api == "responses":
+                await gw.client(key).responses.create(model="tiny-random", input=text, max_output_tokens=2)
+            else:
+                body = {"model": "tiny-random", "max_tokens": 2, "messages": [{"role": "user", "content": text}]}
+                async with aiohttp.ClientSession() as http:
+                    async with http.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": key, "anthropic-version": "2023-06-01"}) as r:
+                        assert r.status == 200, await r.text()
+            hits.append(await _prefix_hits(port))
+        assert hits[2] > hits[1] == hits[0], (api, hits)
+        assert hits[3] == hits[2], (api, hits)

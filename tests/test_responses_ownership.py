@@ -334,7 +334,10 @@ def _raw_get(port: int, path: str, key: str) -> int:
 
 @pytest.mark.parametrize("path", ["/v1/responses/..", "/v1/responses/.", "/v1/responses/%2E%2E", "/v1/responses/%2e",
                                   "/v1/responses/%2E%2E/input_items", "/v1/conversations/%2E%2E",
-                                  "/v1/conversations/c1/items/%2E%2E"])
+                                  "/v1/conversations/c1/items/%2E%2E",
+                                  # "$" in a pattern takes a final newline; the URL then drops it
+                                  "/v1/responses/..%0A", "/v1/responses/..%0A/input_items", "/v1/conversations/..%0A",
+                                  "/v1/conversations/c1/items/..%0A", "/v1/responses/resp_1%0A"])
 async def test_dot_segment_ids_are_refused_before_any_upstream_call(upstream, gateway, path):
     up = await upstream(_name("a"), tokens=3)
     gw = await gateway(_policy(up, responses={"adopt_unknown_ids": True}))  # even where unknown ids are searched

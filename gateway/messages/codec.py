@@ -30,7 +30,7 @@ from ..errors import GatewayError
 from ..relay.continuation import Transcript
 from ..web.sink import Sink, SinkWrapper
 from ..wire.chat_monitor import ChatMonitor, OverChat
-from ..wire.codec import Endpoint, NotAnAnswer, Whole
+from ..wire.codec import Endpoint, NotAnAnswer, Whole, salted
 from ..wire.monitor import Monitor, Rewrite, Verdict
 from .stream import BadArguments, ChatToMessagesStream, MalformedChunk, StreamOrderError
 from ..wire.openai_wire import ChatRequest
@@ -116,8 +116,8 @@ class MessagesViaChat(Endpoint):
     def validate(self, body: Mapping[str, Any]) -> None:
         encoded(messages_to_chat(dict(body)), "the request")  # raises Untranslatable / TranslationError (400s)
 
-    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
-        return encoded({**messages_to_chat(dict(body)), "model": upstream_model}, "the request")
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str, cache_salt: str | None = None) -> bytes:
+        return encoded(salted({**messages_to_chat(dict(body)), "model": upstream_model}, cache_salt), "the request")
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:
@@ -151,7 +151,8 @@ class ChatViaMessages(Endpoint):
     def validate(self, body: Mapping[str, Any]) -> None:
         encoded(chat_to_messages(body, self.default_max_tokens), "the request")  # raises Untranslatable / TranslationError (400s)
 
-    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str, cache_salt: str | None = None) -> bytes:
+        # Toward Anthropic's API: no cache_salt there (a launched model speaks chat).
         return encoded({**chat_to_messages(body, self.default_max_tokens), "model": upstream_model}, "the request")
 
     def upstream_request(self, body: Mapping[str, Any]) -> dict[str, Any]:

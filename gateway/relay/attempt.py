@@ -158,7 +158,7 @@ class Attempt:
                 request["cache_salt"] = salt
             body = self.resume.body(request, upstream_model, leg.prefill, trim=leg.prefill_trims)
         else:
-            translated = leg.upstream_body(call.body, upstream_model)  # in the backend's API's format
+            translated = leg.upstream_body(call.body, upstream_model, salt)  # in the backend's API's format
             body = call.body_for(upstream_model, salt) if translated is None else translated
         headers = {**backend.headers, "X-Request-Id": call.request_id}
         resp: UpstreamResponse | None = None

@@ -38,13 +38,13 @@ from .route import holders_of
 
 __all__ = ["routes"]
 
-_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,256}$")  # one path segment, nothing to escape
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,256}")  # one path segment, nothing to escape (fullmatch: "$" takes a final newline)
 
 
 def _valid_id(value: str, param: str) -> str:
     """A path id that can be sent on as one path segment: `.` and `..` (also sent percent-encoded)
     would be dot segments upstream, so an id of dots only is refused like any malformed one."""
-    if not _ID.match(value) or not value.strip("."):
+    if not _ID.fullmatch(value) or not value.strip("."):
         raise NotFound(f"{param} {value[:80]!r} is not a valid id", param=param, code="not_found")
     return value
 

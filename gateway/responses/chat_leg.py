@@ -15,7 +15,7 @@ import orjson
 
 from ..cache.entry import Entry
 from ..wire.chat_monitor import ChatMonitor, OverChat
-from ..wire.codec import Endpoint, NotAnAnswer, Whole
+from ..wire.codec import Endpoint, NotAnAnswer, Whole, salted
 from ..wire.monitor import Monitor, Rewrite, Verdict
 from .replay import replayable
 from .via_chat import ChatToResponsesStream, StreamOrderError, chat_completion_to_response, responses_to_chat
@@ -33,8 +33,8 @@ class ResponsesViaChat(Endpoint):
         if not stateful_refs(body):  # a follow-up goes to the backend holding its state (pinning), as it is
             responses_to_chat(body)
 
-    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes:
-        return orjson.dumps({**responses_to_chat(body), "model": upstream_model})
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str, cache_salt: str | None = None) -> bytes:
+        return orjson.dumps(salted({**responses_to_chat(body), "model": upstream_model}, cache_salt))
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None,
                 body: Mapping[str, Any] | None = None, transcript: Any = None) -> Monitor:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["accounted", "api_key", "body_if_authenticated", "error_response", "json_response", "new_call",
            "read_bounded", "request_id"]
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # fullmatch: "$" would take a final newline
 _BANDS = frozenset(Band)
 
 
@@ -75,7 +75,7 @@ def request_id(request: web.Request) -> str:
     """The caller's x-request-id when it is a safe token; otherwise a fresh one (a bad one is never
     echoed back: it could split headers or inject into logs)."""
     rid = request.headers.get("x-request-id")
-    if rid and _REQUEST_ID.match(rid):
+    if rid and _REQUEST_ID.fullmatch(rid):
         return rid
     return fresh_id(96)
 

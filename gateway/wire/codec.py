@@ -21,7 +21,15 @@ from ..web.sink import Sink
 from .monitor import Monitor, Rewrite
 from .openai_wire import RequestBody
 
-__all__ = ["Endpoint", "NotAnAnswer", "Whole"]
+__all__ = ["Endpoint", "NotAnAnswer", "Whole", "salted"]
+
+
+def salted(body: dict[str, Any], cache_salt: str | None) -> dict[str, Any]:
+    """`body` (a chat request a leg made) with vLLM's `cache_salt` when there is one: a launched
+    model's prefix cache is then shared only within the tenant, whatever API the caller spoke."""
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
+    return body
 
 
 class NotAnAnswer(ValueError):
@@ -80,8 +88,9 @@ class Endpoint:
         """A translating leg: refuse (a BadRequest naming the feature) what it cannot translate
         faithfully. Called at intake for every leg a candidate of the request's pool would use."""
 
-    def upstream_body(self, body: Mapping[str, Any], upstream_model: str) -> bytes | None:
-        """The body a translating leg sends its backend; None: the client's own (the model mapped)."""
+    def upstream_body(self, body: Mapping[str, Any], upstream_model: str, cache_salt: str | None = None) -> bytes | None:
+        """The body a translating leg sends its backend; None: the client's own (the model mapped).
+        `cache_salt` (a launched model's, per tenant): a leg toward a chat backend carries it."""
         return None
 
     def upstream_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
