@@ -44,6 +44,22 @@ async def test_a_model_the_tenant_may_not_use_is_403(upstream, gateway):
     assert r.choices[0].message.content
 
 
+async def test_a_key_sent_twice_reaches_the_backend_once_as_the_gateway_read_it(upstream, gateway):
+    # The gateway reads the last of a duplicated key; a backend whose parser kept the first would
+    # get a model the tenant may not use and more max_tokens than its quota reserved.
+    up = await upstream("a", tokens=1)
+    gw = await gateway(_tenant_policy(up, models=["gpt-test"]))
+    raw = (b'{"model": "secret-model", "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}],'
+           b' "model": "gpt-test", "max_tokens": 5}')
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": "Bearer sk-acme", "Content-Type": "application/json"}
+        async with http.post(gw.url + "/v1/chat/completions", data=raw, headers=headers) as r:
+            assert r.status == 200, await r.text()
+    sent = up.stats.last_raw
+    assert sent.count(b'"model"') == 1 and sent.count(b'"max_tokens"') == 1, sent
+    assert orjson.loads(sent)["model"] == "gpt-test" and orjson.loads(sent)["max_tokens"] == 5
+
+
 async def test_unknown_model_is_404(upstream, gateway):
     up = await upstream("a")
     gw = await gateway(simple_policy(up))
@@ -104,8 +120,7 @@ async def _post(gw, body):
 
 
 async def test_a_body_nested_deeper_than_can_be_re_encoded_is_a_400_and_no_backends_fault(upstream, gateway):
-    # orjson reads 1024 levels and writes ~255: a backend that knows the model by another name
-    # gets a re-encoded body (the others get the bytes as sent).
+    # orjson reads 1024 levels and writes ~255: every backend gets a re-encoded body.
     up = await upstream("a")
     policy = simple_policy(up)
     policy["backends"]["a"]["models"] = {"gpt-test": "upstream-name"}

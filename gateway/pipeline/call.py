@@ -157,13 +157,16 @@ class Call:
 
     def body_for(self, upstream_model: str, cache_salt: str | None = None) -> bytes:
         """The body to send a backend that knows the model as `upstream_model` (with vLLM's
-        `cache_salt` when given: its prefix cache is then shared only with the same salt)."""
-        if upstream_model == self.model and cache_salt is None:
-            return self.raw
+        `cache_salt` when given: its prefix cache is then shared only with the same salt).
+
+        Always encoded from what the gateway read, never the bytes as sent: of a key sent twice
+        the gateway reads the last, and a backend that read the first would get what nothing
+        checked (a model the tenant may not use, another tenant's previous_response_id, more
+        max_tokens than the quota reserved). About 0.4 us for a small body, 6 us for 100 KB."""
         key = upstream_model if cache_salt is None else f"{upstream_model}\0{cache_salt}"
         out = self._bodies.get(key)
         if out is None:
-            body = {**self.body, "model": upstream_model}
+            body = self.body if upstream_model == self.model and cache_salt is None else {**self.body, "model": upstream_model}
             if cache_salt is not None:
                 body["cache_salt"] = cache_salt
             try:
