@@ -91,7 +91,7 @@ class Stats:
     faults: int = 0  # requests answered with the (non-ok) mode
     last_headers: dict[str, str] = field(default_factory=dict)
     last_body: dict[str, Any] = field(default_factory=dict)
-    last_raw: bytes = b""  # the last body's bytes as they came
+    last_raw: str = ""  # the last body as it came (text: /_stats serves these stats as JSON)
     calls: list[list[Any]] = field(default_factory=list)  # [monotonic time, model, prefill?] per chat/completions request
 
 
@@ -226,7 +226,7 @@ class FakeUpstream(Served):
         body = orjson.loads(raw)
         st.models.append(body.get("model", ""))
         st.last_headers = dict(request.headers)
-        st.last_body, st.last_raw = body, raw
+        st.last_body, st.last_raw = body, raw.decode("utf-8", "replace")
         msgs = body.get("messages") if chat else None
         prefill = bool(msgs) and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant"
         st.calls.append([time.monotonic(), body.get("model", ""), prefill])

@@ -56,7 +56,7 @@ async def test_a_key_sent_twice_reaches_the_backend_once_as_the_gateway_read_it(
         async with http.post(gw.url + "/v1/chat/completions", data=raw, headers=headers) as r:
             assert r.status == 200, await r.text()
     sent = up.stats.last_raw
-    assert sent.count(b'"model"') == 1 and sent.count(b'"max_tokens"') == 1, sent
+    assert sent.count('"model"') == 1 and sent.count('"max_tokens"') == 1, sent
     assert orjson.loads(sent)["model"] == "gpt-test" and orjson.loads(sent)["max_tokens"] == 5
 
 
