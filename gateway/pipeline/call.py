@@ -16,7 +16,7 @@ from ..errors import BadRequest
 from ..relay.continuation import Transcript
 from ..routing.affinity import Decision
 from ..tenants.auth import Tenant
-from ..wire.codec import Endpoint
+from ..wire.codec import Endpoint, salted
 
 if TYPE_CHECKING:
     from ..responses.affinity import Learner
@@ -166,9 +166,7 @@ class Call:
         key = upstream_model if cache_salt is None else f"{upstream_model}\0{cache_salt}"
         out = self._bodies.get(key)
         if out is None:
-            body = self.body if upstream_model == self.model and cache_salt is None else {**self.body, "model": upstream_model}
-            if cache_salt is not None:
-                body["cache_salt"] = cache_salt
+            body = self.body if upstream_model == self.model and cache_salt is None else salted({**self.body, "model": upstream_model}, cache_salt)
             try:
                 out = self._bodies[key] = orjson.dumps(body)
             except orjson.JSONEncodeError:  # orjson reads deeper nesting (1024) than it writes (~255)

@@ -25,7 +25,7 @@ from ..routing.health import Kind
 from ..tenants.auth import OPEN_TENANT
 from ..upstream.client import UpstreamConnectError, UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse, UpstreamTooLarge
 from ..web.sink import Sink
-from ..wire.codec import NotAnAnswer
+from ..wire.codec import NotAnAnswer, salted
 from .context import RelayContext
 from .continuation import Resume
 from .refusal import context_length, retry_after
@@ -153,9 +153,7 @@ class Attempt:
         tenant = call.tenant
         salt = tenant.cache_namespace if backend.policy.launch is not None and tenant not in (None, OPEN_TENANT) else None
         if self.resume is not None:  # the request in the backend's format, plus what was delivered
-            request = leg.upstream_request(call.body)
-            if salt is not None:
-                request["cache_salt"] = salt
+            request = salted(leg.upstream_request(call.body), salt)
             body = self.resume.body(request, upstream_model, leg.prefill, trim=leg.prefill_trims)
         else:
             translated = leg.upstream_body(call.body, upstream_model, salt)  # in the backend's API's format
