@@ -135,6 +135,30 @@ async def test_another_tenants_cacheable_traffic_does_not_evict_a_tenants_record
     assert status == 404  # and still alice's alone
 
 
+async def test_another_tenants_records_evict_their_own_not_a_tenants(upstream, gateway):
+    # In memory every tenant's records share one bounded map: bob creating conversations (cheap,
+    # each recorded) past its bound evicts his own oldest records, not alice's few.
+    a = await upstream(_name("a"), tokens=3)
+    policy = _policy(a)
+    policy["store"] = {"memory_max_bytes": 6_000}  # ~80 records of ~70 bytes
+    gw = await gateway(policy)
+    alice = gw.client(A)
+    made = await alice.responses.create(model="gpt-test", input="alice's question")
+    conv = await alice.conversations.create()
+    bob = gw.client(B)
+    bobs = [(await bob.conversations.create()).id for _ in range(150)]
+    for path in (f"/v1/responses/{made.id}", f"/v1/conversations/{conv.id}"):
+        status, body, _ = await _call(gw, "GET", path, A)
+        assert status == 200, (path, body)
+    follow = await alice.responses.create(model="gpt-test", input="and then?", previous_response_id=made.id)
+    assert follow.previous_response_id == made.id
+    status, body, _ = await _call(gw, "GET", f"/v1/conversations/{bobs[0]}", B)
+    assert status == 404 and body["error"]["code"] == "conversation_not_found"  # bob's oldest went
+    status, _, _ = await _call(gw, "GET", f"/v1/conversations/{bobs[-1]}", B)
+    assert status == 200
+    held = gw.app[LIVE].runtime.affinity.store.owners()
+    assert sum(held.values()) < 150 and sorted(held.values())[0] == 3, held  # alice's 3 records all kept
+
 async def test_the_migration_mode_finds_an_unknown_id_and_it_becomes_the_askers(upstream, gateway):
     a = await upstream(_name("a"), tokens=3)
     b = await upstream(_name("b"), tokens=3)

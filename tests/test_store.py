@@ -19,7 +19,8 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 import redis.asyncio as aredis
 
-from gateway.store.core import MemoryStore, Store, StoreError
+from gateway.store.core import FairMemoryStore, MemoryStore, Store, StoreError
+from gateway.store.holdings import Holdings
 from gateway.tenants.quota_counters import Ask, Scope, Settle
 from gateway.store.redis_store import RedisStore
 from tests.procs import needs_redis_server
@@ -63,10 +64,16 @@ async def redis_store() -> AsyncIterator[RedisStore]:
         yield store
 
 
-@pytest.fixture(params=["memory", "redis"])
+def _first_byte(value: bytes) -> str:
+    return value[:1].decode("latin-1")
+
+
+@pytest.fixture(params=["memory", "fair", "redis"])
 async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     if request.param == "memory":
         yield MemoryStore()
+    elif request.param == "fair":
+        yield FairMemoryStore(_first_byte)
     else:
         async with _redis_store() as s:
             yield s
@@ -174,6 +181,60 @@ async def test_a_part_of_its_own_is_not_evicted_by_the_rest() -> None:
         await s.set(f"k{i}", b"v", 60)
     assert await records.get("r") == b"A's record"
     assert records.max_items == 2 and await s.get("r") is None
+
+
+async def test_a_fair_part_evicts_from_the_owner_holding_the_most() -> None:
+    s = MemoryStore(max_items=6)
+    records = s.own("records", _first_byte)
+    assert isinstance(records, FairMemoryStore) and s.own("records", _first_byte) is records
+    await records.set("a1", b"A", 60)
+    await records.set("a2", b"A", 60)
+    for i in range(20):  # B floods: past the bound, its own least recently used go
+        await records.set(f"b{i}", b"B", 60)
+    assert await records.get("a1") == b"A" and await records.get("a2") == b"A"
+    assert records.owners() == {"A": 2, "B": 4} and len(records) == 6
+    assert [await records.get(f"b{i}") for i in (14, 15)] == [None, None]
+    await records.get("b16")  # touched: b17 is B's least recently used now
+    await records.set("c1", b"C", 60)
+    assert await records.get("b17") is None and await records.get("b16") == b"B"
+    for i in range(5):  # C grows past B: then C pays for its own growth
+        await records.set(f"c{i + 2}", b"C", 60)
+    assert records.owners() == {"A": 2, "B": 2, "C": 2}
+    await records.delete("a1")
+    assert records.owners() == {"A": 1, "B": 2, "C": 2} and len(records) == 5
+
+
+async def test_a_fair_part_evicts_by_bytes_and_rewrites_move_an_entry_between_owners() -> None:
+    clock = FakeClock()
+    s = FairMemoryStore(_first_byte, max_bytes=100, clock=clock)
+    await s.set("k", b"A" + b"x" * 19, 60)  # 21 bytes
+    for i in range(8):
+        await s.set(f"b{i}", b"B" + b"x" * 18, 60)  # 21 bytes each
+    assert s.used_bytes <= 100 and await s.get("k") is not None and s.owners() == {"A": 1, "B": 3}
+    await s.set("k", b"B", 60)  # the key now names B: it is B's, and A holds nothing
+    assert s.owners() == {"B": 4} and s.used_bytes == 2 + 3 * 21
+    await s.set("big", b"A" * 200, 60)  # larger than the whole: not stored, nothing evicted
+    assert await s.get("big") is None and s.owners() == {"B": 4}
+    clock.now += 61
+    assert await s.get("k") is None and s.owners() == {"B": 3}  # expired on read
+    assert await s.add("k", b"A", 60) and not await s.add("k", b"B", 60)
+    assert await s.delete_if("k", b"A") and s.owners() == {"B": 3}
+    await s.close()
+    assert len(s) == 0 and s.used_bytes == 0 and s.owners() == {}
+
+
+def test_holdings_keep_the_owners_holding_the_most_at_hand() -> None:
+    h = Holdings()
+    assert h.top() == (0, []) and h.heaviest() is None and h.below_top() == 0
+    h.move("a", 3)
+    h.move("b", 1)
+    h.move("c", 3)
+    assert h.top() == (3, ["a", "c"]) and h.heaviest() == "a" and h.below_top() == 1
+    assert h.move("a", -1) == 2 and h.top() == (3, ["c"]) and h.below_top() == 2
+    assert h.move("b", -1) == 0 and h.held("b") == 0 and len(h) == 2
+    with pytest.raises(ValueError):
+        h.move("b", -1)
+    assert len(h) == 2 and h.top() == (3, ["c"])  # a refused move changes nothing
 
 
 async def test_memory_evicts_by_bytes_and_skips_oversized_values() -> None:

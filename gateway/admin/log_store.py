@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from ..config.policy import StoreTlsPolicy
 from ..store.connect import ADMIN_CONNECTIONS, close_client, connect
+from ..store.holdings import Holdings
 from ..store.redis_store import bounded
 from .entry import decode
 
@@ -137,9 +138,7 @@ class MemoryLogStore:
     def __init__(self, size: int, max_bytes: int = 64 << 20) -> None:
         self._size, self._max_bytes = size, max_bytes
         self._parts: dict[str, deque[_Part]] = {}
-        self._held: dict[str, int] = {}  # entries per tenant
-        self._levels: list[int] = []  # the distinct counts tenants hold, ascending
-        self._at: dict[int, dict[str, None]] = {}  # the tenants holding each count
+        self._held = Holdings()  # entries per tenant
         self._count = 0
         self._bytes = 0  # the parts' blobs: an evicted entry's bytes go with its part
 
@@ -201,9 +200,8 @@ class MemoryLogStore:
         """Evict `n` entries as if one by one, each the first of a tenant holding the most: the
         tenants on top come down together to the next count, level after level (O(tenants moved))."""
         while n > 0:
-            level = self._levels[-1]
-            group = list(self._at[level])
-            floor = self._levels[-2] if len(self._levels) > 1 else 0
+            level, group = self._held.top()
+            floor = self._held.below_top()
             if n >= len(group) * (level - floor):
                 each, extra = level - floor, 0
             else:  # they stop between: the one more each goes from those whose first entry is oldest
@@ -238,21 +236,8 @@ class MemoryLogStore:
 
     def _move(self, tenant: str, by: int) -> None:
         """`tenant` holds `by` entries more (or fewer): the counts stay sorted (O(log tenants))."""
-        held = self._held.get(tenant, 0)
-        if held:
-            at = self._at[held]
-            del at[tenant]
-            if not at:
-                del self._at[held], self._levels[bisect.bisect_left(self._levels, held)]
-        held += by
-        if held:
-            self._held[tenant] = held
-            if held not in self._at:
-                self._at[held] = {}
-                bisect.insort(self._levels, held)
-            self._at[held][tenant] = None
-        else:
-            del self._held[tenant], self._parts[tenant]
+        if not self._held.move(tenant, by):
+            del self._parts[tenant]
 
     async def page(self, f: Filter, limit: int, before: int | None) -> Page:
         # The parts' entries merged newest first (a tenant's page reads its own parts only): each

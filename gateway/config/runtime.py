@@ -22,13 +22,13 @@ from ..classify.classifier import DEFAULT_WEIGHTS, Classifier, Rules, Verdict
 from ..classify.encoder_meta import meta_of
 from ..errors import BadRequest, ModelNotFound, shown
 from ..pipeline.call import CacheResult, Call
-from ..responses.affinity import Affinity
+from ..responses.affinity import Affinity, owner_of
 from ..routing.affinity import PrefixMap
 from ..routing.backends import Backend, BackendState, Slots
 from ..routing.health import Health
 from ..routing.latency import Tracker
 from ..routing.selector import Candidate, Selector
-from ..store.core import MemoryStore, Store
+from ..store.core import FairMemoryStore, MemoryStore, Store
 from ..store.redis_store import RedisStore
 from ..tenants.auth import Tenant, Tenants
 from ..tenants.quota import Quota
@@ -202,7 +202,7 @@ class Runtime:
         self.cache = cache
         self.quota = quota  # None: no tenant has limits
         # Which backend holds each Responses API id (responses/affinity.py); in memory unless given a store.
-        self.affinity = affinity if affinity is not None else _affinity(policy, MemoryStore(), None)
+        self.affinity = affinity if affinity is not None else _affinity(policy, FairMemoryStore(owner_of), None)
 
     def activate(self, states: dict[str, BackendState], stores: dict[StorePolicy, Store]) -> None:
         """Put this runtime's limits in force on the live backends: once, at its swap, right after
@@ -469,7 +469,7 @@ def build_runtime(
     # would drop records under load, and an answer without its record is not released.
     sp = policy.store
     record_sp = sp if sp.url is None else sp.model_copy(update={"timeout_ms": max(sp.timeout_ms, policy.responses.record_timeout_ms)})
-    affinity = _affinity(policy, store_of(record_sp, "records").own("records"), on_affinity)
+    affinity = _affinity(policy, store_of(record_sp, "records").own("records", owner_of), on_affinity)
     share = slot_share if slot_share is not None else (lambda n: n)
     slot_limits = {name: share(bp.max_concurrency) for name, bp in policy.backends.items()}
     return Runtime(policy, backends, classifier, generation, cache, quota, affinity, used, slot_limits, prefixes, cascade)

@@ -33,7 +33,7 @@ from ..errors import GatewayError, Unavailable
 from ..store.core import Store, StoreError
 from .wire import conversation_id, held_ids
 
-__all__ = ["Affinity", "Holder", "Learner", "MapUnavailable", "OwnerConflict", "RecordFailed", "MAX_ID_CHARS"]
+__all__ = ["Affinity", "Holder", "Learner", "MapUnavailable", "OwnerConflict", "RecordFailed", "MAX_ID_CHARS", "owner_of"]
 
 log = logging.getLogger("gateway.affinity")
 
@@ -80,6 +80,12 @@ def _value(backend: str, owner: str) -> bytes:
 def _holder(raw: bytes) -> Holder:
     backend, _, owner = raw.decode("utf-8", "replace").partition("\n")
     return Holder(backend, owner)
+
+
+def owner_of(raw: bytes) -> str:
+    """The owner a record names: an in-memory map is shared fairly among owners by it
+    (store.core.FairMemoryStore: one tenant's records cannot evict another's)."""
+    return raw.partition(b"\n")[2].decode("utf-8", "replace")
 
 
 class Affinity:

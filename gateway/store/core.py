@@ -1,4 +1,4 @@
-"""The Store that the cache and the quotas sit on, and its in-memory implementation.
+"""The Store that the cache and the quotas sit on, and its in-memory implementations.
 
 A Store holds opaque bytes under string keys, each with a TTL, and the quota counters (one atomic
 check-and-take per request: tenants/quota_counters.py, tenants/quota_lua.py). Implementations raise StoreError
@@ -14,8 +14,9 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from ..tenants.quota_counters import Ask, Decision, MemoryQuota, Settle, Usage
+from .holdings import Holdings
 
-__all__ = ["StoreError", "Store", "MemoryStore"]
+__all__ = ["StoreError", "Store", "MemoryStore", "FairMemoryStore"]
 
 
 class StoreError(Exception):
@@ -56,10 +57,11 @@ class Store(Protocol):
         """Release connections; the store is not used afterwards."""
         ...
 
-    def own(self, name: str) -> Store:
+    def own(self, name: str, owner_of: Callable[[bytes], str] | None = None) -> Store:
         """The part of this store that only `name`'s entries use: for a process's memory, an LRU
-        of its own (another user's traffic cannot push them out); a shared store (Redis, whose
-        keys are prefixed per use) is itself."""
+        of its own (another user's traffic cannot push them out), shared fairly among the owners
+        `owner_of` reads from each value when given (FairMemoryStore); a shared store (Redis,
+        whose keys are prefixed per use) is itself."""
         ...
 
     async def quota_take(self, tenant: str, ask: Ask) -> Decision:
@@ -113,12 +115,16 @@ class MemoryStore:
         self.quota = MemoryQuota()  # quota counters: this process's own (see tenants/quota_counters.py)
         self._parts: dict[str, MemoryStore] = {}  # see own()
 
-    def own(self, name: str) -> MemoryStore:
+    def own(self, name: str, owner_of: Callable[[bytes], str] | None = None) -> MemoryStore:
         """An LRU of `name`'s own, with this one's bounds, made once (the Responses API's records
-        beside the cache: tenant B's cacheable requests must not evict tenant A's records)."""
+        beside the cache: tenant B's cacheable requests must not evict tenant A's records); with
+        `owner_of`, shared fairly among the owners it names (B's records must not evict A's)."""
         part = self._parts.get(name)
         if part is None:
-            self._parts[name] = part = MemoryStore(max_bytes=self.max_bytes, max_items=self.max_items, clock=self._clock)
+            n, items, clock = self.max_bytes, self.max_items, self._clock
+            part = (MemoryStore(max_bytes=n, max_items=items, clock=clock) if owner_of is None
+                    else FairMemoryStore(owner_of, max_bytes=n, max_items=items, clock=clock))
+            self._parts[name] = part
         return part
 
     def __len__(self) -> int:
@@ -188,4 +194,86 @@ class MemoryStore:
 
     def _drop(self, key: str) -> None:
         value, _ = self._items.pop(key)
+        self._bytes -= len(key) + len(value)
+
+
+class FairMemoryStore(MemoryStore):
+    """An in-memory LRU shared fairly by its owners: the Responses API's records of every tenant
+    live in one (responses/affinity.py). With one plain LRU, a tenant creating conversations (cheap
+    requests, each recorded) pushed the other tenants' records out, and their follow-ups were 404s;
+    here it evicts its own, and an owner holding fewer than `max_items` / N entries (N: the owners
+    present) loses none to the others.
+
+    A MemoryStore whose entries each belong to an owner (`owner_of(value)`), each owner's in an
+    LRU of its own; past `max_items` or `max_bytes`, the least recently used entry of an owner
+    holding the most goes. get/set stay O(1) (an owner's count moves in O(log owners))."""
+
+    __slots__ = ("_owner_of", "_lrus", "_where", "_held")
+
+    def __init__(
+        self,
+        owner_of: Callable[[bytes], str],
+        *,
+        max_bytes: int = 256 << 20,
+        max_items: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(max_bytes=max_bytes, max_items=max_items, clock=clock)
+        self._owner_of = owner_of
+        self._lrus: dict[str, OrderedDict[str, tuple[bytes, float]]] = {}
+        self._where: dict[str, str] = {}  # key -> its owner
+        self._held = Holdings()
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def owners(self) -> dict[str, int]:
+        """Entries held per owner (expired ones included until read or evicted)."""
+        return {o: len(lru) for o, lru in self._lrus.items()}
+
+    async def get(self, key: str) -> bytes | None:
+        owner = self._where.get(key)
+        if owner is None:
+            return None
+        lru = self._lrus[owner]
+        value, expires = lru[key]
+        if expires <= self._clock():
+            self._drop(key)
+            return None
+        lru.move_to_end(key)
+        return value
+
+    async def set(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> None:
+        if key in self._where:
+            self._drop(key)
+        size = len(key) + len(value)
+        if ttl_s <= 0 or size > self.max_bytes:
+            return
+        owner = self._owner_of(value)
+        self._lrus.setdefault(owner, OrderedDict())[key] = (value, self._clock() + ttl_s)
+        self._where[key] = owner
+        self._held.move(owner, 1)
+        self._bytes += size
+        while self._bytes > self.max_bytes or len(self._where) > self.max_items:
+            heaviest = self._held.heaviest()
+            assert heaviest is not None  # something is held: the bounds were passed
+            self._drop(next(iter(self._lrus[heaviest])))  # its least recently used
+
+    async def delete(self, key: str) -> None:
+        if key in self._where:
+            self._drop(key)
+
+    async def close(self) -> None:
+        self._lrus.clear()
+        self._where.clear()
+        self._held = Holdings()
+        self._bytes = 0
+
+    def _drop(self, key: str) -> None:
+        owner = self._where.pop(key)
+        lru = self._lrus[owner]
+        value, _ = lru.pop(key)
+        if not lru:
+            del self._lrus[owner]
+        self._held.move(owner, -1)
         self._bytes -= len(key) + len(value)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from ..config.policy import StoreTlsPolicy
@@ -184,8 +184,9 @@ class RedisStore:
         except FAILURES:
             pass
 
-    def own(self, name: str) -> RedisStore:
-        """Itself: every use's keys have a prefix of their own on the one server (see Store.own)."""
+    def own(self, name: str, owner_of: Callable[[bytes], str] | None = None) -> RedisStore:
+        """Itself: every use's keys have a prefix of their own on the one server (see Store.own);
+        what evicts there is the server's maxmemory policy, and records have a TTL."""
         return self
 
     async def close(self) -> None:
