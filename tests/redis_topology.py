@@ -359,9 +359,11 @@ class Cluster:
         roles = sorted(n.role for n in self.nodes())
         return None if roles == ["master"] * masters + ["replica"] * replicas else f"roles listed: {roles}"
 
-    def _replicas_problem(self) -> str | None:
+    def _replicas_problem(self, per_master: int) -> str | None:
         """None once every replica follows a master and its replication link is up, and every
-        master counts each of its replicas online (`_replicas_offline`)."""
+        master counts `per_master` replicas, each online (`_replicas_offline`). A node still a
+        master of no slots is a replica to be: with at least 0 replicas it passed, and a WAIT
+        right after the setup found its master's replica not yet there (0 of 1 acknowledged)."""
         for port in self.live_ports():
             try:
                 with _client(port) as c:
@@ -370,7 +372,9 @@ class Cluster:
             except redis.RedisError as e:
                 return f"node {port}: {e!r}"
             if "master" in me.flags:
-                if (problem := _replicas_offline(port, repl, at_least=0)) is not None:
+                if not me.slots:
+                    return f"node {port}: a master of no slots (a replica to be)"
+                if (problem := _replicas_offline(port, repl, at_least=per_master)) is not None:
                     return problem
             elif repl.get("master_link_status") != "up":
                 return f"replica {port}: {repl}"
@@ -403,7 +407,7 @@ async def redis_cluster(masters: int = 3, replicas_per_master: int = 1) -> Async
         cluster = Cluster(procs, ports[:masters], ports)
         try:
             await cluster.wait_ok(20)
-            await _until(cluster._replicas_problem, 20, "cluster replicas in sync")
+            await _until(lambda: cluster._replicas_problem(replicas_per_master), 20, "cluster replicas in sync")
             # A replica that still calls itself a master was skipped above, and the node the
             # harness asks may not have heard of a role yet: the roles as it lists them, too.
             await _until(lambda: cluster._roles_problem(masters, count - masters), 20, "cluster roles")
