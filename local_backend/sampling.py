@@ -13,6 +13,9 @@ __all__ = ["choose_tokens", "logprobs_of", "make_generator"]
 
 # What OpenAI reports for a token the model gives no chance (JSON has no -inf).
 _LOGPROB_FLOOR = -9999.0
+# Candidates read first for top_p (then 8 times as many, until their mass reaches top_p): the
+# nucleus of a real model's distribution is mostly a few to a few hundred tokens.
+_NUCLEUS_K = 256
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -41,19 +44,44 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     logits = logits.float()
     probs = torch.softmax(logits / params.temperature, dim=-1)
     # logits / temperature can overflow to inf (inf - inf = NaN in softmax), or the model can give NaN:
-    # multinomial would raise, so take the limit of a vanishing temperature instead.
+    # sampling would fail, so take the limit of a vanishing temperature instead.
     if not bool(torch.isfinite(probs).all()):
         return _argmax_finite(logits)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p. The first token always stays: a top_p
-        # under float32's smallest step is 0 there, which would drop every token.
-        drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= params.top_p
-        drop[0] = False
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        pick = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[pick].item())
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+        weights, ids = _nucleus(probs, params.top_p)
+        return int(ids[_draw(weights, generator)].item())
+    return _draw(probs, generator)
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest set of likeliest tokens whose mass reaches `top_p`: (their probabilities, the
+    others zeroed; their ids). Read from the top `_NUCLEUS_K` first, more only when those hold too
+    little: sorting a whole vocabulary per row per step cost 15 ms (49k tokens), a top-k 0.2 ms."""
+    vocab = probs.shape[-1]
+    k = min(_NUCLEUS_K, vocab)
+    while True:
+        values, ids = torch.topk(probs, k)  # in descending order
+        mass = torch.cumsum(values, dim=-1)
+        if k == vocab or float(mass[-1]) >= top_p:
+            break
+        k = min(vocab, k * 8)
+    # Keep the smallest prefix whose mass reaches top_p. The first token always stays: a top_p
+    # under float32's smallest step is 0 there, which would drop every token.
+    drop = mass - values >= top_p
+    drop[0] = False
+    return values.masked_fill(drop, 0.0), ids
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index drawn with probability proportional to `weights` (non-negative, some positive) by
+    inverting their running sum at one uniform number: 0.15-0.4 ms over 49k weights against 3.3 ms
+    for torch.multinomial on this CPU. In float64, so that rounding gives a zero weight no share."""
+    cdf = torch.cumsum(weights, dim=-1, dtype=torch.float64)
+    u = torch.rand((), generator=generator, dtype=torch.float64, device=weights.device) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True).item())
+    if i >= weights.shape[-1]:  # u rounded up to the total: the last token with any weight
+        i = int(torch.nonzero(weights).max().item())
+    return i
 
 
 def _adjusted(logits: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:

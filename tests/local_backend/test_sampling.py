@@ -89,3 +89,55 @@ def test_completion_logprobs_offsets_follow_the_text(tiny) -> None:
     assert all(text_of(i)[0] in top for i, top in zip(ids, body["top_logprobs"], strict=True))
     chat = chat_logprobs(entries[:1], text_of)
     assert chat["refusal"] is None and chat["content"][0]["top_logprobs"][1]["token"] == text_of(ids[0])[0]
+
+
+def _reference_nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
+    """The nucleus from a full sort (what top-p means, written the slow way)."""
+    values, order = torch.sort(probs, descending=True)
+    keep = torch.cumsum(values, dim=-1) - values < top_p
+    keep[0] = True
+    return set(order[keep].tolist())
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.01], ids=["peaked: read from the first candidates", "flat: read from more"])
+def test_the_nucleus_is_what_a_full_sort_gives(scale: float) -> None:
+    from local_backend.sampling import _NUCLEUS_K, _nucleus
+
+    probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(11)) * scale, dim=-1)
+    for top_p in (0.5, 0.9, 0.99):
+        weights, ids = _nucleus(probs, top_p)
+        kept = set(ids[weights > 0].tolist())
+        assert kept == _reference_nucleus(probs, top_p), top_p
+        assert float(weights.sum()) >= top_p - 1e-6
+    assert len(_reference_nucleus(probs, 0.9)) > _NUCLEUS_K or scale > 1  # the flat case needs more than the first read
+
+
+def test_sampled_tokens_follow_the_distribution_and_never_a_token_without_mass() -> None:
+    # 8 tokens of known probability (one impossible), 8,000 draws: each frequency within 5 standard errors.
+    logits = torch.log(torch.tensor([0.3, 0.2, 0.15, 0.15, 0.1, 0.05, 0.05, 0.0]))
+    generator = torch.Generator().manual_seed(5)
+    params = SamplingParams(temperature=1.0)
+    n = 8_000
+    counts = [0] * 8
+    for _ in range(n):
+        token = choose_tokens(logits[None], [params], [generator])[0]
+        assert isinstance(token, int)
+        counts[token] += 1
+    for p, c in zip([0.3, 0.2, 0.15, 0.15, 0.1, 0.05, 0.05, 0.0], counts, strict=True):
+        assert abs(c / n - p) <= 5 * math.sqrt(p * (1 - p) / n), (p, c / n)
+    assert counts[7] == 0
+    # With top_p 0.5 only the first two (0.3, then 0.2 reaching 0.5) can come, in ratio 3:2.
+    nucleus = SamplingParams(temperature=1.0, top_p=0.5)
+    picks = [choose_tokens(logits[None], [nucleus], [generator])[0] for _ in range(2000)]
+    assert set(picks) == {0, 1} and abs(picks.count(0) / 2000 - 0.6) < 5 * math.sqrt(0.24 / 2000)
+
+
+def test_a_seed_gives_the_same_tokens_and_another_seed_others() -> None:
+    logits = torch.randn(3, 2000, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=1.0, top_p=0.95, seed=9)] * 3
+
+    def draw(seed: int) -> list[int | Exception]:
+        gens: list[torch.Generator | None] = [torch.Generator().manual_seed(seed) for _ in range(3)]
+        return [t for _ in range(20) for t in choose_tokens(logits, params, gens)]
+
+    assert draw(9) == draw(9) and draw(9) != draw(10)
