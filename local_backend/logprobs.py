@@ -3,13 +3,14 @@ completions' parallel lists, with each token's text and UTF-8 bytes."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
 
 from .protocol import TokenLogprob
 
-__all__ = ["TokenText", "chat_logprobs", "completion_logprobs"]
+__all__ = ["TextOffsets", "TokenText", "chat_logprobs", "completion_logprobs"]
 
 
 @lru_cache(maxsize=1)
@@ -67,21 +68,40 @@ def chat_logprobs(entries: Iterable[TokenLogprob], text_of: TokenText) -> dict[s
     return {"content": content, "refusal": None}
 
 
-def completion_logprobs(entries: Iterable[TokenLogprob], text_of: TokenText, offset: int) -> tuple[dict[str, Any], int]:
+class TextOffsets:
+    """Where each token of a completion choice starts in its text, in characters. A token holding
+    part of a character shows U+FFFD in its own text, but the answer holds the character once: the
+    position moves when the character is whole, and every token of it reads the character's start
+    (counting each token's shown text instead ran one ahead per split character, as vLLM does)."""
+
+    __slots__ = ("at", "_decoder")
+
+    def __init__(self, start: int = 0) -> None:
+        self.at = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The start of a token of these bytes; the position then moves past what they complete."""
+        start = self.at
+        self.at += len(self._decoder.decode(raw))
+        return start
+
+
+def completion_logprobs(entries: Iterable[TokenLogprob], text_of: TokenText, offsets: TextOffsets) -> dict[str, Any]:
     """A completion choice's legacy ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset),
-    and the text offset after them (a stream's next chunk starts there). Each ``top_logprobs`` map
-    holds the asked number of likeliest tokens and the chosen one, as vLLM's."""
+    its tokens' positions read from (and moved on in) ``offsets``, which a stream keeps for its next
+    chunk. Each ``top_logprobs`` map holds the asked number of likeliest tokens and the chosen one,
+    as vLLM's."""
     tokens: list[str] = []
     token_logprobs: list[float] = []
     tops: list[dict[str, float]] = []
-    offsets: list[int] = []
+    starts: list[int] = []
     for e in entries:
-        text = text_of(e.token)[0]
+        text, raw = text_of(e.token)
         tokens.append(text)
         token_logprobs.append(e.logprob)
         top = {text_of(t)[0]: lp for t, lp in e.top}
         top.setdefault(text, e.logprob)
         tops.append(top)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}, offset
+        starts.append(offsets.advance(bytes(raw)))
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": starts}

@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 
 from .prompts import encode_chat, encode_completion
-from .logprobs import chat_logprobs, completion_logprobs
+from .logprobs import TextOffsets, chat_logprobs, completion_logprobs
 from .protocol import Delta, EngineClosed, GenerationRequest, QueueFull, SamplingParams, Sequence, TokenLogprob, TooLong
 from .wire import (
     SSE_DONE,
@@ -386,14 +386,14 @@ async def completions(request: web.Request) -> web.StreamResponse:
     seqs = await _submit(state, engine, ids, req, "prompt")
     rid, created, name = _rid("cmpl"), int(time.time()), state.served_name
     wants_logprobs = req.logprob_count() is not None
-    offsets = [0] * len(seqs)  # each choice's text_offset of its next token (no echo: its text starts at 0)
+    offsets = [TextOffsets() for _ in seqs]  # each choice's text position (no echo: its text starts at 0)
     try:
         if not req.stream:
             answers, use = await _collect_all(seqs)
 
             def whole() -> dict[str, Any]:
                 choices = [completion_choice(i, text, last.finish_reason or "stop",
-                                             completion_logprobs(lps, engine.token_text, 0)[0] if wants_logprobs else None)
+                                             completion_logprobs(lps, engine.token_text, TextOffsets()) if wants_logprobs else None)
                            for i, (text, last, lps) in enumerate(answers)]
                 return completion_response(rid, created, name, choices, use)
 
@@ -402,7 +402,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         def frame(i: int, delta: Delta, is_first: bool) -> list[bytes]:
             chunk = completion_chunk(rid, created, name, delta.text, delta.finish_reason, index=i)
             if wants_logprobs:
-                chunk["choices"][0]["logprobs"], offsets[i] = completion_logprobs(delta.logprobs, engine.token_text, offsets[i])
+                chunk["choices"][0]["logprobs"] = completion_logprobs(delta.logprobs, engine.token_text, offsets[i])
             return [sse(chunk)]
 
         def tail(prompt: int, completion: int) -> list[bytes]:

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from local_backend.logprobs import TokenText, chat_logprobs, completion_logprobs  # noqa: E402
+from local_backend.logprobs import TextOffsets, TokenText, chat_logprobs, completion_logprobs  # noqa: E402
 from local_backend.protocol import SamplingParams, TokenLogprob  # noqa: E402
 from local_backend.sampling import choose_tokens, logprobs_of  # noqa: E402
 
@@ -82,13 +82,33 @@ def test_completion_logprobs_offsets_follow_the_text(tiny) -> None:
     text_of = TokenText(tiny.tokenizer)
     ids = tiny.tokenizer.encode("Hello world, again", add_special_tokens=False)
     entries = [TokenLogprob(i, -0.5, ((i, -0.5), (ids[0], -1.0))) for i in ids]
-    body, end = completion_logprobs(entries, text_of, 3)
+    offsets = TextOffsets(3)
+    body = completion_logprobs(entries, text_of, offsets)
     assert "".join(body["tokens"]) == "Hello world, again"
-    assert body["text_offset"][0] == 3 and end == 3 + len("Hello world, again")
+    assert body["text_offset"][0] == 3 and offsets.at == 3 + len("Hello world, again")
     assert all(math.isclose(v, -0.5) for v in body["token_logprobs"])
     assert all(text_of(i)[0] in top for i, top in zip(ids, body["top_logprobs"], strict=True))
     chat = chat_logprobs(entries[:1], text_of)
     assert chat["refusal"] is None and chat["content"][0]["top_logprobs"][1]["token"] == text_of(ids[0])[0]
+
+
+def test_completion_offsets_count_a_character_split_across_tokens_once(tiny) -> None:
+    # Each token's offset is the character its first byte belongs to, chunk after chunk: a token
+    # showing U+FFFD for part of a character does not move the text on by a character of its own.
+    text_of = TokenText(tiny.tokenizer)
+    text = " héllo 日本 😀 and more"
+    ids = tiny.tokenizer.encode(text, add_special_tokens=False)
+    assert any("\ufffd" in text_of(i)[0] for i in ids)  # some character is split
+    raw = b"".join(bytes(text_of(i)[1]) for i in ids)
+    char_of_byte = [n for n, ch in enumerate(text) for _ in ch.encode("utf-8")]
+    expected, at = [], 0
+    for i in ids:
+        expected.append(char_of_byte[at])
+        at += len(text_of(i)[1])
+    offsets = TextOffsets()
+    entries = [TokenLogprob(i, -0.5, ()) for i in ids]
+    got = [o for part in (entries[:3], entries[3:4], entries[4:]) for o in completion_logprobs(part, text_of, offsets)["text_offset"]]
+    assert raw.decode("utf-8") == text and got == expected and offsets.at == len(text)
 
 
 def _reference_nucleus(probs: torch.Tensor, top_p: float) -> set[int]:
