@@ -69,3 +69,16 @@ async def test_a_rich_message_is_not_a_hit_but_a_plain_one_is(monkeypatch, gatew
         assert asked == ["rich", "rich", "plain"]
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("stop", ["refusal", "pause_turn", "model_context_window_exceeded"])
+def test_a_message_a_hit_could_not_replay_is_not_captured(stop: str) -> None:
+    # Stored, it read back as corrupt at the next lookup (a warning and gateway_cache_errors_total
+    # {op="corrupt"} per request a caller could provoke); only what is_complete replays is kept.
+    def message(stop_reason: str) -> bytes:
+        return orjson.dumps({"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+                             "content": [{"type": "text", "text": "hi"}], "stop_reason": stop_reason,
+                             "usage": {"input_tokens": 3, "output_tokens": 1}})
+
+    assert MESSAGES.whole(message("end_turn"), 1 << 20).entry is not None
+    assert MESSAGES.whole(message(stop), 1 << 20).entry is None

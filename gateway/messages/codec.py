@@ -91,9 +91,10 @@ class MessagesEndpoint(Endpoint):
         msg = _json(raw)
         if msg is None or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
             raise NotAnAnswer("the backend answered 200 with a body that is not a Message")
-        keep = capture and len(raw) <= capture and msg.get("stop_reason") and all(map(_replayable, msg["content"]))
+        # Only what a hit can replay (is_complete: a refusal or pause_turn read back as corrupt).
+        keep = capture and len(raw) <= capture and is_complete(msg) and all(map(_replayable, msg["content"]))
         entry = Entry(raw) if keep else None
-        return Whole(chat_usage(msg.get("usage")), entry)
+        return Whole(_usage_of(msg), entry)
 
     def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
         """Entries hold the Message (whichever leg answered)."""
@@ -175,7 +176,7 @@ class ChatViaMessages(Endpoint):
             raise NotAnAnswer(f"the backend's Message cannot be read as a chat completion: {exc}") from None
         body = orjson.dumps(chat)
         entry = Entry(body) if capture and len(body) <= capture and is_complete(chat) else None
-        return Whole(chat.get("usage"), entry, body=body)
+        return Whole(_usage_of(msg), entry, body=body)
 
 
 def _json(raw: bytes) -> dict[str, Any] | None:
@@ -301,3 +302,10 @@ class MessagesSink(SinkWrapper):
 MESSAGES = MessagesEndpoint()
 MESSAGES_VIA_CHAT = MessagesViaChat()
 CHAT_VIA_MESSAGES = ChatViaMessages()
+
+
+def _usage_of(msg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A Message's usage in chat terms; None when it has none (the quota then charges the
+    reservation, as for any answer without usage: read as zeros, it cost nothing)."""
+    usage = msg.get("usage")
+    return chat_usage(usage) if isinstance(usage, dict) else None

@@ -40,7 +40,7 @@ _PARTS = {"message_start": "message", "content_block_start": "content_block", "c
 class AnthropicEvents:
     """Reads one Anthropic stream's events: each one's verdict, the stop reason, usage, an error's words."""
 
-    __slots__ = ("finished", "failure", "malformed", "timed", "parsed", "_usage")
+    __slots__ = ("finished", "failure", "malformed", "timed", "parsed", "_usage", "_counted")
 
     def __init__(self) -> None:
         self.finished = False
@@ -49,10 +49,14 @@ class AnthropicEvents:
         self.timed = False
         self.parsed: dict[str, Any] | None = None  # the last event, decoded
         self._usage: dict[str, Any] = {}
+        self._counted = False  # message_delta brought its usage: the output count is the answer's
 
     @property
     def usage(self) -> dict[str, Any] | None:
-        return chat_usage(self._usage) if self._usage else None
+        """The answer's usage, once message_delta counted its output. message_start's says 1 or
+        so output token: taken as final, a client that left before message_delta was charged 2
+        tokens for 390 deltas. Until then None, and the quota counts the deltas delivered."""
+        return chat_usage(self._usage) if self._counted else None
 
     def feed(self, data: bytes) -> Verdict:
         self.timed = False
@@ -77,7 +81,7 @@ class AnthropicEvents:
         if kind == "message_start":
             self._add((obj.get("message") or {}).get("usage"))
         elif kind == "message_delta":
-            self._add(obj.get("usage"))
+            self._counted = self._add(obj.get("usage")) or self._counted
             if (obj.get("delta") or {}).get("stop_reason"):
                 self.finished = True
         elif kind == "content_block_delta":
@@ -87,9 +91,12 @@ class AnthropicEvents:
             self.failure = f"{err.get('type', 'error')}: {err.get('message', '')}"[:300]
         return v
 
-    def _add(self, usage: Any) -> None:
+    def _add(self, usage: Any) -> bool:
+        """Take what `usage` counts; whether it was a usage object."""
         if isinstance(usage, dict):
             self._usage.update({k: v for k, v in usage.items() if isinstance(v, int)})
+            return True
+        return False
 
 
 class AnthropicMonitor(AnthropicEvents):

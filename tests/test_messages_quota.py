@@ -1,0 +1,93 @@
+"""What a request to a `kind: anthropic` backend costs against token quotas when the answer ends
+before its usage is final, or comes without usage: never less than what was delivered, never
+nothing (tenants/quota.py `_tokens_used`). Real sockets: the gateway and tests/fake_anthropic.py."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from gateway.tenants.auth import hash_key
+from gateway.web.keys import LIVE
+from tests.fake_anthropic import FakeAnthropic
+
+KEY = "sk-acme-" + secrets.token_hex(8)
+MSG = [{"role": "user", "content": "hi"}]
+
+
+class NoUsage(FakeAnthropic):
+    """Whole Messages without a `usage` object (an Anthropic-compatible server that sends none)."""
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        resp = await super()._answer(request)
+        if isinstance(resp, web.Response) and resp.body and resp.content_type == "application/json":
+            obj = orjson.loads(resp.body)  # type: ignore[arg-type]
+            obj.pop("usage", None)
+            return web.json_response(obj)
+        return resp
+
+
+@pytest.fixture
+async def anthropic(monkeypatch):
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-ant-up")
+    started: list[FakeAnthropic] = []
+
+    async def make(cls: type[FakeAnthropic] = FakeAnthropic, **behaviour: Any) -> FakeAnthropic:
+        fake = cls("an", key="sk-ant-up", model="claude-fake-1", **behaviour)
+        await fake.start()
+        started.append(fake)
+        return fake
+
+    yield make
+    for fake in started:
+        await fake.stop()
+
+
+async def _gateway(gateway, fake: FakeAnthropic, quota: dict[str, Any]):
+    return await gateway({
+        "backends": {"an": {"url": fake.url, "kind": "anthropic", "api_key_env": "TEST_ANTHROPIC_KEY",
+                            "models": {"a": "claude-fake-1"}}},
+        "cache": {"enabled": False},
+        "tenants": {"acme": {"key_sha256": [hash_key(KEY)], "quota": quota}},
+    })
+
+
+async def _tokens(gw) -> int:
+    await gw.app[LIVE].runtime.quota.drain()
+    return (await gw.app[LIVE].runtime.quota.usage("acme"))[""].window_tokens
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
+async def test_a_stream_cut_before_its_final_usage_is_charged_what_it_delivered(gateway, anthropic, path):
+    # message_start says 1 output token; the count comes with message_delta, which a stream cut
+    # after 390 words never sends. Taken as final, the first said 390 deltas cost 2 tokens.
+    fake = await anthropic(words=400, cut_after=390)
+    gw = await _gateway(gateway, fake, {"tpm": 100_000})
+    body = {"model": "a", "max_tokens": 4000, "stream": True, "messages": MSG}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + path, json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 200
+            raw = await r.read()
+    assert raw.count(b"w389") == 1 and b"w390" not in raw  # every delivered word, then the cut
+    assert 390 <= await _tokens(gw) < 600
+
+
+async def test_a_whole_message_without_usage_is_charged_its_reservation(gateway, anthropic):
+    # Read as zeros, a Message without usage cost nothing: every request passed the limit.
+    fake = await anthropic(NoUsage, words=300)
+    gw = await _gateway(gateway, fake, {"tpm": 1000})
+    statuses = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(3):
+            async with http.post(gw.url + "/v1/messages", json={"model": "a", "max_tokens": 900, "messages": MSG},
+                                 headers={"x-api-key": KEY}) as r:
+                await r.read()
+                statuses.append(r.status)
+    assert statuses == [200, 429, 429]
+    assert 900 <= await _tokens(gw) <= 1000  # the reservation: the prompt estimate and max_tokens
+    assert fake.stats.requests == 1
