@@ -117,6 +117,20 @@ async def test_concurrency_leases_are_released_by_settle(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_a_short_lease_does_not_take_the_long_ones_with_it(kind):
+    # On Redis the leases are one sorted set with a TTL: a request with a short deadline set that
+    # TTL to its own, and the set expired with every long request's lease in it (their
+    # concurrency came back while they still ran upstream).
+    async with _store(kind) as s:
+        scope = Scope("", concurrency=3)
+        assert (await s.quota_take("t", Ask((scope,), 0, "long", 60_000))).ok
+        assert (await s.quota_take("t", Ask((scope,), 0, "short", 100))).ok
+        assert (await s.quota_usage("t", "")).inflight == 2
+        await asyncio.sleep(1.3)  # past the short lease and the second the set's TTL adds to it
+        assert (await s.quota_usage("t", "")).inflight == 1  # the long one still counts
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_a_model_scope_is_checked_on_top_of_the_tenant_and_nothing_is_taken_on_refusal(kind):
     async with _store(kind) as s:
         tenant, model = Scope("", rpm=10), Scope("gpt-x", rpm=1)

@@ -118,7 +118,10 @@ if ok == 1 then
     redis.call('PEXPIRE', KEYS[k + 4], 2 * 86400 * 1000)
     if tonumber(ARGV[a + 3]) > 0 then
       redis.call('ZADD', KEYS[k + 3], math.floor(now * 1000) + ttl, lease)
-      redis.call('PEXPIRE', KEYS[k + 3], ttl + 1000)
+      -- never shortened: a request with a short deadline set it to its own TTL, and the set
+      -- expired with the long requests' leases in it (their concurrency freed while they ran)
+      local left = redis.call('PTTL', KEYS[k + 3])
+      if left < ttl + 1000 then redis.call('PEXPIRE', KEYS[k + 3], ttl + 1000) end
     end
     if ARGV[a] == '' then
       if rreq > 0 then rreq = rreq - 1 end
