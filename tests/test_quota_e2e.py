@@ -266,3 +266,65 @@ async def test_cancelling_at_every_point_gives_every_lease_back(upstream, gatewa
     assert (await _admin_tenants(gw))["acme"]["use"]["tenant"]["inflight"] == 0
     client = gw.client(key=KEY)
     await asyncio.gather(*[client.chat.completions.create(model="gpt-test", messages=MSG) for _ in range(3)])
+
+
+async def _remaining_after(gw, path: str, body: dict) -> int:
+    """x-ratelimit-remaining-tokens of one request: the tpm less what it reserved (nothing used before)."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + path, json={"model": "gpt-test", **body}, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            await r.read()
+            assert r.status == 200, await r.text()
+            return int(r.headers["x-ratelimit-remaining-tokens"])
+
+
+@pytest.mark.parametrize(("path", "body", "answers"), [
+    ("/v1/chat/completions", {"messages": MSG, "max_tokens": 20, "n": 7}, 7),
+    ("/v1/completions", {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 20}, 5),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 4], [5, 6]], "max_tokens": 20, "n": 2, "best_of": 4}, 12),
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 20}, 1),  # one prompt of token ids
+], ids=["chat n", "a list of prompts", "best_of per prompt", "token ids"])
+async def test_a_request_reserves_for_every_answer_the_backend_generates(upstream, gateway, path, body, answers):
+    # 10 concurrent requests of n=100 reserved for one answer each, and spent 10x the tpm.
+    up = await upstream("a")
+    gw = await gateway(_policy(up, {"tpm": 100_000}))
+    reserved = 100_000 - await _remaining_after(gw, path, body)
+    assert 20 * answers <= reserved < 20 * answers + 50, reserved  # and the prompt estimate
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": MSG, "max_output_tokens": 0.5}),  # a Responses field: chat ignores it
+    ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 1}),  # a chat field: completions ignores it
+], ids=["chat", "completions"])
+async def test_a_limit_field_the_endpoint_ignores_reserves_nothing_less(upstream, gateway, path, body):
+    up = await upstream("a")
+    gw = await gateway(_policy(up, {"tpm": 100_000, "default_max_tokens": 700}))
+    reserved = 100_000 - await _remaining_after(gw, path, body)
+    assert 700 <= reserved < 750, reserved  # default_max_tokens: the backend generates up to its own limit
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", None])
+async def test_an_answer_never_outgrows_what_one_reservation_holds(upstream, gateway, field):
+    # A reservation is capped at the tpm so that a big request can ever run; the answer was not:
+    # max_tokens 50,000 under a tpm of 1,000 and 3,000 a day spent 50,020 tokens at once.
+    up = await upstream("a", tokens=50_000)
+    gw = await gateway(_policy(up, {"tpm": 1000, "tokens_per_day": 3000}))
+    limit = {} if field is None else {field: 50_000}
+    r = await gw.client(key=KEY).chat.completions.create(model="gpt-test", messages=MSG, **limit)
+    sent = up.stats.last_body
+    room = sent.get(field or "max_completion_tokens")
+    assert isinstance(room, int) and 900 < room < 1000, sent  # the tpm less the prompt estimate
+    assert r.usage.completion_tokens == room  # the backend stopped there
+    use = (await _admin_tenants(gw))["acme"]["use"]["tenant"]
+    assert use["tokens_60s"] <= 1000 + 20 and use["tokens_today"] == use["tokens_60s"]
+
+
+async def test_a_prompt_that_alone_fills_the_tpm_is_refused_before_any_backend(upstream, gateway):
+    up = await upstream("a")
+    gw = await gateway(_policy(up, {"tpm": 1000}))
+    long = [{"role": "user", "content": "word " * 6000}]  # ~7,500 tokens by the estimate
+    with pytest.raises(openai.RateLimitError, match="request too large"):
+        await gw.client(key=KEY).with_options(max_retries=0).chat.completions.create(model="gpt-test", messages=long)
+    assert up.stats.requests == 0
+    r = await gw.client(key=KEY).chat.completions.create(model="gpt-test", messages=MSG, n=128, max_tokens=50)
+    assert 1 <= up.stats.last_body["max_tokens"] <= 1000 // 128  # each of the 128 answers' share of the tpm
+    assert r.choices

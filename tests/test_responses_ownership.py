@@ -388,3 +388,20 @@ async def test_a_conversation_body_that_is_not_a_json_object_is_a_400_sent_nowhe
             status, err = r.status, (await r.json())["error"]
     assert status == 400 and err["type"] == "invalid_request_error" and says in err["message"]
     assert up.responses.conversations == {}  # nothing was made upstream
+
+
+async def test_a_background_response_is_charged_what_it_may_generate(upstream, gateway):
+    # Its answer is `queued` (no usage) and its usage never comes back through the gateway: it
+    # was charged default_max_tokens while generating whatever it liked (5 such requests:
+    # charged 5,190 tokens, generated 100,060 under a tpm of 10,000). Now its limit is bounded
+    # by the tpm and charged in full.
+    a = await upstream(_name("a"), tokens=20_000)
+    gw = await gateway(_policy(a, quota_a={"tpm": 10_000}))
+    status, body, _ = await _call(gw, "POST", "/v1/responses", A, {"model": "gpt-test", "input": "hi", "background": True})
+    assert status == 200 and body["status"] in ("queued", "in_progress"), body
+    limit = a.stats.last_body["max_output_tokens"]
+    assert 9_900 < limit < 10_000  # the tpm less the prompt estimate
+    use = (await gw.app[LIVE].runtime.quota.usage("alice"))[""]
+    assert use.window_tokens == 10_000  # the reservation, settled as it stood
+    status, body, _ = await _call(gw, "POST", "/v1/responses", A, {"model": "gpt-test", "input": "hi", "background": True})
+    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"

@@ -146,14 +146,22 @@ class Call:
         self.asked.strip_usage = True
 
     def max_output_tokens(self) -> int | None:
-        """The answer's token limit the request set (`max_completion_tokens`, `max_tokens` or
-        `max_output_tokens`, as validated: a whole float is the integer it is), else None."""
-        body = self.body
-        for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
-            v = body.get(key)
-            if isinstance(v, int | float) and not isinstance(v, bool) and v > 0:
-                return int(v)
-        return None
+        """One answer's token limit as the request set it, in the field its endpoint honours
+        (Endpoint.answer_limit), else None."""
+        return self.endpoint.answer_limit(self.body)
+
+    def limit_answer(self, tokens: int) -> None:
+        """Have the backend generate at most `tokens` per answer: the endpoint's limit field the
+        request set (each one it set), else the first it honours, written into the body."""
+        fields = self.endpoint.limit_fields
+        present = [f for f in fields if self.body.get(f) is not None] or list(fields[:1])
+        if present:
+            self.body = {**self.body, **dict.fromkeys(present, tokens)}
+            self.raw = orjson.dumps(self.body)
+
+    def answers(self) -> int:
+        """How many answers the backend generates for it (`n`, `best_of`, a list of prompts)."""
+        return self.endpoint.answers(self.body)
 
     def body_for(self, upstream_model: str, cache_salt: str | None = None) -> bytes:
         """The body to send a backend that knows the model as `upstream_model` (with vLLM's

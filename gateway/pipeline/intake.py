@@ -89,14 +89,12 @@ def _ticket(call: Call, rt: Runtime, tenant: Tenant) -> None:
         if band_ms is not None:
             call.deadline = min(call.deadline, call.timing.t0_monotonic + band_ms / 1000)
     # What the answer may cost: without a limit, what the tenant's quota reserves for one (a
-    # request must not take a smaller share by leaving max_tokens out); `n` answers cost n times.
+    # request must not take a smaller share by leaving max_tokens out); n answers cost n times.
     answer = call.max_output_tokens()
     if answer is None:
         tp = rt.policy.tenants.get(tenant.name)
         answer = tp.quota.default_max_tokens if tp is not None and tp.quota is not None else _DEFAULT_ANSWER_TOKENS
-    n = call.body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
-        answer *= n
+    answer *= call.answers()
     # A base per request, so tiny requests do not take many turns each (DRR shares tokens).
     cost = 256 + call.prompt_tokens + answer
     call.ticket = Ticket(band, tenant.name, max(1, cost), rt.tenants.weight(tenant.name))

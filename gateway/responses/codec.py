@@ -31,6 +31,10 @@ _MISSING = {"previous_response_id": "previous_response_not_found", "conversation
 
 class ResponsesEndpoint(Endpoint):
     name, path, request = "responses", "/responses", ResponsesRequest
+    limit_fields = ("max_output_tokens",)
+
+    def answers_later(self, body: Mapping[str, Any]) -> bool:
+        return body.get("background") is True and body.get("stream") is not True  # a stream ends with its usage
     stateful = True
     # `store` also decides whether a follow-up can build on the answer's id.
     echoed = frozenset({"store", "metadata", "user", "safety_identifier", "service_tier", "prompt_cache_key"})

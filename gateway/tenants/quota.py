@@ -148,7 +148,14 @@ class Quota:
         if plan is None:
             return None
         limits = plan.per_model.get(call.model, plan.any_model)
-        reserved = call.prompt_tokens + self._completion_estimate(call, plan)
+        reserved = call.prompt_tokens + self._completion_estimate(call, plan)  # before _fit writes a limit
+        if plan.counts_tokens:
+            _fit(call, tenant.name, limits)
+            if call.endpoint.answers_later(call.body):
+                # Its usage never comes back (a background Response answers `queued`): charged
+                # what it may generate, its limit as now bounded, not an estimate (5 background
+                # requests were charged 5,190 tokens and generated 100,060).
+                reserved = call.prompt_tokens + self._completion_estimate(call, plan)
         ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
         store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
         if decision is None:
@@ -240,10 +247,13 @@ class Quota:
 
     @staticmethod
     def _completion_estimate(call: Call, plan: _Plan) -> int:
+        """What the answers may cost: each one's limit (or default_max_tokens), times how many
+        the backend generates (n, best_of, a list of prompts: 10 requests of n=100 reserved for
+        one answer each, and spent 10x the tpm)."""
         if not call.endpoint.generates:
             return 0
         limit = call.max_output_tokens()
-        return plan.default_max_tokens if limit is None else limit
+        return (plan.default_max_tokens if limit is None else limit) * call.answers()
 
     def _degraded(self, exc: StoreError) -> None:
         if self._on_degraded is not None:
@@ -254,11 +264,34 @@ class Quota:
             log.warning("quota store failed, limiting on this replica's own counters: %s", exc)
 
 
+_NO_CAP = 1 << 62  # no scope has a tpm
+
+
 def _cap(scopes: tuple[Scope, ...]) -> int:
     """The counters cap a reservation at the smallest tpm of its scopes, on every scope (so a big
     request can ever run, and one settle delta fits them all): what `Hold.reserved` records."""
     caps = [s.tpm for s in scopes if s.tpm]
-    return min(caps) if caps else 1 << 62
+    return min(caps) if caps else _NO_CAP
+
+
+def _fit(call: Call, tenant: str, limits: _Limits) -> None:
+    """Bound what the backend may generate to what one reservation holds (the smallest tpm of the
+    scopes): the request's limit per answer is lowered to (cap - prompt) / answers where it asks
+    for more or sets none. A reservation is capped there so that a big request can ever run; the
+    answer was not, and one request with max_tokens 50,000 spent 16x its tenant's tokens_per_day.
+    A prompt that alone fills the cap is refused, as OpenAI refuses a request larger than the TPM."""
+    if not call.endpoint.generates or limits.cap >= _NO_CAP:
+        return
+    room = (limits.cap - call.prompt_tokens) // call.answers()
+    if room < 1:
+        raise QuotaExceeded(
+            f"request too large for tenant {tenant!r}: its prompt (~{call.prompt_tokens} tokens) and "
+            f"{call.answers()} answer(s) do not fit its tpm limit ({limits.cap}); send a shorter prompt or fewer answers",
+            retry_after_s=60.0, limit="tpm",
+        )
+    limit = call.max_output_tokens()
+    if limit is None or limit > room:
+        call.limit_answer(room)
 
 
 def _tokens_used(call: Call, reserved: int) -> int:

@@ -29,7 +29,19 @@ class ChatEndpoint(Endpoint):
     def __init__(self, name: str, path: str, request: type[RequestBody], *, chat: bool) -> None:
         self.name, self.path, self.request = name, path, request
         self._chat = chat
+        # As vLLM and OpenAI read them: chat prefers max_completion_tokens; completions has max_tokens only.
+        self.limit_fields = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
         super().__init__()
+
+    def answers(self, body: Mapping[str, Any]) -> int:
+        """`n` answers; on completions, `best_of` candidates (vLLM generates them all and returns
+        the best `n`) for each prompt of a list."""
+        n = _count(body.get("n"))
+        if self._chat:
+            return n
+        prompt = body.get("prompt")
+        prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+        return max(n, _count(body.get("best_of"))) * prompts
 
     def continuable(self, body: Mapping[str, Any]) -> bool:
         """One choice, no tools asked for: text a continuation can reproduce."""
@@ -81,3 +93,8 @@ def _answer(raw: bytes) -> dict[str, Any]:
 CHAT = ChatEndpoint("chat", "/chat/completions", ChatRequest, chat=True)
 COMPLETIONS = ChatEndpoint("completions", "/completions", CompletionRequest, chat=False)
 EMBEDDINGS = EmbeddingsEndpoint()
+
+
+def _count(v: Any) -> int:
+    """A validated count field (`n`, `best_of`): absent is 1."""
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 else 1

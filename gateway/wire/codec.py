@@ -68,6 +68,10 @@ class Endpoint:
     # Response headers that carry the gateway's request id (the one its logs and request log use):
     # the name the API's own SDK reads it from, next to the gateway's x-request-id.
     id_headers: tuple[str, ...] = ("x-request-id",)
+    # The fields that bound one answer's tokens on this endpoint, as its API reads them (first
+    # set wins). Only these: a field the API ignores (`max_completion_tokens` on /v1/completions,
+    # `max_output_tokens` on chat) must not shrink what a quota reserves.
+    limit_fields: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.upstream = self.upstream or self.name
@@ -83,6 +87,24 @@ class Endpoint:
             if leg.upstream in serves:
                 return leg
         return None
+
+    def answer_limit(self, body: Mapping[str, Any]) -> int | None:
+        """The most tokens one answer may have, as the request set it (`limit_fields`, as
+        validated: a whole float is the integer it is); None when it set none."""
+        for key in self.limit_fields:
+            v = body.get(key)
+            if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1:
+                return int(v)
+        return None
+
+    def answers(self, body: Mapping[str, Any]) -> int:
+        """How many answers the backend generates for the request, each up to `answer_limit`."""
+        return 1
+
+    def answers_later(self, body: Mapping[str, Any]) -> bool:
+        """Whether the backend goes on generating after this request's answer (a Responses
+        `background` request answers `queued`): its usage never comes back to the gateway."""
+        return False
 
     def validate(self, body: Mapping[str, Any]) -> None:
         """A translating leg: refuse (a BadRequest naming the feature) what it cannot translate

@@ -92,6 +92,7 @@ class ChatRequest(_Body):
 
 class CompletionRequest(_Body):
     prompt: str | list[str] | list[int] | list[list[int]]
+    best_of: JsonInt | None = Field(None, ge=1, le=128)  # candidates generated per prompt (a quota reserves them all)
 
 
 class EmbeddingRequest(RequestBody):
