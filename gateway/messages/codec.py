@@ -56,6 +56,7 @@ class MessagesEndpoint(Endpoint):
     """/v1/messages, and its native leg toward `kind: anthropic` backends (passed through)."""
 
     name, path, request = "messages", "/messages", MessagesRequest
+    limit_fields = ("max_tokens",)
     kinds = frozenset({"anthropic"})
     id_headers = ("x-request-id", "request-id")  # the SDK's `_request_id` and `APIStatusError.request_id`
     asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
