@@ -13,7 +13,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -30,6 +30,7 @@ __all__ = [
     "Cache",
     "Flight",
     "SingleFlight",
+    "Terms",
     "MAX_FLIGHTS",
 ]
 
@@ -215,6 +216,22 @@ class Cache:
         self._log.info("cache store answers again")
 
 
+class Terms(NamedTuple):
+    """What a caller of a flight lives by: a follower joins only a leader whose terms cover its own."""
+
+    timeout_ms: int  # its whole deadline (Call.timeout_ms()), not when it ends: identical requests a moment apart share
+    rank: int  # its band's place in the admission queues (admission.BANDS): 0 is served first
+
+    def covers(self, other: Terms) -> bool:
+        """Whether a leader on these terms answers `other` no later than `other` would be answered
+        alone: a deadline no shorter (its answer is not cut first) and a band no lower (it does
+        not wait in admission behind what `other` would pass)."""
+        return other.timeout_ms <= self.timeout_ms and other.rank >= self.rank
+
+
+ANY_TERMS = Terms(0, 0)  # callers that do not say: they all share
+
+
 class Flight:
     """One caller's place in a SingleFlight: the leader calls upstream and publishes what it
     stored; a follower reads `entry` (None: the leader failed, stored nothing, or took too long).
@@ -222,15 +239,19 @@ class Flight:
     `stream`: the leader's live stream (a flight led by a streamed request). The leader answers
     through `TeeSink(sink, flight.stream)`; a streamed follower gets it at once, without waiting,
     and reads it with `flight.follow(f.stream, call, sink)`.
+    `beside`: a leader that goes upstream while another flight for the same key is in progress
+    in this process (whose cross-process lock it must not wait on, shared_flight.py).
     """
 
-    __slots__ = ("leader", "entry", "stream", "_done")
+    __slots__ = ("leader", "entry", "stream", "terms", "beside", "_done")
 
     def __init__(self, leader: bool, entry: Entry | None = None, stream: Broadcast | None = None,
-                 done: asyncio.Event | None = None) -> None:
+                 done: asyncio.Event | None = None, terms: Terms = ANY_TERMS, beside: bool = False) -> None:
         self.leader = leader
         self.entry = entry
         self.stream = stream
+        self.terms = terms  # a registered leader's: who may join it
+        self.beside = beside
         self._done = done  # set when a registered leader's block ends (only followers of one wait on it)
 
     def publish(self, entry: Entry) -> None:
@@ -256,6 +277,13 @@ class SingleFlight:
     usage chunk: a leader's followers that did not ask for one get it dropped; a follower that
     asked for one, of a leader without it, goes alone (leads a flight nobody joins).
 
+    Who joins: a caller follows the flight in progress only when its leader's `terms` cover its
+    own (Terms.covers: a deadline no shorter, a band no lower), else it goes upstream alone, so
+    that a leader's short deadline or low band never cuts or delays another caller's answer. One
+    alone that covers the leader's terms (and stores its answer) takes the key over: later callers
+    join it; the old flight ends for the followers it has. A caller that will not store its answer
+    (`stores=False`: cache-control: no-store) never leads a flight others join; it may follow one.
+
     At most `max_flights` keys are held at once (a client can send many distinct prompts): a miss
     beyond that leads a flight of its own that nobody can join (`overflows` counts them). The
     streams' histories (for followers that join mid-stream) share one byte budget (broadcast.py).
@@ -272,43 +300,59 @@ class SingleFlight:
     def __len__(self) -> int:
         return len(self._flights)
 
-    def hold(self, key: str, *, wait_s: float, stream: bool = False, include_usage: bool = False) -> _Hold:
+    def hold(self, key: str, *, wait_s: float, stream: bool = False, include_usage: bool = False,
+             terms: Terms = ANY_TERMS, stores: bool = True) -> _Hold:
         """Lead the flight for `key`, or follow the one in progress (see the class docstring):
         `async with flight.hold(...) as f`."""
-        return _Hold(self, key, wait_s, stream, include_usage)
+        return _Hold(self, key, wait_s, stream, include_usage, terms, stores)
 
 
 class _Hold:
     """`SingleFlight.hold`'s context manager: a class, not a generator (entered once per cache
     miss: a generator-based one costs a few µs more per request)."""
 
-    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_led")
+    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_terms", "_stores", "_led")
 
-    def __init__(self, sf: SingleFlight, key: str, wait_s: float, stream: bool, include_usage: bool) -> None:
+    def __init__(self, sf: SingleFlight, key: str, wait_s: float, stream: bool, include_usage: bool, terms: Terms,
+                 stores: bool) -> None:
         self._sf, self._key, self._wait_s, self._stream, self._include_usage = sf, key, wait_s, stream, include_usage
+        self._terms, self._stores = terms, stores
         self._led: Flight | None = None  # the flight this caller registered and leads
 
     async def __aenter__(self) -> Flight:
         flights = self._sf._flights
         current = flights.get(self._key)
         if current is None:
+            if not self._stores:
+                return Flight(leader=True)  # it publishes nothing: nobody may wait on it
             if len(flights) >= self._sf.max_flights:
                 self._sf.overflows += 1
                 return Flight(leader=True)  # alone: not registered, so nobody follows it
-            bc = Broadcast(include_usage=self._include_usage, budget=self._sf.budget) if self._stream else None
-            flight = self._led = flights[self._key] = Flight(leader=True, stream=bc, done=asyncio.Event())
-            return flight
+            return self._register(beside=False)
+        if not current.terms.covers(self._terms):
+            # Its leader could cut this caller's answer at its own deadline, or hold it in a lower
+            # band's queue: alone. One that covers the leader's terms serves later callers better.
+            if self._stores and self._terms.covers(current.terms):
+                return self._register(beside=True)
+            return Flight(leader=True, beside=True)
         if self._stream and current.stream is not None and current.stream.joinable:
             if current.stream.include_usage or not self._include_usage:
                 return Flight(leader=False, stream=current.stream)
             # It asked for a usage chunk that the leader's stream lacks (and its stored answer may
             # too): it goes upstream itself, alone, as when the flights are full.
-            return Flight(leader=True)
+            return Flight(leader=True, beside=True)
         assert current._done is not None  # a registered flight
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(max(0.0, self._wait_s)):
                 await current._done.wait()
         return Flight(leader=False, entry=current.entry)
+
+    def _register(self, *, beside: bool) -> Flight:
+        """Lead the flight for the key (over one in progress when `beside`: that one keeps its followers)."""
+        bc = Broadcast(include_usage=self._include_usage, budget=self._sf.budget) if self._stream else None
+        flight = Flight(leader=True, stream=bc, done=asyncio.Event(), terms=self._terms, beside=beside)
+        self._led = self._sf._flights[self._key] = flight
+        return flight
 
     async def __aexit__(self, *exc: object) -> None:
         flight = self._led

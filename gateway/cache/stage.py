@@ -3,6 +3,11 @@
 Single flight lives here, in both of its forms: identical misses in this process make one
 upstream call (cache.SingleFlight; a streamed answer is shared live, broadcast.py), and on a shared
 store identical misses in other processes wait for this one's stored answer (shared_flight.py).
+
+A miss joins a flight only on terms no worse than its own (cache.Terms: its leader's deadline is
+no shorter, its band no lower); else it goes upstream itself. A `cache-control: no-store` miss
+never leads others, in this process or across them (it keeps no lock): it stores nothing for
+them to wait on; it may follow them.
 """
 
 from __future__ import annotations
@@ -11,22 +16,32 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from ..admission.gate import BANDS
 from ..config.runtime import CachePlan, Route, Runtime
 from ..errors import Unavailable
 from ..pipeline.call import CacheResult, Call, Finish
 from ..relay.attempt import ClientGone
 from ..relay.context import RelayContext
 from ..tenants.auth import Tenant
+from ..tenants.priority import Band
 from ..web.sink import Sink
 from . import shared_flight as cache_flight
 from .broadcast import TeeSink, follow, wants_usage
-from .core import Cache, Flight
+from .core import Cache, Flight, Terms
 from .entry import Entry
 
 __all__ = ["CacheStage", "Produce"]
 
 # The stage after the cache: answers the call into the sink it is given (the relay).
 Produce = Callable[[Sink], Coroutine[Any, Any, None]]
+
+_RANK = {band: i for i, band in enumerate(BANDS)}  # a band's place in the admission queues: 0 is served first
+
+
+def _terms(call: Call) -> Terms:
+    """The call's terms in a flight: its whole deadline, and its band's rank (intake set both)."""
+    band = call.ticket.band if call.ticket is not None else Band.DEFAULT
+    return Terms(call.timeout_ms(), _RANK[band])
 
 
 async def _still_held(rt: Runtime, rid: str) -> bool:
@@ -77,7 +92,8 @@ class CacheStage:
         replayed to the client, or None once the client has its answer."""
         if plan.store:
             call.ask_usage()  # what is stored has the usage a later hit may be asked for
-        async with self.ctx.flight.hold(key, wait_s=call.remaining_s(), stream=call.stream, include_usage=wants_usage(call)) as flight:
+        async with self.ctx.flight.hold(key, wait_s=call.remaining_s(), stream=call.stream, include_usage=wants_usage(call),
+                                        terms=_terms(call), stores=plan.store) as flight:
             if not flight.leader:
                 if flight.stream is not None and await follow(flight.stream, call, sink):
                     self.ctx.metrics.lookup[CacheResult.HIT].inc()  # answered from its leader's live stream
@@ -87,8 +103,13 @@ class CacheStage:
             # The leader, or a follower whose leader stored (or streamed) nothing.
             tee = TeeSink(sink, flight.stream) if flight.leader and flight.stream is not None else sink
             token = None
-            if flight.leader and cache_flight.shared(cache):  # another process may be answering it
+            # Another process may be answering it: wait for its answer, or lock it as ours. Not a
+            # leader beside a flight here: it would wait on that one's lock, on the terms it did not join.
+            if flight.leader and not flight.beside and cache_flight.shared(cache):
                 token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s)
+                if token is not None and not plan.store:  # it stores nothing: nobody may wait on its lock
+                    await asyncio.shield(cache_flight.release(cache, key, token))
+                    token = None
                 if entry is not None:
                     flight.publish(entry)
                     await self._replay(call, entry, tee)

@@ -10,7 +10,9 @@ end once the answer finished, all within the request's own deadline. The timer i
 when it runs out while a write waits on a client slow to read, the wait goes on for the client
 (bounded: web/sink.py CLIENT_READ_S) and the timer starts again. After the first output a
 broken stream raises Cut (the relay continues it elsewhere or ends it with an error event), except
-the backend's own failure event where the format passes it on (the Responses API).
+the backend's own failure event where the format passes it on (the Responses API). An event
+that is not JSON is dropped (and counted); the answer around it still reaches the client, but is
+not stored in the cache: it may lack what that event carried.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ class Pump:
     once the stream ended; raises AttemptFailed before the first output, Cut after it."""
 
     __slots__ = ("att", "resp", "mon", "timer", "idle_s", "first", "saw_done", "failed", "broke", "held",
-                 "held_bytes", "last", "client_ttft", "decoder", "writing")
+                 "held_bytes", "last", "client_ttft", "decoder", "writing", "malformed")
 
     def __init__(self, att: Attempt, resp: UpstreamResponse) -> None:
         call = att.call
@@ -59,6 +61,7 @@ class Pump:
         self.client_ttft = att.resume is None  # a continuation's first token is the backend's TTFT, not the client's
         self.decoder = SSEDecoder()
         self.writing = False  # a write to the client is under way
+        self.malformed = False  # an event was dropped as malformed: the answer may lack part of it
 
     async def run(self) -> Kind:
         att = self.att
@@ -153,6 +156,7 @@ class Pump:
                 continue
             if v is _MALFORMED:
                 att.m.malformed.inc()
+                self.malformed = True
                 continue
             if mon.timed:  # the backend's output, even where a continuation skips it: its timing
                 self.last = att.observe_content(self.last, client=self.client_ttft)
@@ -235,7 +239,9 @@ class Pump:
             return Kind.ERROR_EVENT_MID_STREAM
         if mon.ending and not self.saw_done:
             att.m.error("missing_done")  # completed by the gateway
-        call.cache.entry = mon.entry()  # before the last write: a client that leaves at [DONE] still has it stored
+        # Before the last write: a client that leaves at [DONE] still has it stored. Not an answer
+        # with an event dropped as malformed: what that event carried is missing from it.
+        call.cache.entry = None if self.malformed else mon.entry()
         call.out.finish = Finish.OK
         if mon.ending:
             await client_write(att.sink.write(mon.ending))
