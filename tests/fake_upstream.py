@@ -324,7 +324,9 @@ class FakeUpstream(Served):
                 transport.abort() if mode == "reset" else transport.close()
             await asyncio.sleep(3600)  # the handler is cancelled: the connection is gone
         ttft = b.ttft_ms + b.prompt_ms_per_kchar * size / 1000
-        n = int(body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens") or b.tokens)
+        n = int(body.get("max_tokens") or body.get("max_output_tokens") or b.tokens)
+        if body.get("max_completion_tokens"):  # an upper bound, as a real model's (a gateway may add one)
+            n = min(n, int(body["max_completion_tokens"]))
         n = min(n, b.tokens)
         if responses:
             return await self.responses.respond(request, body, b, mode, n, ttft / 1000, size)
