@@ -276,19 +276,21 @@ def _cap(scopes: tuple[Scope, ...]) -> int:
 
 def _fit(call: Call, tenant: str, limits: _Limits) -> None:
     """Bound what the backend may generate to what one reservation holds (the smallest tpm of the
-    scopes): the request's limit per answer is lowered to (cap - prompt) / answers where it asks
-    for more or sets none. A reservation is capped there so that a big request can ever run; the
-    answer was not, and one request with max_tokens 50,000 spent 16x its tenant's tokens_per_day.
-    A prompt that alone fills the cap is refused, as OpenAI refuses a request larger than the TPM."""
+    scopes): the request's limit per answer is lowered to cap / answers where it asks for more or
+    sets none. A reservation is capped there so that a big request can ever run; the answer was
+    not, and one request with max_tokens 50,000 spent 16x its tenant's tokens_per_day. (Not cap
+    less the prompt: the estimate differs with fields such as stream_options, and identical
+    prompts must keep one cache key.) A prompt that alone fills the cap is refused, as OpenAI
+    refuses a request larger than the TPM."""
     if not call.endpoint.generates or limits.cap >= _NO_CAP:
         return
-    room = (limits.cap - call.prompt_tokens) // call.answers()
-    if room < 1:
+    if call.prompt_tokens >= limits.cap:
         raise QuotaExceeded(
-            f"request too large for tenant {tenant!r}: its prompt (~{call.prompt_tokens} tokens) and "
-            f"{call.answers()} answer(s) do not fit its tpm limit ({limits.cap}); send a shorter prompt or fewer answers",
+            f"request too large for tenant {tenant!r}: its prompt (~{call.prompt_tokens} tokens) alone "
+            f"fills its tpm limit ({limits.cap}); send a shorter prompt",
             retry_after_s=60.0, limit="tpm",
         )
+    room = max(1, limits.cap // call.answers())
     limit = call.max_output_tokens()
     if limit is None or limit > room:
         call.limit_answer(room)
