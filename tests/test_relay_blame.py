@@ -84,8 +84,9 @@ async def _stalled_reader(port: int, body: dict[str, Any]) -> socket.socket:
     raw = orjson.dumps(body)
     await loop.sock_sendall(s, b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                             + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
-    await asyncio.sleep(0.3)
-    assert s.recv(1024).startswith(b"HTTP/1.1 200")
+    # Waits for the head (a non-blocking recv after a fixed 0.3 s found nothing yet on a loaded CI machine).
+    head = await asyncio.wait_for(loop.sock_recv(s, 1024), 10)
+    assert head.startswith(b"HTTP/1.1 200"), head
     return s
 
 
