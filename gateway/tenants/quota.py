@@ -150,7 +150,7 @@ class Quota:
         limits = plan.per_model.get(call.model, plan.any_model)
         reserved = call.prompt_tokens + self._completion_estimate(call, plan)  # before _fit writes a limit
         if plan.counts_tokens:
-            _fit(call, tenant.name, limits)
+            _fit(call, limits)
             if call.endpoint.answers_later(call.body):
                 # Its usage never comes back (a background Response answers `queued`): charged
                 # what it may generate, its limit as now bounded, not an estimate (5 background
@@ -274,22 +274,16 @@ def _cap(scopes: tuple[Scope, ...]) -> int:
     return min(caps) if caps else _NO_CAP
 
 
-def _fit(call: Call, tenant: str, limits: _Limits) -> None:
+def _fit(call: Call, limits: _Limits) -> None:
     """Bound what the backend may generate to what one reservation holds (the smallest tpm of the
     scopes): the request's limit per answer is lowered to cap / answers where it asks for more or
     sets none. A reservation is capped there so that a big request can ever run; the answer was
-    not, and one request with max_tokens 50,000 spent 16x its tenant's tokens_per_day. (Not cap
-    less the prompt: the estimate differs with fields such as stream_options, and identical
-    prompts must keep one cache key.) A prompt that alone fills the cap is refused, as OpenAI
-    refuses a request larger than the TPM."""
+    not, and one request with max_tokens 50,000 spent 16x its tenant's tokens_per_day. Not cap
+    less the prompt: the estimate differs with fields such as stream_options (identical prompts
+    must keep one cache key), and it reads an image's bytes as text (a request whose estimate
+    alone passes the tpm still runs, as before; what it used is charged once settled)."""
     if not call.endpoint.generates or limits.cap >= _NO_CAP:
         return
-    if call.prompt_tokens >= limits.cap:
-        raise QuotaExceeded(
-            f"request too large for tenant {tenant!r}: its prompt (~{call.prompt_tokens} tokens) alone "
-            f"fills its tpm limit ({limits.cap}); send a shorter prompt",
-            retry_after_s=60.0, limit="tpm",
-        )
     room = max(1, limits.cap // call.answers())
     limit = call.max_output_tokens()
     if limit is None or limit > room:
