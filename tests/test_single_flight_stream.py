@@ -585,3 +585,27 @@ async def test_many_distinct_prompts_never_grow_the_flight_map_past_its_cap(upst
     w.cancel()
     assert all(a.choices[0].message.content == _text(2) for a in answers)  # beyond the cap: answered, without single flight
     assert peak == n and flight.overflows == 8 - n and len(flight) == 0
+
+
+async def test_followers_that_read_nothing_are_held_to_the_shared_budget() -> None:
+    # Each follower may fall max_bytes behind; without the budget, 10 that read nothing held 10
+    # copies of the stream. Past the budget the one furthest behind is cut off; one that reads
+    # goes on, and everything is given back when they leave.
+    budget = Budget(limit=1000)
+    bc = Broadcast(budget=budget)
+    tee = TeeSink(ListSink(), bc)
+    reader, call = ListSink(), _call()
+    task = asyncio.create_task(follow(bc, call, reader))
+    idle = [bc.join() for _ in range(10)]
+    for i in range(20):
+        await tee.write(b"data: " + bytes([97 + i]) * 94 + b"\n\n")  # 102 bytes
+        assert budget.used <= 1000
+        await asyncio.sleep(0)  # the reader takes what came
+    assert all(t is not None and t.overflow for t in idle)  # cut off, their backlog given back
+    await tee.end()
+    assert await task is True and call.out.finish == "ok" and reader.body.count(b"data: ") == 20
+    for t in idle:
+        assert t is not None
+        bc.leave(t)
+    bc.release()
+    assert budget.used == 0

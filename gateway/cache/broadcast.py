@@ -35,12 +35,13 @@ __all__ = ["Broadcast", "Budget", "TeeSink", "follow", "DEFAULT_MAX_BYTES", "DEF
 
 # What one broadcast keeps for late joiners, and what one follower may fall behind by.
 DEFAULT_MAX_BYTES = 8 << 20
-# What all the broadcasts of a process keep for late joiners together.
+# What all the broadcasts of a process keep for late joiners and slow followers together.
 DEFAULT_BUDGET_BYTES = 64 << 20
 
 
 class Budget:
-    """Bytes of stream history held by every Broadcast that shares it (one per SingleFlight)."""
+    """Bytes held by every Broadcast that shares it (one per SingleFlight): the histories kept for
+    late joiners, and what followers have not written yet beyond the history they joined with."""
 
     __slots__ = ("limit", "used")
 
@@ -52,20 +53,34 @@ _OPEN, _DONE, _FAILED, _ABANDONED = "open", "done", "failed", "abandoned"
 
 
 class _Tap:
-    """One follower's place in a Broadcast: the bytes it has not written yet."""
+    """One follower's place in a Broadcast: the bytes it has not written yet. What it holds beyond
+    the history it joined with (`counted`) is counted in the process's Budget."""
 
-    __slots__ = ("pending", "size", "waiter", "overflow")
+    __slots__ = ("pending", "size", "counted", "waiter", "overflow", "_budget")
 
-    def __init__(self, history: list[bytes], size: int) -> None:
+    def __init__(self, history: list[bytes], size: int, budget: Budget) -> None:
         self.pending = history
         self.size = size
+        self.counted = 0
+        self._budget = budget
         self.waiter: asyncio.Future[None] | None = None
         self.overflow = False
 
+    def add(self, data: bytes) -> None:
+        self.pending.append(data)
+        self.size += len(data)
+        self.counted += len(data)
+        self._budget.used += len(data)
+
+    def drop(self) -> None:
+        """Let go of what it holds (taken, cut off, or gone)."""
+        self.pending, self.size = [], 0
+        self._budget.used -= self.counted
+        self.counted = 0
+
     def take(self) -> bytes:
         data = b"".join(self.pending)
-        self.pending = []
-        self.size = 0
+        self.drop()
         return data
 
     def wake(self) -> None:
@@ -84,10 +99,12 @@ class _Tap:
 class Broadcast:
     """The leader's stream, for followers: a history for late joiners, and one tap per follower.
 
-    Bounded: once the history passes `max_bytes`, or all histories together pass the `budget`, it
-    is dropped (later requests wait for the stored answer, or go upstream themselves); a follower
-    that falls `max_bytes` behind is cut off with an error event. The leader never waits for a
-    follower. `release()` gives the history back when the flight ends.
+    Bounded: once the history passes `max_bytes`, or all histories and followers' backlogs
+    together pass the `budget`, it is dropped (later requests wait for the stored answer, or go
+    upstream themselves); a follower that falls `max_bytes` behind is cut off with an error event,
+    and so is the one furthest behind while the budget is passed (10 followers that read nothing
+    held 27 MB of one 5.8 MB answer, outside any bound but their own 8 MiB each). The leader never
+    waits for a follower. `release()` gives the history back when the flight ends.
     """
 
     __slots__ = (
@@ -129,12 +146,22 @@ class Broadcast:
         for tap in self._taps:
             if tap.overflow:
                 continue
-            tap.pending.append(data)
-            tap.size += n
+            tap.add(data)
             if tap.size > self.max_bytes:
-                tap.overflow = True
-                tap.pending, tap.size = [], 0
+                self._cut(tap)
             tap.wake()
+        while self._budget.used > self._budget.limit:
+            behind = max((t for t in self._taps if t.counted), key=lambda t: t.counted, default=None)
+            if behind is None:
+                break
+            self._cut(behind)
+
+    @staticmethod
+    def _cut(tap: _Tap) -> None:
+        """A follower too far behind: cut off (its `follow` ends it with an error event)."""
+        tap.overflow = True
+        tap.drop()
+        tap.wake()
 
     def finish(self) -> None:
         """The leader's stream ended (with [DONE], or after an error event it passed through)."""
@@ -171,12 +198,13 @@ class Broadcast:
         if not self.joinable:
             return None
         assert self._history is not None
-        tap = _Tap(list(self._history), self._history_bytes)
+        tap = _Tap(list(self._history), self._history_bytes, self._budget)
         self._taps.add(tap)
         return tap
 
     def leave(self, tap: _Tap) -> None:
         self._taps.discard(tap)
+        tap.drop()
 
     def _wake_all(self) -> None:
         for tap in self._taps:
