@@ -54,12 +54,16 @@ async def test_traffic_moves_off_a_slow_backend_and_comes_back_when_it_heals(ups
     after = collections.Counter([await _stream(c) for _ in range(30)])
     assert after["a"] <= 2, after  # exploration aside, traffic left a
     a.set(ttft_ms=5)  # a heals, and is now the faster one
-    seen = collections.Counter()
-    end = time.monotonic() + 9
-    while time.monotonic() < end:
-        seen[await _stream(c)] += 1
+    # It wins traffic back once exploration has refreshed its estimate (the level falls over
+    # ~3 s of fast samples, and only as samples come): at least 15% of 50 picks in a row. Within
+    # a bound, not over a fixed 9 s: that averaged the transition too, and on a loaded CI machine
+    # (a 5 vs 10 ms contrast under scheduling noise) read 18 of 230.
+    recent: collections.deque[str] = collections.deque(maxlen=50)
+    end = time.monotonic() + 30
+    while not (len(recent) == 50 and recent.count("a") >= 0.15 * 50):
+        assert time.monotonic() < end, collections.Counter(recent)
+        recent.append(await _stream(c))
         await asyncio.sleep(0.02)
-    assert seen["a"] >= 0.15 * sum(seen.values()), seen
 
 
 async def test_a_backend_killed_mid_run_causes_no_client_visible_error(upstream, gateway):
