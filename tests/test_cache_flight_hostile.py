@@ -241,6 +241,34 @@ async def test_a_leader_beside_a_flight_does_not_wait_on_its_cross_process_lock(
     assert results[0][0] == 504 and results[1][:2] == (200, "miss")
 
 
+async def test_another_process_does_not_wait_on_a_lock_whose_terms_do_not_cover_its_own(upstream, gateway):
+    """Two gateways on one shared store (two replicas on one Redis): a short-deadline leader's lock
+    says its terms, and a request on the other replica that it does not cover goes upstream at
+    once, not after waiting on the lock (a 504 at its own 3 s before: cache/shared_flight.py)."""
+    up = await upstream("a", tokens=4, ttft_ms=1500)
+    one, two = await gateway(_policy(up)), await gateway(_policy(up), name="two.yaml")
+    store = _fake_shared(one)
+    cache = two.app[LIVE].runtime.cache
+    assert cache is not None
+    cache.store = store  # the same store: the other replica sees the lock
+    body = _chat("one lock, two replicas")
+    async with aiohttp.ClientSession() as s:
+        short = asyncio.create_task(_post(s, one.url, body, {"x-request-timeout-ms": "1200"}))
+        await _until(lambda: up.stats.requests == 1)
+        other = asyncio.create_task(_post(s, two.url, body, {"x-request-timeout-ms": "3000"}))
+        await _until(lambda: up.stats.requests == 2 or short.done())
+        assert up.stats.requests == 2 and not short.done()  # at once, beside the short one
+        results = [await short, await other]
+    assert results[0][0] == 504 and results[1][:2] == (200, "miss")
+    # One on the same terms still waits for the stored answer of the lock's holder.
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(_post(s, one.url, _chat("same terms")))
+        await _until(lambda: up.stats.requests == 3)
+        second = await _post(s, two.url, _chat("same terms"))
+        assert (await first)[:2] == (200, "miss") and second[:2] == (200, "hit")
+    assert up.stats.requests == 3
+
+
 # --- a stream missing an event is not stored ---------------------------------------------------
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "Flight",
     "SingleFlight",
     "Terms",
+    "ANY_TERMS",
     "MAX_FLIGHTS",
 ]
 

@@ -11,6 +11,10 @@ complete: what crosses processes is the stored entry, not the live stream (broad
 live stream within one process). Store failures fail open: the request goes upstream (a waiting
 follower after a few failed reads in a row, so that one slow reply does not make a second call).
 
+The lock also says the leader's terms (cache.core.Terms: its whole deadline, its band's rank): a
+request whose terms they do not cover does not wait on it, as within one process (a leader's short
+deadline or low band must not hold another caller's answer); it goes upstream without the lock.
+
 The leader stores its answer before it lets go of the lock (pipeline/core.py does both in one shielded
 step, even when its own client has already left), and the lock alone cannot tell "nobody started"
 from "somebody finished": a process that wins the lock looks the answer up once more.
@@ -23,7 +27,7 @@ import secrets
 import time
 
 from ..store.core import StoreError
-from .core import Cache
+from .core import ANY_TERMS, Cache, Terms
 from .entry import Entry
 
 __all__ = ["claim", "release", "shared"]
@@ -38,13 +42,23 @@ def shared(cache: Cache) -> bool:
     return cache.store.shared
 
 
-async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float) -> tuple[str | None, Entry | None]:
+def _terms_of(raw: bytes) -> Terms:
+    """The terms a lock's value says ("<token> <timeout_ms> <rank>"); a value without them (a
+    replica of an earlier version) covers everyone, as it did."""
+    parts = raw.split()
+    try:
+        return Terms(int(parts[1]), int(parts[2])) if len(parts) == 3 else ANY_TERMS
+    except ValueError:
+        return ANY_TERMS
+
+
+async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float, terms: Terms = ANY_TERMS) -> tuple[str | None, Entry | None]:
     """(token, None): this process leads, holding the lock (give it back with `release(cache,
     key, token)`).
     (None, entry): another process stored the answer (before we took the lock, or while we waited).
-    (None, None): go upstream without the lock (the leader stored nothing, the wait ran out, or
-    the store failed)."""
-    token = secrets.token_hex(16)
+    (None, None): go upstream without the lock (the leader stored nothing, the wait ran out, its
+    terms do not cover `terms`, or the store failed)."""
+    token = f"{secrets.token_hex(16)} {terms.timeout_ms} {terms.rank}"
     try:
         won = await cache.store.add(_LOCK + key, token.encode(), lock_s)
     except StoreError:
@@ -59,7 +73,7 @@ async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float) -> tupl
         if entry is not None:
             return None, entry
         try:
-            held = await cache.store.get(_LOCK + key) is not None
+            lock = await cache.store.get(_LOCK + key)
         except StoreError:
             # One slow reply on a busy store is no reason to call upstream a second time; a
             # store that keeps failing is (the leader's answer could not be read anyway).
@@ -68,9 +82,11 @@ async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float) -> tupl
                 return None, None
             continue
         failures = 0
-        if not held:
+        if lock is None:
             # The leader may have stored the answer and let go between our two reads.
             return None, await cache.lookup(key)
+        if not _terms_of(lock).covers(terms):
+            return None, None  # its deadline or band is not ours to wait on
     return None, None
 
 

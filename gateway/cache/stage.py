@@ -106,7 +106,7 @@ class CacheStage:
             # Another process may be answering it: wait for its answer, or lock it as ours. Not a
             # leader beside a flight here: it would wait on that one's lock, on the terms it did not join.
             if flight.leader and not flight.beside and cache_flight.shared(cache):
-                token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s)
+                token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s, terms=_terms(call))
                 if token is not None and not plan.store:  # it stores nothing: nobody may wait on its lock
                     await asyncio.shield(cache_flight.release(cache, key, token))
                     token = None
