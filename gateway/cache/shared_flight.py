@@ -52,19 +52,24 @@ def _terms_of(raw: bytes) -> Terms:
         return ANY_TERMS
 
 
-async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float, terms: Terms = ANY_TERMS) -> tuple[str | None, Entry | None]:
+async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float, terms: Terms = ANY_TERMS,
+                take: bool = True) -> tuple[str | None, Entry | None]:
     """(token, None): this process leads, holding the lock (give it back with `release(cache,
     key, token)`).
     (None, entry): another process stored the answer (before we took the lock, or while we waited).
     (None, None): go upstream without the lock (the leader stored nothing, the wait ran out, its
-    terms do not cover `terms`, or the store failed)."""
+    terms do not cover `terms`, or the store failed).
+    `take=False`: a request that stores nothing waits on a lock another holds but never takes one
+    (nobody may wait on it for an answer it will not store)."""
     token = f"{secrets.token_hex(16)} {terms.timeout_ms} {terms.rank}"
     try:
-        won = await cache.store.add(_LOCK + key, token.encode(), lock_s)
+        if take:
+            if await cache.store.add(_LOCK + key, token.encode(), lock_s):
+                return await _recheck(cache, key, token)
+        elif await cache.store.get(_LOCK + key) is None:
+            return None, None  # nobody is answering it elsewhere
     except StoreError:
         return None, None
-    if won:
-        return await _recheck(cache, key, token)
     deadline = time.monotonic() + min(wait_s, lock_s)
     failures = 0
     while time.monotonic() < deadline:

@@ -92,8 +92,9 @@ class CacheStage:
         replayed to the client, or None once the client has its answer."""
         if plan.store:
             call.ask_usage()  # what is stored has the usage a later hit may be asked for
+        terms = _terms(call)
         async with self.ctx.flight.hold(key, wait_s=call.remaining_s(), stream=call.stream, include_usage=wants_usage(call),
-                                        terms=_terms(call), stores=plan.store) as flight:
+                                        terms=terms, stores=plan.store) as flight:
             if not flight.leader:
                 if flight.stream is not None and await follow(flight.stream, call, sink):
                     self.ctx.metrics.lookup[CacheResult.HIT].inc()  # answered from its leader's live stream
@@ -106,10 +107,8 @@ class CacheStage:
             # Another process may be answering it: wait for its answer, or lock it as ours. Not a
             # leader beside a flight here: it would wait on that one's lock, on the terms it did not join.
             if flight.leader and not flight.beside and cache_flight.shared(cache):
-                token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s, terms=_terms(call))
-                if token is not None and not plan.store:  # it stores nothing: nobody may wait on its lock
-                    await asyncio.shield(cache_flight.release(cache, key, token))
-                    token = None
+                token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s, terms=terms,
+                                                        take=plan.store)
                 if entry is not None:
                     flight.publish(entry)
                     await self._replay(call, entry, tee)

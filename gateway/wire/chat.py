@@ -14,7 +14,7 @@ import orjson
 
 from ..cache.entry import Entry, is_complete, replay_json, replay_sse
 from .chat_monitor import ChatMonitor
-from .codec import Endpoint, NotAnAnswer, Whole
+from .codec import Endpoint, NotAnAnswer, Whole, count_field
 from .monitor import Monitor, Rewrite
 from .openai_wire import ChatRequest, CompletionRequest, EmbeddingRequest, RequestBody
 
@@ -36,12 +36,12 @@ class ChatEndpoint(Endpoint):
     def answers(self, body: Mapping[str, Any]) -> int:
         """`n` answers; on completions, `best_of` candidates (vLLM generates them all and returns
         the best `n`) for each prompt of a list."""
-        n = _count(body.get("n"))
+        n = count_field(body.get("n")) or 1
         if self._chat:
             return n
         prompt = body.get("prompt")
         prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
-        return max(n, _count(body.get("best_of"))) * prompts
+        return max(n, count_field(body.get("best_of")) or 1) * prompts
 
     def continuable(self, body: Mapping[str, Any]) -> bool:
         """One choice, no tools asked for: text a continuation can reproduce."""
@@ -94,7 +94,3 @@ CHAT = ChatEndpoint("chat", "/chat/completions", ChatRequest, chat=True)
 COMPLETIONS = ChatEndpoint("completions", "/completions", CompletionRequest, chat=False)
 EMBEDDINGS = EmbeddingsEndpoint()
 
-
-def _count(v: Any) -> int:
-    """A validated count field (`n`, `best_of`): absent is 1."""
-    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 else 1

@@ -21,7 +21,13 @@ from ..web.sink import Sink
 from .monitor import Monitor, Rewrite
 from .openai_wire import RequestBody
 
-__all__ = ["Endpoint", "NotAnAnswer", "Whole", "salted"]
+__all__ = ["Endpoint", "NotAnAnswer", "Whole", "count_field", "salted"]
+
+
+def count_field(v: Any) -> int | None:
+    """A validated count or token limit (`n`, `max_tokens`, ...) as the integer it is (a whole
+    float passes validation as one); None when absent or not a positive number."""
+    return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 else None
 
 
 def salted(body: dict[str, Any], cache_salt: str | None) -> dict[str, Any]:
@@ -92,9 +98,9 @@ class Endpoint:
         """The most tokens one answer may have, as the request set it (`limit_fields`, as
         validated: a whole float is the integer it is); None when it set none."""
         for key in self.limit_fields:
-            v = body.get(key)
-            if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1:
-                return int(v)
+            v = count_field(body.get(key))
+            if v is not None:
+                return v
         return None
 
     def answers(self, body: Mapping[str, Any]) -> int:
