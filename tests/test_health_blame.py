@@ -108,7 +108,9 @@ async def test_one_tenants_poisoned_requests_do_not_eject_a_backend_that_serves_
     gw, health, seen = await poisoned(False)
     for _ in range(3):  # each fails on `fast` (500) and is answered by `slow`; the third ejects `fast`
         assert await _ask(gw, MALLORY, "POISON please") == "slow"
-    assert health.state() == "ejected"
+    # Ejected at the third (read from the counter: the probe may have undone it already, on a
+    # loaded machine before this line ran).
+    assert 'gateway_backend_ejections_total{backend="fast"} 1.0' in await _metric(gw, "gateway_backend_ejections_total")
 
     async def healthy() -> bool:  # the prober looks every 50 ms here and probes it at once
         return health.state() == "healthy"
