@@ -154,6 +154,9 @@ class RecordingSink:
         await self.commit()
         self.chunks.append(data)
 
+    def would_wait(self, size: int) -> bool:
+        return False
+
     async def end(self) -> None:
         self.ended = True
 

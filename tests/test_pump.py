@@ -56,6 +56,9 @@ class Sink:
     async def end(self) -> None:
         self.ended = True
 
+    def would_wait(self, size: int) -> bool:
+        return False
+
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         raise AssertionError("a stream is never sent whole")
 

@@ -65,6 +65,9 @@ class ListSink:
     async def end(self) -> None:
         self.ended = True
 
+    def would_wait(self, size: int) -> bool:
+        return False
+
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self.sent = (status, body)
 
@@ -609,3 +612,107 @@ async def test_followers_that_read_nothing_are_held_to_the_shared_budget() -> No
         bc.leave(t)
     bc.release()
     assert budget.used == 0
+
+
+# --- a leader's client that falls behind holds nobody ------------------------------------------
+
+
+class SlowSink(ListSink):
+    """A leader's client that stops reading: its buffer is full until `resume` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resume = asyncio.Event()
+        self.full = False
+
+    def would_wait(self, size: int) -> bool:
+        return self.full
+
+    async def write(self, data: bytes) -> None:
+        if self.full:
+            await self.resume.wait()
+        await super().write(data)
+
+
+async def test_a_leaders_client_that_falls_behind_gets_its_stream_later_while_followers_read_on() -> None:
+    bc = Broadcast()
+    leader = SlowSink()
+    tee = TeeSink(leader, bc)
+    await tee.write(_chunk("one "))
+    follower = ListSink()
+    task = asyncio.create_task(follow(bc, _call(), follower))
+    await asyncio.sleep(0.01)
+    leader.full = True  # from here its writes would wait
+    async with asyncio.timeout(1):  # the relay never waits on it: before, the first of these hung
+        for word in ("two ", "three"):
+            await tee.write(_chunk(word))
+        await tee.write(SSE_DONE)
+        await tee.end()
+        assert await task is True
+    assert follower.ended and follower.body == _chunk("one ") + _chunk("two ") + _chunk("three") + SSE_DONE
+    assert len(bc) == 0  # the leader's own backlog is not a follower
+    assert not leader.ended
+    leader.resume.set()
+    await tee.settle()
+    assert leader.ended and leader.body == follower.body and tee.lost is None
+
+
+async def test_a_leaders_client_too_far_behind_is_cut_off_and_stops_a_stream_nobody_else_reads() -> None:
+    bc = Broadcast(max_bytes=1000)
+    leader = SlowSink()
+    tee = TeeSink(leader, bc)
+    await tee.write(_chunk("one "))
+    leader.full = True
+    async with asyncio.timeout(1):  # the relay never waits on it
+        await tee.write(b"x" * 600)
+        with pytest.raises(ConnectionResetError):  # 1,200 bytes behind: cut off, and nobody else reads: the relay stops
+            await tee.write(b"y" * 600)
+    leader.resume.set()
+    await tee.settle()
+    assert tee.lost == "cut" and leader.ended and leader.failed is not None
+    assert b"y" * 600 not in leader.body and b"fell too far behind" in leader.body
+    assert bc._budget.used == 0
+
+
+async def test_a_leader_that_reads_nothing_holds_neither_its_followers_nor_the_stored_answer(upstream, gateway):
+    # 30,000 chunks (~4 MB): more than the sockets' buffers hold, so the leader's writes would wait.
+    up = await upstream("a", tokens=30000, ttft_ms=150, itl_ms=0)
+    gw = await gateway(simple_policy(up))
+    body = orjson.dumps({"model": "gpt-test", "messages": MSG, "temperature": 0, "stream": True})
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", gw.port))
+        await loop.sock_sendall(sock, request)
+        await _until(lambda: len(gw.app[RELAY].flight) == 1)
+        t0 = time.perf_counter()
+        streamed = asyncio.create_task(_stream(gw, t0=t0))
+        await _until(lambda: _following(gw) == 1)
+        async with aiohttp.ClientSession() as s:  # a non-streamed follower waits for the stored answer
+            plain = asyncio.create_task(s.post(f"{gw.url}/v1/chat/completions", json={
+                "model": "gpt-test", "messages": MSG, "temperature": 0}, headers={"x-request-timeout-ms": "5000"}))
+            f = await streamed
+            r = await plain
+            # Before: both waited on the leader's client (the streamed follower until it read,
+            # the non-streamed one to a 504 at its deadline).
+            assert f["error"] is None and f["text"] == _text(30000) and f["finish"] == "stop" and f["end"] < 5
+            assert r.status == 200 and r.headers["x-gateway-cache"] == "hit"
+            assert (await r.json())["choices"][0]["message"]["content"] == _text(30000)
+        # The leader's client then reads its whole stream, at its own pace.
+        got = bytearray()
+        async with asyncio.timeout(20):
+            while not (b"[DONE]" in got[-64:] and got.endswith(b"\r\n0\r\n\r\n")):  # the chunked body's end
+                chunk = await loop.sock_recv(sock, 65536)
+                if not chunk:
+                    break
+                got += chunk
+        assert b"w29999 " in got and b"[DONE]" in got and b'"error"' not in got
+    finally:
+        sock.close()
+    assert up.stats.requests == 1

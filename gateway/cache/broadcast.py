@@ -18,6 +18,12 @@ Outcomes, from a follower's point of view:
 Heartbeats the leader sends while it waits for its first token are not passed on: a follower
 commits its headers only with the first content, so that one which goes upstream itself can
 still answer with its own status and headers.
+
+Nobody waits on one client, the leader's included: once the leader's client falls behind (its
+socket's buffer full), its bytes queue in a tap of its own, written by a task at the client's
+pace, and the stream goes on at the backend's for the followers, the stored answer and the
+backend's slot. (A leader that read nothing held its streamed followers to its pace and its
+non-streamed ones to a 504.) That tap is bounded like a follower's.
 """
 
 from __future__ import annotations
@@ -108,7 +114,8 @@ class Broadcast:
     """
 
     __slots__ = (
-        "state", "started", "backend", "include_usage", "max_bytes", "_budget", "_history", "_history_bytes", "_taps", "error",
+        "state", "started", "backend", "include_usage", "max_bytes", "_budget", "_history", "_history_bytes", "_taps", "_own",
+        "error",
     )
 
     def __init__(self, *, include_usage: bool = False, max_bytes: int = DEFAULT_MAX_BYTES, budget: Budget | None = None) -> None:
@@ -121,11 +128,12 @@ class Broadcast:
         self._history: list[bytes] | None = []
         self._history_bytes = 0
         self._taps: set[_Tap] = set()
+        self._own: _Tap | None = None  # the leader's client's tap, once it fell behind (not a follower)
         self.error: GatewayError | None = None  # what ends a failed stream (each follower's sink frames it)
 
     def __len__(self) -> int:
         """Followers attached now."""
-        return len(self._taps)
+        return len(self._taps) - (self._own is not None)
 
     @property
     def joinable(self) -> bool:
@@ -202,8 +210,17 @@ class Broadcast:
         self._taps.add(tap)
         return tap
 
+    def lag(self) -> _Tap:
+        """A tap for the leader's own client, which fell behind: what is published from now on
+        queues there, bounded like a follower's (not a follower: `len` does not count it)."""
+        tap = self._own = _Tap([], 0, self._budget)
+        self._taps.add(tap)
+        return tap
+
     def leave(self, tap: _Tap) -> None:
         self._taps.discard(tap)
+        if tap is self._own:
+            self._own = None
         tap.drop()
 
     def _wake_all(self) -> None:
@@ -214,16 +231,22 @@ class Broadcast:
 class TeeSink(SinkWrapper):
     """The leader's Sink, copying what its client gets into a Broadcast (see the module docstring).
 
-    When the leader's client goes away after content reached followers, the sink detaches from
-    it (`detached`) and the stream goes on for the followers alone: one caller leaving must not
-    cut the answers of others (pipeline/core.py keeps the relay running for them)."""
+    While its client keeps up, each write goes straight to it. Once the client falls behind, its
+    bytes queue in a tap of their own (`Broadcast.lag`) and a task writes them at the client's
+    pace (`settle()` waits for it): the relay never waits on this client. When the leader's client
+    goes away after content reached followers, the sink detaches from it (`detached`) and the
+    stream goes on for the followers alone: one caller leaving must not cut the answers of others
+    (cache/stage.py keeps the relay running for them)."""
 
-    __slots__ = ("_bc", "detached")
+    __slots__ = ("_bc", "detached", "lost", "_behind", "_writer")
 
     def __init__(self, inner: Sink, broadcast: Broadcast) -> None:
         super().__init__(inner)
         self._bc = broadcast
         self.detached = False
+        self.lost: Finish | None = None  # how the leader's client lost its stream, when it did
+        self._behind: _Tap | None = None  # the leader's client's backlog, once it fell behind
+        self._writer: asyncio.Task[None] | None = None
 
     def keeps_followers(self) -> bool:
         """Whether the stream must go on without the leader's client: followers hold part of it."""
@@ -232,6 +255,8 @@ class TeeSink(SinkWrapper):
     def detach(self) -> None:
         """The leader's client is gone: from now on only the followers get the stream."""
         self.detached = True
+        if self._writer is not None:
+            self._writer.cancel()
 
     def set_header(self, name: str, value: str) -> None:
         if name == "x-gateway-backend" and not self._bc.started:
@@ -239,12 +264,20 @@ class TeeSink(SinkWrapper):
         self._inner.set_header(name, value)
 
     async def write(self, data: bytes) -> None:
-        if self._bc.started or data != SSE_HEARTBEAT:
-            self._bc.publish(data)  # followers first: the leader's client write may wait on a slow reader
+        bc = self._bc
+        content = bc.started or data != SSE_HEARTBEAT
+        if content and self._behind is None and not self.detached and self._inner.would_wait(len(data)):
+            self._fall_behind()
+        if content:
+            bc.publish(data)  # followers (and a leader's client that fell behind) first
+            if self._behind is not None and self._behind.overflow and not self.detached:
+                self.lost, self.detached = Finish.CUT, True  # its writer ends its stream with an error event
         if self.detached:
             if not self.keeps_followers():  # the last follower left too: stop the upstream call
                 raise ConnectionResetError("the leader's client and every follower of its stream went away")
             return
+        if self._behind is not None:
+            return  # queued for the leader's client's writer
         try:
             await self._inner.write(data)
         except ConnectionError:  # reset, or lost while the write waited on a slow reader
@@ -252,8 +285,50 @@ class TeeSink(SinkWrapper):
                 raise
             self.detach()  # the leader's client left mid-stream; its followers read on
 
+    def _fall_behind(self) -> None:
+        """The leader's client stopped keeping up: its bytes queue from now on, and a task writes them."""
+        self._behind = tap = self._bc.lag()
+        self._writer = asyncio.get_running_loop().create_task(self._catch_up(tap))
+
+    async def _catch_up(self, tap: _Tap) -> None:
+        """Write the leader's client its backlog at its own pace, then end its stream as the
+        broadcast ended (each write bounded by the sink: web/sink.py CLIENT_READ_S)."""
+        bc, inner = self._bc, self._inner
+        try:
+            while True:
+                if tap.pending:
+                    await inner.write(tap.take())
+                elif tap.overflow:
+                    self.lost, self.detached = Finish.CUT, True
+                    await inner.fail(UpstreamError("this client fell too far behind its stream"))
+                    return
+                elif bc.state is _DONE:
+                    await inner.end()
+                    return
+                elif bc.state is not _OPEN:
+                    self.lost = Finish.CUT
+                    await inner.fail(bc.error or UpstreamError("the stream ended early"))
+                    return
+                else:
+                    await tap.wait()
+        except ConnectionError:  # the client left: the relay goes on only while followers read (write())
+            self.lost, self.detached = Finish.CLIENT_DISCONNECT, True
+        finally:
+            bc.leave(tap)
+
+    async def settle(self) -> None:
+        """Wait until the leader's client has had the rest of its stream (nothing to wait for
+        unless it fell behind). Cancelling the caller stops the writer."""
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)  # stopped (detach, stop) is ended too
+
+    def stop(self) -> None:
+        """Stop writing to the leader's client (the request ended another way)."""
+        if self._writer is not None:
+            self._writer.cancel()
+
     async def drain(self, timeout_s: float) -> None:
-        if self.detached:
+        if self.detached or self._behind is not None:
             return
         try:
             await self._inner.drain(timeout_s)
@@ -265,8 +340,8 @@ class TeeSink(SinkWrapper):
     async def end(self) -> None:
         followed = self.keeps_followers()
         self._bc.finish()
-        if self.detached:
-            return
+        if self.detached or self._behind is not None:
+            return  # the writer ends the leader's stream once it caught up
         try:
             await self._inner.end()
         except ConnectionError:
@@ -281,7 +356,7 @@ class TeeSink(SinkWrapper):
 
     async def fail(self, err: GatewayError) -> None:
         self._bc.fail(err)
-        if not self.detached:
+        if not self.detached and self._behind is None:
             await self._inner.fail(err)
 
 

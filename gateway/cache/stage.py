@@ -103,30 +103,44 @@ class CacheStage:
                     return flight.entry
             # The leader, or a follower whose leader stored (or streamed) nothing.
             tee = TeeSink(sink, flight.stream) if flight.leader and flight.stream is not None else sink
-            token = None
+            lagging = tee if isinstance(tee, TeeSink) else None
+            token, entry = None, None
             # Another process may be answering it: wait for its answer, or lock it as ours. Not a
             # leader beside a flight here: it would wait on that one's lock, on the terms it did not join.
             if flight.leader and not flight.beside and cache_flight.shared(cache):
                 token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s, terms=terms,
                                                         take=plan.store)
-                if entry is not None:
-                    flight.publish(entry)
-                    await self._replay(call, entry, tee)
-                    return None
-            try:
-                self._count(call, sink, CacheResult.MISS)
-                call.cache.capture = cache.max_entry_bytes
-                await self._lead(call, tee, produce)
-            finally:
-                # Also when _lead raised: a client that closes its connection as soon as it has
-                # the last byte gets this handler cancelled (handler_cancellation) before the
-                # store, and a lock let go without the answer stored sends the other replicas'
-                # waiting requests upstream again.
-                # The process's own store never suspends, so nothing can stop _land part way there;
-                # a shared store's round trips are shielded (a task each, a few µs: misses only).
-                landing = _land(cache, key, call.cache.entry if plan.store else None, plan.ttl_s, flight, token)
-                await (asyncio.shield(landing) if cache.store.shared else landing)
-            return None
+            if entry is not None:
+                flight.publish(entry)
+                await self._replay(call, entry, tee)
+            else:
+                await self._lead_and_land(call, cache, plan, key, tee, produce, flight, token)
+        # The flight is over, its answer stored and handed to its followers: only now does a
+        # leader's client that fell behind get the rest of its stream, holding nobody else.
+        if lagging is not None:
+            await _settle(call, lagging)
+        return None
+
+    async def _lead_and_land(self, call: Call, cache: Cache, plan: CachePlan, key: str, sink: Sink, produce: Produce,
+                             flight: Flight, token: str | None) -> None:
+        """Answer as the flight's leader, then store the answer and give back the lock (`token`)."""
+        led = False
+        try:
+            self._count(call, sink, CacheResult.MISS)
+            call.cache.capture = cache.max_entry_bytes
+            await self._lead(call, sink, produce)
+            led = True
+        finally:
+            # Also when _lead raised: a client that closes its connection as soon as it has
+            # the last byte gets this handler cancelled (handler_cancellation) before the
+            # store, and a lock let go without the answer stored sends the other replicas'
+            # waiting requests upstream again.
+            # The process's own store never suspends, so nothing can stop _land part way there;
+            # a shared store's round trips are shielded (a task each, a few µs: misses only).
+            if not led and isinstance(sink, TeeSink):
+                sink.stop()  # its client gets no more
+            landing = _land(cache, key, call.cache.entry if plan.store else None, plan.ttl_s, flight, token)
+            await (asyncio.shield(landing) if cache.store.shared else landing)
 
     def _count(self, call: Call, sink: Sink, result: CacheResult) -> None:
         call.cache.result = result
@@ -167,8 +181,6 @@ class CacheStage:
                 await asyncio.gather(task, return_exceptions=True)
                 raise
             await self._carry(task, sink)
-        if sink.detached and call.out.finish is Finish.OK:  # a cut after it left stays a cut
-            call.out.finish = Finish.CLIENT_DISCONNECT
 
     async def _carry(self, task: asyncio.Task[None], sink: TeeSink) -> None:
         """The leader's client left while followers still read its stream: keep the relay going
@@ -186,6 +198,16 @@ class CacheStage:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise
+
+
+async def _settle(call: Call, sink: Sink) -> None:
+    """A streamed leader's last step: its client has the rest of its stream (TeeSink.settle),
+    and the call says how the client's stream ended when it lost it (a cut after it left stays a cut)."""
+    if not isinstance(sink, TeeSink):
+        return
+    await sink.settle()
+    if sink.detached and call.out.finish is Finish.OK:
+        call.out.finish = sink.lost or Finish.CLIENT_DISCONNECT
 
 
 async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, flight: Flight, token: str | None) -> None:

@@ -41,6 +41,7 @@ class Sink(Protocol):
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None: ...
     async def fail(self, err: GatewayError) -> None: ...
     async def drain(self, timeout_s: float) -> None: ...
+    def would_wait(self, size: int) -> bool: ...
     def set_header(self, name: str, value: str) -> None: ...
 
 
@@ -100,6 +101,11 @@ class HttpSink:
         """Wait until the client has taken what was written (ConnectionResetError after timeout_s)."""
         if self.response is not None and self.committed:
             await self._bounded(self.request.writer.drain(), timeout_s)  # the response's own writer
+
+    def would_wait(self, size: int) -> bool:
+        """Whether writing `size` more bytes may wait for the client: so much of its answer waits
+        in the socket's buffer that it may have fallen behind."""
+        return self._may_wait(size)
 
     def _may_wait(self, size: int) -> bool:
         transport = self.request.transport
@@ -168,3 +174,6 @@ class SinkWrapper:
 
     async def drain(self, timeout_s: float) -> None:
         await self._inner.drain(timeout_s)
+
+    def would_wait(self, size: int) -> bool:
+        return self._inner.would_wait(size)
