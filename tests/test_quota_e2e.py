@@ -330,3 +330,86 @@ async def test_a_long_prompt_still_runs_and_many_answers_share_the_bound(upstrea
     r = await gw.client(key=KEY).chat.completions.create(model="gpt-test", messages=MSG, n=128, max_tokens=50)
     assert up.stats.last_body["max_tokens"] == 1000 // 128  # each of the 128 answers' share of the tpm
     assert r.choices
+
+
+class SlowRedis:
+    """A TCP hop to the machine's Redis that holds back Redis's replies by `delay_s` (0: none):
+    the network between a replica and a slow or distant Redis, without touching Redis itself."""
+
+    def __init__(self, port: int = 6379) -> None:
+        self.target = port
+        self.delay_s = 0.0
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.writers: set[asyncio.StreamWriter] = set()
+
+    async def __aenter__(self) -> "SlowRedis":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        for w in self.writers:
+            w.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        self.writers |= {writer, up_writer}
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, slow: bool) -> None:
+            try:
+                while data := await src.read(65536):
+                    if slow and self.delay_s:
+                        await asyncio.sleep(self.delay_s)
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+
+async def test_a_client_that_leaves_while_its_quota_take_is_on_the_wire_gives_its_lease_back_at_once(upstream, gateway):
+    # Its handler is cancelled mid round trip; the script ran on Redis all the same. Before, its
+    # concurrency lease (and its reserved tokens) stayed taken until its deadline + 10 s.
+    up = await upstream("a")
+    db = 12  # its own DB: the cache tests flush 14
+    tenant = "acme-" + uuid.uuid4().hex[:8]  # fresh counters on the shared Redis
+    async with SlowRedis() as hop:
+        policy = _policy(up, {"concurrency": 1, "tpm": 100_000},
+                         store={"url": f"redis://127.0.0.1:{hop.port}/{db}", "timeout_ms": 2000, "quota_timeout_ms": 2000})
+        policy["tenants"] = {tenant: policy["tenants"]["acme"]}
+        gw = await gateway(policy)
+        auth = {"Authorization": f"Bearer {KEY}"}
+        body = {"model": "gpt-test", "messages": MSG}
+        try:
+            async with aiohttp.ClientSession() as http:
+                async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth) as r:
+                    assert r.status == 200  # the connections to Redis are up
+                    used = (await r.json())["usage"]["total_tokens"]
+                await asyncio.sleep(0.1)  # its settle is back too (one connection carries the quota's calls)
+                hop.delay_s = 0.4
+                with pytest.raises(TimeoutError):
+                    async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth,
+                                         timeout=aiohttp.ClientTimeout(total=0.15)) as r:
+                        await r.read()
+                await asyncio.sleep(0.5)  # the take's reply came; the lease went straight back
+                hop.delay_s = 0.0
+                async with http.post(gw.url + "/v1/chat/completions", json=body, headers=auth) as r:
+                    assert r.status == 200, await r.text()  # before: 429, concurrency held by the one that left
+                    used += (await r.json())["usage"]["total_tokens"]
+                use = (await _admin_tenants(gw))[tenant]["use"]["tenant"]
+            assert up.stats.requests == 2
+            assert use["inflight"] == 0 and use["tokens_60s"] == used  # the one that left took nothing for long
+        finally:
+            import redis.asyncio as aredis
+
+            raw = aredis.Redis.from_url(f"redis://127.0.0.1:6379/{db}")
+            keys = [k async for k in raw.scan_iter(match=f"{{gwq:{tenant}}}*")]
+            if keys:
+                await raw.delete(*keys)
+            await raw.aclose()

@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 
@@ -126,7 +127,7 @@ class Quota:
         self._on_degraded = on_degraded
         self._clock = clock
         self._last_warn: float | None = None
-        self._settling: set[asyncio.Task[None]] = set()  # settles in flight, owned here
+        self._settling: set[asyncio.Task[Any]] = set()  # settles (and takes whose caller left) in flight, owned here
         self.plans: dict[str, _Plan] = {}
         for name, tp in policy.tenants.items():
             q = tp.quota
@@ -159,7 +160,7 @@ class Quota:
         ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
         store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
         if decision is None:
-            store, decision = await self._take(tenant.name, ask)
+            store, decision = await self._take(tenant.name, ask, limits.names, min(reserved, limits.cap))
         _headers(sink.set_header, decision)
         if not decision.ok:
             assert decision.limit is not None
@@ -181,19 +182,43 @@ class Quota:
         scopes = (Scope(t.name, rpm=t.rpm, concurrency=t.concurrency),)
         lease = fresh_id(64)
         ask = Ask(scopes, 0, lease, int(timeout_s * 1000) + _LEASE_MARGIN_MS)
-        store, decision = await self._take(tenant.name, ask)
+        store, decision = await self._take(tenant.name, ask, (t.name,), 0)
         _headers(set_header, decision)
         if not decision.ok:
             raise _exceeded(tenant.name, decision, scopes)
         return Hold(tenant.name, (t.name,), store, decision, 0, lease)
 
-    async def _take(self, tenant: str, ask: Ask) -> tuple[Store, Decision]:
-        """The shared store's decision, or this process's own while the shared one fails."""
+    async def _take(self, tenant: str, ask: Ask, scopes: tuple[str, ...], reserved: int) -> tuple[Store, Decision]:
+        """The shared store's decision, or this process's own while the shared one fails.
+
+        Shielded: a caller cancelled during the round trip (its client went away) cannot know
+        whether the script ran; the take finishes in a task of its own and what it took is given
+        back at once (`scopes` and `reserved` as the Hold would say), instead of holding a
+        concurrency slot and the reservation until the lease's deadline + 10 s."""
+        task = asyncio.get_running_loop().create_task(self._take_any(tenant, ask))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._settling.add(task)  # drain() waits for it, and for the settle it starts (added first)
+            task.add_done_callback(lambda t: self._give_back(t, tenant, scopes, reserved, ask.lease))
+            task.add_done_callback(self._settling.discard)
+            raise
+
+    async def _take_any(self, tenant: str, ask: Ask) -> tuple[Store, Decision]:
         try:
             return self.store, await self.store.quota_take(tenant, ask)
         except StoreError as exc:
             self._degraded(exc)
             return self.fallback, await self.fallback.quota_take(tenant, ask)
+
+    def _give_back(self, task: asyncio.Task[tuple[Store, Decision]], tenant: str, scopes: tuple[str, ...], reserved: int,
+                   lease: str) -> None:
+        """A take whose caller left: settle what it took as unused (the request stays counted)."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        store, decision = task.result()
+        if decision.ok:
+            self._finish(Hold(tenant, scopes, store, decision, reserved, lease), 0, 0.0)
 
     def release(self, hold: Hold | None) -> None:
         """Settle a `reserve_request` hold: the request stays counted, its lease goes back."""
