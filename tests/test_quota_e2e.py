@@ -302,12 +302,19 @@ async def test_a_limit_field_the_endpoint_ignores_reserves_nothing_less(upstream
     assert 700 <= reserved < 750, reserved  # default_max_tokens: the backend generates up to its own limit
 
 
+def _ceiling(policy: dict, **tops: int | None) -> dict:
+    """The policy with backends' max_output_tokens set."""
+    for name, top in tops.items():
+        policy["backends"][name]["max_output_tokens"] = top
+    return policy
+
+
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", None])
 async def test_an_answer_never_outgrows_what_one_reservation_holds(upstream, gateway, field):
     # A reservation is capped at the tpm so that a big request can ever run; the answer was not:
     # max_tokens 50,000 under a tpm of 1,000 and 3,000 a day spent 50,020 tokens at once.
     up = await upstream("a", tokens=50_000)
-    gw = await gateway(_policy(up, {"tpm": 1000, "tokens_per_day": 3000}))
+    gw = await gateway(_ceiling(_policy(up, {"tpm": 1000, "tokens_per_day": 3000}), a=16_384))
     limit = {} if field is None else {field: 50_000}
     r = await gw.client(key=KEY).chat.completions.create(model="gpt-test", messages=MSG, **limit)
     sent = up.stats.last_body
@@ -318,11 +325,36 @@ async def test_an_answer_never_outgrows_what_one_reservation_holds(upstream, gat
     assert use["tokens_60s"] <= 1000 + 30 and use["tokens_today"] == use["tokens_60s"]  # and the prompt
 
 
+async def test_a_request_without_a_limit_gets_one_only_below_what_every_backend_accepts(upstream, gateway):
+    # A limit above a model's maximum is a 400 at the provider (OpenAI: "max_tokens is too large:
+    # 100000. This model supports at most 16384 completion tokens"): under a tpm of 100,000,
+    # every request without a limit got one of 100,000 written.
+    a, b = await upstream("a", tokens=5), await upstream("b", tokens=5)
+    cases = [
+        ({"a": None, "b": None}, None),  # unknown: nothing written, the backend's maximum bounds it
+        ({"a": 16_384, "b": 16_384}, None),  # the tpm is above what they accept: their maximum is tighter
+        ({"a": 16_384, "b": None}, None),  # one of the backends that may answer does not say
+        ({"a": 200_000, "b": 150_000}, 100_000),  # below every backend's maximum: the tpm bounds it
+    ]
+    for tops, written in cases:
+        policy = _policy(a, {"tpm": 100_000})
+        policy["backends"]["b"] = {"url": b.url, "models": ["gpt-test"]}
+        policy["models"]["gpt-test"]["backends"] = ["a", "b"]
+        gw = await gateway(_ceiling(policy, **tops))
+        # A limit the request set is lowered to the tpm whatever the backends say: a lower limit is always accepted.
+        await gw.client(key=KEY).chat.completions.create(model="gpt-test", messages=MSG, max_tokens=500_000)
+        assert a.stats.last_body["max_tokens"] == 100_000
+        r = await gw.client(key=KEY).chat.completions.create(model="gpt-test", messages=MSG)
+        sent = a.stats.last_body  # `ordered`: b is a candidate that never answers here
+        assert r.choices and sent.get("max_completion_tokens") == written, (tops, sent)
+        assert "max_tokens" not in sent
+
+
 async def test_a_long_prompt_still_runs_and_many_answers_share_the_bound(upstream, gateway):
     # The prompt estimate reads an image's bytes as text: a request whose estimate alone passes
     # the tpm is not refused (its reservation is the tpm; what it used is charged once settled).
     up = await upstream("a")
-    gw = await gateway(_policy(up, {"tpm": 1000}))
+    gw = await gateway(_ceiling(_policy(up, {"tpm": 1000}), a=4096))
     long = [{"role": "user", "content": "word " * 6000}]  # ~7,500 tokens by the estimate
     r = await gw.client(key=KEY).chat.completions.create(model="gpt-test", messages=long)
     assert r.choices and up.stats.last_body["max_completion_tokens"] == 1000

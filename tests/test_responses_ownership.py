@@ -396,12 +396,15 @@ async def test_a_background_response_is_charged_what_it_may_generate(upstream, g
     # charged 5,190 tokens, generated 100,060 under a tpm of 10,000). Now its limit is bounded
     # by the tpm and charged in full.
     a = await upstream(_name("a"), tokens=20_000)
-    gw = await gateway(_policy(a, quota_a={"tpm": 10_000}))
-    status, body, _ = await _call(gw, "POST", "/v1/responses", A, {"model": "gpt-test", "input": "hi", "background": True})
-    assert status == 200 and body["status"] in ("queued", "in_progress"), body
-    limit = a.stats.last_body["max_output_tokens"]
-    assert limit == 10_000  # the tpm
-    use = (await gw.app[LIVE].runtime.quota.usage("alice"))[""]
-    assert use.window_tokens == 10_000  # the reservation, settled as it stood
-    status, body, _ = await _call(gw, "POST", "/v1/responses", A, {"model": "gpt-test", "input": "hi", "background": True})
-    assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+    for ceiling, written in ((None, None), (32_000, 10_000)):
+        policy = _policy(a, quota_a={"tpm": 10_000})
+        policy["backends"][a.name]["max_output_tokens"] = ceiling
+        gw = await gateway(policy)
+        status, body, _ = await _call(gw, "POST", "/v1/responses", A, {"model": "gpt-test", "input": "hi", "background": True})
+        assert status == 200 and body["status"] in ("queued", "in_progress"), body
+        # The tpm, written only below what the backend accepts (unknown: none written, tenants.md).
+        assert a.stats.last_body.get("max_output_tokens") == written
+        use = (await gw.app[LIVE].runtime.quota.usage("alice"))[""]
+        assert 10_000 <= use.window_tokens <= 10_010  # what a reservation holds, settled as it stood
+        status, body, _ = await _call(gw, "POST", "/v1/responses", A, {"model": "gpt-test", "input": "hi", "background": True})
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"

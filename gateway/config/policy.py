@@ -132,6 +132,11 @@ class BackendPolicy(_Section):
     # temperature or seed is cached only when every backend that may answer it says 0 (greedy).
     # None: OpenAI's 1.0, or for a launched backend its `launch.default_temperature` (default 0).
     default_temperature: float | None = Field(None, ge=0, le=2)
+    # The most tokens its model generates in one answer: the largest limit its provider accepts
+    # (OpenAI refuses a larger max_tokens with a 400, as vLLM does past its context). Known for
+    # every backend that may answer, a tenant's tpm bounds an answer that sets no limit by
+    # writing one (below this); unknown, the gateway writes none (tenants.md#quotas).
+    max_output_tokens: int | None = Field(None, gt=0)
     # A Prometheus endpoint of the model server (vLLM, SGLang, TGI, our local backend): its queue
     # depth and KV-cache use, scraped off the request path (routing.load_signals), enter routing.
     # None: none, except a `launch:` backend, whose own /metrics is used.

@@ -400,6 +400,15 @@ def _serves(b: Backend, codec: Endpoint) -> bool:
     return codec.toward(b.kind, b.policy.endpoints) is not None
 
 
+def answer_ceiling(call: Call, route: Route) -> int | None:
+    """The largest answer limit every backend that may answer `call` accepts (their
+    `max_output_tokens`: its class's pool on this endpoint and the route's context fallbacks);
+    None when one of them does not say."""
+    backends = (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
+    tops = [b.policy.max_output_tokens for b in backends]
+    return None if not tops or None in tops else min(t for t in tops if t is not None)
+
+
 def _defaults(call: Call, route: Route) -> dict[str, float]:
     """The default temperature of every backend that may answer `call`: its class's pool on this
     endpoint (failover, retries, hedges and rescues stay in it) and the route's context fallbacks."""

@@ -54,7 +54,7 @@ class Pipeline:
         """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
         try:
             route, tenant = await intake(call, rt)
-            async with self.quota.hold(rt, call, tenant, sink):
+            async with self.quota.hold(rt, call, route, tenant, sink):
                 self._announce(call, sink)
                 pinned = await _pin(call, route, rt, tenant, learn=True)
                 route = route if pinned is None else pinned.route

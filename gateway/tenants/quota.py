@@ -142,21 +142,24 @@ class Quota:
     def __bool__(self) -> bool:
         return bool(self.plans)
 
-    async def reserve(self, call: Call, tenant: Tenant, sink: Sink) -> Hold | None:
+    async def reserve(self, call: Call, tenant: Tenant, sink: Sink, ceiling: Callable[[], int | None]) -> Hold | None:
         """Take the tenant's limits for this call (None: the tenant has none). Sets the
-        x-ratelimit headers; raises QuotaExceeded when a limit refuses."""
+        x-ratelimit headers; raises QuotaExceeded when a limit refuses. `ceiling`: the largest
+        answer limit every backend that may answer accepts (None: unknown), see `_fit`."""
         plan = self.plans.get(tenant.name)
         if plan is None:
             return None
         limits = plan.per_model.get(call.model, plan.any_model)
         reserved = call.prompt_tokens + self._completion_estimate(call, plan)  # before _fit writes a limit
         if plan.counts_tokens:
-            _fit(call, limits)
+            _fit(call, limits, ceiling)
             if call.endpoint.answers_later(call.body):
                 # Its usage never comes back (a background Response answers `queued`): charged
-                # what it may generate, its limit as now bounded, not an estimate (5 background
-                # requests were charged 5,190 tokens and generated 100,060).
-                reserved = call.prompt_tokens + self._completion_estimate(call, plan)
+                # what it may generate, its limit as now bounded (without one, what a reservation
+                # holds: the tpm), not an estimate (5 background requests were charged 5,190
+                # tokens and generated 100,060).
+                unset = limits.cap // max(1, call.answers()) if limits.cap < _NO_CAP else None
+                reserved = call.prompt_tokens + self._completion_estimate(call, plan, unset)
         ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
         store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
         if decision is None:
@@ -271,14 +274,16 @@ class Quota:
         return out
 
     @staticmethod
-    def _completion_estimate(call: Call, plan: _Plan) -> int:
-        """What the answers may cost: each one's limit (or default_max_tokens), times how many
-        the backend generates (n, best_of, a list of prompts: 10 requests of n=100 reserved for
-        one answer each, and spent 10x the tpm)."""
+    def _completion_estimate(call: Call, plan: _Plan, unset: int | None = None) -> int:
+        """What the answers may cost: each one's limit (or `unset`, else default_max_tokens),
+        times how many the backend generates (n, best_of, a list of prompts: 10 requests of
+        n=100 reserved for one answer each, and spent 10x the tpm)."""
         if not call.endpoint.generates:
             return 0
         limit = call.max_output_tokens()
-        return (plan.default_max_tokens if limit is None else limit) * call.answers()
+        if limit is None:
+            limit = plan.default_max_tokens if unset is None else unset
+        return limit * call.answers()
 
     def _degraded(self, exc: StoreError) -> None:
         if self._on_degraded is not None:
@@ -299,19 +304,29 @@ def _cap(scopes: tuple[Scope, ...]) -> int:
     return min(caps) if caps else _NO_CAP
 
 
-def _fit(call: Call, limits: _Limits) -> None:
+def _fit(call: Call, limits: _Limits, ceiling: Callable[[], int | None]) -> None:
     """Bound what the backend may generate to what one reservation holds (the smallest tpm of the
-    scopes): the request's limit per answer is lowered to cap / answers where it asks for more or
-    sets none. A reservation is capped there so that a big request can ever run; the answer was
-    not, and one request with max_tokens 50,000 spent 16x its tenant's tokens_per_day. Not cap
-    less the prompt: the estimate differs with fields such as stream_options (identical prompts
-    must keep one cache key), and it reads an image's bytes as text (a request whose estimate
-    alone passes the tpm still runs, as before; what it used is charged once settled)."""
+    scopes, shared by the answers): a limit per answer the request set above it is lowered to
+    it. A reservation is capped there so that a big request can ever run; the answer was not,
+    and one request with max_tokens 50,000 spent 16x its tenant's tokens_per_day. Not cap less
+    the prompt: the estimate differs with fields such as stream_options (identical prompts must
+    keep one cache key), and it reads an image's bytes as text (a request whose estimate alone
+    passes the tpm still runs, as before; what it used is charged once settled).
+
+    A request that sets no limit gets one only below `ceiling()`, the largest every backend
+    that may answer it accepts (their `max_output_tokens`): a limit above a model's maximum is a
+    400 (OpenAI's "max_tokens is too large", vLLM's context check), and at or above it the
+    backend's own maximum is the tighter bound. Unknown, none is written: the backend's maximum
+    bounds the answer, and what it used is charged once settled."""
     if not call.endpoint.generates or limits.cap >= _NO_CAP:
         return
     room = max(1, limits.cap // call.answers())
     limit = call.max_output_tokens()
-    if limit is None or limit > room:
+    if limit is None:
+        top = ceiling()
+        if top is not None and room < top:
+            call.limit_answer(room)
+    elif limit > room:
         call.limit_answer(room)
 
 
