@@ -435,11 +435,8 @@ async def test_followers_keep_their_stream_when_the_leaders_client_leaves_mid_st
     assert again["cache"] == "hit" and again["text"] == _text(30) and up.stats.requests == 1
 
 
-async def test_followers_keep_their_stream_when_a_slow_leaders_connection_is_reset(upstream, gateway):
-    # A leader that reads slowly: the gateway's write to it waits on a full buffer; then its
-    # connection is reset, which aiohttp reports as a plain ConnectionError ("Connection lost").
-    up = await upstream("a", tokens=30000, ttft_ms=150, itl_ms=0)
-    gw = await gateway(simple_policy(up))
+async def _slow_reader(gw: Any) -> socket.socket:
+    """A streamed request sent from a socket with a 4 KiB receive buffer, nothing read yet."""
     body = orjson.dumps({"model": "gpt-test", "messages": MSG, "temperature": 0, "stream": True})
     request = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -451,6 +448,16 @@ async def test_followers_keep_their_stream_when_a_slow_leaders_connection_is_res
     sock.setblocking(False)
     await loop.sock_connect(sock, ("127.0.0.1", gw.port))
     await loop.sock_sendall(sock, request)
+    return sock
+
+
+async def test_followers_keep_their_stream_when_a_slow_leaders_connection_is_reset(upstream, gateway):
+    # A leader that reads slowly: the gateway's write to it waits on a full buffer; then its
+    # connection is reset, which aiohttp reports as a plain ConnectionError ("Connection lost").
+    up = await upstream("a", tokens=30000, ttft_ms=150, itl_ms=0)
+    gw = await gateway(simple_policy(up))
+    loop = asyncio.get_running_loop()
+    sock = await _slow_reader(gw)
     await _until(lambda: len(gw.app[RELAY].flight) == 1)
     t0 = time.perf_counter()
     followers = [asyncio.create_task(_stream(gw, t0=t0)) for _ in range(2)]
@@ -678,18 +685,9 @@ async def test_a_leader_that_reads_nothing_holds_neither_its_followers_nor_the_s
     # 30,000 chunks (~4 MB): more than the sockets' buffers hold, so the leader's writes would wait.
     up = await upstream("a", tokens=30000, ttft_ms=150, itl_ms=0)
     gw = await gateway(simple_policy(up))
-    body = orjson.dumps({"model": "gpt-test", "messages": MSG, "temperature": 0, "stream": True})
-    request = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
     loop = asyncio.get_running_loop()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
+    sock = await _slow_reader(gw)
     try:
-        await loop.sock_connect(sock, ("127.0.0.1", gw.port))
-        await loop.sock_sendall(sock, request)
         await _until(lambda: len(gw.app[RELAY].flight) == 1)
         t0 = time.perf_counter()
         streamed = asyncio.create_task(_stream(gw, t0=t0))
