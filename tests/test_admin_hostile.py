@@ -8,11 +8,13 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from gateway.tenants.auth import hash_key
 from gateway.web.keys import LIVE, POLICY_CHECK
 from tests.conftest import simple_policy
+from tests.rawhttp import exchange, json_error
 
 ADMIN, VIEWER, TENANT = "sk-admin-hostile", "sk-viewer-hostile", "sk-tenant-hostile"
 A = {"Authorization": f"Bearer {ADMIN}"}
@@ -136,3 +138,47 @@ async def test_a_key_is_not_affected_but_loopbacks_open_metrics_are(keyed):
             assert "refused: its Host header" in (await r.json())["error"]["message"]
         async with http.get(keyed.url + "/metrics", headers={**A, "Host": "attacker.example"}) as r:
             assert r.status == 200  # an admin key reads it from anywhere
+
+
+async def test_a_viewer_sending_its_policy_slowly_does_not_hold_the_others_checks(keyed):
+    # The body was read under the one-check-at-a-time lock: for up to the body timeout (60 s)
+    # every other check, an admin's included, was a 429.
+    reader, writer = await asyncio.open_connection("127.0.0.1", keyed.port)
+    try:
+        writer.write(f"POST /admin/policy/check HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {VIEWER}\r\n"
+                     "Content-Length: 1000\r\n\r\nversion: 1\n".encode())  # and the rest never comes
+        await writer.drain()
+        await asyncio.sleep(0.3)
+        status, body, _ = await _call("POST", keyed.url + "/admin/policy/check", A, data="version: 1\n")
+        assert status == 200, body
+    finally:
+        writer.close()
+
+
+async def test_a_password_in_the_store_urls_query_is_not_shown(keyed):
+    # redis-py reads `?password=` (and `username=`) as credentials: the viewer's view of the
+    # policy showed them as they were.
+    from gateway.admin.policy_view import redacted
+    from gateway.config.policy import parse_policy
+
+    text = ("version: 1\nbackends: {b: {url: 'http://127.0.0.1:9/v1', models: [m]}}\n"
+            "store: {url: 'redis://127.0.0.1:1/15?password=S3CRET-pass&username=gw&db=2'}\n")
+    shown = redacted(parse_policy(text, "<test>"))["store"]["url"]
+    assert shown == "redis://127.0.0.1:1/15?password=<redacted>&username=<redacted>&db=2"
+
+
+@pytest.mark.parametrize("method,path", [
+    ("POST", "/v1/chat/completions"), ("POST", "/v1/route/explain"), ("GET", "/v1/models"),
+    ("GET", "/admin/whoami"), ("GET", "/admin/keys"),
+])  # fmt: skip
+@pytest.mark.parametrize("header", [b"Authorization: Bearer sk-\xff\xfe", b"x-api-key: \xc3\x28", b"api-key: sk-gw-\xff"])
+async def test_a_key_that_is_not_utf8_is_a_401_not_a_500(keyed, method, path, header):
+    # HTTP allows such bytes; aiohttp reads them as surrogates, which the key's hash could not
+    # encode: a 500 and a logged traceback before authentication, on every endpoint.
+    body = orjson.dumps(CHAT) if method == "POST" else b""
+    head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n").encode() + header + b"\r\n\r\n" + body
+    ans = await asyncio.to_thread(exchange, keyed.port, head, timeout=10)
+    assert ans.status == 401, (ans.status, ans.body[:300])
+    err = json_error(ans.body)
+    assert err is not None and err["code"] == "invalid_api_key", ans.body

@@ -217,15 +217,17 @@ async def check_policy(request: web.Request) -> web.Response:
     """A pasted policy checked as `gateway check` would (nothing is applied). Parsing and
     validating take CPU in proportion to the text (up to a second or two for a large one): in a
     thread, one check at a time per process, so requests keep being served meanwhile."""
+    # The body is read before the lock: a viewer sending slowly must not hold everyone's checks (for
+    # up to the body timeout, 60 s, every other check was a 429).
+    raw = await read_bounded(request, _MAX_POLICY_BODY)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("the policy must be UTF-8 text (YAML)") from None
     checking = request.app[POLICY_CHECK]
     if checking.locked():
         raise RateLimited("another policy check is running in this process; try again in a moment", retry_after_s=1)
     async with checking:
-        raw = await read_bounded(request, _MAX_POLICY_BODY)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise BadRequest("the policy must be UTF-8 text (YAML)") from None
         # Only an admin learns which environment variables this host has (their names, in the warnings).
         return json_response(await asyncio.to_thread(check_text, text, environment=request[_ROLE] is Role.ADMIN))
 

@@ -34,6 +34,8 @@ class Target:
 
 _MULTI = re.compile(r"^(redis|rediss)\+(sentinel|cluster)://(?:(?P<auth>[^@/]*)@)?(?P<hosts>[^/?#]+)(?P<path>/[^?#]*)?(?:\?(?P<query>[^#]*))?$")
 _USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", re.I)
+# redis-py also reads the credentials from the query (`?password=...&username=...`).
+_SECRET_PARAM = re.compile(r"([?&](?:password|username)=)[^&#]*", re.I)
 _OWNED = {"max_connections", "socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
           "client_name", "health_check_interval"}
 _DEFAULT_PORT = {Topology.SENTINEL: 26379, Topology.CLUSTER: 6379}
@@ -100,6 +102,7 @@ def _int(text: str, what: str, url: str) -> int:
 
 
 def hide_password(url: str) -> str:
-    """`url` with the credentials before its `@` replaced (`redis://:secret@h` -> `redis://<redacted>@h`):
-    for errors, logs and the admin plane's view of the policy."""
-    return _USERINFO.sub(r"\1<redacted>@", url)
+    """`url` with the credentials before its `@` replaced (`redis://:secret@h` -> `redis://<redacted>@h`),
+    and those of its query (`?password=secret` -> `?password=<redacted>`, which redis-py reads
+    too): for errors, logs and the admin plane's view of the policy."""
+    return _SECRET_PARAM.sub(r"\1<redacted>", _USERINFO.sub(r"\1<redacted>@", url))

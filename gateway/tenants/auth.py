@@ -33,8 +33,10 @@ NEW_KEY_COMMAND = "gateway hash-key --new"
 
 
 def hash_key(key: str) -> str:
-    """The digest to put in a policy's `key_sha256` list."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+    """The digest to put in a policy's `key_sha256` list. Of the bytes as sent: aiohttp reads a
+    header's bytes that are not UTF-8 as surrogates, which plain UTF-8 cannot encode (a key of
+    such bytes was a 500 before authentication on every endpoint; now, the 401 of any wrong key)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 # Keys an attacker tries first; `gateway check` warns when a digest is one of theirs.
