@@ -138,6 +138,30 @@ async def test_the_memory_log_keeps_its_byte_bound_and_a_flood_of_large_entries_
     assert (await _ids(store, "big"))[0] == f"big-{1000 + 20 * 99 + 19}"
 
 
+async def test_the_byte_bound_evicts_from_the_tenant_holding_the_most_bytes_not_the_most_entries():
+    """A busy tenant's many small entries and a payload tenant's few large ones: past the byte
+    bound, the latter sheds its own (it was the busy one's, holding the most entries: 1,000 small
+    entries came down to 180 under 300 large ones). Random batches keep the accounting exact."""
+    store = MemoryLogStore(100_000, max_bytes=400_000)
+    await store.append([_entry(i, "busy") for i in range(1000)])  # about a quarter of the bound
+    for k in range(30):  # 300 entries of ~2 KB
+        await store.append([_entry(10_000 + 10 * k + j, "payload", pad=2000) for j in range(10)])
+    held = await _held(store)
+    assert held["busy"] == 1000 and 100 < held["payload"] < 300, held
+    assert (await _ids(store, "payload"))[0] == "payload-10299"  # its newest stay
+    rng = random.Random(7)
+    n = 20_000
+    for _ in range(200):
+        batch = [_entry((n := n + 1), rng.choice("abc"), pad=rng.choice((0, 50, 3000, 20_000))) for _ in range(rng.randint(1, 30))]
+        await store.append(batch)
+        kept = {t: sum(len(p.blob) for p in parts) for t, parts in store._parts.items()}
+        assert kept == store._tenant_bytes and sum(kept.values()) == store._bytes <= 400_000
+        assert len(store) == sum(len(p) for parts in store._parts.values() for p in parts)
+    store.max_bytes = 50_000  # a reload: applied at once, fairly
+    sizes = sorted(store._tenant_bytes.values())
+    assert store._bytes <= 50_000 and sizes[-1] - sizes[0] < 25_000, store._tenant_bytes
+
+
 async def test_a_log_written_by_the_previous_version_is_counted_once_and_then_evicted_fairly():
     """The key layout is the one before, plus `{log}:held`: a log an older gateway wrote (no
     counts; objects, and rows as entry.py writes them) is read as it was, and its first append

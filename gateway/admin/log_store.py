@@ -11,6 +11,9 @@ entries (among those holding as many, the oldest of theirs), so a tenant that fl
 (requests for unknown models, 429s from its own quota: each is logged) evicts its own entries, not
 the others' recent history; a tenant holding fewer than `size` / N entries (N: the tenants in the
 log) loses none. Where tenants hold as many, that is the log's oldest entry, as a plain bound.
+In memory, the bytes bound (`max_bytes`) is fair the same way in bytes: the tenants holding the
+most bytes come down together, so a tenant with few large entries (its payloads logged) evicts
+its own, not a busy tenant's small ones.
 """
 
 from __future__ import annotations
@@ -132,8 +135,9 @@ class _Part:
 class MemoryLogStore:
     """The log in this process: each tenant's entries in parts, in the order they came (merged as
     they come, up to `_PART` entries, so that a page merges few of them). Past `size` entries or
-    `max_bytes`, a tenant holding the most entries loses its first ones: in time order, as one
-    process writes (the supervisor's workers' batches interleave by up to a flush)."""
+    `max_bytes`, a tenant holding the most entries (past `max_bytes`: the most bytes) loses its
+    first ones: in time order, as one process writes (the supervisor's workers' batches
+    interleave by up to a flush)."""
 
     def __init__(self, size: int, max_bytes: int = 64 << 20) -> None:
         self._size, self._max_bytes = size, max_bytes
@@ -141,6 +145,7 @@ class MemoryLogStore:
         self._held = Holdings()  # entries per tenant
         self._count = 0
         self._bytes = 0  # the parts' blobs: an evicted entry's bytes go with its part
+        self._tenant_bytes: dict[str, int] = {}  # the same, per tenant
 
     @property
     def size(self) -> int:
@@ -172,7 +177,7 @@ class MemoryLogStore:
         for tenant, rows in by_tenant.items():
             rows.sort(key=lambda r: r[0])
             part = _Part.of(rows)
-            self._bytes += len(part.blob)
+            self._grow(tenant, len(part.blob))
             parts = self._parts.setdefault(tenant, deque())
             # Merged into the last part while that is no larger (an entry is copied at most
             # log2(_PART) times) and both fit in a part: a tenant holds about n / _PART + log2(_PART).
@@ -180,21 +185,67 @@ class MemoryLogStore:
                    and len(parts[-1].blob) + len(part.blob) <= _PART_BYTES):
                 last = parts.pop()
                 merged = last.then(part)
-                self._bytes += len(merged.blob) - len(last.blob) - len(part.blob)
+                self._grow(tenant, len(merged.blob) - len(last.blob) - len(part.blob))
                 part = merged
             parts.append(part)
             self._count += len(rows)
             self._move(tenant, len(rows))
         self._trim()
 
+    def _grow(self, tenant: str, by: int) -> None:
+        self._bytes += by
+        self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + by
+
     def _trim(self) -> None:
-        while self._count > self._size or (self._bytes > self._max_bytes and self._count > 1):
-            over = self._count - self._size
-            if over > 0:
-                self._evict(over, compact=False)  # an evicted entry's bytes go with its part
-            else:  # the bytes: as many entries as the bytes over hold, on average; then again
-                n = -(-(self._bytes - self._max_bytes) * self._count // self._bytes)
-                self._evict(min(self._count - 1, n), compact=True)
+        over = self._count - self._size
+        if over > 0:
+            self._evict(over, compact=False)  # an evicted entry's bytes go with its part
+        while self._bytes > self._max_bytes and self._count > 1:
+            self._shed_bytes(self._bytes - self._max_bytes)
+
+    def _shed_bytes(self, over: int) -> None:
+        """Free at least `over` bytes (or all but one entry) from the tenants holding the most
+        bytes: they come down together to one level (a water level over the tenants' sizes), each
+        losing its first entries, so a tenant of few large entries sheds its own."""
+        sizes = sorted(self._tenant_bytes.items(), key=lambda kv: kv[1], reverse=True)
+        total, level, top = 0, 0, len(sizes)
+        for i, (_, b) in enumerate(sizes):
+            total += b
+            nxt = sizes[i + 1][1] if i + 1 < len(sizes) else 0
+            if total - (i + 1) * nxt >= over:  # the first i + 1 come down to a level between b and nxt
+                level, top = max(nxt, (total - over) // (i + 1)), i + 1
+                break
+        for tenant, b in sizes[:top]:
+            if self._count <= 1:
+                return
+            self._shed(tenant, max(1, b - level))
+
+    def _shed(self, tenant: str, amount: int) -> None:
+        """Evict `tenant`'s first entries until at least `amount` of its bytes are freed (its
+        last entry excepted when it is the log's only one)."""
+        parts, k, freed = self._parts[tenant], 0, 0
+        while freed < amount and parts and self._count - k > 1:
+            part = parts[0]
+            if len(part.blob) <= amount - freed and self._count - k - len(part) >= 1:
+                k += len(part)
+                freed += len(part.blob)
+                parts.popleft()
+                continue
+            # The entries whose ends reach the bytes still to free (its blob's first bytes are
+            # those already evicted: compacting frees them too).
+            j = bisect.bisect_left(part.ends, amount - freed, part.start)
+            m = min(j - part.start + 1, len(part), self._count - k - 1)
+            part.start += m
+            k += m
+            if not len(part):
+                parts.popleft()
+                freed += len(part.blob)
+            else:
+                freed += part.compact()
+            break
+        self._grow(tenant, -freed)
+        self._count -= k
+        self._move(tenant, -k)
 
     def _evict(self, n: int, compact: bool) -> None:
         """Evict `n` entries as if one by one, each the first of a tenant holding the most: the
@@ -228,9 +279,9 @@ class MemoryLogStore:
             left -= m
             if not len(part):
                 parts.popleft()
-                self._bytes -= len(part.blob)
+                self._grow(tenant, -len(part.blob))
         if compact and parts:
-            self._bytes -= parts[0].compact()
+            self._grow(tenant, -parts[0].compact())
         self._count -= k
         self._move(tenant, -k)
 
@@ -238,6 +289,7 @@ class MemoryLogStore:
         """`tenant` holds `by` entries more (or fewer): the counts stay sorted (O(log tenants))."""
         if not self._held.move(tenant, by):
             del self._parts[tenant]
+            self._bytes -= self._tenant_bytes.pop(tenant, 0)  # nothing: its parts went with its entries
 
     async def page(self, f: Filter, limit: int, before: int | None) -> Page:
         # The parts' entries merged newest first (a tenant's page reads its own parts only): each
