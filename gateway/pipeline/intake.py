@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ..admission.gate import Ticket
+from ..admission.gate import MAX_COST, Ticket
 from ..classify.classifier import Stage
 from ..config.policy import QuotaPolicy
 from ..config.runtime import Route, Runtime
@@ -97,7 +97,7 @@ def _ticket(call: Call, rt: Runtime, tenant: Tenant) -> None:
     answer *= call.answers()
     # A base per request, so tiny requests do not take many turns each (DRR shares tokens).
     cost = 256 + call.prompt_tokens + answer
-    call.ticket = Ticket(band, tenant.name, max(1, cost), rt.tenants.weight(tenant.name))
+    call.ticket = Ticket(band, tenant.name, min(max(1, cost), MAX_COST), rt.tenants.weight(tenant.name))
 
 
 def verdict_view(call: Call, tenant: Tenant) -> dict[str, Any]:
