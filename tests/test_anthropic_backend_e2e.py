@@ -176,3 +176,25 @@ async def test_tokens_of_anthropic_answers_are_counted(fake_anthropic, gateway, 
             text = await r.text()
     line = next(ln for ln in text.splitlines() if ln.startswith("gateway_tokens_total{") and 'backend="an"' in ln and 'kind="completion"' in ln)
     assert float(line.rsplit(" ", 1)[1]) == 3 * 6  # six words each, three answers
+
+
+_CALL = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": 5}, {"role": "user", "content": "x"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{**_CALL, "id": ["a"]}]},
+     {"role": "tool", "tool_call_id": ["a"], "content": "r"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{**_CALL, "id": "a"}]},
+     {"role": "tool", "tool_call_id": {"x": 1}, "content": "r"}],
+], ids=["tool_calls-a-number", "a-call-id-a-list", "a-tool_call_id-an-object"])
+async def test_tool_fields_of_the_wrong_type_are_a_400_on_the_way_to_an_anthropic_backend(fake_anthropic, gateway, messages):
+    # The translation read them as it expected (iterating a number, hashing a list): a 500 with a
+    # logged traceback (review helper's repro).
+    gw = await gateway(_policy(fake_anthropic))
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "a", "messages": messages},
+                             headers={"authorization": f"Bearer {KEY}"}) as r:
+            body = await r.json()
+    assert r.status == 400 and body["error"]["type"] == "invalid_request_error", body
+    assert fake_anthropic.stats.requests == 0

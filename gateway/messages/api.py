@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..errors import BadRequest, GatewayError
-from ..wire.codec import Endpoint
+from ..wire.codec import Endpoint, validate_legs
 from ..web.http_call import api_key, error_response, json_response, read_bounded, request_id
 from ..web.keys import LIVE
 from ..wire.openai_wire import json_object, validate_body
@@ -67,13 +67,7 @@ def _validate_legs(route: Route, body: dict[str, Any]) -> None:
     for cls in ("simple", "complex"):
         for leg in route.pool(cls, MESSAGES.name).translating.get(MESSAGES.name, ()):
             legs[id(leg)] = leg
-    for leg in legs.values():
-        try:
-            leg.validate(body)
-        except GatewayError:
-            raise
-        except Exception as exc:  # a body the translation cannot read is the caller's error: never a 500
-            raise BadRequest(f"the request cannot be translated for this model's backend: {exc}"[:500]) from None
+    validate_legs(legs.values(), body)
 
 
 def routes() -> list[web.RouteDef]:

@@ -476,11 +476,16 @@ def _assistant_blocks(msg: Mapping[str, Any], where: str) -> list[dict[str, Any]
     blocks = _content_blocks(msg.get("content"), where, "assistant")
     if isinstance(msg.get("refusal"), str) and not blocks:
         blocks = _text_block(msg["refusal"])
-    for k, call in enumerate(msg.get("tool_calls") or []):
+    calls = msg.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise TranslationError(f"{where}.tool_calls: expected an array")
+    for k, call in enumerate(calls):
         at = f"{where}.tool_calls[{k}]"
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(call, dict) or call.get("type", "function") != "function" or not isinstance(fn, dict):
             raise _refuse_m(f"non-function tool calls ({at})")
+        if not isinstance(call.get("id"), str):
+            raise TranslationError(f"{at}.id: expected a string")
         try:
             args = parse_arguments(fn.get("arguments"))
         except BadAnswer:
@@ -490,6 +495,8 @@ def _assistant_blocks(msg: Mapping[str, Any], where: str) -> list[dict[str, Any]
 
 
 def _tool_message(msg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(msg.get("tool_call_id"), str):
+        raise TranslationError(f"{where}.tool_call_id: expected a string")
     block: dict[str, Any] = {"type": "tool_result", "tool_use_id": msg.get("tool_call_id")}
     content = msg.get("content")
     if isinstance(content, str):

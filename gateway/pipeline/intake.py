@@ -13,6 +13,7 @@ from ..config.runtime import Route, Runtime
 from ..routing.prefix import prefix_keys
 from ..tenants.auth import Tenant
 from ..tenants.priority import asked_band, cap
+from ..wire.codec import validate_legs
 from ..wire.openai_wire import parse_body
 from .call import Call
 
@@ -59,8 +60,8 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     if route.prefixes is not None and call.endpoint.generates:
         _prefix(call, route, tenant)
     pool = route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
-    for leg in pool.translating.get(call.endpoint.name, ()):
-        leg.validate(call.body)  # a candidate reached through translation: what cannot be faithful is a 400 now too
+    # A candidate reached through translation: what cannot be faithful is a 400 now too.
+    validate_legs(pool.translating.get(call.endpoint.name, ()), call.body)
     _ticket(call, rt, tenant)
     return route, tenant
 

@@ -12,22 +12,35 @@ Endpoints are immutable and shared by every request; they do no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 from ..cache.entry import Entry
-from ..errors import GatewayError
+from ..errors import BadRequest, GatewayError
 from ..web.sink import Sink
 from .monitor import Monitor, Rewrite
 from .openai_wire import RequestBody
 
-__all__ = ["Endpoint", "NotAnAnswer", "Whole", "count_field", "salted"]
+__all__ = ["Endpoint", "NotAnAnswer", "Whole", "count_field", "salted", "validate_legs"]
 
 
 def count_field(v: Any) -> int | None:
     """A validated count or token limit (`n`, `max_tokens`, ...) as the integer it is (a whole
     float passes validation as one); None when absent or not a positive number."""
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 else None
+
+
+def validate_legs(legs: Iterable[Endpoint], body: Mapping[str, Any]) -> None:
+    """Refuse what a translating leg cannot send (`Endpoint.validate`). A body a translation
+    cannot read is the caller's error, a 400, whatever the translation raised: never a 500
+    (a chat tool call's `id` as a list was a TypeError before authentication's answer)."""
+    for leg in legs:
+        try:
+            leg.validate(body)
+        except GatewayError:
+            raise
+        except Exception as exc:
+            raise BadRequest(f"the request cannot be translated for this model's backend: {exc}"[:500]) from None
 
 
 def salted(body: dict[str, Any], cache_salt: str | None) -> dict[str, Any]:
