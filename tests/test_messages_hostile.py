@@ -72,3 +72,72 @@ async def test_a_body_over_the_limit_is_refused_unread_in_anthropics_shape(upstr
         async with http.post(gw.url + "/v1/messages", data=big, headers={"x-api-key": "wrong"}) as r:
             assert r.status == 401  # no key, nothing read
     assert up.stats.requests == 0
+
+
+# ---- a tool call cut by the caller's own max_tokens, from an OpenAI backend ----------------------
+
+_TOOLS = [{"name": "get_weather", "description": "weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+def _chunk(choice: dict) -> bytes:
+    return b"data: " + orjson.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}) + b"\n\n"
+
+
+async def _cutting_backend():
+    """A chat backend whose tool call's arguments stop mid-object at finish_reason `length`."""
+    from aiohttp import web
+
+    from tests.servers import serve_app
+
+    fn = {"name": "get_weather", "arguments": '{"city": "Pa'}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        usage = {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+        if not body.get("stream"):
+            msg = {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": fn}]}
+            return web.json_response({"id": "c1", "object": "chat.completion", "created": 1, "model": "m",
+                                      "choices": [{"index": 0, "message": msg, "finish_reason": "length"}], "usage": usage})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}}))
+        await resp.write(_chunk({"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": fn}]}}))
+        await resp.write(_chunk({"index": 0, "delta": {}, "finish_reason": "length"}))
+        await resp.write(b"data: " + orjson.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                                   "choices": [], "usage": usage}) + b"\n\n" + b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    return await serve_app(app)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_tool_call_cut_by_max_tokens_ends_as_max_tokens_and_blames_no_backend(gateway, stream):
+    # Whole: "cannot be read as a Message", a 502 counted against the backend (a few callers asking
+    # for tools with a small max_tokens took it out of rotation). Streamed with the cache on: the
+    # stream ended in an `error` event ("internal error") before message_stop.
+    from gateway.web.keys import LIVE
+
+    runner, port = await _cutting_backend()
+    try:
+        gw = await gateway({"backends": {"b": {"url": f"http://127.0.0.1:{port}/v1", "models": ["m"]}},
+                            "reload": {"watch": False}, "cache": {"enabled": True},
+                            "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}})
+        body = {"model": "m", "max_tokens": 4, "temperature": 0, "tools": _TOOLS, "stream": stream,
+                "messages": [{"role": "user", "content": "weather in Paris?"}]}
+        async with aiohttp.ClientSession() as http:
+            for _ in range(5):
+                async with http.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
+                    text = await r.text()
+                    assert r.status == 200, text
+                    if stream:
+                        assert "event: message_stop" in text and "event: error" not in text, text
+                        assert '"stop_reason":"max_tokens"' in text and '{\\"city\\": \\"Pa' in text  # the partial input, as sent
+                    else:
+                        msg = orjson.loads(text)
+                        assert msg["stop_reason"] == "max_tokens" and msg["content"][0]["type"] == "tool_use", msg
+                        assert msg["content"][0]["input"] == {}  # what was cut cannot be an object
+        assert gw.app[LIVE].runtime.backends["b"].health_for("m").state() == "healthy"
+    finally:
+        await runner.cleanup()

@@ -188,10 +188,11 @@ def _json(raw: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _message(chat: dict[str, Any]) -> dict[str, Any]:
+def _message(chat: dict[str, Any], *, cut_input: bool = True) -> dict[str, Any]:
     usage = chat.get("usage")
     estimate = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return chat_completion_to_message(chat, str(chat.get("model") or ""), estimate if isinstance(estimate, int) else 1)
+    return chat_completion_to_message(chat, str(chat.get("model") or ""), estimate if isinstance(estimate, int) else 1,
+                                      cut_input=cut_input)
 
 
 def _replayable(block: Any) -> bool:
@@ -280,7 +281,12 @@ class ChatToMessagesMonitor(OverChat):
     def entry(self) -> Entry | None:
         """The assembled chat answer, kept as the Message (what a Messages hit replays)."""
         chat = self._chat.entry()
-        return None if chat is None else Entry(orjson.dumps(_message(orjson.loads(chat.body))))
+        if chat is None:
+            return None
+        try:
+            return Entry(orjson.dumps(_message(orjson.loads(chat.body), cut_input=False)))
+        except ValueError:  # a tool call cut by max_tokens: a hit could not replay the partial input the client got
+            return None
 
 
 class MessagesSink(SinkWrapper):

@@ -783,10 +783,15 @@ def message_to_chat_completion(msg: Mapping[str, Any], model: str, *, created: i
     }
 
 
-def chat_completion_to_message(resp: Mapping[str, Any], model: str, input_tokens_estimate: int) -> dict[str, Any]:
+def chat_completion_to_message(resp: Mapping[str, Any], model: str, input_tokens_estimate: int, *,
+                               cut_input: bool = True) -> dict[str, Any]:
     """A chat.completion (an OpenAI backend's answer) as an Anthropic message.
 
-    Raises BadAnswer when a tool call's arguments are not a JSON object (Anthropic's input is one)."""
+    Raises BadAnswer when a tool call's arguments are not a JSON object (Anthropic's input is one),
+    except in an answer cut by its limit (`length`, with `cut_input`): there the arguments stop
+    anywhere, as Anthropic's own do, and the input is `{}` beside stop_reason max_tokens (it was
+    a 502 counted against the backend: callers asking for tools with a small max_tokens could
+    eject it)."""
     choice, message, content = first_message(resp)
     finish = choice.get("finish_reason")
     if not content and isinstance(message.get("refusal"), str):
@@ -796,8 +801,13 @@ def chat_completion_to_message(resp: Mapping[str, Any], model: str, input_tokens
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict):
             continue
-        blocks.append({"type": "tool_use", "id": call.get("id") or tool_id(), "name": fn.get("name"),
-                       "input": parse_arguments(fn.get("arguments"))})
+        try:
+            args = parse_arguments(fn.get("arguments"))
+        except BadAnswer:
+            if not (cut_input and finish == "length"):
+                raise
+            args = {}
+        blocks.append({"type": "tool_use", "id": call.get("id") or tool_id(), "name": fn.get("name"), "input": args})
     reason, sequence = stop_reason(finish, has_tool_calls=any(b["type"] == "tool_use" for b in blocks),
                                    matched=choice.get("stop_reason"))
     return {
