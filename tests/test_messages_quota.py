@@ -91,3 +91,23 @@ async def test_a_whole_message_without_usage_is_charged_its_reservation(gateway,
     assert statuses == [200, 429, 429]
     assert 900 <= await _tokens(gw) <= 1000  # the reservation: the prompt estimate and max_tokens
     assert fake.stats.requests == 1
+
+
+async def test_a_chat_request_without_a_limit_is_bounded_by_the_tpm_on_its_way_to_an_anthropic_backend(gateway, anthropic):
+    # The translation sends a max_tokens of its own (4096) when the request sets none, which the
+    # backend accepts: that is its ceiling, and a tpm share below it is written (before, 3,000
+    # completion tokens came back under a tpm of 300; review helper's repro).
+    fake = await anthropic(words=3000)
+    gw = await _gateway(gateway, fake, {"tpm": 300})
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "a", "messages": MSG},
+                             headers={"authorization": f"Bearer {KEY}"}) as r:
+            body = await r.json()
+    assert r.status == 200 and fake.stats.last_body["max_tokens"] == 300, fake.stats.last_body
+    assert body["usage"]["completion_tokens"] <= 300 and body["choices"][0]["finish_reason"] == "length"
+    gw = await _gateway(gateway, fake, {"tpm": 100_000})  # a share above what the translation sends: its 4096 stands
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "a", "messages": MSG},
+                             headers={"authorization": f"Bearer {KEY}"}) as r:
+            assert r.status == 200
+    assert fake.stats.last_body["max_tokens"] == 4096

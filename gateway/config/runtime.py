@@ -401,12 +401,20 @@ def _serves(b: Backend, codec: Endpoint) -> bool:
 
 
 def answer_ceiling(call: Call, route: Route) -> int | None:
-    """The largest answer limit every backend that may answer `call` accepts (their
-    `max_output_tokens`: its class's pool on this endpoint and the route's context fallbacks);
-    None when one of them does not say."""
+    """The largest answer limit every backend that may answer `call` accepts (its class's pool on
+    this endpoint and the route's context fallbacks): each one's `max_output_tokens`, else the
+    limit its translating leg sends when the request sets none (a chat request to an Anthropic
+    backend: 4096); None when one of them cannot say."""
     backends = (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
-    tops = [b.policy.max_output_tokens for b in backends]
-    return None if not tops or None in tops else min(t for t in tops if t is not None)
+    tops = []
+    for b in backends:
+        top = b.policy.max_output_tokens
+        if top is None and (leg := call.endpoint.toward(b.kind, b.policy.endpoints)) is not None:
+            top = leg.default_limit
+        if top is None:
+            return None
+        tops.append(top)
+    return min(tops) if tops else None
 
 
 def _defaults(call: Call, route: Route) -> dict[str, float]:

@@ -149,6 +149,7 @@ class ChatViaMessages(Endpoint):
     def __init__(self, default_max_tokens: int = 4096) -> None:
         super().__init__()
         self.default_max_tokens = default_max_tokens  # Anthropic requires max_tokens; chat does not
+        self.default_limit = default_max_tokens
 
     def validate(self, body: Mapping[str, Any]) -> None:
         encoded(chat_to_messages(body, self.default_max_tokens), "the request")  # raises Untranslatable / TranslationError (400s)

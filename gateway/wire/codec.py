@@ -91,6 +91,9 @@ class Endpoint:
     # set wins). Only these: a field the API ignores (`max_completion_tokens` on /v1/completions,
     # `max_output_tokens` on chat) must not shrink what a quota reserves.
     limit_fields: tuple[str, ...] = ()
+    # A translating leg that sends a limit of its own when the request sets none (Anthropic's
+    # API requires one): the limit it sends, which its backend is known to accept.
+    default_limit: int | None = None
 
     def __init__(self) -> None:
         self.upstream = self.upstream or self.name
