@@ -141,3 +141,13 @@ async def test_a_tool_call_cut_by_max_tokens_ends_as_max_tokens_and_blames_no_ba
         assert gw.app[LIVE].runtime.backends["b"].health_for("m").state() == "healthy"
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/messages"), ("POST", "/v1/messages/batches")])
+async def test_a_path_nothing_serves_under_v1_messages_is_an_anthropic_shaped_404(upstream, gateway, method, path):
+    up = await upstream("a")
+    gw = await gateway({"backends": {"a": {"url": up.url, "models": ["m"]}}, "reload": {"watch": False},
+                        "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}})
+    async with aiohttp.ClientSession() as http, http.request(method, gw.url + path, json=OK, headers={"x-api-key": KEY}) as r:
+        body = await r.json()
+    assert r.status == 404 and body["type"] == "error" and body["error"]["type"] == "not_found_error", body

@@ -23,7 +23,7 @@ from ..responses.api import routes as responses_by_id
 from ..routing.selector import usable
 from ..store.target import hide_password
 from ..wire.codec import Endpoint
-from ..wire.endpoints import ENDPOINTS, explained
+from ..wire.endpoints import ENDPOINTS, at_path, explained
 from .http_call import accounted, api_key, body_if_authenticated, error_response, json_response, new_call, request_id
 from .keys import ADMISSION, DRAIN, ENCODER, LIVE, LOOPBACK, METRICS, PEERS, PIPELINE, RELOADER, WORKER
 from .origin import foreign
@@ -273,7 +273,9 @@ def reload_failure(supervisor: Mapping[str, object], workers: list[dict[str, obj
 
 
 async def not_found(request: web.Request) -> web.Response:
-    return error_response(NotFound(f"unknown path {request.method} {request.path}"))
+    """A path nothing serves, in the shape of the API it is under (/v1/messages...: Anthropic's)."""
+    err = NotFound(f"unknown path {request.method} {request.path}")
+    return error_response(err, body=at_path(request.path).error_body(err))
 
 
 def routes() -> list[web.RouteDef]:
