@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 import redis.asyncio as aredis
 
 from gateway.admin.entry import decode, encode, row_of, take
@@ -280,3 +281,68 @@ async def test_a_page_that_filters_reads_a_bounded_number_of_entries_and_says_wh
     assert rest.entries == [] and rest.next is None
     hit = await store.page(Filter(model="n", status=429), 3, int(page.next))  # the cursor goes on where the scan stopped
     assert [e["id"] for e in hit.entries] == [f"r{i}" for i in reversed(range(5000)) if i % 2 == 0 and i % 5 == 0][:3]
+
+
+class _FailingAfter:
+    """The gateway's log store, failing (as Redis would: StoreError) from its `n`th page on."""
+
+    def __init__(self, inner: LogStore, n: int) -> None:
+        self.inner, self.n, self.size = inner, n, inner.size
+
+    async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
+        await self.inner.append(batch)
+
+    async def page(self, f: Filter, limit: int, before: int | None) -> Any:
+        from gateway.store.core import StoreError
+
+        self.n -= 1
+        if self.n < 0:
+            raise StoreError("the log's store is gone")
+        return await self.inner.page(f, limit, before)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+async def test_an_export_the_store_fails_is_a_503_before_it_starts_and_reads_as_incomplete_after(gateway):
+    from gateway.web.keys import REQUEST_LOG
+
+    gw = await gateway(_policy("http://127.0.0.1:9/v1"))
+    rlog = gw.app[REQUEST_LOG]
+    store = rlog.store
+    await store.append([(1_700_000_000_000_000 + i, "acme", orjson.dumps({"id": f"r{i}", "tenant": "acme", "time": 1.0 + i}))
+                        for i in range(2500)])
+    url = gw.url + "/admin/requests/export"
+    async with aiohttp.ClientSession() as http:
+        rlog.store = _FailingAfter(store, 0)
+        async with http.get(url, headers=A) as r:
+            assert r.status == 503 and (await r.json())["error"]["code"] is not None, await r.text()
+        rlog.store = _FailingAfter(store, 2)  # two pages of 1,000, then the store fails
+        async with http.get(url, headers=A) as r:
+            assert r.status == 200
+            # Before: the guard answered a second response on the started stream.
+            with pytest.raises(aiohttp.ClientPayloadError):  # the download reads as incomplete
+                await r.read()
+    rlog.store = store
+
+
+async def test_an_export_that_matches_nothing_lets_other_requests_run_between_pages():
+    # The memory store's page never suspends: a filter matching nothing scanned the whole log
+    # (pages of up to 20,000 entries read past) with every other request waiting.
+    store = MemoryLogStore(100_000)
+    await store.append([(1_700_000_000_000_000 + i, "acme", orjson.dumps({"id": f"r{i}", "tenant": "acme", "model": "m"}))
+                        for i in range(60_000)])
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    t = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    assert [e async for e in scan(store, Filter(model="nope"))] == []
+    t.cancel()
+    assert ticks - before >= 2  # at least once between the pages (60,000 entries: 3 pages read past)
