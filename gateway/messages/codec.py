@@ -282,10 +282,8 @@ class ChatToMessagesMonitor(OverChat):
     def entry(self) -> Entry | None:
         """The assembled chat answer, kept as the Message (what a Messages hit replays)."""
         chat = self._chat.entry()
-        if chat is None:
-            return None
         try:
-            return Entry(orjson.dumps(_message(orjson.loads(chat.body), cut_input=False)))
+            return None if chat is None else Entry(orjson.dumps(_message(orjson.loads(chat.body), cut_input=False)))
         except ValueError:  # a tool call cut by max_tokens: a hit could not replay the partial input the client got
             return None
 
