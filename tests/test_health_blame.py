@@ -165,3 +165,46 @@ def test_a_backend_wide_ejection_one_tenant_caused_is_probed_at_once_too():
         b.health.report_failure("alice", asked=True)
     _report_request(b, "m", ProbeResult(ok=False, why="HTTP 500"), metrics)
     assert b.health.state() == "ejected" and not b.health.verifying and recovery_targets(b)[0][1] > float("-inf")
+
+
+# ---- requests whose own size makes them slow -----------------------------------------------------
+
+
+async def _streamed(gw: Any, key: str, text: str) -> str:
+    async with openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60) as c:
+        raw = await c.chat.completions.with_raw_response.create(model="m", messages=[{"role": "user", "content": text}], stream=True)
+        async for _ in raw.parse():
+            pass
+        return raw.headers["x-gateway-backend"]
+
+
+@pytest.mark.parametrize("strategy", ["ordered", "latency"])
+async def test_one_tenants_huge_prompts_neither_eject_a_backend_nor_slow_its_estimate_for_the_others(upstream, gateway, strategy):
+    # A 300 KB prompt's prefill (~3 s here) outlasts a backend's 2 s first-token floor: three of
+    # mallory's ejected a healthy backend for everyone (timeouts were never the caller's), and two
+    # raised its predicted TTFT from 7 ms to ~1 s, moving alice's traffic off it (review helper's repros).
+    a = await upstream("a", ttft_ms=5, tokens=3, prompt_ms_per_kchar=10)
+    b = await upstream("b", ttft_ms=5, tokens=3, prompt_ms_per_kchar=10)
+    policy = {
+        "backends": {"a": {"url": a.url, "models": ["m"]}, "b": {"url": b.url, "models": ["m"]}},
+        "models": {"m": {"backends": ["a", "b"], "strategy": strategy}},
+        "cache": {"enabled": False}, "reload": {"watch": False},
+        "health": {"recovery_probe_interval_ms": 200},
+        "tenants": {n: {"key_sha256": [hash_key(k)]} for n, k in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))},
+    }
+    gw = await gateway(policy)
+    rt = gw.app[LIVE].runtime
+    before = collections.Counter([await _streamed(gw, ALICE, f"hello {i}") for i in range(50)])  # 20+ samples each
+    huge = "x " * 150_000
+    await asyncio.gather(*[_streamed(gw, MALLORY, huge + str(i)) for i in range(3)])
+    hit = max("ab", key=lambda n: rt.backends[n].tracker.snapshot()["timeouts"])  # where mallory timed out
+    tracker, health = rt.backends[hit].tracker, rt.backends[hit].health_for("m")
+    assert tracker.snapshot()["timeouts"] >= 1
+    assert tracker.predict_ttft(20) < 0.05 and tracker.error_ewma < 0.05  # not taught by the prompt's own size
+
+    async def back() -> bool:
+        return health.state() == "healthy"
+
+    assert await _until(back), health.state()  # an ejection by mallory's alone waits for a probe, which clears it
+    after = collections.Counter([await _streamed(gw, ALICE, f"hello again {i}") for i in range(30)])
+    assert after[hit] >= 0.5 * before[hit], (hit, before, after)

@@ -94,6 +94,25 @@ def test_prediction_reacts_at_once_to_a_slow_spike():
     assert tr.predict_ttft() > 0.75
 
 
+def test_a_prompt_far_beyond_the_usual_sizes_does_not_teach_the_level_or_the_error_rate():
+    # One tenant's 75,000-token prompts, timing out or slow to answer, moved a backend's predicted
+    # TTFT for 20-token prompts from 7 ms to ~1 s; a prompt of the usual size still does.
+    clock = Clock()
+    tr = Tracker(clock=clock)
+    for _ in range(50):
+        clock.t += 0.1
+        tr.observe_ttft(0.01, prompt_tokens=20)
+        tr.observe_done(0.02, True, prompt_tokens=20)
+    assert tr.outsized(75_000) and not tr.outsized(2_000) and not Tracker().outsized(75_000)  # unknown: no
+    clock.t += 0.1
+    tr.observe_done(2.0, False, prompt_tokens=75_000, timeout=True)
+    tr.observe_ttft(3.0, prompt_tokens=75_000)  # answered elsewhere, slowly: its prefill
+    assert tr.predict_ttft(20) == pytest.approx(0.01, abs=0.002) and tr.error_ewma < 0.001
+    assert tr.snapshot()["timeouts"] == 1  # still counted
+    tr.observe_done(2.0, False, prompt_tokens=20, timeout=True)  # a usual prompt timing out: the backend's
+    assert tr.predict_ttft(20) > 0.5 and tr.error_ewma > 0.01
+
+
 def test_prediction_recovers_over_about_ten_seconds_of_fast_samples():
     clock = Clock()
     tr = Tracker(clock=clock)

@@ -24,7 +24,7 @@ and a good *model-list* probe, which is no evidence that completions work, ends 
 ejection.
 
 One tenant cannot eject a backend for the others (`corroborate`): an ejection by a run of
-failures a request can cause (`Outcome.asked`: a 500 on what a caller sent) that one tenant's
+failures a request can cause (`Outcome.asked`: a 500 on what a caller sent, a timeout) that one tenant's
 requests alone met is `verifying`: the request prober probes it at once, and an answer undoes it
 and forgives that tenant's failures for `max_eject_s`; a failure confirms it.
 
@@ -115,13 +115,16 @@ class Outcome:
 # did (a short deadline, a disconnect, a bad request, an endpoint the backend does not serve)
 # says nothing about the backend and is neither a failure nor a latency sample. A 500, an answer
 # that is no answer or an error event may be the backend's reaction to one caller's input
-# (`asked`); refused connections, resets, cuts and timeouts are the backend's own.
+# (`asked`), and so may a timeout: how long the first token or a whole answer takes depends on
+# what was asked (a 300 KB prompt's prefill, a long answer without max_tokens, a reasoning model's
+# thinking before its first delta: three such requests of one tenant ejected a healthy backend for
+# everyone). Refused connections, resets and cuts are the backend's own.
 OUTCOMES: dict[Kind, Outcome] = {
     Kind.OK: Outcome(health=False, sample=True, failover=False),
     Kind.CONNECT: Outcome(health=True, sample=True),
     Kind.RESET_BEFORE_HEADERS: Outcome(health=True, sample=True),
-    Kind.TIMEOUT: Outcome(health=True, sample=True),
-    Kind.FIRST_TOKEN_TIMEOUT: Outcome(health=True, sample=True),
+    Kind.TIMEOUT: Outcome(health=True, sample=True, asked=True),
+    Kind.FIRST_TOKEN_TIMEOUT: Outcome(health=True, sample=True, asked=True),
     Kind.HTTP_5XX: Outcome(health=True, sample=True, asked=True),
     Kind.HTTP_503: Outcome(health=True, sample=True),
     Kind.HTTP_429: Outcome(health=False, sample=False),

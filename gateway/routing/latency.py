@@ -156,13 +156,18 @@ class Tracker:
         self.duration.add(now, seconds)
         self.outcomes.append((now, ok, timeout))
         self.total_requests += 1
+        # A timeout of a prompt far larger than this backend's usual says more about the prompt:
+        # neither an error nor a TTFT bound for everyone's prediction (see outsized()).
+        outsized = timeout and prompt_tokens is not None and self.outsized(prompt_tokens)
         self.error_ewma *= self._err_keep
         if not ok:
             self.total_errors += 1
-            self.error_ewma += 1.0 - self._err_keep
+            if not outsized:
+                self.error_ewma += 1.0 - self._err_keep
         if timeout:
             self.total_timeouts += 1
-            self._learn(now, seconds, prompt_tokens, fit=False)
+            if not outsized:
+                self._learn(now, seconds, prompt_tokens, fit=False)
         elif ok and not streamed:
             self.whole.add(now, seconds)
             itl = self._itl_ewma
@@ -180,6 +185,12 @@ class Tracker:
 
     def _learn(self, now: float, ttft: float, prompt_tokens: int | None, *, fit: bool) -> None:
         x = self._mean_x() if prompt_tokens is None else float(prompt_tokens)
+        if not self._fitted and prompt_tokens is not None and self.outsized(prompt_tokens):
+            # Before the slope is fitted the level holds whole TTFTs: one far larger prompt's
+            # prefill would read as the backend slowing down for every prompt. It teaches the fit.
+            if fit:
+                self._fit(x, ttft)
+            return
         residual = ttft - self._slope * x
         level = self._level
         if level is None:
@@ -220,6 +231,16 @@ class Tracker:
 
     def _mean_x(self) -> float:
         return self._sx / self._sw if self._sw else 0.0
+
+    def outsized(self, prompt_tokens: int) -> bool:
+        """Whether a prompt is far beyond the sizes this backend's answers were measured on (more
+        than 4x their mean and 2,048 tokens over it): its timeout says more about the prompt than
+        about the backend, and must not raise everyone's predicted TTFT (two 300 KB prompts moved
+        another tenant's traffic off a backend). Unknown (fewer than 8 answers): no."""
+        if self._sw < 8:
+            return False
+        mean = self._mean_x()
+        return prompt_tokens > 4 * mean and prompt_tokens > mean + 2048
 
     def predict_ttft(self, prompt_tokens: int | None = None) -> float | None:
         """Expected TTFT in seconds for a prompt of this size; None before the first sample."""
