@@ -17,6 +17,7 @@ malformed (a broken event among good ones); stall: created, then silence; garbag
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -97,9 +98,16 @@ class ResponsesFake:
         items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}] if isinstance(items, str) else (items or [])
         items = [{**it, "id": f"item_{rid}_{i}"} for i, it in enumerate(items) if isinstance(it, dict)]
         final = self._obj(rid, model, text, "completed", n, size, body)
-        if body.get("background"):
+        if body.get("background") and not body.get("stream"):
             self._keep(rid, _Kept(final, items, time.monotonic() + ttft_s + b.itl_ms * n / 1000))
             return web.json_response(self._obj(rid, model, None, "queued", n, size, body))
+        if body.get("background"):  # streamed as any other, and finished whether the client stays or not (as OpenAI's)
+            self._keep(rid, _Kept(final, items, time.monotonic() + ttft_s + b.itl_ms * n / 1000))
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            with contextlib.suppress(ConnectionError):
+                await _events(resp, self._obj(rid, model, None, "in_progress", n, size, body), final, text, n, b, mode, ttft_s)
+            return resp
         self._keep(rid, _Kept(final, items, 0.0))
         if not body.get("stream"):
             await asyncio.sleep(ttft_s + b.itl_ms * n / 1000)

@@ -408,3 +408,25 @@ async def test_a_background_response_is_charged_what_it_may_generate(upstream, g
         assert 10_000 <= use.window_tokens <= 10_010  # what a reservation holds, settled as it stood
         status, body, _ = await _call(gw, "POST", "/v1/responses", A, {"model": "gpt-test", "input": "hi", "background": True})
         assert status == 429 and body["error"]["code"] == "rate_limit_exceeded"
+
+
+async def test_a_streamed_background_response_left_after_its_first_delta_is_charged_what_it_may_generate(upstream, gateway):
+    # The backend finishes a background response whether its client stays or not: 5 streams
+    # left after their first delta were charged 125 tokens, and generated 25,000 under a tpm of
+    # 10,000 (read back whole with GET; review helper's repro).
+    a = await upstream(_name("a"), tokens=2000, itl_ms=5)
+    gw = await gateway(_policy(a, quota_a={"tpm": 10_000}))
+    body = {"model": "gpt-test", "input": "hi", "background": True, "stream": True, "max_output_tokens": 4000}
+    async with aiohttp.ClientSession() as http:
+        for expected in (200, 200, 429):
+            async with http.post(gw.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {A}"}) as r:
+                assert r.status == expected, await r.text()
+                if expected == 200:
+                    buf = b""
+                    while b"output_text.delta" not in buf:
+                        buf += await r.content.readany()
+                    r.close()  # the client leaves; the backend goes on
+            await gw.app[LIVE].runtime.quota.drain()
+            await asyncio.sleep(0.1)
+    use = (await gw.app[LIVE].runtime.quota.usage("alice"))[""]
+    assert use.window_tokens >= 8000  # its limit, twice: what each may generate

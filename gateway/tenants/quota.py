@@ -339,6 +339,8 @@ def _tokens_used(call: Call, reserved: int) -> int:
     - a whole answer: its reservation stands (the prompt estimate plus `max_tokens` or
       `default_max_tokens`, never below the prompt estimate): its text is not kept for the
       settle, and `max_tokens` bounds it;
+    - a request the backend goes on with whoever leaves (a background Response, streamed or
+      not: Endpoint.answers_later): its reservation, the bounded limit it may generate;
     - sent to a backend but ended without an answer (the client left, the backends failed, a
       stream stopped before its first token): the prompt estimate, the backend may have read it;
     - never sent to a backend (a cache hit, a flight's follower, refused or shed before): 0.
@@ -352,10 +354,12 @@ def _tokens_used(call: Call, reserved: int) -> int:
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if isinstance(p, int) or isinstance(c, int):
         return (p if isinstance(p, int) else 0) + (c if isinstance(c, int) else 0)
-    if call.out.streamed_tokens:
-        return call.prompt_tokens + call.out.streamed_tokens
     if not call.timing.sent_at:  # set as an attempt starts sending: no backend was asked
         return 0
+    if call.endpoint.answers_later(call.body):  # the backend runs on, whoever left: what it may generate
+        return max(reserved, call.prompt_tokens)
+    if call.out.streamed_tokens:
+        return call.prompt_tokens + call.out.streamed_tokens
     if call.out.finish is Finish.OK and not call.stream:
         return max(reserved, call.prompt_tokens)
     return call.prompt_tokens

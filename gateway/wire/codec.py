@@ -124,8 +124,9 @@ class Endpoint:
         return 1
 
     def answers_later(self, body: Mapping[str, Any]) -> bool:
-        """Whether the backend goes on generating after this request's answer (a Responses
-        `background` request answers `queued`): its usage never comes back to the gateway."""
+        """Whether the backend goes on generating whatever happens to this request (a Responses
+        `background` request: answered `queued`, or streamed to a client that may leave): its
+        usage may never come back to the gateway, and what it may generate is charged."""
         return False
 
     def validate(self, body: Mapping[str, Any]) -> None:
