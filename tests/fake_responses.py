@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from types import SimpleNamespace
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,7 @@ class ResponsesFake:
     kept: dict[str, _Kept] = field(default_factory=dict)
     ids: itertools.count = field(default_factory=lambda: itertools.count(1))
     conversations: dict[str, dict[str, Any]] = field(default_factory=dict)  # id -> the body it was made with
+    replay_itl_ms: float = 0.0  # a GET ?stream=true replay's pause between deltas
 
     def _keep(self, rid: str, kept: _Kept) -> None:
         self.kept[rid] = kept
@@ -133,7 +135,9 @@ class ResponsesFake:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             obj = kept.obj
-            await _events(resp, {**obj, "status": "in_progress", "output": [], "usage": None}, obj, _output_text(obj), None, None, "ok", 0.0)
+            pace = SimpleNamespace(itl_ms=self.replay_itl_ms, fail_after=None) if self.replay_itl_ms else None
+            with contextlib.suppress(ConnectionError):
+                await _events(resp, {**obj, "status": "in_progress", "output": [], "usage": None}, obj, _output_text(obj), None, pace, "ok", 0.0)
             return resp
         return web.json_response(kept.obj)
 

@@ -427,3 +427,26 @@ async def test_numbers_and_flags_of_the_wrong_json_type_are_400_naming_the_field
         await gw.client().post("/responses", cast_to=object, body={"model": "gpt-test", "input": "hi", field: value})
     assert exc.value.body["param"] == field, exc.value.body  # type: ignore[index]
     assert up.stats.requests == 0
+
+
+async def test_a_replayed_stream_ends_at_the_requests_deadline_and_frees_its_lease(upstream, gateway):
+    # GET /v1/responses/{id}?stream=true bounded only each upstream read: a slow replay ran 14 s
+    # past a 1 s deadline, and its concurrency lease (the deadline + 10 s) expired under it
+    # (review helper's repro).
+    up = await upstream(_name("a"), tokens=40)
+    up.responses.replay_itl_ms = 100  # a 4 s replay
+    policy = _policy(up)
+    policy["server"] = {**policy.get("server", {}), "request_timeout_ms": 1000}
+    policy["tenants"] = {"acme": {"key_sha256": [hash_key("sk-acme")], "quota": {"concurrency": 1}}}
+    gw = await gateway(policy)
+    headers = {"Authorization": "Bearer sk-acme"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/responses", json={"model": "gpt-test", "input": "hi"}, headers=headers) as r:
+            rid = (await r.json())["id"]
+        started = time.monotonic()
+        async with http.get(gw.url + f"/v1/responses/{rid}?stream=true", headers=headers) as r:
+            body = await r.read()
+        assert r.status == 200 and time.monotonic() - started < 2.5  # cut at its deadline
+        assert b"response.output_text.delta" in body and b"response.completed" not in body  # a cut, not a success
+        async with http.get(gw.url + f"/v1/responses/{rid}", headers=headers) as r:
+            assert r.status == 200  # its lease went back with it

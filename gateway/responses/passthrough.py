@@ -30,6 +30,7 @@ from ..tenants.quota import Hold, QuotaExceeded
 from ..upstream.client import UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse
 from ..web.http_call import api_key, error_response, request_id
 from ..web.keys import METRICS, RELAY
+from ..web.sink import CLIENT_READ_S
 from ..wire.codec import Endpoint
 
 __all__ = ["BY_ID", "Found", "Passthrough"]
@@ -161,19 +162,29 @@ class Passthrough:
         out = web.StreamResponse(status=resp.status, headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await out.prepare(self.request)
         try:
-            while True:
-                async with asyncio.timeout(idle_s):
-                    chunk = await resp.readany()
-                if not chunk:
-                    break
-                await out.write(chunk)
+            # The request's deadline bounds the whole replay, and a client that takes none of it
+            # for CLIENT_READ_S is gone: a replay ran 14 s past a 1 s deadline (its concurrency
+            # lease expired under it), and one that nobody read held its upstream call for good.
+            async with asyncio.timeout(max(0.0, self.call.remaining_s())):
+                while True:
+                    async with asyncio.timeout(idle_s):
+                        chunk = await resp.readany()
+                    if not chunk:
+                        break
+                    try:
+                        async with asyncio.timeout(CLIENT_READ_S):
+                            await out.write(chunk)
+                    except TimeoutError:
+                        raise ConnectionResetError(f"the client took none of its answer for {CLIENT_READ_S:g} s") from None
         except (TimeoutError, UpstreamHTTPError) as exc:
             # Cut: the client sees the stream stop without response.completed, which is the truth.
-            log.warning("request %s: replayed stream from a backend cut: %s", self.call.request_id, exc)
+            log.warning("request %s: replayed stream from a backend cut: %s", self.call.request_id, exc or "its deadline passed")
             self.call.out.finish = Finish.CUT
             return out
-        except ConnectionError:  # reset, or lost while a write waited on a slow reader
+        except ConnectionError:  # reset, or lost (or stopped reading) while a write waited on it
             self.call.out.finish = Finish.CLIENT_DISCONNECT
+            if self.request.transport is not None:
+                self.request.transport.close()  # nothing more is written to it, its end included
             return out
         await out.write_eof()
         return out
