@@ -47,6 +47,25 @@ def test_a_chat_chunk_finishes_the_answer_with_its_last_token():
     assert mon.feed(_chunk({"content": "bye"}, "length")) is CONTENT and mon.finished
 
 
+def _choice(i: int, text: str | None, finish: str | None = None) -> bytes:
+    delta = {} if text is None else {"content": text}
+    return orjson.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                         "choices": [{"index": i, "delta": delta, "finish_reason": finish}]})
+
+
+def test_an_answer_of_several_choices_is_finished_once_each_choice_seen_is():
+    # n = 2: choice 0's stop while choice 1 was mid-answer made a stream cut there end with [DONE]
+    # (review helper's repro); a chunk after a choice's finish (usage, an empty delta) reopens nothing.
+    mon = ChatMonitor()
+    _feed(mon, [_choice(0, "a"), _choice(1, "b"), _choice(0, None, "stop")])
+    assert not mon.finished
+    _feed(mon, [_choice(1, "c"), _choice(1, None, "length"), _choice(0, None)])
+    assert mon.finished
+    one = ChatMonitor()  # a backend that ignores n answers one choice: finished at its stop
+    _feed(one, [_choice(0, "a"), _choice(0, None, "stop")])
+    assert one.finished
+
+
 @pytest.mark.parametrize("delta", [{"tool_calls": [{"index": 0, "id": "t"}]}, {"function_call": {"name": "f"}}, {"refusal": "no"}])
 def test_tool_calls_function_calls_and_refusals_are_output(delta):
     mon = ChatMonitor()

@@ -28,7 +28,7 @@ _DONE, _DROP, _MALFORMED, _HELD, _CONTENT, _FAILED = (
 class ChatMonitor:
     """Monitors one chat or completions stream (monitor.Monitor)."""
 
-    __slots__ = ("finished", "failure", "usage", "timed", "out", "event", "_assembler", "_strip_usage", "_rewrite")
+    __slots__ = ("finished", "failure", "usage", "timed", "out", "event", "_assembler", "_strip_usage", "_rewrite", "_open", "_closed")
 
     first = "first token"
     unfinished = "backend {backend!r} ended its stream before its finish reason"
@@ -46,6 +46,8 @@ class ChatMonitor:
         self._assembler = StreamAssembler(capture) if capture else None
         self._strip_usage = strip_usage
         self._rewrite = rewrite
+        self._open: set[Any] = set()  # the choices (indexes) seen that have not finished yet
+        self._closed: set[Any] = set()  # and those that have
 
     def feed(self, data: bytes) -> Verdict:
         self.timed = False
@@ -70,8 +72,8 @@ class ChatMonitor:
             self.out = b"data: " + orjson.dumps(obj) + b"\n\n"
             content = content and has_content(obj)
         choices = obj.get("choices")
-        if choices and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
-            self.finished = True
+        if choices:
+            self._track(choices)
         if self._assembler is not None:
             self._assembler.feed(obj)
         usage = obj.get("usage")
@@ -81,6 +83,22 @@ class ChatMonitor:
                 return _DROP  # the usage chunk the gateway asked for, not the client
         self.event = obj
         return _CONTENT if content else _HELD
+
+    def _track(self, choices: Any) -> None:
+        """The answer is finished once every choice seen has its finish reason (n > 1, a list of
+        prompts: one choice's `stop` while another was mid-answer ended a cut stream with [DONE])."""
+        for c in choices if isinstance(choices, list) else ():
+            if not isinstance(c, dict):
+                continue
+            i = c.get("index", 0)
+            i = i if isinstance(i, int | str) else repr(i)
+            if c.get("finish_reason"):
+                self._open.discard(i)
+                self._closed.add(i)
+                self.finished = not self._open
+            elif i not in self._closed:  # a chunk after its finish (usage, an empty delta) reopens nothing
+                self._open.add(i)
+                self.finished = False
 
     def entry(self) -> Entry | None:
         return self._assembler.entry() if self._assembler is not None else None
