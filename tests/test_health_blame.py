@@ -208,3 +208,22 @@ async def test_one_tenants_huge_prompts_neither_eject_a_backend_nor_slow_its_est
     assert await _until(back), health.state()  # an ejection by mallory's alone waits for a probe, which clears it
     after = collections.Counter([await _streamed(gw, ALICE, f"hello again {i}") for i in range(30)])
     assert after[hit] >= 0.5 * before[hit], (hit, before, after)
+
+
+async def test_a_hedge_on_the_last_candidate_waits_as_long_as_the_relay_would(upstream, gateway):
+    # The hedge ran under the live-P95 deadline even on the last backend that could answer: a
+    # huge prompt timed out on both and was a 504 that backend would have answered (review
+    # helper's repro).
+    a = await upstream("a", ttft_ms=5, tokens=3, prompt_ms_per_kchar=10)
+    b = await upstream("b", ttft_ms=5, tokens=3, prompt_ms_per_kchar=10)
+    policy = {
+        "backends": {"a": {"url": a.url, "models": ["m"]}, "b": {"url": b.url, "models": ["m"]}},
+        "models": {"m": {"backends": ["a", "b"], "strategy": "ordered", "hedge": {}}},
+        "cache": {"enabled": False}, "reload": {"watch": False},
+        "tenants": {n: {"key_sha256": [hash_key(k)]} for n, k in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))},
+    }
+    gw = await gateway(policy)
+    for i in range(60):  # live figures, and the hedge budget (5 % of requests)
+        await _streamed(gw, ALICE, f"hello {i}")
+    got = await asyncio.gather(*[_streamed(gw, MALLORY, "x " * 150_000 + str(i)) for i in range(2)], return_exceptions=True)
+    assert all(isinstance(g, str) for g in got), got

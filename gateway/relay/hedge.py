@@ -47,7 +47,11 @@ class Hedging(RelayBase):
                     metrics.hedges.labels("started").inc()
                     self.tries.count += 1  # a second upstream call: it counts within server.max_attempts
                     progress.rivals = tasks
-                    tasks.append(asyncio.create_task(self.attempt(second, live=route.routing, cold_s=cold_s)))
+                    # The live-P95 deadline only while another backend could take over (as the relay
+                    # does): a hedge on the last candidate cut at it failed requests that backend
+                    # would have answered (three huge prompts: 504 on both, both ejected).
+                    last = self.tries.count >= route.server.max_attempts or second is others[-1]
+                    tasks.append(asyncio.create_task(self.attempt(second, live=None if last else route.routing, cold_s=cold_s)))
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for task in tasks:
