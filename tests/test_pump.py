@@ -191,3 +191,37 @@ async def test_the_callers_deadline_mid_stream_is_the_callers_not_the_backends()
     with pytest.raises(Cut) as cut:
         await Pump(_attempt(req), Reads(_chat("Hi"), 5.0)).run()  # type: ignore[arg-type]
     assert cut.value.kind is Kind.CALLER_DEADLINE
+
+
+async def test_a_client_that_stops_reading_is_not_timed_as_the_backends_gaps(upstream, gateway):
+    # The backend sends every token at once; a client that stopped reading for 1.5 s had its
+    # pause fed to the backend's inter-token figures (a 1.45 s gap: a few such set everyone's
+    # P99, and the stall and whole-answer deadlines from it) and to its duration (review helper's repro).
+    import socket
+
+    import orjson
+
+    from gateway.web.keys import LIVE
+    from tests.conftest import simple_policy
+
+    up = await upstream("a", tokens=20000, itl_ms=0)
+    gw = await gateway(simple_policy(up, model="m"))
+    tracker = gw.app[LIVE].runtime.backends["a"].tracker
+    gaps: list[float] = []
+    tracker.observe_itl = lambda s, f=tracker.observe_itl: (gaps.append(s), f(s))[1]  # type: ignore[method-assign]
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", gw.port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+    body = orjson.dumps({"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+    await writer.drain()
+    await reader.read(600)
+    await asyncio.sleep(1.5)  # the client stops reading
+    while await reader.read(65536):
+        pass
+    writer.close()
+    assert gaps and max(gaps) < 0.5, max(gaps)
+    assert tracker.duration.sorted(tracker.clock(), 0)[-1] < 1.0  # nor in its duration

@@ -101,7 +101,7 @@ class Attempt:
     first-token deadline while this backend has too few samples; `resume`: continue a broken stream."""
 
     __slots__ = ("call", "backend", "ctx", "sink", "progress", "m", "live", "resume", "started", "now",
-                 "first_deadline", "call_deadline", "leg")
+                 "first_deadline", "call_deadline", "leg", "client_wait_s")
 
     def __init__(self, req: Requester, backend: Backend, m: BackendMetrics, *, live: RoutingPolicy | None,
                  cold_s: float | None = None, resume: Resume | None = None) -> None:
@@ -111,6 +111,7 @@ class Attempt:
         assert leg is not None, f"{backend.name!r} cannot answer {self.call.endpoint.name}: its pool should not hold it"
         self.leg = leg  # the codec toward this backend: the endpoint itself, or a translating leg
         self.started = time.perf_counter()
+        self.client_wait_s = 0.0  # time its writes waited on a client slow to read: not the backend's
         self.now = now = asyncio.get_running_loop().time()
         self.call_deadline = now + self.call.remaining_s()
         first_s = backend.timeouts.first_token_ms / 1000

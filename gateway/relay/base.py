@@ -151,4 +151,5 @@ class RelayBase:
         self.sink.set_header("x-gateway-backend", backend.name)
 
     def _report(self, att: Attempt, kind: Kind, status: int | None = None) -> None:
-        report(self.call, att.backend, self.ctx.metrics, att.m, kind, time.perf_counter() - att.started, status=status)
+        seconds = time.perf_counter() - att.started - att.client_wait_s  # the backend's time, not the client's
+        report(self.call, att.backend, self.ctx.metrics, att.m, kind, seconds, status=status)

@@ -32,6 +32,7 @@ from .continuation import Mismatch
 
 __all__ = ["Pump"]
 
+_CLIENT_WAIT_S = 0.002  # a write that took longer waited on the client
 _AFTER_FINISH_S = 2.0  # how long to wait for a usage chunk, [DONE] or the body's end after the answer finished
 _NOISE, _DROP, _MALFORMED, _CONTENT, _DONE, _FAILED = (
     Verdict.NOISE, Verdict.DROP, Verdict.MALFORMED, Verdict.CONTENT, Verdict.DONE, Verdict.FAILED,
@@ -69,7 +70,9 @@ class Pump:
         try:
             while not await self._timed_read():
                 # The bytes were written; only the wait for the client was cut short.
+                t = time.perf_counter()
                 await client_write(att.sink.drain(CLIENT_READ_S))
+                self._waited(time.perf_counter() - t)
                 if self._over():
                     break
                 self.timer = asyncio.timeout_at(self._next_deadline(asyncio.get_running_loop()))
@@ -125,12 +128,24 @@ class Pump:
             out = await self._events(decoder.feed(chunk))
             if out:
                 self.writing = True
+                t = time.perf_counter()
                 await client_write(att.sink.write(b"".join(out)))
+                self._waited(time.perf_counter() - t)
                 self.writing = False
             if self._over():
                 return
             if self.first:
                 self.timer.reschedule(self._next_deadline(loop))
+
+    def _waited(self, seconds: float) -> None:
+        """A write (or drain) took `seconds`: past a moment, the client was slow to read, and that
+        time is neither an inter-token gap nor part of the backend's duration (a client that stopped
+        reading for 3 s fed a 2.95 s gap of a backend that sent every token at once; a few such set
+        everyone's P99, and the stall and whole-answer deadlines from it)."""
+        if seconds > _CLIENT_WAIT_S:
+            self.att.client_wait_s += seconds
+            if self.last:
+                self.last += seconds
 
     def _over(self) -> bool:
         return self.saw_done or self.failed or self.broke is not None
