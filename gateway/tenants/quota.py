@@ -19,8 +19,8 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 
 from ..config.policy import LimitsPolicy, Policy, QuotaPolicy
