@@ -113,7 +113,7 @@ class Block(BaseModel):
 
 
 Content = Annotated[
-    Annotated[str, Tag("str")] | Annotated[list[Block], Tag("list")],
+    Annotated[str, Tag("str")] | Annotated[list[Block], Tag("list"), Field(fail_fast=True)],
     Discriminator(_tagged),
 ]
 
@@ -187,7 +187,7 @@ class Metadata(BaseModel):
 
 
 System = Annotated[
-    Annotated[str, Tag("str")] | Annotated[list[SystemBlock], Tag("list")],
+    Annotated[str, Tag("str")] | Annotated[list[SystemBlock], Tag("list"), Field(fail_fast=True)],
     Discriminator(_tagged),
 ]
 
@@ -196,13 +196,13 @@ class MessagesRequest(RequestBody):
     """POST /v1/messages: the fields the gateway relies on; every other field is kept as sent."""
 
     max_tokens: JsonInt = Field(ge=1)
-    messages: list[MessageParam] = Field(min_length=1)
+    messages: list[MessageParam] = Field(min_length=1, fail_fast=True)  # the first bad one, not every one
     system: System | None = None
     # strict: "yes" or 1 is not a boolean (the backend would read it differently than we do).
     stream: bool = Field(False, strict=True)
-    tools: list[ToolParam] | None = None
+    tools: Annotated[list[ToolParam], Field(fail_fast=True)] | None = None
     tool_choice: ToolChoice | None = None
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[str], Field(fail_fast=True)] | None = None
     temperature: JsonFloat | None = Field(None, ge=0, le=1)  # Anthropic's range, not OpenAI's 0..2
     top_p: JsonFloat | None = Field(None, ge=0, le=1)
     top_k: JsonInt | None = Field(None, ge=0)

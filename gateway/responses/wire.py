@@ -50,7 +50,7 @@ def _conversation_ref(value: Any) -> Any:
 class ResponsesRequest(_Body):
     """POST /v1/responses: the fields the gateway itself relies on; everything else passes through."""
 
-    input: str | list[dict[str, Any]] | None = None
+    input: str | Annotated[list[dict[str, Any]], Field(fail_fast=True)] | None = None
     instructions: str | None = None
     max_output_tokens: JsonInt | None = Field(None, ge=1)
     previous_response_id: str | None = Field(None, min_length=1)

@@ -79,24 +79,30 @@ class _Body(RequestBody):
         return "default" if v == "scale" else v
 
 
+# A list field stops at its first bad element (pydantic's fail_fast): a body of 400,000 bad
+# content parts was 400,001 errors, validated and listed on the event loop (1.4 s, every
+# request waiting), to answer with the first.
+_FAST = Field(fail_fast=True)
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | Annotated[list[dict[str, Any]], _FAST] | None = None
 
 
 class ChatRequest(_Body):
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, fail_fast=True)
 
 
 class CompletionRequest(_Body):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | Annotated[list[str], _FAST] | Annotated[list[int], _FAST] | Annotated[list[Annotated[list[int], _FAST]], _FAST]
     best_of: JsonInt | None = Field(None, ge=1, le=128)  # candidates generated per prompt (a quota reserves them all)
 
 
 class EmbeddingRequest(RequestBody):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | Annotated[list[str], _FAST] | Annotated[list[int], _FAST] | Annotated[list[Annotated[list[int], _FAST]], _FAST]
 
 
 def _field(loc: tuple[Any, ...]) -> str:
