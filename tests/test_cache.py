@@ -720,3 +720,15 @@ async def test_a_cross_process_follower_gets_an_answer_stored_between_its_two_re
     cache.leader_token = token
     token, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=5)
     assert token is None and entry is not None and entry.answer()["id"] == CHAT["id"]
+
+
+def test_an_answer_whose_content_is_not_a_string_is_not_stored() -> None:
+    # Some OpenAI-compatible servers answer `content` as a list of parts: stored, a streamed hit
+    # replayed it as a role chunk, a finish and [DONE], with no text (review helper's repro).
+    parts = orjson.dumps({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": [{"type": "text", "text": "Paris."}]}, "finish_reason": "stop"}]})
+    assert entry_from_response(parts, 1 << 20) is None
+    plain = parts.replace(b'[{"type":"text","text":"Paris."}]', b'"Paris."')
+    assert entry_from_response(plain, 1 << 20) is not None and b"Paris." in b"".join(replay_sse(entry_from_response(plain, 1 << 20), include_usage=False))
+    null = parts.replace(b'[{"type":"text","text":"Paris."}]', b"null")
+    assert entry_from_response(null, 1 << 20) is not None  # no text (a tool call's answer): as before

@@ -57,6 +57,10 @@ def is_complete(obj: Any) -> bool:
         return False
     message = choice.get("message")
     if isinstance(message, dict):
+        # Text a stream can replay: a string, or none. A list of content parts (some servers
+        # answer so) came back from a streamed hit as no text at all.
+        if not isinstance(message.get("content"), str | None):
+            return False
         tools = message.get("tool_calls")
         return not tools or (isinstance(tools, list) and all(isinstance(t, dict) for t in tools))
     return isinstance(choice.get("text"), str)
