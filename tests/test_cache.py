@@ -37,7 +37,7 @@ def key(body: dict[str, Any], namespace: str = "acme", endpoint: str = "chat", m
 
 def test_key_is_versioned_and_ignores_field_order_and_whitespace() -> None:
     k = key(BASE)
-    assert k.startswith("gwc:v1:") and len(k) == len("gwc:v1:") + 64
+    assert k.startswith("gwc:v1:") and len(k) == len("gwc:v1:") + 16 + 1 + 64
     reordered = dict(reversed(list(BASE.items())))
     reordered["messages"] = [dict(reversed(list(m.items()))) for m in BASE["messages"]]
     assert key(reordered) == k

@@ -320,3 +320,23 @@ async def test_a_request_without_temperature_is_cached_when_every_candidate_defa
             assert cache == "bypass", model
             assert explained["cache"] == "bypass"
             assert explained["cache_reason"] == f"no temperature 0 or seed, and backend {blocker} samples by default (default_temperature)"
+
+
+async def test_one_tenants_cacheable_traffic_does_not_evict_anothers_answers(upstream, gateway):
+    # The in-memory cache was one LRU: 100 of one tenant's 13 KB answers under a 1 MiB store made
+    # another tenant's cached answer a miss again (review helper's repro).
+    from tests.conftest import simple_policy
+
+    up = await upstream("a", tokens=2000)
+    tenants = {"acme": {"key_sha256": [hash_key("sk-acme")]}, "evil": {"key_sha256": [hash_key("sk-evil")]}}
+    gw = await gateway(simple_policy(up, tenants=tenants, store={"memory_max_bytes": 1 << 20}))
+
+    async def cache(key: str, text: str) -> str:
+        raw = await gw.client(key).chat.completions.with_raw_response.create(
+            model="gpt-test", messages=[{"role": "user", "content": text}], temperature=0)
+        return raw.headers["x-gateway-cache"]
+
+    assert [await cache("sk-acme", "capital of France?") for _ in range(2)] == ["miss", "hit"]
+    for i in range(100):  # 100 x 13 KB: past the store's 1 MiB
+        assert await cache("sk-evil", f"junk {i}") == "miss"
+    assert await cache("sk-acme", "capital of France?") == "hit"

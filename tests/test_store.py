@@ -64,7 +64,7 @@ async def redis_store() -> AsyncIterator[RedisStore]:
         yield store
 
 
-def _first_byte(value: bytes) -> str:
+def _first_byte(key: str, value: bytes) -> str:
     return value[:1].decode("latin-1")
 
 
@@ -202,6 +202,17 @@ async def test_a_fair_part_evicts_from_the_owner_holding_the_most() -> None:
     assert records.owners() == {"A": 2, "B": 2, "C": 2}
     await records.delete("a1")
     assert records.owners() == {"A": 1, "B": 2, "C": 2} and len(records) == 5
+
+
+async def test_past_its_bytes_a_fair_part_evicts_from_the_owner_holding_the_most_bytes() -> None:
+    # Counted in entries, an owner of few large entries (a tenant's long cached answers) evicted
+    # the small ones of an owner holding more of them.
+    s = FairMemoryStore(_first_byte, max_bytes=1000)
+    for i in range(20):
+        await s.set(f"a{i}", b"A" + b"x" * 8, 60)  # 20 small entries: 220 bytes
+    for i in range(10):
+        await s.set(f"b{i}", b"B" + b"x" * 197, 60)  # 10 of 200 bytes: the bound is passed
+    assert s.owners()["A"] == 20 and s.used_bytes <= 1000  # B shed its own
 
 
 async def test_a_fair_part_evicts_by_bytes_and_rewrites_move_an_entry_between_owners() -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "CACHE_FORMAT",
     "TRANSPORT_FIELDS",
     "cache_key",
+    "key_owner",
     "cacheable_request",
     "cache_control",
     "Cache",
@@ -58,7 +59,9 @@ MAX_FLIGHTS = 10_000  # concurrent single flights per process; beyond it, reques
 
 
 def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any], echoed: frozenset[str] = frozenset()) -> str:
-    """`gwc:v1:<sha256 hex>` of the canonical JSON (sorted keys) of everything that changes the answer.
+    """`gwc:v1:<namespace digest>:<sha256 hex>`: the digest of the canonical JSON (sorted keys) of
+    everything that changes the answer, after 16 hex digits of the namespace's own (whose entries
+    it is: `key_owner`, for an in-memory store shared fairly among namespaces).
 
     `namespace` isolates tenants (the tenant name, or a namespace the policy shares between tenants);
     `endpoint` is "chat" or "completions"; `model` is the public model the client asked for;
@@ -70,7 +73,15 @@ def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any]
         if type(v) is int:
             fields[name] = float(v)
     canonical = orjson.dumps([CACHE_FORMAT, namespace, endpoint, model, fields], option=orjson.OPT_SORT_KEYS)
-    return _KEY_PREFIX + hashlib.sha256(canonical).hexdigest()
+    owner = hashlib.sha256(namespace.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    return f"{_KEY_PREFIX}{owner}:{hashlib.sha256(canonical).hexdigest()}"
+
+
+def key_owner(key: str, value: bytes) -> str:
+    """Whose entry a cache key is: its namespace's digest (FairMemoryStore's owner: in memory, one
+    tenant's cacheable traffic evicts its own answers, not the others'; 100 of one tenant's
+    13 KB answers flushed another's from a 1 MiB cache)."""
+    return key[len(_KEY_PREFIX) : len(_KEY_PREFIX) + 16]
 
 
 def cacheable_request(

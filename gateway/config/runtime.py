@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..admission.gate import reserve_slots
-from ..cache.core import Cache, cache_key, cacheable_request
+from ..cache.core import Cache, cache_key, cacheable_request, key_owner
 from ..classify.cascade import LEXICAL_ONLY, Cascade, EncoderWorker, band_for
 from ..classify.classifier import DEFAULT_WEIGHTS, Classifier, Rules, Verdict
 from ..classify.encoder_meta import meta_of
@@ -477,7 +477,9 @@ def build_runtime(
     if policy.cache.enabled or any(r.cache and r.cache.enabled for r in policy.models.values()) or any(
         t.cache and t.cache.enabled for t in policy.tenants.values()
     ):
-        cache = Cache(store_of(policy.store), ttl_s=policy.cache.ttl_s, max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error)
+        # In memory, shared fairly among namespaces (a shared store is itself: Redis's own LRU).
+        cache = Cache(store_of(policy.store).own("cache", key_owner), ttl_s=policy.cache.ttl_s,
+                      max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error)
     quota = None
     if any(t.quota is not None and t.quota.any() for t in policy.tenants.values()):
         # The fallback is this process's in-memory store: its counters live across reloads.

@@ -82,9 +82,9 @@ def _holder(raw: bytes) -> Holder:
     return Holder(backend, owner)
 
 
-def owner_of(raw: bytes) -> str:
-    """The owner a record names: an in-memory map is shared fairly among owners by it
-    (store.core.FairMemoryStore: one tenant's records cannot evict another's)."""
+def owner_of(key: str, raw: bytes) -> str:
+    """The owner a record (`raw`, under `key`) names: an in-memory map is shared fairly among
+    owners by it (store.core.FairMemoryStore: one tenant's records cannot evict another's)."""
     return raw.partition(b"\n")[2].decode("utf-8", "replace")
 
 

@@ -57,10 +57,10 @@ class Store(Protocol):
         """Release connections; the store is not used afterwards."""
         ...
 
-    def own(self, name: str, owner_of: Callable[[bytes], str] | None = None) -> Store:
+    def own(self, name: str, owner_of: Callable[[str, bytes], str] | None = None) -> Store:
         """The part of this store that only `name`'s entries use: for a process's memory, an LRU
         of its own (another user's traffic cannot push them out), shared fairly among the owners
-        `owner_of` reads from each value when given (FairMemoryStore); a shared store (Redis,
+        `owner_of` reads from each entry (key, value) when given (FairMemoryStore); a shared store (Redis,
         whose keys are prefixed per use) is itself."""
         ...
 
@@ -115,7 +115,7 @@ class MemoryStore:
         self.quota = MemoryQuota()  # quota counters: this process's own (see tenants/quota_counters.py)
         self._parts: dict[str, MemoryStore] = {}  # see own()
 
-    def own(self, name: str, owner_of: Callable[[bytes], str] | None = None) -> MemoryStore:
+    def own(self, name: str, owner_of: Callable[[str, bytes], str] | None = None) -> MemoryStore:
         """An LRU of `name`'s own, with this one's bounds, made once (the Responses API's records
         beside the cache: tenant B's cacheable requests must not evict tenant A's records); with
         `owner_of`, shared fairly among the owners it names (B's records must not evict A's)."""
@@ -204,15 +204,17 @@ class FairMemoryStore(MemoryStore):
     here it evicts its own, and an owner holding fewer than `max_items` / N entries (N: the owners
     present) loses none to the others.
 
-    A MemoryStore whose entries each belong to an owner (`owner_of(value)`), each owner's in an
-    LRU of its own; past `max_items` or `max_bytes`, the least recently used entry of an owner
-    holding the most goes. get/set stay O(1) (an owner's count moves in O(log owners))."""
+    A MemoryStore whose entries each belong to an owner (`owner_of(key, value)`), each owner's in
+    an LRU of its own; past `max_items` the least recently used entry of an owner holding the most
+    entries goes, past `max_bytes` that of an owner holding the most bytes (the response cache's
+    entries differ in size by 1,000x: counted in entries, a tenant of large answers evicted the
+    others'). get/set stay O(1) (an owner's count moves in O(log owners))."""
 
-    __slots__ = ("_owner_of", "_lrus", "_where", "_held")
+    __slots__ = ("_owner_of", "_lrus", "_where", "_held", "_weight")
 
     def __init__(
         self,
-        owner_of: Callable[[bytes], str],
+        owner_of: Callable[[str, bytes], str],
         *,
         max_bytes: int = 256 << 20,
         max_items: int = 100_000,
@@ -223,6 +225,7 @@ class FairMemoryStore(MemoryStore):
         self._lrus: dict[str, OrderedDict[str, tuple[bytes, float]]] = {}
         self._where: dict[str, str] = {}  # key -> its owner
         self._held = Holdings()
+        self._weight = Holdings()  # bytes per owner
 
     def __len__(self) -> int:
         return len(self._where)
@@ -249,13 +252,14 @@ class FairMemoryStore(MemoryStore):
         size = len(key) + len(value)
         if ttl_s <= 0 or size > self.max_bytes:
             return
-        owner = self._owner_of(value)
+        owner = self._owner_of(key, value)
         self._lrus.setdefault(owner, OrderedDict())[key] = (value, self._clock() + ttl_s)
         self._where[key] = owner
         self._held.move(owner, 1)
+        self._weight.move(owner, size)
         self._bytes += size
         while self._bytes > self.max_bytes or len(self._where) > self.max_items:
-            heaviest = self._held.heaviest()
+            heaviest = self._held.heaviest() if len(self._where) > self.max_items else self._weight.heaviest()
             assert heaviest is not None  # something is held: the bounds were passed
             self._drop(next(iter(self._lrus[heaviest])))  # its least recently used
 
@@ -266,7 +270,7 @@ class FairMemoryStore(MemoryStore):
     async def close(self) -> None:
         self._lrus.clear()
         self._where.clear()
-        self._held = Holdings()
+        self._held, self._weight = Holdings(), Holdings()
         self._bytes = 0
 
     def _drop(self, key: str) -> None:
@@ -276,4 +280,5 @@ class FairMemoryStore(MemoryStore):
         if not lru:
             del self._lrus[owner]
         self._held.move(owner, -1)
+        self._weight.move(owner, -(len(key) + len(value)))
         self._bytes -= len(key) + len(value)

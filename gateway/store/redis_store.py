@@ -184,7 +184,7 @@ class RedisStore:
         except FAILURES:
             pass
 
-    def own(self, name: str, owner_of: Callable[[bytes], str] | None = None) -> RedisStore:
+    def own(self, name: str, owner_of: Callable[[str, bytes], str] | None = None) -> RedisStore:
         """Itself: every use's keys have a prefix of their own on the one server (see Store.own);
         what evicts there is the server's maxmemory policy, and records have a TTL."""
         return self
