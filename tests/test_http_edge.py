@@ -433,3 +433,36 @@ async def test_the_dispatch_table_holds_the_plain_routes_only(upstream, tmp_path
         assert all(info.route.resource is not None and info.route.resource.canonical == p for (_, p), info in table.items())
     finally:
         await runner.cleanup()
+
+
+def _status_line(port: int, head: bytes) -> bytes:
+    """The first line the server answers a request head with (the body is never sent)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(head)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+async def test_expect_100_continue_is_not_sent_to_a_request_refused_anyway(upstream, gateway):
+    # aiohttp's Expect handling answered 100 Continue before the key and the size were checked:
+    # the client uploaded a body the gateway then read and dropped (review helper's repro).
+    from tests.conftest import simple_policy
+
+    up = await upstream("a")
+    gw = await gateway(simple_policy(up, tenants={"acme": {"key_sha256": [hash_key("sk-acme")]}},
+                                     server={"max_body_bytes": 65536}))
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+    no_key = await asyncio.to_thread(_status_line, gw.port, head + b"Content-Length: 60000\r\n\r\n")
+    too_big = await asyncio.to_thread(_status_line, gw.port, head + b"Authorization: Bearer sk-acme\r\nContent-Length: 900000000\r\n\r\n")
+    messages = await asyncio.to_thread(_status_line, gw.port, head.replace(b"/v1/chat/completions", b"/v1/messages")
+                                       + b"Content-Length: 60000\r\n\r\n")
+    fine = await asyncio.to_thread(_status_line, gw.port, head + b"Authorization: Bearer sk-acme\r\nContent-Length: 100\r\n\r\n")
+    assert no_key.startswith(b"HTTP/1.1 401") and b'"code":"invalid_api_key"' in no_key, no_key
+    assert too_big.startswith(b"HTTP/1.1 413") and b"request_too_large" in too_big, too_big
+    assert messages.startswith(b"HTTP/1.1 401") and b'"type":"error"' in messages  # in that API's shape
+    assert fine.startswith(b"HTTP/1.1 100")  # a request that may be served is invited as before
