@@ -225,31 +225,20 @@ class MemoryLogStore:
             self._shed(tenant, max(1, b - level))
 
     def _shed(self, tenant: str, amount: int) -> None:
-        """Evict `tenant`'s first entries until at least `amount` of its bytes are freed (its
-        last entry excepted when it is the log's only one)."""
-        parts, k, freed = self._parts[tenant], 0, 0
-        while freed < amount and parts and self._count - k > 1:
-            part = parts[0]
-            if len(part.blob) <= amount - freed and self._count - k - len(part) >= 1:
-                k += len(part)
-                freed += len(part.blob)
-                parts.popleft()
+        """Evict `tenant`'s first entries until at least `amount` of its bytes are freed (never the
+        log's last entry): how many, read from its parts' ends; evicted and compacted by _drop."""
+        k, freed = 0, 0
+        for part in self._parts[tenant]:
+            if freed + len(part.blob) <= amount:  # the whole part goes (its evicted prefix too)
+                k, freed = k + len(part), freed + len(part.blob)
                 continue
-            # The entries whose ends reach the bytes still to free (its blob's first bytes are
-            # those already evicted: compacting frees them too).
-            j = bisect.bisect_left(part.ends, amount - freed, part.start)
-            m = min(j - part.start + 1, len(part), self._count - k - 1)
-            part.start += m
-            k += m
-            if not len(part):
-                parts.popleft()
-                freed += len(part.blob)
-            else:
-                freed += part.compact()
+            # The entries whose ends reach the bytes still to free (compacting frees the part's
+            # first bytes, those of entries evicted before, too).
+            k += bisect.bisect_left(part.ends, amount - freed, part.start) - part.start + 1
             break
-        self._grow(tenant, -freed)
-        self._count -= k
-        self._move(tenant, -k)
+        k = min(k, self._held.held(tenant), self._count - 1)
+        if k > 0:
+            self._drop(tenant, k, compact=True)
 
     def _evict(self, n: int, compact: bool) -> None:
         """Evict `n` entries as if one by one, each the first of a tenant holding the most: the

@@ -320,12 +320,7 @@ class TeeSink(SinkWrapper):
         """Wait until the leader's client has had the rest of its stream (nothing to wait for
         unless it fell behind). Cancelling the caller stops the writer."""
         if self._writer is not None:
-            await asyncio.gather(self._writer, return_exceptions=True)  # stopped (detach, stop) is ended too
-
-    def stop(self) -> None:
-        """Stop writing to the leader's client (the request ended another way)."""
-        if self._writer is not None:
-            self._writer.cancel()
+            await asyncio.gather(self._writer, return_exceptions=True)  # stopped (detach) is ended too
 
     async def drain(self, timeout_s: float) -> None:
         if self.detached or self._behind is not None:

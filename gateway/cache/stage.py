@@ -138,7 +138,7 @@ class CacheStage:
             # The process's own store never suspends, so nothing can stop _land part way there;
             # a shared store's round trips are shielded (a task each, a few µs: misses only).
             if not led and isinstance(sink, TeeSink):
-                sink.stop()  # its client gets no more
+                sink.detach()  # its client gets no more
             landing = _land(cache, key, call.cache.entry if plan.store else None, plan.ttl_s, flight, token)
             await (asyncio.shield(landing) if cache.store.shared else landing)
 
@@ -200,11 +200,9 @@ class CacheStage:
             raise
 
 
-async def _settle(call: Call, sink: Sink) -> None:
+async def _settle(call: Call, sink: TeeSink) -> None:
     """A streamed leader's last step: its client has the rest of its stream (TeeSink.settle),
     and the call says how the client's stream ended when it lost it (a cut after it left stays a cut)."""
-    if not isinstance(sink, TeeSink):
-        return
     await sink.settle()
     if sink.detached and call.out.finish is Finish.OK:
         call.out.finish = sink.lost or Finish.CLIENT_DISCONNECT

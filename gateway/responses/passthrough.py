@@ -30,7 +30,7 @@ from ..tenants.quota import Hold, QuotaExceeded
 from ..upstream.client import UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse
 from ..web.http_call import api_key, error_response, request_id
 from ..web.keys import METRICS, RELAY
-from ..web.sink import CLIENT_READ_S
+from ..web.sink import CLIENT_READ_S, client_bounded
 from ..wire.codec import Endpoint
 
 __all__ = ["BY_ID", "Found", "Passthrough"]
@@ -171,11 +171,7 @@ class Passthrough:
                         chunk = await resp.readany()
                     if not chunk:
                         break
-                    try:
-                        async with asyncio.timeout(CLIENT_READ_S):
-                            await out.write(chunk)
-                    except TimeoutError:
-                        raise ConnectionResetError(f"the client took none of its answer for {CLIENT_READ_S:g} s") from None
+                    await client_bounded(out.write(chunk), CLIENT_READ_S)
         except (TimeoutError, UpstreamHTTPError) as exc:
             # Cut: the client sees the stream stop without response.completed, which is the truth.
             log.warning("request %s: replayed stream from a backend cut: %s", self.call.request_id, exc or "its deadline passed")

@@ -158,19 +158,19 @@ class Quota:
                 # what it may generate, its limit as now bounded (without one, what a reservation
                 # holds: the tpm), not an estimate (5 background requests were charged 5,190
                 # tokens and generated 100,060).
-                unset = limits.cap // max(1, call.answers()) if limits.cap < _NO_CAP else None
-                reserved = call.prompt_tokens + self._completion_estimate(call, plan, unset)
+                reserved = call.prompt_tokens + self._completion_estimate(call, plan, _room(call, limits))
         ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
+        held = min(reserved, limits.cap)  # what the counters take (they cap it there too)
         store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
         if decision is None:
-            store, decision = await self._take(tenant.name, ask, limits.names, min(reserved, limits.cap))
+            store, decision = await self._take(tenant.name, ask, limits.names, held)
         _headers(sink.set_header, decision)
         if not decision.ok:
             assert decision.limit is not None
             raise _exceeded(tenant.name, decision, limits.scopes)
         if plan.counts_tokens:
             call.ask_usage()  # a stream settles with the backend's usage
-        return Hold(tenant.name, limits.names, store, decision, min(reserved, limits.cap), ask.lease)
+        return Hold(tenant.name, limits.names, store, decision, held, ask.lease)
 
     async def reserve_request(self, tenant: Tenant, timeout_s: float, set_header: Callable[[str, str], None]) -> Hold | None:
         """Take one request from the tenant's request limits (`rpm`, `concurrency`) for a call that
@@ -318,9 +318,8 @@ def _fit(call: Call, limits: _Limits, ceiling: Callable[[], int | None]) -> None
     400 (OpenAI's "max_tokens is too large", vLLM's context check), and at or above it the
     backend's own maximum is the tighter bound. Unknown, none is written: the backend's maximum
     bounds the answer, and what it used is charged once settled."""
-    if not call.endpoint.generates or limits.cap >= _NO_CAP:
+    if not call.endpoint.generates or (room := _room(call, limits)) is None:
         return
-    room = max(1, limits.cap // call.answers())
     limit = call.max_output_tokens()
     if limit is None:
         top = ceiling()
@@ -328,6 +327,12 @@ def _fit(call: Call, limits: _Limits, ceiling: Callable[[], int | None]) -> None
             call.limit_answer(room)
     elif limit > room:
         call.limit_answer(room)
+
+
+def _room(call: Call, limits: _Limits) -> int | None:
+    """One answer's share of what a reservation holds (the smallest tpm, shared by the answers);
+    None without a tpm."""
+    return None if limits.cap >= _NO_CAP else max(1, limits.cap // call.answers())
 
 
 def _tokens_used(call: Call, reserved: int) -> int:

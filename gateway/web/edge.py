@@ -34,7 +34,7 @@ import os
 from collections import Counter
 from collections.abc import Callable
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import hdrs, web
@@ -49,6 +49,9 @@ from ..wire.endpoints import at_path
 from .body import RequestTimeout
 from .http_call import api_key
 from .keys import LIVE, LOOPBACK
+
+if TYPE_CHECKING:
+    from ..config.reload import Live
 from .origin import foreign
 
 __all__ = ["CrossSiteRequest", "EdgeRunner", "GatewayTimeout", "HeadersTooLarge", "MalformedRequest", "TooManyConnections", "handler_args"]
@@ -126,32 +129,21 @@ class _Dispatch:
     """The app's request handler, with plain routes found by one dict lookup (see the module's
     docstring). The router is complete once the app started, so the table is built then."""
 
-    __slots__ = ("_routes", "_app_handle", "_open_here", "_max_body", "_open")
+    __slots__ = ("_routes", "_app_handle", "_live", "_loopback")
 
     def __init__(self, routes: dict[tuple[str, str], UrlMappingMatchInfo], app_handle: Callable[..., Any],
-                 open_here: Callable[[], bool], max_body: Callable[[], int], open_mode: Callable[[], bool]) -> None:
+                 live: Live, loopback: bool) -> None:
         self._routes = routes
         self._app_handle = app_handle
-        self._open_here = open_here  # loopback open mode now: browsers' requests are refused (origin.py)
-        self._max_body = max_body  # server.max_body_bytes, as the live policy says
-        self._open = open_mode  # no keys at all (loopback only)
+        self._live = live  # the runtime in force: a reload may add tenants (or remove them all), or change limits
+        self._loopback = loopback  # loopback open mode: browsers' requests are refused (origin.py)
 
     @classmethod
     def of(cls, app: web.Application, app_handle: Callable[..., Any]) -> Callable[..., Any]:
         live, loopback = app[LIVE], app[LOOPBACK]
-
-        def open_here() -> bool:  # a reload may add tenants (or remove them all)
-            return loopback and live.runtime.tenants.open
-
-        def max_body() -> int:
-            return live.runtime.server.max_body_bytes
-
-        def open_mode() -> bool:
-            return live.runtime.tenants.open
-
         routes: dict[tuple[str, str], UrlMappingMatchInfo] = {}
         if app.middlewares or app._subapps:  # what the router path would add: not skipped then
-            return cls(routes, app_handle, open_here, max_body, open_mode)
+            return cls(routes, app_handle, live, loopback)
         for resource in app.router.resources():
             if not isinstance(resource, web.PlainResource):
                 continue
@@ -163,16 +155,17 @@ class _Dispatch:
                 info.add_app(app)
                 info.freeze()
                 routes[(route.method, resource.canonical)] = info
-        return cls(routes, app_handle, open_here, max_body, open_mode)
+        return cls(routes, app_handle, live, loopback)
 
     def _unsent(self, request: web.Request) -> web.Response | None:
         """Before aiohttp's Expect handling answers 100 Continue (which invites the upload, then
         reads and drops what was refused): a request without a key (outside open mode) or with a
         body over the limit, refused with its body unsent."""
+        rt = self._live.runtime
         err: GatewayError | None = None
-        if (request.content_length or 0) > (limit := self._max_body()):
+        if (request.content_length or 0) > (limit := rt.server.max_body_bytes):
             err = PayloadTooLarge(f"the request body is {request.content_length} bytes; the limit is {limit}")
-        elif not self._open() and api_key(request) is None:
+        elif not rt.tenants.open and api_key(request) is None:
             err = Unauthorized("missing API key: send `Authorization: Bearer <key>`")
         if err is None:
             return None
@@ -180,7 +173,7 @@ class _Dispatch:
                             headers={**err.headers(), "Connection": "close"})
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:  # app._make_request made it
-        if self._open_here() and (why := foreign(request.headers)) is not None:
+        if self._loopback and self._live.runtime.tenants.open and (why := foreign(request.headers)) is not None:
             return _cross_site(request.path, why)
         if request.headers.get(hdrs.EXPECT, "").lower() == "100-continue" and (refused := self._unsent(request)) is not None:
             return refused

@@ -16,7 +16,7 @@ from aiohttp import web
 from ..errors import GatewayError
 from ..wire.openai_wire import sse_event
 
-__all__ = ["Sink", "HttpSink", "SinkWrapper", "CLIENT_READ_S"]
+__all__ = ["Sink", "HttpSink", "SinkWrapper", "CLIENT_READ_S", "client_bounded"]
 
 # How long a client may take none of its answer (its socket's buffer full) before it counts as
 # gone: its backend slot and upstream call are not held for a reader that stopped reading.
@@ -43,6 +43,16 @@ class Sink(Protocol):
     async def drain(self, timeout_s: float) -> None: ...
     def would_wait(self, size: int) -> bool: ...
     def set_header(self, name: str, value: str) -> None: ...
+
+
+async def client_bounded(aw: Awaitable[None], timeout_s: float) -> None:
+    """Await a write (or drain) to a client; one that takes none of it for `timeout_s` is gone
+    (ConnectionResetError, as if it had reset the connection)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await aw
+    except TimeoutError:
+        raise ConnectionResetError(f"the client took none of its answer for {timeout_s:g} s") from None
 
 
 class HttpSink:
@@ -86,21 +96,21 @@ class HttpSink:
         resp = self.response
         assert resp is not None
         if self._may_wait(len(data)):
-            await self._bounded(resp.write(data), CLIENT_READ_S)
+            await client_bounded(resp.write(data), CLIENT_READ_S)
         else:
             await resp.write(data)
 
     async def end(self) -> None:
         if self.response is not None and self.committed:
             if self._may_wait(0):
-                await self._bounded(self.response.write_eof(), CLIENT_READ_S)
+                await client_bounded(self.response.write_eof(), CLIENT_READ_S)
             else:
                 await self.response.write_eof()
 
     async def drain(self, timeout_s: float) -> None:
         """Wait until the client has taken what was written (ConnectionResetError after timeout_s)."""
         if self.response is not None and self.committed:
-            await self._bounded(self.request.writer.drain(), timeout_s)  # the response's own writer
+            await client_bounded(self.request.writer.drain(), timeout_s)  # the response's own writer
 
     def would_wait(self, size: int) -> bool:
         """Whether writing `size` more bytes may wait for the client: so much of its answer waits
@@ -110,14 +120,6 @@ class HttpSink:
     def _may_wait(self, size: int) -> bool:
         transport = self.request.transport
         return transport is not None and transport.get_write_buffer_size() + size > _MAY_WAIT
-
-    @staticmethod
-    async def _bounded(aw: Awaitable[None], timeout_s: float) -> None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                await aw
-        except TimeoutError:
-            raise ConnectionResetError(f"the client took none of its answer for {timeout_s:g} s") from None
 
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self.response = web.Response(
