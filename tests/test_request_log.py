@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aredis
 
 from gateway.admin.entry import decode, encode, row_of, take
-from gateway.admin.log_store import Filter, LogStore, MemoryLogStore, RedisLogStore, scan
+from gateway.admin.log_store import Cursor, Filter, LogStore, MemoryLogStore, RedisLogStore, scan
 from gateway.admin.request_log import RequestLog
 from gateway.config.policy import RequestLogPolicy
 from gateway.pipeline.call import CacheResult, Call, Finish, Outcome, Timing
@@ -62,18 +62,18 @@ def test_a_finished_request_waits_for_the_writer_without_the_long_strings_its_ca
     assert len(row["model"]) == 200 and len(row["error"]) == 300 and row["status"] == 404
 
 
-async def _all(store: LogStore, f: Filter, limit: int) -> tuple[list[str], int]:
-    """Every entry's id through the cursor, and how many pages it took."""
+async def _all(store: LogStore, f: Filter, limit: int, at: Cursor | None = None) -> tuple[list[str], int]:
+    """Every entry's id through the cursor (from `at`), and how many pages it took."""
     ids: list[str] = []
-    before, pages = None, 0
+    pages = 0
     while True:
-        page = await store.page(f, limit, before)
+        page = await store.page(f, limit, at)
         pages += 1
         assert len(page.entries) <= limit
         ids += [e["id"] for e in page.entries]
         if page.next is None:
             return ids, pages
-        before = int(page.next)
+        at = Cursor.parse(page.next)
 
 
 async def test_pages_newest_first_through_the_cursor_with_filters(log_store):
@@ -87,6 +87,40 @@ async def test_pages_newest_first_through_the_cursor_with_filters(log_store):
     assert ids == [f"r{i}" for i in reversed(range(2500)) if i % 3 == 0 and i % 2 and i % 5 == 0]
     assert (await store.page(Filter(tenant="nobody"), 10, None)).entries == []
     assert [e["id"] async for e in scan(store, Filter(model="n"), chunk=333)] == [f"r{i}" for i in reversed(range(2500)) if i % 2 == 0]
+
+
+async def test_entries_that_ended_in_the_same_microsecond_are_neither_skipped_nor_repeated_at_a_pages_edge(log_store):
+    """Replicas and workers under load end requests in the same microsecond: a page that ended
+    inside such a group went on strictly below its score, and the rest of the group was never
+    shown (nor exported). Groups of up to 7 equal scores, pages of 1 to 9, filters too; the
+    cursor goes on across an append as well."""
+    store = log_store(10_000)
+    rows = []
+    for i in range(600):
+        tenant = TENANTS[i % 3]
+        e = {"id": f"r{i}", "time": 1_700_000_000 + i // 7 / 1000, "tenant": tenant, "model": "m" if i % 2 else "n", "status": 200}
+        rows.append((1_700_000_000_000_000 + (i // 7) * 1000, tenant, orjson.dumps(e)))
+    await store.append(rows[:300])
+    await store.append(rows[300:])
+    everyone = sorted(f"r{i}" for i in range(600))
+    for limit in (1, 2, 3, 7, 9):
+        ids, _ = await _all(store, Filter(), limit)
+        assert sorted(ids) == everyone and len(ids) == 600
+    ids, _ = await _all(store, Filter(tenant="beta", model="m"), 2)
+    assert sorted(ids) == sorted(f"r{i}" for i in range(600) if i % 3 == 1 and i % 2)
+    assert sorted([e["id"] async for e in scan(store, Filter(), chunk=4)]) == everyone
+    page = await store.page(Filter(), 3, None)
+    await store.append([(rows[-1][0] + 1000, "acme", orjson.dumps({"id": "new", "tenant": "acme"}))])
+    rest, _ = await _all(store, Filter(), 5, Cursor.parse(page.next or ""))
+    assert sorted([e["id"] for e in page.entries] + rest) == everyone
+
+
+def test_a_cursor_reads_back_as_written_and_an_earlier_versions_bare_score_means_older_than_it():
+    assert Cursor.parse(str(Cursor(1_700_000_000_000_000, 3))) == Cursor(1_700_000_000_000_000, 3)
+    assert Cursor.parse("1700000000000000") == Cursor(1_699_999_999_999_999, 0)
+    for bad in ("", "x", "1:", ":1", "1:2:3", "-1", "1:-2", "\u00b2", "1" * 20 + ":0", "1:" + "9" * 10):
+        with pytest.raises(ValueError):
+            Cursor.parse(bad)
 
 
 async def test_the_log_keeps_its_newest_entries_and_a_late_one_lands_in_order(log_store):
@@ -276,10 +310,10 @@ async def test_a_page_that_filters_reads_a_bounded_number_of_entries_and_says_wh
     await store.append([_entry(i) for i in range(25_000)])
     store_filter = Filter(model="m", status=201)  # matches nothing: the whole log would be read
     page = await store.page(store_filter, 10, None)
-    assert page.entries == [] and page.next is not None and int(page.next) > _entry(0)[0]
-    rest = await store.page(store_filter, 10, int(page.next))
+    assert page.entries == [] and page.next is not None and Cursor.parse(page.next).score > _entry(0)[0]
+    rest = await store.page(store_filter, 10, Cursor.parse(page.next))
     assert rest.entries == [] and rest.next is None
-    hit = await store.page(Filter(model="n", status=429), 3, int(page.next))  # the cursor goes on where the scan stopped
+    hit = await store.page(Filter(model="n", status=429), 3, Cursor.parse(page.next))  # the cursor goes on where the scan stopped
     assert [e["id"] for e in hit.entries] == [f"r{i}" for i in reversed(range(5000)) if i % 2 == 0 and i % 5 == 0][:3]
 
 
@@ -292,13 +326,13 @@ class _FailingAfter:
     async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
         await self.inner.append(batch)
 
-    async def page(self, f: Filter, limit: int, before: int | None) -> Any:
+    async def page(self, f: Filter, limit: int, at: Cursor | None) -> Any:
         from gateway.store.core import StoreError
 
         self.n -= 1
         if self.n < 0:
             raise StoreError("the log's store is gone")
-        return await self.inner.page(f, limit, before)
+        return await self.inner.page(f, limit, at)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -13,7 +13,7 @@ import orjson
 import pytest
 import redis.asyncio as aredis
 
-from gateway.admin.log_store import Filter, LogStore, MemoryLogStore, RedisLogStore, scan
+from gateway.admin.log_store import Cursor, Filter, LogStore, MemoryLogStore, RedisLogStore, scan
 from tests.procs import redis_server
 
 T0 = 1_700_000_000_000_000  # microseconds
@@ -77,7 +77,7 @@ async def test_the_log_is_shared_out_evenly_among_the_tenants_that_fill_it(log_s
     assert await _ids(store, "x") == [f"x-{i}" for i in reversed(range(n - 39, n + 1))]
     assert await _ids(store, "z") == [f"z-{i}" for i in reversed(range(1, 11))]
     page = await store.page(Filter(), 50, None)  # the cursor walks the kept entries, newest first
-    rest = await store.page(Filter(), 50, int(page.next or 0))
+    rest = await store.page(Filter(), 50, Cursor.parse(page.next or "0"))
     assert [e["id"] for e in page.entries + rest.entries] == await _ids(store) and rest.next is None
 
 

@@ -22,7 +22,7 @@ from ..store.core import StoreError
 from ..tenants.auth import Role
 from ..web.http_call import api_key, error_response, json_response, read_bounded
 from ..web.keys import KEYBOOK, LIVE, LOOPBACK, POLICY_CHECK, REQUEST_LOG, WORKER
-from .log_store import Filter, scan
+from .log_store import Cursor, Filter, scan
 from .overview import overview
 from .policy_view import check_text, redacted
 
@@ -161,14 +161,23 @@ def _int(q: Any, name: str, default: int | None, low: int, high: int) -> int | N
     return int(raw)
 
 
+def _cursor(raw: str | None) -> Cursor | None:
+    if not raw:
+        return None
+    try:
+        return Cursor.parse(raw)
+    except ValueError:
+        raise BadRequest("before must be a page's `next` cursor", param="before") from None
+
+
 @reads
 async def list_requests(request: web.Request) -> web.Response:
     q = request.query
     f, limit = _filter(q), _int(q, "limit", 50, 1, 1000)
-    before = _int(q, "before", None, 0, 2**62)
+    at = _cursor(q.get("before"))
     rlog = request.app[REQUEST_LOG]
     await rlog.flush()  # what this process has not written yet is in its own answer
-    page = await rlog.store.page(f, limit or 50, before)
+    page = await rlog.store.page(f, limit or 50, at)
     return json_response({"object": "list", "data": page.entries, "next": page.next,
                           "scope": "shared" if _shared(request) else "this process"})
 

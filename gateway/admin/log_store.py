@@ -1,7 +1,9 @@
 """Where the request log lives: a Redis sorted set (shared by every replica) or this process's memory.
 
 Entries are ordered by the time a request ended (microseconds since the epoch: the score), newest
-first when read. A page is read from a cursor (`before`: the score of the last entry seen) and
+first when read. A page is read from a cursor (`Cursor`: the score of the last entry seen and how
+many entries of that score were seen, so requests that ended in the same microsecond, as replicas'
+and workers' often do under load, are neither skipped nor repeated at a page's edge) and
 filtered by tenant (an index of its own: a tenant's page never scans other tenants' entries),
 model and status (read in chunks and filtered; a page scans at most `_MAX_SCAN` entries, and its
 cursor then says where to go on).
@@ -36,7 +38,7 @@ from ..store.holdings import Holdings
 from ..store.redis_store import bounded
 from .entry import decode
 
-__all__ = ["Filter", "Page", "LogStore", "MemoryLogStore", "RedisLogStore"]
+__all__ = ["Cursor", "Filter", "Page", "LogStore", "MemoryLogStore", "RedisLogStore"]
 
 _MAX_SCAN = 20_000  # entries one page may read past while filtering (bounded work per request)
 _CHUNK = 500
@@ -55,6 +57,49 @@ class Filter:
 
 
 @dataclass(frozen=True, slots=True)
+class Cursor:
+    """Where the next page starts: the entries of `score` after the first `skip` of them (in the
+    log's order: equal scores in a fixed order of their bytes), then every older one."""
+
+    score: int
+    skip: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.score}:{self.skip}"
+
+    @classmethod
+    def parse(cls, text: str) -> Cursor:
+        """A page's `next`. A bare score (an earlier version's cursor) means older than it.
+        Raises ValueError."""
+        score, sep, skip = text.partition(":")
+        if not (score.isascii() and score.isdigit()) or (sep and not (skip.isascii() and skip.isdigit())):
+            raise ValueError(f"not a cursor: {text[:40]!r}")
+        if not sep:
+            return cls(max(0, int(score) - 1))
+        if len(score) > 19 or len(skip) > 9:
+            raise ValueError(f"not a cursor: {text[:40]!r}")
+        return cls(int(score), int(skip))
+
+
+class _Run:
+    """The entries a page has read past at the lowest score so far: its next page's cursor."""
+
+    __slots__ = ("score", "count")
+
+    def __init__(self, at: Cursor | None) -> None:
+        self.score, self.count = (at.score, at.skip) if at is not None else (-1, 0)
+
+    def passed(self, score: int) -> None:
+        if score == self.score:
+            self.count += 1
+        else:
+            self.score, self.count = score, 1
+
+    def cursor(self) -> str:
+        return str(Cursor(self.score, self.count))
+
+
+@dataclass(frozen=True, slots=True)
 class Page:
     entries: list[dict[str, Any]]
     next: str | None  # the cursor of the next (older) page; None at the end
@@ -67,23 +112,23 @@ class LogStore(Protocol):
         """Add entries: (score, tenant, the entry as JSON)."""
         ...
 
-    async def page(self, f: Filter, limit: int, before: int | None) -> Page:
-        """Up to `limit` entries older than `before` (None: the newest), newest first."""
+    async def page(self, f: Filter, limit: int, at: Cursor | None) -> Page:
+        """Up to `limit` entries from `at` (None: the newest), newest first."""
         ...
 
     async def close(self) -> None:
         ...
 
 
-async def scan(store: LogStore, f: Filter, before: int | None = None, chunk: int = 1000) -> AsyncIterator[dict[str, Any]]:
+async def scan(store: LogStore, f: Filter, at: Cursor | None = None, chunk: int = 1000) -> AsyncIterator[dict[str, Any]]:
     """Every entry matching `f`, newest first, page after page (the export)."""
     while True:
-        page = await store.page(f, chunk, before)
+        page = await store.page(f, chunk, at)
         for e in page.entries:
             yield e
         if page.next is None:
             return
-        before = int(page.next)
+        at = Cursor.parse(page.next)
         # The memory store's page never suspends: a filter that matches nothing scans the whole
         # log, a page of up to _MAX_SCAN entries after another, and other requests wait meanwhile.
         await asyncio.sleep(0)
@@ -284,36 +329,44 @@ class MemoryLogStore:
             del self._parts[tenant]
             self._bytes -= self._tenant_bytes.pop(tenant, 0)  # nothing: its parts went with its entries
 
-    async def page(self, f: Filter, limit: int, before: int | None) -> Page:
+    async def page(self, f: Filter, limit: int, at: Cursor | None) -> Page:
         # The parts' entries merged newest first (a tenant's page reads its own parts only): each
-        # part is in time order, several tenants' and the supervisor's workers' interleave.
+        # part is in time order, several tenants' and the supervisor's workers' interleave. Equal
+        # scores come in the order of their bytes, which no append, merge or eviction changes.
         if f.tenant is None:
             parts = [p for ps in self._parts.values() for p in ps]
         else:
             parts = list(self._parts.get(f.tenant, ()))
-        heads: list[tuple[int, int, int]] = []  # (-score, part, index) of each part's next entry
+        heads: list[tuple[int, bytes, int, int]] = []  # (-score, entry, part, index) of each part's next entry
         for n, part in enumerate(parts):
-            i = len(part.scores) if before is None else bisect.bisect_left(part.scores, before, part.start)
+            i = len(part.scores) if at is None else bisect.bisect_right(part.scores, at.score, part.start)
             if i > part.start:
-                heads.append((-part.scores[i - 1], n, i - 1))
+                heads.append((-part.scores[i - 1], part.entry(i - 1), n, i - 1))
         heapq.heapify(heads)
         out: list[dict[str, Any]] = []
+        run = _Run(at)
+        edge, skip = (at.score, at.skip) if at is not None else (-1, 0)  # shown on the page before
         scanned = 0
         while heads:
-            neg, n, i = heads[0]
+            neg, raw, n, i = heads[0]
             if scanned >= _MAX_SCAN:
-                return Page(out, str(-neg + 1))  # the next page starts with this entry
+                return Page(out, run.cursor())  # the next page starts with this entry
             scanned += 1
             part = parts[n]
             if i > part.start:
-                heapq.heapreplace(heads, (-part.scores[i - 1], n, i - 1))
+                heapq.heapreplace(heads, (-part.scores[i - 1], part.entry(i - 1), n, i - 1))
             else:
                 heapq.heappop(heads)
-            e = decode(part.entry(i))
+            if skip and -neg == edge:
+                skip -= 1
+                continue
+            skip = 0
+            run.passed(-neg)
+            e = decode(raw)
             if f.keeps(e):
                 out.append(e)
                 if len(out) == limit:
-                    return Page(out, str(part.scores[i]))
+                    return Page(out, run.cursor())
         return Page(out, None)
 
     async def close(self) -> None:
@@ -424,30 +477,32 @@ class RedisLogStore:
         keys = [self._log, self._by_tenant, self._held]
         await self._call("write the request log", self._append(keys=keys, args=[self.size, lines]))
 
-    async def page(self, f: Filter, limit: int, before: int | None) -> Page:
+    async def page(self, f: Filter, limit: int, at: Cursor | None) -> Page:
         key = self._log if f.tenant is None else self._by_tenant + f.tenant
-        top: str = "+inf" if before is None else f"({before}"
+        # From `at`'s score down, past the first `skip` entries of it (equal scores come in reverse
+        # order of their bytes: a fixed order); each read goes on where the last one stopped.
+        top, skip = ("+inf", 0) if at is None else (str(at.score), at.skip)
+        run = _Run(at)
         out: list[dict[str, Any]] = []
         scanned = 0
         # Unfiltered (or by tenant alone: its own index), a page is one read of `limit` entries.
         n = limit if f.model is None and f.status is None else _CHUNK
         while True:
             rows = await self._call("read the request log",
-                                    self._redis.zrevrangebyscore(key, top, "-inf", start=0, num=n, withscores=True))
-            last = 0
+                                    self._redis.zrevrangebyscore(key, top, "-inf", start=skip, num=n, withscores=True))
             for member, score in rows:
                 scanned += 1
-                last = int(score)
+                run.passed(int(score))
                 e = decode(member)
                 if f.keeps(e):
                     out.append(e)
                     if len(out) == limit:
-                        return Page(out, str(last))
+                        return Page(out, run.cursor())
             if len(rows) < n:
                 return Page(out, None)  # the oldest entry was read
             if scanned >= _MAX_SCAN:
-                return Page(out, str(last))  # a short page: the cursor goes on from here
-            top = f"({last}"
+                return Page(out, run.cursor())  # a short page: the cursor goes on from here
+            top, skip = str(run.score), run.count
 
     async def close(self) -> None:
         await close_client(self._redis)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .log_store import Filter, LogStore
+from .log_store import Cursor, Filter, LogStore
 
 __all__ = ["overview", "WINDOW_S"]
 
@@ -19,10 +19,10 @@ async def overview(store: LogStore, now: float) -> dict[str, Any]:
     """Figures over the last WINDOW_S seconds."""
     since = now - WINDOW_S
     entries: list[dict[str, Any]] = []
-    before: int | None = None
+    at: Cursor | None = None
     sampled = False
     while True:
-        page = await store.page(Filter(), 1000, before)
+        page = await store.page(Filter(), 1000, at)
         fresh = [e for e in page.entries if isinstance(e.get("time"), (int, float)) and e["time"] >= since]
         entries += fresh
         if len(entries) >= _MAX_ENTRIES:
@@ -30,7 +30,7 @@ async def overview(store: LogStore, now: float) -> dict[str, Any]:
             break
         if page.next is None or len(fresh) < len(page.entries):
             break
-        before = int(page.next)
+        at = Cursor.parse(page.next)
     return _figures(entries, now, sampled)
 
 

@@ -22,7 +22,7 @@ from ..process import control
 from ..store.core import StoreError
 from .key_ops import KeyOp, from_json, to_json
 from .key_store import MemoryKeyStore
-from .log_store import Filter, MemoryLogStore, Page
+from .log_store import Cursor, Filter, MemoryLogStore, Page
 
 __all__ = ["RelayedKeyStore", "RelayedLogStore", "SharedAdmin"]
 
@@ -75,8 +75,8 @@ class RelayedLogStore:
             rows = [[score, tenant, entry.decode()] for score, tenant, entry in batch]
             await _ask(self._socket, "POST", "/admin/log/append", self._timeout_s, rows)
 
-    async def page(self, f: Filter, limit: int, before: int | None) -> Page:
-        q = {"tenant": f.tenant, "model": f.model, "status": f.status, "limit": limit, "before": before}
+    async def page(self, f: Filter, limit: int, at: Cursor | None) -> Page:
+        q = {"tenant": f.tenant, "model": f.model, "status": f.status, "limit": limit, "at": None if at is None else str(at)}
         r = await _ask(self._socket, "POST", "/admin/log/page", self._timeout_s, q)
         return Page(r["entries"], r["next"])
 
@@ -136,9 +136,12 @@ class SharedAdmin:
         status = q.get("status")
         f = Filter(q.get("tenant"), q.get("model"), status if isinstance(status, int) else None)
         limit = q.get("limit")
-        before = q.get("before")
-        page = await self.log.page(f, limit if isinstance(limit, int) and limit > 0 else 50,
-                                   before if isinstance(before, int) else None)
+        at = q.get("at")
+        try:
+            cursor = Cursor.parse(at) if isinstance(at, str) else None
+        except ValueError:
+            cursor = None
+        page = await self.log.page(f, limit if isinstance(limit, int) and limit > 0 else 50, cursor)
         return {"entries": page.entries, "next": page.next}
 
 
