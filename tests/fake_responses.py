@@ -86,7 +86,17 @@ class ResponsesFake:
         cid = conv.get("id") if isinstance(conv, dict) else conv
         if cid and not str(cid).startswith(f"conv_{self.name}"):
             return _error(404, f"Conversation with id '{cid}' not found.", "conversation", "conversation_not_found")
+        refs = body.get("input") if isinstance(body.get("input"), list) else []
+        for ref in refs:
+            if isinstance(ref, dict) and ref.get("type") == "item_reference" and not self._holds_item(str(ref.get("id"))):
+                return _error(404, f"Item with id '{ref.get('id')}' not found.", "input", None)
         return None
+
+    def _holds_item(self, iid: str) -> bool:
+        """An output item (msg_<response id>) or an input item (item_<response id>_<n>) of a kept response."""
+        if iid.startswith("msg_"):
+            return iid[4:] in self.kept
+        return iid.startswith("item_") and iid[5:].rpartition("_")[0] in self.kept
 
     async def respond(self, request: web.Request, body: dict[str, Any], b: Any, mode: str, n: int, ttft_s: float, size: int) -> web.StreamResponse:
         """Answer POST /v1/responses (after the shared fault modes: errors, hang, reset, close)."""

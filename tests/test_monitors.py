@@ -148,6 +148,8 @@ def test_the_responses_monitor_tells_deltas_ends_and_failures_apart():
     assert mon.feed(_event("response.created", response={"id": "resp_9"})) is HELD
     assert mon.created == mon.record == {"id": "resp_9"}  # recorded before anything is released
     assert mon.feed(_event("response.output_item.added", item={})) is HELD and mon.record is None
+    # A stored response's item, recorded before its event is released (a later item_reference names it)
+    assert mon.feed(_event("response.output_item.added", item={"id": "msg_1"})) is HELD and mon.record == {"output": [{"id": "msg_1"}]}
     assert mon.feed(_event("response.output_text.delta", delta="a")) is CONTENT and mon.timed
     assert mon.feed(_event("response.function_call_arguments.delta", delta="{")) is CONTENT
     assert not mon.finished

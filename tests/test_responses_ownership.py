@@ -157,7 +157,8 @@ async def test_another_tenants_records_evict_their_own_not_a_tenants(upstream, g
     status, _, _ = await _call(gw, "GET", f"/v1/conversations/{bobs[-1]}", B)
     assert status == 200
     held = gw.app[LIVE].runtime.affinity.store.owners()
-    assert sum(held.values()) < 150 and sorted(held.values())[0] == 3, held  # alice's 3 records all kept
+    # alice's 5 records all kept: two responses, their output items (each a message), a conversation
+    assert sum(held.values()) < 150 and sorted(held.values())[0] == 5, held
 
 async def test_the_migration_mode_finds_an_unknown_id_and_it_becomes_the_askers(upstream, gateway):
     a = await upstream(_name("a"), tokens=3)
@@ -203,6 +204,47 @@ async def test_every_stateful_reference_must_be_the_callers(upstream, gateway):
     assert nxt.output_text  # still alice's: the conversation was not re-assigned
     assert (await _call(gw, "GET", f"/v1/conversations/{conv.id}", B))[0] == 404
     assert (await _call(gw, "GET", f"/v1/conversations/{conv.id}", A))[0] == 200
+
+
+async def test_a_stored_item_is_named_only_by_its_owner_and_reaches_the_backend_holding_it(upstream, gateway):
+    """`item_reference` names a stored item: an output item of a response (whole or streamed) or
+    an item the caller saw listed (a response's input items). Another tenant naming it is a 404
+    sent nowhere (before, it went to a backend with the shared provider key, which answered with
+    the owner's item); the owner's goes to the backend holding it, not wherever routing would
+    send it; an item of a `store: false` answer is nobody's; more than 256 is a 400."""
+    a = await upstream(_name("a"), tokens=3)
+    b = await upstream(_name("b"), tokens=3)
+    gw = await gateway(_policy(a, b, strategy="round_robin"))
+    alice, bob = gw.client(A), gw.client(B)
+    whole = await alice.responses.create(model="gpt-test", input="alice's secret")
+    streamed = None
+    async with await alice.responses.create(model="gpt-test", input="alice's streamed secret", stream=True) as events:
+        async for ev in events:
+            if ev.type == "response.completed":
+                streamed = ev.response
+    assert streamed is not None
+    status, listed, _ = await _call(gw, "GET", f"/v1/responses/{whole.id}/input_items", A)
+    assert status == 200 and listed["data"]
+    unstored = await alice.responses.create(model="gpt-test", input="not kept", store=False)
+    items = [whole.output[0].id, streamed.output[0].id, listed["data"][0]["id"]]
+    sent = a.stats.requests + b.stats.requests
+    for iid in items:
+        for stream in (False, True):
+            with pytest.raises(openai.NotFoundError) as exc:
+                await bob.responses.create(model="gpt-test", input=[{"type": "item_reference", "id": iid}], stream=stream)
+            assert exc.value.body["param"] == "input" and exc.value.body["code"] == "item_not_found"
+    with pytest.raises(openai.NotFoundError):
+        await alice.responses.create(model="gpt-test", input=[{"type": "item_reference", "id": unstored.output[0].id}])
+    assert a.stats.requests + b.stats.requests == sent  # refused before any upstream call
+    for resp, iid in zip((whole, streamed, whole), items, strict=True):
+        holder = next(u for u in (a, b) if resp.id in u.responses.kept)
+        for _ in range(2):  # round robin would send one of the two elsewhere (a 404 there)
+            raw = await alice.responses.with_raw_response.create(
+                model="gpt-test", input=[{"type": "item_reference", "id": iid}, {"role": "user", "content": "and?"}])
+            assert raw.headers["x-gateway-backend"] == holder.name and raw.parse().output_text
+    with pytest.raises(openai.BadRequestError) as exc:
+        await alice.responses.create(model="gpt-test", input=[{"type": "item_reference", "id": f"msg_{i}"} for i in range(257)])
+    assert exc.value.body["param"] == "input" and "256" in exc.value.body["message"]
 
 
 async def test_a_conversation_made_through_the_gateway_pins_its_turns_to_its_backend(upstream, gateway):

@@ -4,7 +4,8 @@ An endpoint whose answers make a backend hold state (codec.Endpoint.stateful: th
 responses and conversations) records each answer's ids in the affinity map (responses/affinity.py). A later
 request that refers to such an id (`Endpoint.stateful_refs`: `previous_response_id`,
 `conversation`) can only be answered by the backend that holds it. `pin()` checks every such
-reference against the map (each must be the caller's) and narrows the request's candidates to the
+reference against the map (each must be the caller's: stored items named by `item_reference`
+too) and narrows the request's candidates to the
 one backend holding them: no failover (no other backend has the state), and a clear error instead
 of a wrong backend's 404 when it cannot be reached.
 
@@ -18,6 +19,7 @@ worded as for an unknown one.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from dataclasses import dataclass
 
@@ -122,8 +124,8 @@ async def pin(call: Call, route: Route, rt: Runtime, owner: str) -> Pinned | Non
     if not refs:
         return None
     held: list[tuple[str, str, Holder]] = []
-    for field, rid in refs:
-        holder = await rt.affinity.lookup(rid)
+    holders = await asyncio.gather(*(rt.affinity.lookup(rid) for _, rid in refs))  # up to MAX_ITEM_REFS + 2
+    for (field, rid), holder in zip(refs, holders, strict=True):
         if holder is None and rt.affinity.adopt_unknown:
             continue  # the migration mode: searched for below, and adopted by the answer (affinity.Learner)
         if holder is None or holder.owner != owner:

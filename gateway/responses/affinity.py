@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from ..errors import GatewayError, Unavailable
 from ..store.core import Store, StoreError
-from .wire import conversation_id, held_ids
+from .wire import conversation_id, held_ids, held_items
 
 __all__ = ["Affinity", "Holder", "Learner", "MapUnavailable", "OwnerConflict", "RecordFailed", "MAX_ID_CHARS", "owner_of"]
 
@@ -120,23 +120,26 @@ class Affinity:
         self._last_warn = -_WARN_EVERY_S
 
     async def record(self, ids: Sequence[str], backend: str, owner: str, *, required: bool = True) -> None:
-        """Record that `backend` holds `ids` for `owner`; an id already `owner`'s is refreshed
-        (its TTL starts again). Raises OwnerConflict when another owner holds one (that record
-        stays), and RecordFailed when the store did not take a write in `attempts` tries
-        (`required=False`: reported and logged only, for answers nobody can follow up)."""
+        """Record that `backend` holds `ids` for `owner` (written at once, not one after another);
+        an id already `owner`'s is refreshed (its TTL starts again). Raises OwnerConflict when
+        another owner holds one (that record stays), and RecordFailed when the store did not take a
+        write in `attempts` tries (`required=False`: reported and logged only, for answers nobody
+        can follow up)."""
         value = _value(backend, owner)
-        for rid in ids:
-            if not rid or len(rid) > MAX_ID_CHARS:
-                continue
-            try:
-                # Not required: one try, so an answer nobody can follow is not held up by a slow store.
-                await self._retrying(functools.partial(self._claim, rid, value, owner), self.attempts if required else 1)
-            except OwnerConflict:
+        ids = [rid for rid in dict.fromkeys(ids) if rid and len(rid) <= MAX_ID_CHARS]
+        # Not required: one try, so an answer nobody can follow is not held up by a slow store.
+        tries = self.attempts if required else 1
+        results = await asyncio.gather(
+            *(self._retrying(functools.partial(self._claim, rid, value, owner), tries) for rid in ids), return_exceptions=True
+        )
+        for rid, result in zip(ids, results, strict=True):
+            if isinstance(result, OwnerConflict):
                 self._event("learn", "conflict")
                 log.warning("response affinity: %r is recorded for another owner than %r; not re-assigned", rid, owner)
-                raise
-            except StoreError as exc:
-                self._failed("learn", exc)
+                raise result
+        for rid, result in zip(ids, results, strict=True):
+            if isinstance(result, StoreError):
+                self._failed("learn", result)
                 log.info("response affinity: no record written for %r (backend %r)", rid, backend)
                 if required:
                     # The message names no id: the id itself is what must not reach the client.
@@ -145,8 +148,10 @@ class Affinity:
                         "(nobody could follow it up); try again",
                         retry_after_s=1,
                     ) from None
-                return
-            self._event("learn", "ok")
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                self._event("learn", "ok")
 
     async def _claim(self, rid: str, value: bytes, owner: str) -> None:
         key = _PREFIX + rid
@@ -236,15 +241,23 @@ class Learner:
     owner: str
 
     async def learn(self, response: Mapping[str, Any], backend: str) -> None:
-        """Record the ids `response` (a Responses object) makes `backend` hold: its own, its
-        conversation's and, in the migration mode, the previous response it continued (adopted
-        when it had no record). Raises RecordFailed or OwnerConflict: then the answer must not
-        reach the client. A `store: false` answer without a conversation can be followed by
-        nobody, so its record is not required."""
+        """Record the ids `response` (a Responses object, or the part of one a stream's event
+        adds) makes `backend` hold: its own, its conversation's, its stored output items' and, in
+        the migration mode, the previous response it continued (adopted when it had no record).
+        Raises RecordFailed or OwnerConflict: then the answer must not reach the client. A
+        `store: false` answer without a conversation can be followed by nobody, so its record is
+        not required; nor are its items' (a miss there makes only the owner's own later
+        `item_reference` a 404, never another tenant's)."""
         ids = held_ids(response)
         prev = response.get("previous_response_id")
         if self.affinity.adopt_unknown and isinstance(prev, str) and prev:
             ids.append(prev)
-        if ids:
-            required = response.get("store") is not False or conversation_id(response) is not None
-            await self.affinity.record(ids, backend, self.owner, required=required)
+        items = held_items(response)
+        required = response.get("store") is not False or conversation_id(response) is not None
+        writes = [self.affinity.record(ids, backend, self.owner, required=required)] if ids else []
+        if items:
+            writes.append(self.affinity.record(items, backend, self.owner, required=False))
+        if len(writes) == 1:
+            await writes[0]
+        elif writes:
+            await asyncio.gather(*writes)

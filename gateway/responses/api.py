@@ -35,6 +35,7 @@ from ..wire.openai_wire import json_object
 from .codec import RESPONSES
 from .passthrough import Passthrough
 from .route import holders_of
+from .wire import held_items, item_ids
 
 __all__ = ["routes"]
 
@@ -77,17 +78,38 @@ async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: 
         # The migration mode: the id becomes the caller's before its answer is released.
         await rt.affinity.record([rid], backend.name, owner)
 
+    async def seen(backend: Backend, data: bytes) -> None:
+        # Items the caller sees here (a response's stored output, a listing's items: its input
+        # items, a conversation's) are the caller's to name in a later `item_reference`.
+        items = shown_items(data)
+        if items:
+            await rt.affinity.record(items, backend.name, owner, required=False)
+
     path = f"/{kind}s/{rid}{suffix}"
     for i, backend in enumerate(backends):
         if i:
             await by_id.take()  # each backend a search asks is an upstream request of its own
-        out = await by_id.send(backend, method, path, body, last=i == len(backends) - 1, on_found=adopt if search else None)
+        out = await by_id.send(backend, method, path, body, last=i == len(backends) - 1, on_found=adopt if search else None,
+                               on_read=seen if method != "DELETE" else None)
         if out is None:
             continue  # searching: that backend does not have it
         if method == "DELETE" and out.status == 200 and not suffix:
             await rt.affinity.forget(rid)  # a deleted response (conversation) leaves the map
         return out
     raise not_yours(param, rid, RESPONSES.missing_code(param))
+
+
+def shown_items(data: bytes) -> list[str]:
+    """The item ids of a by-id answer: a response's stored output items, a list's items."""
+    try:
+        obj = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return []
+    if not isinstance(obj, dict):
+        return []
+    if obj.get("object") == "list":
+        return item_ids(obj.get("data"))
+    return held_items(obj) if obj.get("object") == "response" else []
 
 
 def _conversation_backend(rt: Runtime, tenant: Tenant, model: str | None) -> Backend:

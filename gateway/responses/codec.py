@@ -26,7 +26,7 @@ from .wire import ResponsesRequest, ResponsesSink, chat_view, stateful_reason, s
 __all__ = ["RESPONSES", "ResponsesEndpoint"]
 
 _MISSING = {"previous_response_id": "previous_response_not_found", "conversation": "conversation_not_found",
-            "conversation_id": "conversation_not_found"}
+            "conversation_id": "conversation_not_found", "input": "item_not_found"}
 
 
 class ResponsesEndpoint(Endpoint):

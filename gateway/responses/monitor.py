@@ -18,7 +18,7 @@ import orjson
 from ..cache.entry import Entry
 from ..wire.monitor import Verdict
 from .replay import replayable
-from .wire import TERMINAL_FAILED, TERMINAL_OK, usage_of
+from .wire import TERMINAL_FAILED, TERMINAL_OK, conversation_id, usage_of
 
 __all__ = ["ResponsesMonitor"]
 
@@ -80,6 +80,11 @@ class ResponsesMonitor:
             resp = event.get("response")
             if isinstance(resp, dict):
                 self.created = self.record = resp
+        elif kind == "response.output_item.added":
+            item = event.get("item")
+            created = self.created or {}
+            if isinstance(item, dict) and item.get("id") and (created.get("store") is not False or conversation_id(created)):
+                self.record = {"output": [item]}  # the part of the response this event adds: a stored item
         return Verdict.HELD
 
     def entry(self) -> Entry | None:

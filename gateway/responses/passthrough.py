@@ -33,13 +33,14 @@ from ..web.keys import METRICS, RELAY
 from ..web.sink import CLIENT_READ_S, client_bounded
 from ..wire.codec import Endpoint
 
-__all__ = ["BY_ID", "Found", "Passthrough"]
+__all__ = ["BY_ID", "Found", "Read", "Passthrough"]
 
 log = logging.getLogger("gateway.responses")
 
 _PASS_HEADERS = ("Content-Type", "Retry-After")
 
 Found = Callable[[Backend, UpstreamResponse], Awaitable[None]]  # a 200 from that backend, before its release
+Read = Callable[[Backend, bytes], Awaitable[None]]  # the body of a 200 JSON answer from that backend, before its release
 
 
 class _ById(Endpoint):
@@ -106,10 +107,12 @@ class Passthrough:
 
     async def send(
         self, backend: Backend, method: str, path: str, body: bytes, *, last: bool = True, on_found: Found | None = None,
+        on_read: Read | None = None,
     ) -> web.StreamResponse | None:
         """The backend's answer for the client; None when it answered 404 and it is not the `last`
         to ask. `on_found` runs on a 200 before anything of it is released (a GatewayError it
-        raises is the answer instead)."""
+        raises is the answer instead); `on_read` on the body of a 200 that is not a stream,
+        before it is released."""
         call, t = self.call, backend.timeouts
         self.headers["x-gateway-backend"] = call.out.backend = backend.name
         call.out.attempts.append(backend.name)
@@ -133,7 +136,8 @@ class Passthrough:
                 return None
             if on_found is not None and resp.status == 200:
                 await on_found(backend, resp)
-            return await self._relayed(resp, t.total_ms / 1000, t.idle_ms / 1000)
+            read = None if on_read is None or resp.status != 200 else (lambda data: on_read(backend, data))
+            return await self._relayed(resp, t.total_ms / 1000, t.idle_ms / 1000, read)
         except TimeoutError:
             self._report(backend, Kind.TIMEOUT)
             err: GatewayError = UpstreamTimeout(f"backend {backend.name!r} did not answer {method} {path} in time")
@@ -148,12 +152,16 @@ class Passthrough:
                 resp.close()  # a no-op after release()
         return self.failed(err)
 
-    async def _relayed(self, resp: UpstreamResponse, total_s: float, idle_s: float) -> web.StreamResponse:
+    async def _relayed(
+        self, resp: UpstreamResponse, total_s: float, idle_s: float, on_read: Callable[[bytes], Awaitable[None]] | None,
+    ) -> web.StreamResponse:
         out_headers = {**self.headers, **{k: resp.headers[k] for k in _PASS_HEADERS if k in resp.headers}}
         if "text/event-stream" not in resp.headers.get("Content-Type", ""):
             async with asyncio.timeout(total_s):
                 data = await resp.read(max_bytes=MAX_BODY_BYTES)
             resp.release()
+            if on_read is not None:
+                await on_read(data)
             return web.Response(status=resp.status, body=data, headers=out_headers)
         return await self._stream(resp, out_headers, idle_s)
 

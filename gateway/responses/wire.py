@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any
 
 import orjson
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator
 
 from ..errors import GatewayError
 from ..web.sink import Sink, SinkWrapper
@@ -23,6 +23,9 @@ __all__ = [
     "chat_view",
     "error_event",
     "held_ids",
+    "held_items",
+    "item_ids",
+    "MAX_ITEM_REFS",
     "stateful_reason",
     "usage_of",
     "stateful_refs",
@@ -31,6 +34,9 @@ __all__ = [
     "TERMINAL_OK",
     "TERMINAL_FAILED",
 ]
+
+# Stored items one request may refer to (`item_reference`): each is looked up in the affinity map.
+MAX_ITEM_REFS = 256
 
 # Events that end a Responses stream: as an answer, or as a failure.
 TERMINAL_OK = frozenset({"response.completed", "response.incomplete"})
@@ -57,6 +63,13 @@ class ResponsesRequest(_Body):
     conversation: Annotated[Any, BeforeValidator(_conversation_ref)] = None
     background: bool | None = Field(None, strict=True)
 
+    @field_validator("input")
+    @classmethod
+    def _bounded_refs(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(_item_refs(value)) > MAX_ITEM_REFS:
+            raise ValueError(f"at most {MAX_ITEM_REFS} distinct item references (item_reference) a request")
+        return value
+
 
 def conversation_id(body: Mapping[str, Any]) -> str | None:
     """The conversation a request continues (`"conv_..."` or `{"id": "conv_..."}`), if any."""
@@ -66,9 +79,18 @@ def conversation_id(body: Mapping[str, Any]) -> str | None:
     return conv if isinstance(conv, str) and conv else None
 
 
+def _item_refs(items: Any) -> list[str]:
+    """The stored items an `input` list refers to (`item_reference`), each once, in order."""
+    if not isinstance(items, list):
+        return []
+    refs = (item.get("id") for item in items if isinstance(item, dict) and item.get("type") == "item_reference")
+    return list(dict.fromkeys(rid for rid in refs if isinstance(rid, str) and rid))
+
+
 def stateful_refs(body: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Every (field, id) of server-side state a request refers to: `previous_response_id`, then
-    `conversation`. Each one must belong to the caller (pinning.pin)."""
+    `conversation`, then each stored item of `input` (`item_reference`). Each one must belong to
+    the caller (pinning.pin)."""
     out: list[tuple[str, str]] = []
     prev = body.get("previous_response_id")
     if isinstance(prev, str) and prev:
@@ -76,6 +98,7 @@ def stateful_refs(body: Mapping[str, Any]) -> list[tuple[str, str]]:
     conv = conversation_id(body)
     if conv:
         out.append(("conversation", conv))
+    out += [("input", rid) for rid in _item_refs(body.get("input"))]
     return out
 
 
@@ -149,7 +172,7 @@ def usage_of(response: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def held_ids(response: Mapping[str, Any]) -> list[str]:
-    """The ids a backend keeps state under for this response: the response's own, and the
+    """The ids a backend keeps state under for this response: the response's own, the
     conversation it extended (later turns of that conversation must reach the same backend)."""
     out = []
     rid = response.get("id")
@@ -159,6 +182,21 @@ def held_ids(response: Mapping[str, Any]) -> list[str]:
     if conv:
         out.append(conv)
     return out
+
+
+def held_items(response: Mapping[str, Any]) -> list[str]:
+    """The ids of the output items a backend keeps for this response (a later `item_reference`
+    names one): those of a stored response, or of one that extended a conversation."""
+    if response.get("store") is False and not conversation_id(response):
+        return []
+    return item_ids(response.get("output"))
+
+
+def item_ids(items: Any) -> list[str]:
+    """The ids of a list of items (a response's `output`, a listing's `data`)."""
+    if not isinstance(items, list):
+        return []
+    return [rid for item in items if isinstance(item, dict) and isinstance(rid := item.get("id"), str) and rid]
 
 
 def error_event(err: GatewayError, sequence_number: int) -> bytes:
