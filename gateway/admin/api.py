@@ -156,7 +156,7 @@ def _int(q: Any, name: str, default: int | None, low: int, high: int) -> int | N
     raw = q.get(name)
     if not raw:
         return default
-    if not _digits(raw) or not low <= int(raw) <= high:
+    if not _digits(raw) or len(raw) > len(str(high)) or not low <= int(raw) <= high:
         raise BadRequest(f"{name} must be a whole number from {low} to {high}", param=name)
     return int(raw)
 

@@ -33,7 +33,8 @@ class Target:
 
 
 _MULTI = re.compile(r"^(redis|rediss)\+(sentinel|cluster)://(?:(?P<auth>[^@/]*)@)?(?P<hosts>[^/?#]+)(?P<path>/[^?#]*)?(?:\?(?P<query>[^#]*))?$")
-_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/@]*@", re.I)
+# Up to the authority's last '@': yarl, aiohttp and redis-py split a password holding a raw '@' there.
+_USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/?#]*@", re.I)
 # redis-py also reads the credentials from the query (`?password=...&username=...`).
 _SECRET_PARAM = re.compile(r"([?&](?:password|username)=)[^&#]*", re.I)
 _OWNED = {"max_connections", "socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
