@@ -66,6 +66,40 @@ async def test_one_policy_check_at_a_time(keyed):
     assert status == 200
 
 
+async def test_a_few_exports_at_a_time_and_a_filter_reads_past_entries_without_decoding_them(keyed):
+    """Six viewer exports at once, each filtered on a model that matches nothing, read the whole
+    log a 20,000-entry page at a time on the event loop: every other request waited up to 1.6 s
+    (review helper's repro). Now two at a time per process (a third is a 429), and an entry
+    without the filter's model or status bytes is passed over undecoded."""
+    from gateway.admin.log_store import Filter
+    from gateway.web.keys import EXPORTS, REQUEST_LOG
+
+    exporting = keyed.app[EXPORTS]
+    async with exporting, exporting:  # two exports in progress
+        async with aiohttp.ClientSession() as http, http.get(keyed.url + "/admin/requests/export", headers=V) as r:
+            assert r.status == 429 and r.headers["Retry-After"] == "5"
+            assert "exports of the request log are running" in (await r.json())["error"]["message"]
+    async with aiohttp.ClientSession() as http, http.get(keyed.url + "/admin/requests/export", headers=V) as r:
+        assert r.status == 200
+    rows = [(1_700_000_000_000_000 + i, "acme", orjson.dumps([1, f"r{i}", 1.0, "acme", None, "chat", "gpt-test"]))
+            for i in range(3)]
+    rows.append((1_700_000_000_000_009, "acme", orjson.dumps({"id": "old-shape", "model": "gpt-test", "status": 429})))
+    store = keyed.app[REQUEST_LOG].store
+    await store.append(rows)
+    decoded: list[bytes] = []
+    import gateway.admin.log_store as log_store
+
+    real = log_store.decode
+    log_store.decode = lambda raw: decoded.append(raw) or real(raw)  # type: ignore[func-returns-value]
+    try:
+        page = await store.page(Filter(model="no-such-model"), 10, None)
+        assert page.entries == [] and decoded == []
+        page = await store.page(Filter(model="gpt-test", status=429), 10, None)
+        assert [e["id"] for e in page.entries] == ["old-shape"] and len(decoded) == 1
+    finally:
+        log_store.decode = real
+
+
 async def test_only_an_admin_learns_which_environment_variables_the_host_has(keyed, monkeypatch):
     monkeypatch.delenv("GW_TEST_NOT_SET_HERE", raising=False)
     policy = "version: 1\nbackends: {b: {url: 'http://127.0.0.1:1/v1', models: [m], api_key_env: GW_TEST_NOT_SET_HERE}}\n"

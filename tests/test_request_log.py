@@ -115,6 +115,24 @@ async def test_entries_that_ended_in_the_same_microsecond_are_neither_skipped_no
     assert sorted([e["id"] for e in page.entries] + rest) == everyone
 
 
+async def test_a_memory_page_pauses_for_other_requests_and_reads_on_through_evictions_meanwhile():
+    """A filtered page pauses every 1,000 entries it reads (a viewer's exports held the event loop
+    a 20,000-entry page at a time); appends that evict and compact meanwhile do not disturb it."""
+    store = MemoryLogStore(100_000, max_bytes=400_000)
+    await store.append([_entry(i) for i in range(3000)])
+    page = asyncio.ensure_future(store.page(Filter(model="m", status=429), 10_000, None))
+    pauses = 0
+    n = 3000
+    while not page.done():
+        pauses += 1
+        await store.append([_entry(i) for i in range(n, n + 1500)])  # past max_bytes: the oldest shed, parts compacted
+        n += 1500
+        await asyncio.sleep(0)
+    ids = [e["id"] for e in page.result().entries]
+    assert pauses >= 2 and ids and all(e["model"] == "m" and e["status"] == 429 for e in page.result().entries)
+    assert ids == sorted(ids, key=lambda r: -int(r[1:])) and len(set(ids)) == len(ids)
+
+
 def test_a_cursor_reads_back_as_written_and_an_earlier_versions_bare_score_means_older_than_it():
     assert Cursor.parse(str(Cursor(1_700_000_000_000_000, 3))) == Cursor(1_700_000_000_000_000, 3)
     assert Cursor.parse("1700000000000000") == Cursor(1_699_999_999_999_999, 0)

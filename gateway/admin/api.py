@@ -21,12 +21,13 @@ from ..errors import BadRequest, Forbidden, GatewayError, RateLimited, Unauthori
 from ..store.core import StoreError
 from ..tenants.auth import Role
 from ..web.http_call import api_key, error_response, json_response, read_bounded
-from ..web.keys import KEYBOOK, LIVE, LOOPBACK, POLICY_CHECK, REQUEST_LOG, WORKER
+from ..web.keys import EXPORTS, KEYBOOK, LIVE, LOOPBACK, POLICY_CHECK, REQUEST_LOG, WORKER
+from ..web.sink import CLIENT_READ_S, client_bounded
 from .log_store import Cursor, Filter, scan
 from .overview import overview
 from .policy_view import check_text, redacted
 
-__all__ = ["reads", "writes", "routes"]
+__all__ = ["EXPORTS_AT_ONCE", "reads", "writes", "routes"]
 
 log = logging.getLogger("gateway.admin")
 
@@ -34,6 +35,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _MAX_ADMIN_BODY = 64 * 1024
 _MAX_POLICY_BODY = 1024 * 1024
+EXPORTS_AT_ONCE = 2  # request log exports at a time per process (web/app.py makes the semaphore)
 _MAX_EXPIRY_S = 10 * 366 * 86400.0
 _ROLE = web.RequestKey("admin_role", Role)  # the caller's Role, set on the request by the guard
 
@@ -184,8 +186,19 @@ async def list_requests(request: web.Request) -> web.Response:
 
 @reads
 async def export_requests(request: web.Request) -> web.StreamResponse:
-    """The log (filtered) as JSON lines, newest first, streamed."""
+    """The log (filtered) as JSON lines, newest first, streamed; at most `EXPORTS_AT_ONCE` at a time per
+    process (each reads the whole log, a page at a time on the event loop: six at once held
+    every other request up to 1.6 s), a client that takes nothing for CLIENT_READ_S is gone."""
     f = _filter(request.query)
+    exporting = request.app[EXPORTS]
+    if exporting.locked():
+        raise RateLimited(f"{EXPORTS_AT_ONCE} exports of the request log are running in this process; try again when one ends",
+                          retry_after_s=5)
+    async with exporting:
+        return await _export(request, f)
+
+
+async def _export(request: web.Request, f: Filter) -> web.StreamResponse:
     rlog = request.app[REQUEST_LOG]
     await rlog.flush()
     entries = scan(rlog.store, f)
@@ -198,7 +211,7 @@ async def export_requests(request: web.Request) -> web.StreamResponse:
         async for e in entries:
             lines.append(orjson.dumps(e))
             if len(lines) >= 1000:
-                await resp.write(b"\n".join(lines) + b"\n")
+                await client_bounded(resp.write(b"\n".join(lines) + b"\n"), CLIENT_READ_S)
                 lines = []
     except StoreError as exc:
         # Mid-export: no status to send any more. A last line says why, and the connection closes
@@ -209,8 +222,12 @@ async def export_requests(request: web.Request) -> web.StreamResponse:
         if request.transport is not None:
             request.transport.close()
         return resp
+    except ConnectionError:  # the client left, or took nothing for CLIENT_READ_S
+        if request.transport is not None:
+            request.transport.close()
+        return resp
     if lines:
-        await resp.write(b"\n".join(lines) + b"\n")
+        await client_bounded(resp.write(b"\n".join(lines) + b"\n"), CLIENT_READ_S)
     await resp.write_eof()
     return resp
 

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Protocol
 
+import orjson
+
 
 from ..config.policy import StoreTlsPolicy
 from ..store.connect import ADMIN_CONNECTIONS, close_client, connect
@@ -41,6 +43,7 @@ from .entry import decode
 __all__ = ["Cursor", "Filter", "Page", "LogStore", "MemoryLogStore", "RedisLogStore"]
 
 _MAX_SCAN = 20_000  # entries one page may read past while filtering (bounded work per request)
+_PAUSE_EVERY = 1_000  # entries a memory page reads between two pauses (~1.6 ms)
 _CHUNK = 500
 _PART, _PART_BYTES = 256, 256 << 10  # a tenant's part grows to this by merging (a page merges every part)
 
@@ -54,6 +57,17 @@ class Filter:
     def keeps(self, e: dict[str, Any]) -> bool:
         return ((self.tenant is None or e.get("tenant") == self.tenant) and (self.model is None or e.get("model") == self.model)
                 and (self.status is None or e.get("status") == self.status))
+
+    def needles(self) -> tuple[bytes, ...]:
+        """Bytes every stored entry this filter keeps holds (its model as JSON writes it, its
+        status's digits): an entry without one of them is passed over undecoded (a filter that
+        matches nothing read 20,000 entries a page at ~6 us each on the event loop)."""
+        out = []
+        if self.model is not None:
+            out.append(orjson.dumps(self.model))
+        if self.status is not None:
+            out.append(str(self.status).encode())
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,8 +143,8 @@ async def scan(store: LogStore, f: Filter, at: Cursor | None = None, chunk: int 
         if page.next is None:
             return
         at = Cursor.parse(page.next)
-        # The memory store's page never suspends: a filter that matches nothing scans the whole
-        # log, a page of up to _MAX_SCAN entries after another, and other requests wait meanwhile.
+        # A page that suspends nowhere (a short one in memory) still lets other requests go on
+        # between pages: a filter that matches nothing scans the whole log.
         await asyncio.sleep(0)
 
 
@@ -157,15 +171,13 @@ class _Part:
     def entry(self, i: int) -> bytes:
         return self.blob[self.ends[i - 1] if i else 0 : self.ends[i]]
 
-    def compact(self) -> int:
-        """Let go of the evicted entries' bytes (a copy of the kept ones); the bytes freed."""
+    def compacted(self) -> _Part:
+        """This part without the evicted entries' bytes (a copy of the kept ones). A new part: a
+        page that pauses mid-read keeps reading the one it holds (only `start` ever moves in one)."""
         cut = self.ends[self.start - 1] if self.start else 0
-        if cut:
-            self.blob = self.blob[cut:]
-            self.ends = array("q", (e - cut for e in self.ends[self.start :]))
-            self.scores = self.scores[self.start :]
-            self.start = 0
-        return cut
+        if not cut:
+            return self
+        return _Part(self.scores[self.start :], array("q", (e - cut for e in self.ends[self.start :])), self.blob[cut:])
 
     def then(self, newer: _Part) -> _Part:
         """This part's kept entries and then `newer`'s, in one part (merged in score order when
@@ -319,7 +331,9 @@ class MemoryLogStore:
                 parts.popleft()
                 self._grow(tenant, -len(part.blob))
         if compact and parts:
-            self._grow(tenant, -parts[0].compact())
+            kept = parts[0].compacted()
+            self._grow(tenant, len(kept.blob) - len(parts[0].blob))
+            parts[0] = kept
         self._count -= k
         self._move(tenant, -k)
 
@@ -346,12 +360,17 @@ class MemoryLogStore:
         out: list[dict[str, Any]] = []
         run = _Run(at)
         edge, skip = (at.score, at.skip) if at is not None else (-1, 0)  # shown on the page before
+        needles = f.needles()
         scanned = 0
         while heads:
             neg, raw, n, i = heads[0]
             if scanned >= _MAX_SCAN:
                 return Page(out, run.cursor())  # the next page starts with this entry
             scanned += 1
+            if not scanned % _PAUSE_EVERY:
+                # Other requests go on. What this page holds stays readable: parts are replaced,
+                # never rewritten (an eviction meanwhile only ends a part's read sooner).
+                await asyncio.sleep(0)
             part = parts[n]
             if i > part.start:
                 heapq.heapreplace(heads, (-part.scores[i - 1], part.entry(i - 1), n, i - 1))
@@ -362,6 +381,8 @@ class MemoryLogStore:
                 continue
             skip = 0
             run.passed(-neg)
+            if needles and not all(n in raw for n in needles):
+                continue
             e = decode(raw)
             if f.keeps(e):
                 out.append(e)
@@ -487,12 +508,15 @@ class RedisLogStore:
         scanned = 0
         # Unfiltered (or by tenant alone: its own index), a page is one read of `limit` entries.
         n = limit if f.model is None and f.status is None else _CHUNK
+        needles = f.needles()
         while True:
             rows = await self._call("read the request log",
                                     self._redis.zrevrangebyscore(key, top, "-inf", start=skip, num=n, withscores=True))
             for member, score in rows:
                 scanned += 1
                 run.passed(int(score))
+                if needles and not all(n in member for n in needles):
+                    continue
                 e = decode(member)
                 if f.keeps(e):
                     out.append(e)

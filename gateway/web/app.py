@@ -12,6 +12,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from ..admin.api import EXPORTS_AT_ONCE
 from ..admin.key_store import KeyStore, MemoryKeyStore, RedisKeyStore
 from ..admin.keys import KeyBook
 from ..admin.relayed import RelayedKeyStore, RelayedLogStore
@@ -42,7 +43,7 @@ from ..upstream.client import UpstreamPool
 from .api import backends_view, routes
 from .drain import Drain
 from .edge import handler_args
-from .keys import ADMISSION, DRAIN, ENCODER, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, PEERS, PIPELINE, POLICY_CHECK, RELAY, RELOADER, REQUEST_LOG, WORKER
+from .keys import ADMISSION, DRAIN, ENCODER, EXPORTS, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, PEERS, PIPELINE, POLICY_CHECK, RELAY, RELOADER, REQUEST_LOG, WORKER
 
 __all__ = ["create_app"]
 
@@ -105,6 +106,7 @@ def create_app(
     app[REQUEST_LOG] = request_log
     app[ENCODER] = encoder
     app[POLICY_CHECK] = asyncio.Lock()
+    app[EXPORTS] = asyncio.Semaphore(EXPORTS_AT_ONCE)
     app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap)
     app.add_routes(routes())
     _lifecycle(app, children, live, snapshots.stores, worker)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ..relay.context import RelayContext
     from .drain import Drain
 
-__all__ = ["ADMISSION", "DRAIN", "ENCODER", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "POLICY_CHECK",
+__all__ = ["ADMISSION", "DRAIN", "ENCODER", "EXPORTS", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "POLICY_CHECK",
            "RELAY", "RELOADER", "REQUEST_LOG", "WORKER"]
 
 LIVE: web.AppKey["Live"] = web.AppKey("live")
@@ -45,3 +45,5 @@ REQUEST_LOG: web.AppKey["RequestLog"] = web.AppKey("request_log")
 ENCODER: web.AppKey["EncoderWorker"] = web.AppKey("encoder")
 # Held while a pasted policy is checked (POST /admin/policy/check, in a thread): one at a time.
 POLICY_CHECK: web.AppKey[asyncio.Lock] = web.AppKey("policy_check", asyncio.Lock)
+# Held by each request log export (GET /admin/requests/export): a few at a time.
+EXPORTS: web.AppKey[asyncio.Semaphore] = web.AppKey("exports", asyncio.Semaphore)
