@@ -165,6 +165,32 @@ async def test_bodies_over_the_limit_are_413(upstream, gateway):
     assert up.stats.requests == 0
 
 
+async def test_a_body_of_more_items_than_server_max_items_is_a_400_on_every_endpoint(upstream, gateway):
+    """Messages, their content parts and tools count together (server.max_items): validating and
+    classifying cost the event loop per item, and 4 MiB of empty messages (145,000) took ~0.5 s of
+    it. Counted before validation; in each endpoint's own error shape; nothing sent upstream."""
+    up = await upstream("a")
+    gw = await gateway(simple_policy(up, server={"max_items": 10}))
+    parts = [{"type": "text", "text": "hi"}] * 4
+    fits = [{"role": "user", "content": parts}, {"role": "user", "content": "and"}] + [{"role": "user", "content": "x"}] * 4
+    client = gw.client()
+    await client.chat.completions.create(model="gpt-test", messages=fits)  # 6 messages + 4 parts
+    for messages, tools in ((fits + [{"role": "user", "content": "one more"}], None), (fits, [{"type": "function", "function": {"name": "f"}}])):
+        with pytest.raises(openai.BadRequestError) as exc:
+            await client.chat.completions.create(model="gpt-test", messages=messages, **({"tools": tools} if tools else {}))
+        assert "server.max_items" in exc.value.message and exc.value.body["param"] in ("messages", "tools")
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.responses.create(model="gpt-test", input=[{"role": "user", "content": "x"}] * 11)
+    assert exc.value.body["param"] == "input"
+    async with aiohttp.ClientSession() as http:
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):
+            body = {"model": "gpt-test", "messages": [{"role": "user", "content": "x"}] * 11}
+            async with http.post(gw.url + path, json={**body, **({"max_tokens": 5} if path == "/v1/messages" else {})}) as r:
+                err = await r.json()
+                assert r.status == 400 and err["type"] == "error" and "server.max_items" in err["error"]["message"], (path, err)
+    assert up.stats.requests == 1
+
+
 async def test_bad_headers_are_400(upstream, gateway):
     up = await upstream("a")
     gw = await gateway(simple_policy(up))

@@ -8,16 +8,17 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from ..errors import BadRequest, GatewayError
+from ..tenants.auth import Tenant
 from ..wire.codec import Endpoint, validate_legs
 from ..web.http_call import api_key, error_response, json_response, read_bounded, request_id
-from ..web.keys import LIVE
-from ..wire.openai_wire import json_object, validate_body
+from ..web.keys import LIVE, PIPELINE
+from ..wire.openai_wire import bounded_items, json_object, validate_body
 from .codec import MESSAGES
 from .translate import encoded
 from .wire import MessagesRequest, gateway_error
 
 if TYPE_CHECKING:
-    from ..config.runtime import Route
+    from ..config.runtime import Route, Runtime
 
 __all__ = ["count_tokens", "estimate_tokens", "routes"]
 
@@ -44,20 +45,28 @@ async def count_tokens(request: web.Request) -> web.Response:
     try:
         await rt.tenants.catch_up(api_key(request))
         tenant = rt.tenants.authenticate(api_key(request))
-        body = json_object(await read_bounded(request, rt.server.max_body_bytes))
-        if "max_tokens" in body:
-            raise BadRequest("max_tokens: Extra inputs are not permitted", param="max_tokens")
-        # The same checks as /v1/messages (pipeline/intake.py): its request model, with the
-        # max_tokens count_tokens has no use for, then every translating leg of the route.
-        validate_body({**body, "max_tokens": 1}, MessagesRequest)
-        model = body["model"]
-        rt.tenants.authorize(tenant, model)
-        route = rt.route(model)  # an unknown model is a 404, as on /v1/messages
-        _validate_legs(route, {**body, "max_tokens": 1})
-        tokens = estimate_tokens(body)
+        # One request of the tenant's request limits: it is parsed and validated like one.
+        async with request.app[PIPELINE].quota.one_request(rt, tenant, rt.server.request_timeout_ms / 1000):
+            tokens = await _count(request, rt, tenant)
     except GatewayError as err:
         return error_response(err, headers, gateway_error(err)[1])
     return json_response({"input_tokens": tokens}, headers=headers)
+
+
+async def _count(request: web.Request, rt: Runtime, tenant: Tenant) -> int:
+    """The body's estimated input tokens, after the checks /v1/messages makes."""
+    body = json_object(await read_bounded(request, rt.server.max_body_bytes))
+    if "max_tokens" in body:
+        raise BadRequest("max_tokens: Extra inputs are not permitted", param="max_tokens")
+    bounded_items(body, rt.server.max_items)
+    # The same checks as /v1/messages (pipeline/intake.py): its request model, with the
+    # max_tokens count_tokens has no use for, then every translating leg of the route.
+    validate_body({**body, "max_tokens": 1}, MessagesRequest)
+    model = body["model"]
+    rt.tenants.authorize(tenant, model)
+    route = rt.route(model)  # an unknown model is a 404, as on /v1/messages
+    _validate_legs(route, {**body, "max_tokens": 1})
+    return estimate_tokens(body)
 
 
 def _validate_legs(route: Route, body: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """The request pipeline, top to bottom, in one place.
 
+    early       a tenant out of requests (rpm): refused before parsing  (tenants/stage.py)
     intake      authenticate, parse, authorize, route, classify, band   (intake.py)
     quota       the tenant's limits: reserved, then settled             (tenants/stage.py)
     pin         a follow-up goes where its state is                      (pinning.py)
@@ -9,7 +10,7 @@
     observe     metrics, once, however it ended                          (observe/observer.py)
 
 Each stage owns what it takes and gives it back on every way out (`async with`). `explain()`
-runs the same stages without calling a backend or holding anything.
+runs the same stages without calling a backend, holding only one request of the tenant's limits.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Pipeline:
     async def run(self, call: Call, rt: Runtime, sink: Sink) -> None:
         """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
         try:
+            self.quota.early(rt, call, sink)  # a tenant out of requests: refused before its body is parsed
             route, tenant = await intake(call, rt)
             async with self.quota.hold(rt, call, route, tenant, sink):
                 self._announce(call, sink)
@@ -83,12 +85,14 @@ class Pipeline:
 
     async def explain(self, call: Call, rt: Runtime) -> dict[str, Any]:
         """What the gateway would do with this request: the same stages, calling no backend and
-        taking nothing (no quota, no admission, no flight)."""
-        route, tenant = await intake(call, rt)
-        pinned = await _pin(call, route, rt, tenant, learn=False)
-        route = route if pinned is None else pinned.route
+        taking nothing but one request of the tenant's request limits (rpm, concurrency: it is
+        parsed and classified like one); no tokens, no admission, no flight."""
+        async with self.quota.one_request(rt, call.tenant, call.remaining_s()):
+            route, tenant = await intake(call, rt)
+            pinned = await _pin(call, route, rt, tenant, learn=False)
+            route = route if pinned is None else pinned.route
+            cache = await self.cache.explain(rt, call, route, tenant)
         ticket = call.ticket if call.ticket is not None else Ticket()
-        cache = await self.cache.explain(rt, call, route, tenant)
         plan, first = plan_view(call, route)
         return {
             **verdict_view(call, tenant),

@@ -24,10 +24,11 @@ __all__ = ["intake", "parse", "verdict_view"]
 _DEFAULT_ANSWER_TOKENS: int = QuotaPolicy.model_fields["default_max_tokens"].default
 
 
-def parse(call: Call) -> None:
-    """Validate the body and fill in the call's model, stream flag and the band it asks for
-    (x-priority when sent, else its service_tier's; the tenant's ceiling applies later)."""
-    typed, body = parse_body(call.raw, call.endpoint.request)
+def parse(call: Call, max_items: int | None = None) -> None:
+    """Validate the body (at most `max_items` items: server.max_items) and fill in the call's
+    model, stream flag and the band it asks for (x-priority when sent, else its service_tier's;
+    the tenant's ceiling applies later)."""
+    typed, body = parse_body(call.raw, call.endpoint.request, max_items)
     call.body = body
     call.model = typed.model
     call.stream = bool(getattr(typed, "stream", False)) and call.endpoint.streams
@@ -41,7 +42,7 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     # The HTTP edge authenticated the key already (against this runtime) before reading the body.
     tenant = call.tenant if call.tenant is not None else rt.tenants.authenticate(call.api_key)
     call.tenant = tenant
-    parse(call)
+    parse(call, rt.server.max_items)
     if tenant.log_payloads:  # the request log keeps its answer: captured as the cache would
         call.cache.capture = rt.policy.cache.max_entry_bytes
     rt.tenants.authorize(tenant, call.model)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+
 from ..config.runtime import Route, Runtime, answer_ceiling
 from ..observe.metrics import Metrics
 from ..pipeline.call import Call
@@ -12,6 +15,10 @@ from .quota import Hold, QuotaExceeded
 __all__ = ["QuotaHold", "QuotaStage"]
 
 
+def _no_header(name: str, value: str) -> None:
+    """Where the x-ratelimit headers of an answer that carries none go."""
+
+
 class QuotaStage:
     """One per process; the limits and counters come with each request's runtime snapshot."""
 
@@ -19,6 +26,37 @@ class QuotaStage:
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+
+    def early(self, rt: Runtime, call: Call, sink: Sink) -> None:
+        """Refuse (QuotaExceeded) a caller whose tenant is out of requests for a while, before its
+        body is parsed (an unauthenticated one is intake's 401)."""
+        if rt.quota is None or call.tenant is None:
+            return
+        try:
+            rt.quota.refuse_early(call.tenant, sink.set_header)
+        except QuotaExceeded as err:
+            self.metrics.quota_rejections.labels(rt.tenants.metric_label(call.tenant.name), err.limit).inc()
+            raise
+
+    @contextlib.asynccontextmanager
+    async def one_request(self, rt: Runtime, tenant: Tenant | None, timeout_s: float) -> AsyncIterator[None]:
+        """One request of the tenant's request limits (`rpm`, `concurrency`) for the block, as a
+        by-id call takes: for a request that calls no backend but is parsed like one
+        (/v1/route/explain, /v1/messages/count_tokens). None: not authenticated yet (its 401 comes
+        from the block)."""
+        if rt.quota is None or tenant is None:
+            yield
+            return
+        try:
+            rt.quota.refuse_early(tenant, _no_header)
+            hold = await rt.quota.reserve_request(tenant, timeout_s, _no_header)
+        except QuotaExceeded as err:
+            self.metrics.quota_rejections.labels(rt.tenants.metric_label(tenant.name), err.limit).inc()
+            raise
+        try:
+            yield
+        finally:
+            rt.quota.release(hold)
 
     def hold(self, rt: Runtime, call: Call, route: Route, tenant: Tenant, sink: Sink) -> QuotaHold:
         """`async with` it: the call's share of the tenant's limits reserved for the block

@@ -123,15 +123,43 @@ def json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def parse_body(raw: bytes, model: type[T]) -> tuple[T, dict[str, Any]]:
+def parse_body(raw: bytes, model: type[T], max_items: int | None = None) -> tuple[T, dict[str, Any]]:
     """Decode and validate a request body; return the typed view and the raw dict.
 
-    Raises BadRequest naming the offending field.
+    Raises BadRequest naming the offending field, or the items past `max_items` (count_items)
+    before anything is validated.
     """
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     data = json_object(raw)
+    if max_items is not None:
+        bounded_items(data, max_items)
     return validate_body(data, model), data
+
+
+_LISTS = ("messages", "input", "tools")  # a body's lists of items: chat and Messages API, Responses, both
+
+
+def bounded_items(body: dict[str, Any], limit: int) -> None:
+    """Raise BadRequest when `body` holds more than `limit` items: its messages (or Responses
+    input items), their content parts and its tools, together (server.max_items). Counted before
+    validation, whose cost (and the classifier's) grows with them."""
+    n = 0
+    for key in _LISTS:
+        items = body.get(key)
+        if not isinstance(items, list):
+            continue
+        n += len(items)
+        if n <= limit:
+            for item in items:
+                content = item.get("content") if isinstance(item, dict) else None
+                if isinstance(content, list):
+                    n += len(content)
+                    if n > limit:
+                        break
+        if n > limit:
+            raise BadRequest(f"invalid field '{key}': the request holds more than {limit:,} messages, input items, "
+                             "content parts and tools together (the gateway's server.max_items)", param=key)
 
 
 def validate_body(data: dict[str, Any], model: type[T]) -> T:
