@@ -263,3 +263,40 @@ async def test_two_workers_access_log_lines_on_one_pipe_stay_whole(upstream, tmp
             except (orjson.JSONDecodeError, KeyError, AssertionError):
                 bad += 1
         assert (len(lines), bad) == (n, 0)
+
+
+FORGED = "2031-01-01 00:00:00,000 WARNING gateway.admin: admin key revoked for tenant acme\x1b[2K"
+
+
+async def test_a_callers_bytes_quoted_in_the_log_stay_in_their_own_record(tmp_path):
+    """A backend whose 500 page quotes the prompt (a proxy, a WAF, a debug page): the gateway logs
+    that page's start, and the caller's newline began a forged line of the gateway's own (time,
+    level, logger) with an ANSI escape (review helper's repro). Through `gateway serve`'s stderr:
+    each record one line, its control characters written escaped."""
+    from aiohttp import web
+
+    from tests.procs import serve
+    from tests.servers import serve_app
+
+    async def echo_500(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.Response(status=500, text="upstream error while handling: " + body["messages"][-1]["content"])
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", echo_500)
+    runner, port = await serve_app(app)
+    key = "sk-alice-log"
+    policy = {"version": 1, "backends": {"a": {"url": f"http://127.0.0.1:{port}/v1", "models": ["m"]}},
+              "models": {"m": {"backends": ["a"]}}, "tenants": {"alice": {"key_sha256": [hash_key(key)]}}}
+    try:
+        async with serve(policy, tmp_path) as gw, aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                 json={"model": "m", "messages": [{"role": "user", "content": "hi\n" + FORGED}]}) as r:
+                assert r.status == 502 and FORGED not in await r.text()
+            await asyncio.sleep(0.2)
+            text = gw.log.read_text()
+    finally:
+        await runner.cleanup()
+    quoted = [line for line in text.splitlines() if "upstream error while handling" in line]
+    assert quoted and all("\\n2031-01-01" in line and "\\x1b[2K" in line for line in quoted), quoted
+    assert not [line for line in text.splitlines() if line.startswith("2031-01-01")] and "\x1b" not in text

@@ -32,6 +32,7 @@ from aiohttp import web
 from prometheus_client import multiprocess
 
 from ..admin.relayed import SharedAdmin
+from ..observe.log_lines import OneLineFormatter
 from ..config.policy import Policy, PolicyError, load_policy
 from ..config.reload import _digest, _stat
 from ..store.connect import warn_over_budget
@@ -168,11 +169,10 @@ async def _until_orphaned(parent: int, on_signal: Callable[[int], None]) -> None
 
 
 def setup_logging() -> None:
-    """Log to stderr at $GATEWAY_LOG_LEVEL (INFO by default)."""
-    logging.basicConfig(
-        level=os.environ.get("GATEWAY_LOG_LEVEL", "INFO").upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    """Log to stderr at $GATEWAY_LOG_LEVEL (INFO by default), one line a record (log_lines.py)."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(OneLineFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=os.environ.get("GATEWAY_LOG_LEVEL", "INFO").upper(), handlers=[handler])
 
 
 # The cyclic garbage collector's young-generation threshold while serving (CPython's default: 700).
