@@ -100,6 +100,27 @@ async def test_a_few_exports_at_a_time_and_a_filter_reads_past_entries_without_d
         log_store.decode = real
 
 
+async def test_a_policy_check_runs_in_a_process_of_its_own_within_a_time_limit(keyed, monkeypatch):
+    """A 700 KB policy held the interpreter's lock ~220 ms in a thread of the gateway (LibYAML's
+    compose is one C call): every request paused, once per check a viewer sent (review helper's
+    repro). The check runs in a child process now: this process's check_text never runs; a
+    check past its time is stopped (503), its child killed."""
+    import gateway.admin.api as admin_api
+    import gateway.admin.policy_view as policy_view
+
+    def not_here(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the check ran in the gateway's own process")
+
+    monkeypatch.setattr(policy_view, "check_text", not_here)
+    status, body, _ = await _call("POST", keyed.url + "/admin/policy/check", V, data="version: 1\n")
+    assert status == 200 and body["ok"] is False and "backends" in body["errors"][0]
+    monkeypatch.setattr(admin_api, "_CHECK_TIMEOUT_S", 0.001)
+    status, body, headers = await _call("POST", keyed.url + "/admin/policy/check", V, data="version: 1\n")
+    assert status == 503 and "was stopped" in body["error"]["message"] and headers["Retry-After"] == "5"
+    status, _, _ = await _call("POST", keyed.url + "/admin/policy/check", V, data="version: 1\n")
+    assert status == 503  # the lock was given back
+
+
 async def test_only_an_admin_learns_which_environment_variables_the_host_has(keyed, monkeypatch):
     monkeypatch.delenv("GW_TEST_NOT_SET_HERE", raising=False)
     policy = "version: 1\nbackends: {b: {url: 'http://127.0.0.1:1/v1', models: [m], api_key_env: GW_TEST_NOT_SET_HERE}}\n"

@@ -6,7 +6,6 @@ Every endpoint needs an admin or a viewer key (`reads`), or an admin key (`write
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -25,7 +24,8 @@ from ..web.keys import EXPORTS, KEYBOOK, LIVE, LOOPBACK, POLICY_CHECK, REQUEST_L
 from ..web.sink import CLIENT_READ_S, client_bounded
 from .log_store import Cursor, Filter, scan
 from .overview import overview
-from .policy_view import check_text, redacted
+from .policy_check import check_apart
+from .policy_view import redacted
 
 __all__ = ["EXPORTS_AT_ONCE", "reads", "writes", "routes"]
 
@@ -35,6 +35,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _MAX_ADMIN_BODY = 64 * 1024
 _MAX_POLICY_BODY = 1024 * 1024
+_CHECK_TIMEOUT_S = 30.0
 EXPORTS_AT_ONCE = 2  # request log exports at a time per process (web/app.py makes the semaphore)
 _MAX_EXPIRY_S = 10 * 366 * 86400.0
 _ROLE = web.RequestKey("admin_role", Role)  # the caller's Role, set on the request by the guard
@@ -257,7 +258,8 @@ async def admin_policy(request: web.Request) -> web.Response:
 async def check_policy(request: web.Request) -> web.Response:
     """A pasted policy checked as `gateway check` would (nothing is applied). Parsing and
     validating take CPU in proportion to the text (up to a second or two for a large one): in a
-    thread, one check at a time per process, so requests keep being served meanwhile."""
+    process of its own (policy_check.py: a thread still held the interpreter's lock, pausing
+    every request), one check at a time per process, within _CHECK_TIMEOUT_S."""
     # The body is read before the lock: a viewer sending slowly must not hold everyone's checks (for
     # up to the body timeout, 60 s, every other check was a 429).
     raw = await read_bounded(request, _MAX_POLICY_BODY)
@@ -270,7 +272,11 @@ async def check_policy(request: web.Request) -> web.Response:
         raise RateLimited("another policy check is running in this process; try again in a moment", retry_after_s=1)
     async with checking:
         # Only an admin learns which environment variables this host has (their names, in the warnings).
-        return json_response(await asyncio.to_thread(check_text, text, environment=request[_ROLE] is Role.ADMIN))
+        try:
+            answer = await check_apart(text, environment=request[_ROLE] is Role.ADMIN, timeout_s=_CHECK_TIMEOUT_S)
+        except TimeoutError:
+            raise Unavailable(f"the policy check took more than {_CHECK_TIMEOUT_S:g} s and was stopped", retry_after_s=5) from None
+        return json_response(answer)
 
 
 def routes() -> list[web.RouteDef]:
