@@ -157,8 +157,9 @@ async def test_another_tenants_records_evict_their_own_not_a_tenants(upstream, g
     status, _, _ = await _call(gw, "GET", f"/v1/conversations/{bobs[-1]}", B)
     assert status == 200
     held = gw.app[LIVE].runtime.affinity.store.owners()
-    # alice's 5 records all kept: two responses, their output items (each a message), a conversation
-    assert sum(held.values()) < 150 and sorted(held.values())[0] == 5, held
+    # alice's 7 records all kept: two responses, their output items (each a message), their
+    # contexts' sizes (pinning: a follow-up's prompt estimate), a conversation
+    assert sum(held.values()) < 150 and sorted(held.values())[0] == 7, held
 
 async def test_the_migration_mode_finds_an_unknown_id_and_it_becomes_the_askers(upstream, gateway):
     a = await upstream(_name("a"), tokens=3)
@@ -472,3 +473,35 @@ async def test_a_streamed_background_response_left_after_its_first_delta_is_char
             await asyncio.sleep(0.1)
     use = (await gw.app[LIVE].runtime.quota.usage("alice"))[""]
     assert use.window_tokens >= 8000  # its limit, twice: what each may generate
+
+
+@pytest.mark.parametrize("field", ["previous_response_id", "conversation"])
+async def test_a_follow_up_left_mid_stream_is_charged_the_stored_context_it_made_the_backend_read(upstream, gateway, field):
+    """A follow-up's body holds only its new input; the backend reads the whole stored context
+    again. A stream left after its first delta, with no usage, was charged its few new tokens:
+    turn after turn on a long conversation, a tenant's tpm counted a fraction of what the
+    backend read. Each answer's usage is recorded as the context of its ids (the response, its
+    conversation), and a follow-up's prompt estimate adds it."""
+    a = await upstream(_name("a"), tokens=200, itl_ms=5)
+    gw = await gateway(_policy(a, quota_a={"tpm": 1_000_000}))
+    alice = gw.client(A)
+    conv = (await alice.conversations.create()).id if field == "conversation" else None
+    first = await alice.responses.create(model="gpt-test", input="word " * 8000, **({"conversation": conv} if conv else {}))
+    context = first.usage.total_tokens
+    assert context > 5000
+    quota = gw.app[LIVE].runtime.quota
+    await quota.drain()
+    before = (await quota.usage("alice"))[""].window_tokens
+    ref = {"previous_response_id": first.id} if conv is None else {"conversation": conv}
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "gpt-test", "input": "and then?", "stream": True, **ref}
+        async with http.post(gw.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {A}"}) as r:
+            assert r.status == 200
+            buf = b""
+            while b"output_text.delta" not in buf:
+                buf += await r.content.readany()
+            r.close()  # left: no usage comes back
+    await asyncio.sleep(0.1)
+    await quota.drain()
+    charged = (await quota.usage("alice"))[""].window_tokens - before
+    assert context <= charged < context + 300, (context, charged)

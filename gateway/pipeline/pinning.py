@@ -124,13 +124,21 @@ async def pin(call: Call, route: Route, rt: Runtime, owner: str) -> Pinned | Non
     if not refs:
         return None
     held: list[tuple[str, str, Holder]] = []
-    holders = await asyncio.gather(*(rt.affinity.lookup(rid) for _, rid in refs))  # up to MAX_ITEM_REFS + 2
+    # Each reference's holder (up to MAX_ITEM_REFS + 2) and, for a response or a conversation, the
+    # stored context a follow-up makes its backend read again, all at once.
+    holders, sizes = await asyncio.gather(
+        asyncio.gather(*(rt.affinity.lookup(rid) for _, rid in refs)),
+        asyncio.gather(*(rt.affinity.context(rid) for field, rid in refs if field != "input")),
+    )
     for (field, rid), holder in zip(refs, holders, strict=True):
         if holder is None and rt.affinity.adopt_unknown:
             continue  # the migration mode: searched for below, and adopted by the answer (affinity.Learner)
         if holder is None or holder.owner != owner:
             raise not_yours(field, rid, endpoint.missing_code(field))
         held.append((field, rid, holder))
+    # Its prompt is the new input and that context (the quota charges it when no usage comes back:
+    # a stream left early on a 100,000-token conversation cost its few new tokens).
+    call.prompt_tokens += max(sizes, default=0)
     if not held:
         field, rid = refs[0]
         return Pinned(field, rid, None, route, endpoint.missing_code(field))  # search: see the module docstring

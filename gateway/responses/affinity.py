@@ -26,18 +26,19 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..errors import GatewayError, Unavailable
 from ..store.core import Store, StoreError
-from .wire import conversation_id, held_ids, held_items
+from .wire import conversation_id, held_ids, held_items, usage_of
 
 __all__ = ["Affinity", "Holder", "Learner", "MapUnavailable", "OwnerConflict", "RecordFailed", "MAX_ID_CHARS", "owner_of"]
 
 log = logging.getLogger("gateway.affinity")
 
 _PREFIX = "gwr:v1:"
+_CONTEXT = "gwr:ctx:v1:"  # an id's context size in tokens (what a follow-up makes the backend read again)
 MAX_ID_CHARS = 256  # longer "ids" are nobody's: not stored, not looked up
 _WARN_EVERY_S = 60.0
 _BACKOFF_S = 0.01  # before the 2nd try; doubled for each one after
@@ -217,6 +218,32 @@ class Affinity:
         except StoreError as exc:
             self._failed("forget", exc)
 
+    async def record_context(self, ids: Sequence[str], tokens: int, owner: str) -> None:
+        """Record that a follow-up of each of `ids` makes its backend read `tokens` tokens of
+        stored context (a response's input and output, a conversation's latest). One try, a
+        failure logged: the estimate is then the new input alone."""
+        value = f"{tokens}\n{owner}".encode()  # the owner: an in-memory map's fair share (owner_of)
+        ids = [rid for rid in ids if rid and len(rid) <= MAX_ID_CHARS]
+        results = await asyncio.gather(*(self._retrying(functools.partial(self.store.set, _CONTEXT + rid, value, self.ttl_s), 1)
+                                         for rid in ids), return_exceptions=True)
+        for result in results:
+            if isinstance(result, StoreError):
+                self._failed("learn", result)
+            elif isinstance(result, BaseException):
+                raise result
+
+    async def context(self, rid: str) -> int:
+        """The tokens of stored context a follow-up of `rid` makes its backend read (0: unknown)."""
+        if not rid or len(rid) > MAX_ID_CHARS:
+            return 0
+        try:
+            raw = await self._retrying(lambda: self.store.get(_CONTEXT + rid), 1)
+        except StoreError as exc:
+            self._failed("lookup", exc)
+            return 0
+        head = (raw or b"").partition(b"\n")[0]
+        return int(head) if head.isdigit() and len(head) < 12 else 0
+
     def learner(self, owner: str) -> Learner:
         """What one request's relay uses to record the ids of its answer."""
         return Learner(self, owner)
@@ -239,6 +266,7 @@ class Learner:
 
     affinity: Affinity
     owner: str
+    claimed: set[str] = field(default_factory=set)  # ids this request recorded already (a stream's events repeat them)
 
     async def learn(self, response: Mapping[str, Any], backend: str) -> None:
         """Record the ids `response` (a Responses object, or the part of one a stream's event
@@ -248,16 +276,24 @@ class Learner:
         `store: false` answer without a conversation can be followed by nobody, so its record is
         not required; nor are its items' (a miss there makes only the owner's own later
         `item_reference` a 404, never another tenant's)."""
-        ids = held_ids(response)
+        own = held_ids(response)
+        held = list(own)
         prev = response.get("previous_response_id")
         if self.affinity.adopt_unknown and isinstance(prev, str) and prev:
-            ids.append(prev)
-        items = held_items(response)
+            held.append(prev)
+        ids = [rid for rid in held if rid not in self.claimed]
+        items = [rid for rid in held_items(response) if rid not in self.claimed]
         required = response.get("store") is not False or conversation_id(response) is not None
         writes = [self.affinity.record(ids, backend, self.owner, required=required)] if ids else []
         if items:
             writes.append(self.affinity.record(items, backend, self.owner, required=False))
+        usage = usage_of(response)
+        tokens = usage["total_tokens"] if usage is not None else 0
+        if tokens > 0 and own and required:
+            # A follow-up makes the backend read this much again: charged with its new input (pinning.pin)
+            writes.append(self.affinity.record_context(own, tokens, self.owner))
         if len(writes) == 1:
             await writes[0]
         elif writes:
             await asyncio.gather(*writes)
+        self.claimed.update(ids, items)

@@ -71,6 +71,8 @@ class ResponsesMonitor:
             self.final = resp if isinstance(resp, dict) else {}
             self.finished = True
             self.usage = usage_of(self.final)
+            if self.usage is not None and self.created is not None:
+                self.record = self.final  # its usage: the context a follow-up makes the backend read
             return Verdict.HELD
         if kind.endswith(".delta") or kind == "response.image_gen_call.partial_image":
             self.deltas += 1
