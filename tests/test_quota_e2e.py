@@ -92,6 +92,21 @@ async def test_a_tenant_out_of_requests_is_refused_before_its_body_is_parsed(ups
     assert 'gateway_quota_rejections_total{limit="rpm",tenant="acme"} 4.0' in await _metrics(gw)
 
 
+async def test_requests_refused_by_intake_count_in_rpm_and_a_flood_of_them_is_then_refused_early(upstream, gateway):
+    """A body that fails validation is a request too: a tenant could send bodies that decode slowly
+    (~50 ms of the event loop for 4 MiB of tiny objects) and fail validation, never reaching the
+    quota stage, so never refused early (review helper's repro, once the early refusal was in).
+    Each takes a request of its rpm (its own error stands); past it, the next is a 429 before
+    parsing."""
+    up = await upstream("a")
+    gw = await gateway(_policy(up, {"rpm": 3}))
+    statuses = [(await _post(gw, "/v1/chat/completions", body))[0]
+                for body in (b"{not json", orjson.dumps({"model": "gpt-test"}), orjson.dumps({"model": "nope", "messages": MSG}),
+                             b"{not json", b"{not json")]
+    assert statuses == [400, 400, 404, 400, 429], statuses
+    assert up.stats.requests == 0
+
+
 async def _post(gw, path: str, data: bytes) -> tuple[int, Any, Any]:
     async with aiohttp.ClientSession() as http:
         headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}

@@ -54,8 +54,8 @@ class Pipeline:
     async def run(self, call: Call, rt: Runtime, sink: Sink) -> None:
         """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
         try:
-            self.quota.early(rt, call, sink)  # a tenant out of requests: refused before its body is parsed
-            route, tenant = await intake(call, rt)
+            async with self.quota.early(rt, call, sink):  # a tenant out of requests: refused before parsing
+                route, tenant = await intake(call, rt)
             async with self.quota.hold(rt, call, route, tenant, sink):
                 self._announce(call, sink)
                 pinned = await _pin(call, route, rt, tenant, learn=True)

@@ -38,6 +38,7 @@ log = logging.getLogger("gateway.quota")
 
 _WARN_EVERY_S = 60.0
 _LEASE_MARGIN_MS = 10_000  # a lease outlives its request's deadline by this much, then expires
+_EARLY_S = 1.0  # how long an rpm refusal refuses the tenant's next requests before their bodies are parsed
 # Limits that need the real token count of every answer (so streams ask for usage).
 TOKEN_LIMITS = ("tpm", "tokens_per_day", "spend_per_day_usd")
 
@@ -75,10 +76,11 @@ class _Plan:
 
 @dataclass(frozen=True, slots=True)
 class _Out:
-    """A tenant out of requests (its own `rpm`) until `until` (this process's clock), as a refusal
-    said: counted requests only leave the window with time, so none can pass before then."""
+    """A tenant out of requests (its own `rpm`), as a refusal at `set_at` said (this process's
+    clock): counted requests only leave the window with time. Refused early until `until`."""
 
     until: float
+    set_at: float
     decision: Decision
     scopes: tuple[Scope, ...]
 
@@ -206,22 +208,28 @@ class Quota:
         """Raise QuotaExceeded while an earlier refusal said the tenant's own `rpm` is spent: before
         its body is parsed and classified, so its refused requests cost the event loop next to
         nothing (a tenant refused every request still took ~0.5 s of the loop with each 4 MiB body
-        of empty messages, and other tenants' requests waited). Exact: what a request counted
-        stays counted until it leaves the window."""
+        of empty messages, and other tenants' requests waited). For up to _EARLY_S after each such
+        refusal: what a request counted stays counted until it leaves the window, and the
+        store's own answer is asked again after that."""
         out = self._out.get(tenant.name)
         if out is None:
             return
-        left = out.until - self._clock()
-        if left <= 0:
+        now = self._clock()
+        if now >= out.until:
             del self._out[tenant.name]
             return
-        d = replace(out.decision, retry_after_s=left, remaining_requests=0, reset_requests_s=left, limit_tokens=-1)
+        free = out.decision.retry_after_s - (now - out.set_at)  # when the refusal said it frees up
+        d = replace(out.decision, retry_after_s=free, remaining_requests=0, reset_requests_s=free, limit_tokens=-1)
         _headers(set_header, d)  # the requests' figures only: the tokens' may have moved since
         raise _exceeded(tenant.name, d, out.scopes)
 
     def _refused(self, tenant: str, d: Decision, scopes: tuple[Scope, ...]) -> QuotaExceeded:
         if d.limit == "rpm" and d.scope == "" and d.retry_after_s > 0:
-            self._out[tenant] = _Out(self._clock() + d.retry_after_s, d, scopes)
+            # For at most _EARLY_S at a time: then one request goes the whole way and asks the store
+            # again (a reload, or a shared store gone down and this process's own counters in its
+            # place, may admit it).
+            now = self._clock()
+            self._out[tenant] = _Out(now + min(d.retry_after_s, _EARLY_S), now, d, scopes)
         return _exceeded(tenant, d, scopes)
 
     async def _take(self, tenant: str, ask: Ask, scopes: tuple[str, ...], reserved: int) -> tuple[Store, Decision]:
