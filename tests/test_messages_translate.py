@@ -577,6 +577,26 @@ def test_chat_to_messages_maps_every_supported_field():
     assert anthropic_problem(msgs) is None
 
 
+def test_consecutive_messages_of_a_role_are_one_turn_tool_results_first_in_order():
+    """A user text before the tool results of the turn before still comes after them, each group
+    in the order sent; 12,000 user messages in a row are one turn of 12,000 blocks (each merge
+    copied and sorted the turn: 9 s of the event loop for that body, review helper's repro)."""
+    body = {"model": "c", "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}} for i in range(3)]},
+        {"role": "user", "content": "by the way"},
+        {"role": "tool", "tool_call_id": "c0", "content": "r0"},
+        {"role": "user", "content": "and"},
+        {"role": "tool", "tool_call_id": "c1", "content": "r1"},
+        {"role": "tool", "tool_call_id": "c2", "content": "r2"},
+    ]}
+    last = tr.chat_to_messages(body, 100)["messages"][-1]["content"]
+    assert [b.get("tool_use_id") or b.get("text") for b in last] == ["c0", "c1", "c2", "by the way", "and"]
+    many = tr.chat_to_messages({"model": "c", "messages": [{"role": "user", "content": str(i)} for i in range(12_000)]}, 100)
+    assert [b["text"] for b in many["messages"][0]["content"]] == [str(i) for i in range(12_000)]
+
+
 @pytest.mark.parametrize(
     ("limits", "expect"),
     [({"max_completion_tokens": 7, "max_tokens": 9}, 7), ({"max_tokens": 9}, 9), ({}, 4096), ({"max_tokens": None}, 4096),
@@ -1215,3 +1235,24 @@ def test_nesting_orjson_cannot_write_back_is_a_translation_error_naming_the_fiel
     tools = [{"name": "f", "input_schema": {"x": deep}}]
     with pytest.raises(TranslationError, match=r"tools\[0\]\.input_schema: nested too deeply"):
         tr.messages_to_chat({"model": "m", "max_tokens": 5, "messages": turns[:1], "tools": tools})
+
+
+def test_token_counts_of_an_unexpected_type_read_as_zero_not_as_a_crash():
+    """A backend's usage with "10" (or 10.5, or true) where a count belongs: the translation
+    raised TypeError, a 500 (review helper's repro); such a count is 0 now."""
+    assert tr.chat_usage({"input_tokens": "10", "output_tokens": 2, "cache_read_input_tokens": 1.5})["prompt_tokens"] == 0
+    out = tr.anthropic_usage({"prompt_tokens": 10, "completion_tokens": True, "prompt_tokens_details": {"cached_tokens": "3"}}, 5)
+    assert out["input_tokens"] == 10 and out["cache_read_input_tokens"] == 0 and out["output_tokens"] == 0
+
+
+def test_an_answer_that_cannot_be_written_back_as_a_message_is_not_an_answer():
+    """Tool arguments nested 300 deep (orjson reads them, cannot write them back): the leg raised
+    orjson's TypeError, a 500; now NotAnAnswer, so the relay fails over (review helper's repro)."""
+    from gateway.messages.codec import MESSAGES_VIA_CHAT
+    from gateway.wire.codec import NotAnAnswer
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": ' + "[" * 300 + "]" * 300 + "}"}}
+    chat = {"id": "c", "object": "chat.completion", "created": 1, "model": "m", "usage": {"prompt_tokens": 1, "completion_tokens": 1},
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]}, "finish_reason": "tool_calls"}]}
+    with pytest.raises(NotAnAnswer):
+        MESSAGES_VIA_CHAT.whole(orjson.dumps(chat), 0)

@@ -665,3 +665,10 @@ async def test_the_async_sdk_reads_the_stream():
         final = await s.get_final_response()
     assert final.output[1].type == "function_call" and final.output[1].name == "get_weather"
     await c.close()
+
+
+def test_a_finish_reason_of_an_unexpected_type_is_no_crash():
+    """A backend's finish_reason ["stop"] (a list: unhashable) raised TypeError in the
+    translation, a 500 (review helper's repro); it reads as an unknown reason now."""
+    resp = chat_completion_to_response(completion("hi", finish=["stop"]), {"model": "m"})  # type: ignore[arg-type]
+    assert resp["output"][0]["status"] == "completed"

@@ -81,3 +81,24 @@ async def test_state_is_made_and_kept_only_where_the_api_is_native(upstream, gat
     assert raw.headers["x-gateway-backend"] == "prov"
     plain = await c.responses.with_raw_response.create(model="m", input="hello")
     assert plain.headers["x-gateway-backend"] == "local"  # a stateless request: the ranking's first, through chat
+
+
+def _deep(n: int) -> dict:
+    v: dict = {"type": "string"}
+    for _ in range(n):
+        v = {"type": "object", "properties": {"x": v}}
+    return v
+
+
+async def test_a_schema_nested_past_what_json_can_write_back_is_a_400_not_a_500(upstream, gateway):
+    """orjson reads 1,024 levels and writes ~255: a tool's parameters (or text.format's schema)
+    nested 140 objects deep passed the translation's check and failed encoding the chat body (a
+    500 and a traceback; review helper's repro). Encoded in the check: a 400, nothing sent."""
+    up = await upstream("local", tokens=3, endpoints=("chat", "completions", "models"))
+    gw = await gateway(_policy(up, cache={"enabled": False}))
+    for body in ({"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", "parameters": _deep(140)}]},
+                 {"model": "m", "input": "hi", "text": {"format": {"type": "json_schema", "name": "o", "schema": _deep(140)}}}):
+        async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/responses", json=body) as r:
+            out = await r.json()
+            assert r.status == 400 and "nested too deeply" in out["error"]["message"], out
+    assert up.stats.requests == 0

@@ -131,7 +131,7 @@ class MessagesViaChat(Endpoint):
             raise NotAnAnswer("the backend answered 200 with a body that is not a chat completion")
         try:
             body = orjson.dumps(_message(obj))
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # TypeError: orjson's, for nesting it cannot write back
             raise NotAnAnswer(f"the backend's answer cannot be read as a Message: {exc}") from None
         entry = Entry(body) if capture and len(body) <= capture and is_complete(obj) else None
         usage = obj.get("usage")

@@ -18,6 +18,7 @@ from ..wire.chat_monitor import ChatMonitor, OverChat
 from ..wire.codec import Endpoint, NotAnAnswer, Whole, salted
 from ..wire.monitor import Monitor, Rewrite, Verdict
 from .replay import replayable
+from ..messages.translate import encoded
 from .via_chat import ChatToResponsesStream, StreamOrderError, chat_completion_to_response, responses_to_chat
 from .wire import ResponsesRequest, stateful_refs
 
@@ -31,10 +32,11 @@ class ResponsesViaChat(Endpoint):
 
     def validate(self, body: Mapping[str, Any]) -> None:
         if not stateful_refs(body):  # a follow-up goes to the backend holding its state (pinning), as it is
-            responses_to_chat(body)
+            # Encoded too: orjson reads deeper nesting (a tool's schema) than it writes: a 400, not a 500
+            encoded(responses_to_chat(body), "the request")
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str, cache_salt: str | None = None) -> bytes:
-        return orjson.dumps(salted({**responses_to_chat(body), "model": upstream_model}, cache_salt))
+        return encoded(salted({**responses_to_chat(body), "model": upstream_model}, cache_salt), "the request")
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None,
                 body: Mapping[str, Any] | None = None, transcript: Any = None) -> Monitor:
@@ -49,7 +51,10 @@ class ResponsesViaChat(Endpoint):
             raise NotAnAnswer("the backend answered 200 with a body that is not a chat completion")
         usage = chat.get("usage")
         # The request is not at hand here: the Response echoes no settings (the SDK needs none).
-        body = orjson.dumps(chat_completion_to_response(chat, {}))
+        try:
+            body = orjson.dumps(chat_completion_to_response(chat, {}))
+        except (ValueError, TypeError) as exc:  # a field of a type the translation cannot take, nesting orjson cannot write
+            raise NotAnAnswer(f"the backend's answer cannot be read as a Response: {exc}") from None
         entry = Entry(body) if capture and len(body) <= capture and replayable(orjson.loads(body)) else None
         return Whole(usage if isinstance(usage, dict) else None, entry, None, body)
 

@@ -395,6 +395,11 @@ def _usage(chat_usage: Any) -> dict[str, Any] | None:
 _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
 
 
+def _incomplete(finish: Any) -> bool:
+    """Whether a chat finish reason (a backend's: any JSON value) ends the Response incomplete."""
+    return isinstance(finish, str) and finish in _INCOMPLETE
+
+
 def _response(request: Mapping[str, Any], *, rid: str, model: str, created: int, output: list[dict[str, Any]],
               usage: dict[str, Any] | None, finish: Any, service_tier: Any = None, started: bool = False) -> dict[str, Any]:
     """A Response object: the answer (or, `started`, the one in progress: no output, no usage),
@@ -464,7 +469,7 @@ def chat_completion_to_response(chat: Mapping[str, Any], request: Mapping[str, A
         args = fn.get("arguments")
         output.append(_call_item(str(call_id), str(fn.get("name") or ""), args if isinstance(args, str) else ""))
     finish = choice.get("finish_reason")
-    if output and finish in _INCOMPLETE:
+    if output and _incomplete(finish):
         output[-1]["status"] = "incomplete"  # the item the limit cut
     created = chat.get("created")
     model = chat.get("model") if isinstance(chat.get("model"), str) and chat.get("model") else request.get("model")
@@ -562,7 +567,7 @@ class ChatToResponsesStream:
         for call in self._all:
             if call.index < 0:  # a call without arguments yet, or whose name never came: sent as it is
                 out.append(self._open_call(call))
-        self._cut = self._finish in _INCOMPLETE  # the open item (the last) is the one the limit cut
+        self._cut = _incomplete(self._finish)  # the open item (the last) is the one the limit cut
         out.append(self._end_item())
         resp = self._whole()
         self.done = True
