@@ -278,6 +278,27 @@ async def test_the_book_is_bounded_and_forgets_keys_that_ended_long_ago():
     assert b["id"] not in {k["id"] for k in await book.listing("acme")}
 
 
+async def test_a_rotation_ends_every_secret_but_the_one_it_replaces_and_now_ends_them_all():
+    """A secret leaked during an earlier rotation's grace kept working after a rotation with
+    grace_s 0 (documented as "the old one stops now"), and graced rotations piled up live
+    secrets (21 after 20), none of it listed (review helper's repro). A rotation keeps only the
+    secret it replaces (for its grace); grace_s 0 ends them all; the listing says until when a
+    previous secret works."""
+    now = [1_000_000.0]
+    book = KeyBook(MemoryKeyStore(), VirtualKeysPolicy(), clock=lambda: now[0])
+    s0 = await book.create("acme", "a", None, None)
+    secrets_ = [s0["key"]] + [(await book.rotate(s0["id"], 3600))["key"] for _ in range(20)]
+    await book.refresh()
+    live = [k for k in secrets_ if book.lookup(_sha(k)) is not None]
+    assert live == secrets_[-2:]  # the newest, and the one it replaced (in its grace)
+    listed = next(k for k in await book.listing(None) if k["id"] == s0["id"])
+    assert listed["rotated_at"] == now[0] and listed["previous_secret_until"] is not None
+    fresh = (await book.rotate(s0["id"], 0))["key"]
+    await book.refresh()
+    assert [k for k in [*secrets_, fresh] if book.lookup(_sha(k)) is not None] == [fresh]
+    assert next(k for k in await book.listing(None) if k["id"] == s0["id"])["previous_secret_until"] is None
+
+
 def test_key_changes_travel_as_data_and_garbage_is_refused():
     """What a worker sends its supervisor (admin/relayed.py): each op round-trips through JSON and
     applies alike; anything else is a 400, not a crash of the supervisor's handler."""

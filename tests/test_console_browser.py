@@ -265,6 +265,10 @@ async def test_an_admin_makes_a_key_sees_its_secret_once_rotates_and_revokes_it(
     key_id = re.search(r"\bid (\S+),", await secret_box.inner_text())[1]  # type: ignore[index]
     live = pg.locator(f"tbody tr[data-key='{key_id}']")
     await expect(live.locator(".status")).to_have_text("active")
+    await live.get_by_role("button", name="Rotate").click()
+    await live.get_by_role("button", name="In 1 hour").click()  # the secret it replaces works an hour more: shown
+    await expect(live.locator(".status")).to_contain_text("active (previous secret until ")
+    assert await site.chat("gpt-test", key=rotated) == 200
     await live.get_by_role("button", name="Revoke").click()
     await expect(live.get_by_text("Revoke it?")).to_be_visible()  # a second click, inline: no dialog
     await live.get_by_role("button", name="Confirm", exact=True).click()

@@ -32,7 +32,8 @@ class Add:
 
 @dataclass(frozen=True, slots=True)
 class Rotate:
-    """Key `kid` gets the secret with `digest`; its current one works `grace_s` more seconds."""
+    """Key `kid` gets the secret with `digest`; its current one works `grace_s` more seconds, and
+    any earlier one still in its grace stops now."""
 
     kid: str
     now: float
@@ -64,9 +65,11 @@ def apply(op: KeyOp, records: dict[str, dict[str, Any]]) -> tuple[Writes, Any]:
     if isinstance(op, Rotate):
         rec = _live_record(records, op.kid)
         now = op.now
-        old = {d: u for d, u in rec["digests"].items() if u is not None and u > now}  # earlier graces still running
-        if op.grace_s > 0:
-            old.update({d: round(now + op.grace_s, 3) for d, u in rec["digests"].items() if u is None})
+        # Only the secret being replaced may keep working (for `grace_s`): every earlier one, still
+        # in its own grace, ends now. A rotation "now" after a leak stopped the newest secret only,
+        # and graced rotations piled up live secrets (21 after 20 rotations), none of them listed.
+        current = [d for d, until in rec["digests"].items() if until is None]
+        old = {d: round(now + op.grace_s, 3) for d in current} if op.grace_s > 0 else {}
         rec["digests"] = {**old, op.digest: None}
         rec["rotated_at"] = round(now, 3)
         return {op.kid: rec}, rec

@@ -184,7 +184,7 @@ class KeyBook:
                "models": models, "revoked": False, "revoked_at": None, "digests": {_digest(secret): None}}  # fmt: skip
 
         await self._change(Add(rec, now, self.policy.keep_revoked_s, self.policy.max_keys))
-        return {**public(rec), "key": secret}
+        return {**public(rec, self._clock()), "key": secret}
 
     async def rotate(self, kid: str, grace_s: float) -> dict[str, Any]:
         """A new secret for key `kid`; the old one works `grace_s` more seconds (0: stops now)."""
@@ -192,7 +192,7 @@ class KeyBook:
             raise BadRequest(f"grace_s must be between 0 and {self.policy.max_grace_s:g} (admin.keys.max_grace_s)", param="grace_s")
         secret = _secret()
         rec = await self._change(Rotate(kid, self._clock(), grace_s, _digest(secret)))
-        return {**public(rec), "key": secret}
+        return {**public(rec, self._clock()), "key": secret}
 
     async def revoke(self, kid: str) -> None:
         """Revoke key `kid` (every secret of it), everywhere within a poll. Revoking twice is fine."""
@@ -207,7 +207,8 @@ class KeyBook:
             used = {}
         for kid, t in self._used.items():  # not yet written
             used[kid] = max(t, used.get(kid, 0.0))
-        out = [{**public(r), "last_used_at": None if r["id"] not in used else round(used[r["id"]], 3)}
+        now = self._clock()
+        out = [{**public(r, now), "last_used_at": None if r["id"] not in used else round(used[r["id"]], 3)}
                for r in records.values() if tenant is None or r["tenant"] == tenant]
         out.sort(key=lambda r: r["created_at"], reverse=True)
         return out
@@ -226,9 +227,13 @@ def _to_next_tick(period_s: float, now: float) -> float:
     return period_s - now % period_s
 
 
-def public(rec: dict[str, Any]) -> dict[str, Any]:
-    """A record without its digests."""
-    return {k: rec.get(k) for k in ("id", "tenant", "name", "created_at", "expires_at", "models", "revoked", "revoked_at")}
+def public(rec: dict[str, Any], now: float) -> dict[str, Any]:
+    """A record without its digests: when it was last rotated, and until when the secret it
+    replaced still works (null: none does)."""
+    out = {k: rec.get(k) for k in ("id", "tenant", "name", "created_at", "expires_at", "models", "revoked", "revoked_at", "rotated_at")}
+    graces = [until for until in (rec.get("digests") or {}).values() if until is not None and until > now]
+    out["previous_secret_until"] = max(graces, default=None)
+    return out
 
 
 def _secret() -> str:

@@ -309,7 +309,9 @@
       const expired = k.expires_at !== null && k.expires_at !== undefined && k.expires_at * 1000 < Date.now();
       const status = k.revoked ? "revoked" : expired ? "expired" : "active";
       const cells = [k.id, k.tenant, k.name, fmtTime(k.created_at), fmtTime(k.expires_at), fmtTime(k.last_used_at),
-        el("span", { className: "status", dataset: { status } }, status), k.models ? k.models.join(", ") : "all"];
+        el("span", { className: "status", dataset: { status } }, k.previous_secret_until && !k.revoked
+          ? `${status} (previous secret until ${fmtTime(k.previous_secret_until)})` : status),
+        k.models ? k.models.join(", ") : "all"];
       if (admin) cells.push(k.revoked ? "" : actions(k));
       return row(cells, { dataset: { key: k.id } });
     }
