@@ -299,6 +299,34 @@ async def test_a_rotation_ends_every_secret_but_the_one_it_replaces_and_now_ends
     assert next(k for k in await book.listing(None) if k["id"] == s0["id"])["previous_secret_until"] is None
 
 
+async def test_a_store_that_comes_back_empty_never_gives_a_replica_the_version_it_loaded_before():
+    """Redis restarted without persistence (as the shipped compose and Kubernetes Redis run): the
+    version counted from 1 again, the first change made it the number a replica had loaded, and
+    that replica never reloaded: it kept a key the store no longer held (no admin could revoke
+    it: a 404) and refused the new one (review helper's repro). An emptied store counts from a
+    random number."""
+    import redis.asyncio as aioredis
+
+    from gateway.admin.key_store import RedisKeyStore
+
+    async with redis_server() as url:
+        a = KeyBook(RedisKeyStore(url, prefix="t:"), VirtualKeysPolicy())
+        b = KeyBook(RedisKeyStore(url, prefix="t:"), VirtualKeysPolicy())
+        try:
+            old = await a.create("acme", "old", None, None)
+            await b.catch_up()
+            assert b.lookup(_sha(old["key"])) is not None
+            r = aioredis.from_url(url)
+            await r.flushall()  # back empty
+            await r.aclose()
+            new = await a.create("acme", "new", None, None)
+            await b._check()  # the poll's step
+            assert b.lookup(_sha(old["key"])) is None and b.lookup(_sha(new["key"])) is not None
+        finally:
+            await a.close()
+            await b.close()
+
+
 def test_key_changes_travel_as_data_and_garbage_is_refused():
     """What a worker sends its supervisor (admin/relayed.py): each op round-trips through JSON and
     applies alike; anything else is a 400, not a crash of the supervisor's handler."""

@@ -9,6 +9,7 @@ secrets.
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Any, Protocol
 
 import orjson
@@ -85,18 +86,25 @@ return {redis.call('GET', KEYS[1]) or '0', redis.call('HGETALL', KEYS[2])}
 """
 
 # A change made against version ARGV[1]: written only while the version is still that (else 0 and
-# nothing written: another change got in first); ARGV[2..] are (id, record JSON or "" to delete).
+# nothing written: another change got in first); ARGV[3..] are (id, record JSON or "" to delete).
+# A store without a version (new, or emptied: a restart without persistence, a failover that lost
+# writes) starts counting at ARGV[2], a random number: counting from 1 again could come back to
+# the very version a replica loaded before, which would then never reload (keeping a key nobody
+# can revoke, and refusing the keys made since).
 _WRITE = """
 if (redis.call('GET', KEYS[1]) or '0') ~= ARGV[1] then
   return 0
 end
-for i = 2, #ARGV, 2 do
+for i = 3, #ARGV, 2 do
   if ARGV[i + 1] == '' then
     redis.call('HDEL', KEYS[2], ARGV[i])
     redis.call('HDEL', KEYS[3], ARGV[i])
   else
     redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1])
   end
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SET', KEYS[1], ARGV[2])
 end
 return redis.call('INCR', KEYS[1])
 """
@@ -134,7 +142,7 @@ class RedisKeyStore:
             for _ in range(self._TRIES):
                 version, records = await self.records()
                 writes, result = apply(op, records)
-                args: list[Any] = [version]
+                args: list[Any] = [version, secrets.randbelow(1 << 40)]
                 for kid, rec in writes.items():
                     args += [kid, b"" if rec is None else orjson.dumps(rec)]
                 if await self._write(keys=[self._version, self._hash, self._used], args=args):
