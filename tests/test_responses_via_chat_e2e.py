@@ -102,3 +102,17 @@ async def test_a_schema_nested_past_what_json_can_write_back_is_a_400_not_a_500(
             out = await r.json()
             assert r.status == 400 and "nested too deeply" in out["error"]["message"], out
     assert up.stats.requests == 0
+
+
+async def test_long_instructions_stream_through_a_chat_backend(upstream, gateway):
+    """The translation's start events repeat the request (its instructions, 600 KB here) and are
+    held until the first output: they counted against the 1 MiB a backend may send before it, so
+    the backend was blamed ("sent over 1048576 bytes"), tried twice and the client got a 502
+    (review helper's repro). What is bounded is the backend's bytes."""
+    up = await upstream("local", tokens=3, endpoints=("chat", "completions", "models"))
+    gw = await gateway(_policy(up, cache={"enabled": False}))
+    body = {"model": "m", "input": "Summarise the document.", "instructions": "lorem ipsum " * 50_000, "stream": True}
+    async with aiohttp.ClientSession() as http, http.post(gw.url + "/v1/responses", json=body) as r:
+        raw = await r.read()
+        assert r.status == 200 and b"response.completed" in raw, raw[:300]
+    assert up.stats.requests == 1

@@ -193,8 +193,9 @@ class Pump:
             if mon.record is not None and att.call.affinity is not None:
                 # Before anything reaches the client: a follow-up can never outrun its record.
                 await att.call.affinity.learn(mon.record, att.backend.name)
+            sent = len(ev)  # the backend's bytes: what MAX_HELD_BYTES bounds
             if mon.out is not None:
-                ev = mon.out
+                ev = mon.out  # a translation's (its start events repeat the request: not the backend's bytes)
             if v is _CONTENT:
                 att.call.out.streamed_tokens += 1
                 if not self.first:
@@ -206,7 +207,7 @@ class Pump:
                 out.append(ev)
                 continue
             self.held.append(ev)
-            self.held_bytes += len(ev)
+            self.held_bytes += sent
             if v is _CONTENT or mon.finished:
                 if v is not _CONTENT:
                     att.claim()  # an answer without output: its end is its first byte
