@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -77,7 +77,9 @@ class _Call:
     name: str
     held: list[str]  # argument pieces that came before its name
     index: int = -1  # its Anthropic block index, once opened
-    sent: str = ""  # its arguments as sent to the client so far
+    sent: list[str] = field(default_factory=list)  # its arguments as sent to the client so far, in pieces
+    sent_chars: int = 0
+    order: int = 0  # its place among the answer's calls
 
 
 class BadArguments(ValueError):
@@ -93,21 +95,23 @@ _PARTIAL_CHECK_CHARS = 4096
 def _check_partial(call: _Call, piece: str) -> None:
     """Add `piece` to what was sent of `call`; raise BadArguments when it is no longer the start
     of a JSON object (single quotes, a bare string, ...), before the client gets it."""
-    call.sent += piece
-    if len(call.sent) - len(piece) >= _PARTIAL_CHECK_CHARS:
+    call.sent.append(piece)  # pieces, joined when read: a string grown piece by piece is copied each time
+    call.sent_chars += len(piece)
+    if call.sent_chars - len(piece) >= _PARTIAL_CHECK_CHARS:
         return
+    sent = "".join(call.sent)
     try:
-        parsed = pydantic_core.from_json(call.sent, allow_partial=True)
+        parsed = pydantic_core.from_json(sent, allow_partial=True)
     except ValueError as exc:
-        raise _bad(call, call.sent, f"not JSON ({exc})") from None
+        raise _bad(call, sent, f"not JSON ({exc})") from None
     if not isinstance(parsed, dict):
-        raise _bad(call, call.sent, "not a JSON object")
+        raise _bad(call, sent, "not a JSON object")
 
 
 def _check_whole(call: _Call) -> None:
     """At the answer's finish: `call`'s arguments (sent, or held while its name did not come) are
     one whole JSON object ("" is {})."""
-    text = call.sent + "".join(call.held)
+    text = "".join(call.sent) + "".join(call.held)
     if not text.strip():
         return
     try:
@@ -136,6 +140,7 @@ class ChatToMessagesStream:
         self._open: str | None = None  # "text" or "tool": the open block's kind
         self._calls: dict[int, _Call] = {}  # by OpenAI index: the latest call there
         self._all: list[_Call] = []  # every call, in order
+        self._named: list[_Call] = []  # calls named but not opened yet (waiting for their first argument piece)
         self._refused = False  # a refusal streamed (OpenAI still finishes it with "stop")
         self._finish: str | None = None
         self._matched: Any = None  # vLLM's stop_reason: the stop string that matched
@@ -270,9 +275,13 @@ class ChatToMessagesStream:
         return out + self._delta({"type": "text_delta", "text": text})
 
     def _open_pending(self, keep: _Call | None = None) -> bytes:
-        """Open the named calls still waiting for their first argument piece (all but `keep`), in
-        order: something after them begins."""
-        return b"".join(self._open_tool(c) for c in self._all if c.index < 0 and c.name and c is not keep)
+        """Open the named calls still waiting for their first argument piece (all but `keep`, which
+        the caller opens next), in order: something after them begins. Only those: a scan of every
+        call on each text piece was quadratic (2,000 calls then 100,000 pieces: 2.9 s)."""
+        if not self._named:
+            return b""
+        named, self._named = sorted(self._named, key=lambda c: c.order), []
+        return b"".join(self._open_tool(c) for c in named if c.index < 0 and c is not keep)
 
     def _open_tool(self, call: _Call, *, check: bool = True) -> bytes:
         call.id = call.id or tool_id()
@@ -288,12 +297,14 @@ class ChatToMessagesStream:
         call = self._calls.get(at)
         if call is None or (ident is not None and call.id is not None and ident != call.id):
             # a new call; a new id at a used index too (servers that send every call at index 0)
-            call = self._calls[at] = _Call(id=None, name="", held=[])
+            call = self._calls[at] = _Call(id=None, name="", held=[], order=len(self._all))
             self._all.append(call)
         if call.id is None and ident is not None:
             call.id = ident
         if call.index < 0:
-            if isinstance(name, str):
+            if isinstance(name, str) and name:
+                if not call.name:
+                    self._named.append(call)
                 call.name += name
             if isinstance(args, str) and args:
                 call.held.append(args)

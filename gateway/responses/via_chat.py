@@ -491,6 +491,7 @@ class _Call:
     args: list[str] = field(default_factory=list)  # the arguments streamed so far
     index: int = -1  # its output_index, once opened
     iid: str = ""  # its item id, once opened
+    order: int = 0  # its place among the answer's calls
 
 
 @dataclass(slots=True)
@@ -518,6 +519,7 @@ class ChatToResponsesStream:
         self._parts: list[_Part] = []  # the open message's parts (the last one open)
         self._calls: dict[int, _Call] = {}  # by chat index: the latest call there
         self._all: list[_Call] = []  # every call, in order
+        self._named: list[_Call] = []  # calls named but not opened yet (waiting for their first argument piece)
         self._current: _Call | None = None  # the open call
         self._finish: Any = None
         self._cut = False  # the answer was cut (finish length / content_filter): its last item is incomplete
@@ -671,9 +673,13 @@ class ChatToResponsesStream:
         return out + (self._args(call, held) if held else b"")
 
     def _open_pending(self, keep: _Call | None = None) -> bytes:
-        """Open the named calls still waiting for their first argument piece (all but `keep`), in
-        order: something after them begins."""
-        return b"".join(self._open_call(c) for c in self._all if c.index < 0 and c.name and c is not keep)
+        """Open the named calls still waiting for their first argument piece (all but `keep`, which
+        the caller opens next), in order: something after them begins. Only those: a scan of every
+        call on each text piece was quadratic (2,000 calls then 100,000 pieces: 3.1 s)."""
+        if not self._named:
+            return b""
+        named, self._named = sorted(self._named, key=lambda c: c.order), []
+        return b"".join(self._open_call(c) for c in named if c.index < 0 and c is not keep)
 
     def _args(self, call: _Call, piece: str) -> bytes:
         call.args.append(piece)
@@ -684,11 +690,13 @@ class ChatToResponsesStream:
         call = self._calls.get(at)
         if call is None or (ident is not None and call.id is not None and ident != call.id):
             # a new call; a new id at a used index too (servers that send every call at index 0)
-            call = self._calls[at] = _Call(id=ident)
+            call = self._calls[at] = _Call(id=ident, order=len(self._all))
             self._all.append(call)
         if call.id is None and ident is not None and call.index < 0:
             call.id = ident
-        if isinstance(name, str):
+        if isinstance(name, str) and name:
+            if not call.name and call.index < 0:
+                self._named.append(call)
             call.name += name  # a piece after the item opened reaches the done events and the Response
         if call.index < 0:
             if isinstance(args, str) and args:
