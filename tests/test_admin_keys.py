@@ -327,6 +327,29 @@ async def test_a_store_that_comes_back_empty_never_gives_a_replica_the_version_i
             await b.close()
 
 
+async def test_a_listing_reads_the_store_only_when_the_keys_changed():
+    """A listing read every record from the store and built the answer without a pause: three
+    viewers listing 10,000 keys in a loop held every request up to 387 ms (review helper's
+    repro). It reads the version, and the records only when they changed (from another process
+    too), and pauses every 1,000 keys."""
+    reads = [0]
+
+    class Counting(MemoryKeyStore):
+        async def records(self) -> tuple[int, dict[str, dict[str, Any]]]:
+            reads[0] += 1
+            return await super().records()
+
+    store = Counting()
+    book, other = KeyBook(store, VirtualKeysPolicy()), KeyBook(store, VirtualKeysPolicy())
+    for i in range(300):
+        await other.create("acme", f"k{i}", None, None)  # each reloads `other`: a read each
+    first = await book.listing(None)  # this process had loaded nothing: one read
+    assert len(first) == 300 and reads[0] == 300 + 1
+    assert await book.listing("acme") == first and reads[0] == 301  # nothing changed: no read
+    await other.revoke(first[0]["id"])
+    assert (await book.listing(None))[0]["revoked"] is True and reads[0] == 303  # other's reload, then this one's
+
+
 def test_key_changes_travel_as_data_and_garbage_is_refused():
     """What a worker sends its supervisor (admin/relayed.py): each op round-trips through JSON and
     applies alike; anything else is a 400, not a crash of the supervisor's handler."""
