@@ -116,3 +116,25 @@ async def test_long_instructions_stream_through_a_chat_backend(upstream, gateway
         raw = await r.read()
         assert r.status == 200 and b"response.completed" in raw, raw[:300]
     assert up.stats.requests == 1
+
+
+async def test_a_cached_answer_replays_the_response_a_fresh_one_would_be(upstream, gateway):
+    """One entry serves streamed and whole requests alike; a stream's Response echoed the
+    request's settings and a whole one's did not, so a hit differed from a fresh answer in
+    instructions, tools, temperature, max_output_tokens (review helper's repro). Both echo now."""
+    up = await upstream("local", tokens=3, endpoints=("chat", "completions", "models"))
+    gw = await gateway(_policy(up))
+    body = {"model": "m", "input": "hi", "instructions": "Be brief.", "temperature": 0, "max_output_tokens": 50,
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]}
+    keys = ("instructions", "tools", "temperature", "max_output_tokens")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/responses", json={**body, "stream": True}) as r:
+            await r.read()
+            assert r.headers["x-gateway-cache"] == "miss"  # stored from the stream
+        async with http.post(gw.url + "/v1/responses", json=body) as r:
+            hit = await r.json()
+            assert r.headers["x-gateway-cache"] == "hit"
+        async with http.post(gw.url + "/v1/responses", json=body, headers={"cache-control": "no-cache"}) as r:
+            fresh = await r.json()
+    assert {k: hit.get(k) for k in keys} == {k: fresh.get(k) for k in keys}
+    assert fresh["instructions"] == "Be brief." and fresh["max_output_tokens"] == 50

@@ -88,7 +88,7 @@ class MessagesEndpoint(Endpoint):
             return ResumedMessageMonitor(rewrite=rewrite, transcript=transcript)
         return AnthropicMonitor(transcript if isinstance(transcript, Transcript) else None)
 
-    def whole(self, raw: bytes, capture: int) -> Whole:
+    def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         msg = _json(raw)
         if msg is None or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
             raise NotAnAnswer("the backend answered 200 with a body that is not a Message")
@@ -125,7 +125,7 @@ class MessagesViaChat(Endpoint):
                 transcript: Any = None) -> Monitor:
         return ChatToMessagesMonitor(capture=capture, rewrite=rewrite, transcript=transcript)
 
-    def whole(self, raw: bytes, capture: int) -> Whole:
+    def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         obj = _json(raw)
         if obj is None or not isinstance(obj.get("choices"), list) or not obj["choices"]:
             raise NotAnAnswer("the backend answered 200 with a body that is not a chat completion")
@@ -168,7 +168,7 @@ class ChatViaMessages(Endpoint):
                 transcript: Any = None) -> Monitor:
         return AnthropicToChatMonitor(include_usage=not strip_usage, rewrite=rewrite, transcript=transcript)
 
-    def whole(self, raw: bytes, capture: int) -> Whole:
+    def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         msg = _json(raw)
         if msg is None or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
             raise NotAnAnswer("the backend answered 200 with a body that is not a Message")

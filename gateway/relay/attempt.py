@@ -234,7 +234,7 @@ class Attempt:
         """A whole answer: check it is one (a 200 with garbage fails over), then pass its bytes on."""
         call = self.call
         try:
-            whole = self.leg.whole(raw, call.cache.capture)
+            whole = self.leg.whole(raw, call.cache.capture, call.body)
         except NotAnAnswer as exc:
             raise AttemptFailed(UpstreamError(str(exc)), Kind.MALFORMED) from None
         self.claim()

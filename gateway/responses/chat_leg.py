@@ -42,7 +42,7 @@ class ResponsesViaChat(Endpoint):
                 body: Mapping[str, Any] | None = None, transcript: Any = None) -> Monitor:
         return ChatToResponsesMonitor(body or {}, capture=capture)
 
-    def whole(self, raw: bytes, capture: int) -> Whole:
+    def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         try:
             chat = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -50,13 +50,14 @@ class ResponsesViaChat(Endpoint):
         if not isinstance(chat, dict) or not isinstance(chat.get("choices"), list) or not chat["choices"]:
             raise NotAnAnswer("the backend answered 200 with a body that is not a chat completion")
         usage = chat.get("usage")
-        # The request is not at hand here: the Response echoes no settings (the SDK needs none).
+        # The Response echoes the request's settings, as a streamed one (and OpenAI's) does: a
+        # cached answer, stored from either, replays the same Response.
         try:
-            body = orjson.dumps(chat_completion_to_response(chat, {}))
+            out = orjson.dumps(chat_completion_to_response(chat, request or {}))
         except (ValueError, TypeError) as exc:  # a field of a type the translation cannot take, nesting orjson cannot write
             raise NotAnAnswer(f"the backend's answer cannot be read as a Response: {exc}") from None
-        entry = Entry(body) if capture and len(body) <= capture and replayable(orjson.loads(body)) else None
-        return Whole(usage if isinstance(usage, dict) else None, entry, None, body)
+        entry = Entry(out) if capture and len(out) <= capture and replayable(orjson.loads(out)) else None
+        return Whole(usage if isinstance(usage, dict) else None, entry, None, out)
 
 
 class ChatToResponsesMonitor(OverChat):

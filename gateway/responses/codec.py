@@ -64,7 +64,7 @@ class ResponsesEndpoint(Endpoint):
                 transcript: Any = None) -> Monitor:
         return ResponsesMonitor(capture=capture)
 
-    def whole(self, raw: bytes, capture: int) -> Whole:
+    def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         try:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -56,7 +56,7 @@ class ChatEndpoint(Endpoint):
                 transcript: Any = None) -> Monitor:
         return ChatMonitor(capture=capture, strip_usage=strip_usage, rewrite=rewrite)
 
-    def whole(self, raw: bytes, capture: int) -> Whole:
+    def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         obj = _answer(raw)
         entry = Entry(raw) if capture and len(raw) <= capture and is_complete(obj) else None
         usage = obj.get("usage")
@@ -74,7 +74,7 @@ class EmbeddingsEndpoint(Endpoint):
     name, path, request = "embeddings", "/embeddings", EmbeddingRequest
     streams = classifies = cacheable = generates = False
 
-    def whole(self, raw: bytes, capture: int) -> Whole:
+    def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         usage = _answer(raw).get("usage")
         return Whole(usage if isinstance(usage, dict) else None)
 

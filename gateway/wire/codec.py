@@ -201,8 +201,9 @@ class Endpoint:
         translator is kept across the attempts of one answer)."""
         raise NotImplementedError(f"{self.name} does not stream")
 
-    def whole(self, raw: bytes, capture: int) -> Whole:
-        """Read a whole 200 answer; raises NotAnAnswer when it is none."""
+    def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
+        """Read a whole 200 answer (`request`: the client's request, for a leg that echoes it); raises
+        NotAnAnswer when it is none."""
         raise NotImplementedError
 
     def held_id(self, entry: Entry) -> str | None:
