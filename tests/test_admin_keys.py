@@ -350,6 +350,35 @@ async def test_a_listing_reads_the_store_only_when_the_keys_changed():
     assert (await book.listing(None))[0]["revoked"] is True and reads[0] == 303  # other's reload, then this one's
 
 
+async def test_a_revoked_key_stops_its_streams_and_its_requests_under_way(upstream, gateway):
+    """A stream opened before its key was revoked ran to its end (8 s and 81 chunks more in the
+    review helper's repro; up to the 600 s deadline), and a request under way was answered. Each
+    read of a stream and each upstream attempt asks whether the key still works: the stream ends
+    with an error (never [DONE]); a whole answer that arrives after the revoke is a 401."""
+    up = await upstream("up", tokens=200, itl_ms=20)
+    slow = await upstream("slow", tokens=2, ttft_ms=600)
+    policy = _policy(up.url, None)
+    policy["backends"]["slow"] = {"url": slow.url, "models": ["s"]}
+    gw = await gateway(policy)
+    st, k = await _call("POST", f"{gw.url}/admin/keys", A, {"tenant": "acme", "name": "leaky"})
+    assert st == 201
+    client = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=k["key"], max_retries=0)
+    chunks = 0
+    with pytest.raises(openai.APIError) as exc:
+        stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], stream=True)
+        async for _ in stream:
+            chunks += 1
+            if chunks == 5:
+                assert (await _call("DELETE", f"{gw.url}/admin/keys/{k['id']}", A))[0] == 204
+    assert 5 <= chunks < 20 and "revoked" in str(exc.value)
+    st, k2 = await _call("POST", f"{gw.url}/admin/keys", A, {"tenant": "acme", "name": "leaky-2"})
+    pending = asyncio.ensure_future(_chat(gw.url, k2["key"], "s"))  # its answer comes after 600 ms
+    await asyncio.sleep(0.2)
+    assert (await _call("DELETE", f"{gw.url}/admin/keys/{k2['id']}", A))[0] == 204
+    assert await pending == 401
+    await client.close()
+
+
 def test_key_changes_travel_as_data_and_garbage_is_refused():
     """What a worker sends its supervisor (admin/relayed.py): each op round-trips through JSON and
     applies alike; anything else is a 400, not a crash of the supervisor's handler."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..config.policy import RoutingPolicy
-from ..errors import GatewayError, RateLimited, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+from ..errors import GatewayError, RateLimited, Unauthorized, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 from ..observe.metrics import BackendMetrics
 from ..pipeline.call import Call, Finish
 from ..routing.backends import Backend
@@ -57,7 +57,7 @@ class Cut(Exception):
     def __init__(self, err: GatewayError, kind: Kind) -> None:
         super().__init__(err.message)
         self.err = err
-        self.kind = kind  # CUT_MID_STREAM, TOO_LARGE, ERROR_EVENT_MID_STREAM or CALLER_DEADLINE
+        self.kind = kind  # CUT_MID_STREAM, TOO_LARGE, ERROR_EVENT_MID_STREAM, CALLER_DEADLINE or KEY_REVOKED
 
 
 class AttemptFailed(Exception):
@@ -144,8 +144,12 @@ class Attempt:
         return min(total_s, wait_s)
 
     async def send(self) -> tuple[UpstreamResponse, bytes]:
-        """Send the request; the response (its status read) and, for a whole 200, its body."""
+        """Send the request; the response (its status read) and, for a whole 200, its body.
+        Raises Unauthorized, sending nothing, when the caller's virtual key stopped working since
+        the request came (it waited in a queue, or this is a later attempt)."""
         call, backend, t = self.call, self.backend, self.backend.timeouts
+        if not key_live(call):
+            raise revoked()
         leg = self.leg
         upstream_model = backend.upstream_model(call.model)
         url = backend.urls[leg.upstream]
@@ -231,8 +235,11 @@ class Attempt:
         raise UpstreamRejected(status, raw, backend.name, context_length=context_length(status, raw))
 
     async def deliver(self, raw: bytes) -> Kind:
-        """A whole answer: check it is one (a 200 with garbage fails over), then pass its bytes on."""
+        """A whole answer: check it is one (a 200 with garbage fails over), then pass its bytes on
+        (not to a caller whose virtual key stopped working meanwhile: Unauthorized)."""
         call = self.call
+        if not key_live(call):
+            raise revoked()
         try:
             whole = self.leg.whole(raw, call.cache.capture, call.body)
         except NotAnAnswer as exc:
@@ -293,6 +300,16 @@ class Attempt:
             f"passed before backend {self.backend.name!r} answered"
         )
         return AttemptFailed(err, Kind.CALLER_DEADLINE)
+
+
+def key_live(call: Call) -> bool:
+    """Whether the caller's key still works (a key from the policy always does, for this request)."""
+    tenant = call.tenant
+    return tenant is None or tenant.live is None or tenant.live()
+
+
+def revoked() -> Unauthorized:
+    return Unauthorized("the API key was revoked, rotated away or expired while this request was under way")
 
 
 async def client_write(aw: Awaitable[None]) -> None:

@@ -27,7 +27,7 @@ from ..upstream.client import UpstreamHTTPError, UpstreamResponse
 from ..wire.monitor import Verdict
 from ..web.sink import CLIENT_READ_S
 from ..wire.openai_wire import SSEDecoder, SSEEventTooLarge, event_data
-from .attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, client_write
+from .attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, client_write, key_live, revoked
 from .continuation import Mismatch
 
 __all__ = ["Pump"]
@@ -124,6 +124,11 @@ class Pump:
         while True:
             chunk = await resp.readany()
             if not chunk:
+                return
+            if not key_live(att.call):  # revoked meanwhile: nothing more of it goes out
+                if not self.first:
+                    raise revoked()
+                self.broke = Cut(revoked(), Kind.KEY_REVOKED)
                 return
             out = await self._events(decoder.feed(chunk))
             if out:

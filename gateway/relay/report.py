@@ -17,7 +17,7 @@ log = logging.getLogger("gateway.relay")
 
 # Outcomes that are not the backend's errors: not in gateway_upstream_errors_total.
 _NOT_UPSTREAM_ERRORS = frozenset({Kind.REJECTED, Kind.CONTEXT_LENGTH, Kind.CALLER_DEADLINE, Kind.CLIENT_DISCONNECT,
-                                  Kind.LOST, Kind.MISMATCH})
+                                  Kind.LOST, Kind.MISMATCH, Kind.KEY_REVOKED})
 # Outcomes about the backend as a whole, not one of its models.
 _WHOLE_BACKEND = frozenset({Kind.CONNECT})
 

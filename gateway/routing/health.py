@@ -82,6 +82,7 @@ class Kind(StrEnum):
     LOST = "lost"  # a hedged rival answered first
     MISMATCH = "mismatch"  # a restarted continuation whose answer began differently
     CONTEXT_LENGTH = "context_length"  # the prompt does not fit its window
+    KEY_REVOKED = "key_revoked"  # the caller's virtual key stopped working meanwhile
 
     @classmethod
     def http(cls, status: int) -> Kind:
@@ -150,6 +151,7 @@ OUTCOMES: dict[Kind, Outcome] = {
     # A sampled answer, not a fault.
     Kind.MISMATCH: Outcome(health=False, sample=False),
     Kind.CONTEXT_LENGTH: Outcome(health=False, sample=False),
+    Kind.KEY_REVOKED: Outcome(health=False, sample=False, failover=False),
 }
 
 

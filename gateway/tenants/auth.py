@@ -7,7 +7,9 @@ import hmac
 import ipaddress
 import os
 import re
-from dataclasses import dataclass, replace
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
@@ -116,6 +118,9 @@ class Tenant:
     default_priority: str | None = None  # the band of a request that asks for none; None: `priority`
     key_id: str | None = None  # the virtual key (admin/keys.py) the caller used; None: a key from the policy
     log_payloads: bool = False  # the request log keeps its prompts and answers
+    # A virtual key's: whether it still works (not revoked, rotated away or expired since the
+    # request came): asked before each upstream attempt and on each read of a stream.
+    live: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def may_use(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -158,6 +163,10 @@ class IssuedKeys(Protocol):
 
     def lookup(self, digest: str) -> IssuedKey | None: ...
     async def catch_up(self) -> None: ...
+
+
+def _still_live(keys: IssuedKeys, digest: str) -> bool:
+    return keys.lookup(digest) is not None
 
 
 class Role(Enum):
@@ -226,12 +235,14 @@ class Tenants:
 
     def _virtual(self, digest: str) -> Tenant | None:
         """The tenant a live virtual key acts as (its models narrowed by the key's), or None."""
-        key = None if self.keys is None else self.keys.lookup(digest)
+        keys = self.keys
+        key = None if keys is None else keys.lookup(digest)
         tenant = None if key is None else self._by_name.get(key.tenant)
-        if key is None or tenant is None:  # unknown, revoked, expired; or its tenant left the policy
+        if keys is None or key is None or tenant is None:  # unknown, revoked, expired; or its tenant left the policy
             return None
         models = key.models if tenant.models is None or key.models is None else key.models & tenant.models
-        return replace(tenant, key_id=key.id, models=tenant.models if key.models is None else models)
+        return replace(tenant, key_id=key.id, models=tenant.models if key.models is None else models,
+                       live=functools.partial(_still_live, keys, digest))
 
     def tenant(self, name: str) -> Tenant | None:
         """The policy's tenant of that name (None: the policy has none)."""

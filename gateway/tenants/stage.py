@@ -28,13 +28,14 @@ class QuotaStage:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def early(self, rt: Runtime, call: Call, sink: Sink) -> QuotaEarly:
+    def early(self, rt: Runtime, call: Call, sink: Sink) -> QuotaEarly | _NoQuota:
         """`async with` it around intake: a caller whose tenant is out of requests for a while is
         refused (QuotaExceeded) before its body is parsed, and a request intake refuses (a 400,
         403, 404) still counts in the tenant's `rpm`: an unauthenticated one is intake's 401."""
-        return QuotaEarly(self, rt, call, sink)
+        return _NO_QUOTA if rt.quota is None else QuotaEarly(self, rt, call, sink)
 
-    def _rejected(self, rt: Runtime, tenant: Tenant, err: QuotaExceeded) -> None:
+    def count_rejection(self, rt: Runtime, tenant: Tenant, err: QuotaExceeded) -> None:
+        """gateway_quota_rejections_total, for a refusal of `tenant` by `err`'s limit."""
         self.metrics.quota_rejections.labels(rt.tenants.metric_label(tenant.name), err.limit).inc()
 
     @contextlib.asynccontextmanager
@@ -50,7 +51,7 @@ class QuotaStage:
             rt.quota.refuse_early(tenant, _no_header)
             hold = await rt.quota.reserve_request(tenant, timeout_s, _no_header)
         except QuotaExceeded as err:
-            self._rejected(rt, tenant, err)
+            self.count_rejection(rt, tenant, err)
             raise
         try:
             yield
@@ -79,7 +80,7 @@ class QuotaEarly:
         try:
             quota.refuse_early(tenant, self.sink.set_header)
         except QuotaExceeded as err:
-            self.stage._rejected(self.rt, tenant, err)
+            self.stage.count_rejection(self.rt, tenant, err)
             raise
 
     async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
@@ -92,7 +93,22 @@ class QuotaEarly:
         try:
             quota.release(await quota.reserve_request(tenant, self.call.remaining_s(), _no_header))
         except QuotaExceeded as err:
-            self.stage._rejected(self.rt, tenant, err)
+            self.stage.count_rejection(self.rt, tenant, err)
+
+
+class _NoQuota:
+    """QuotaEarly where no tenant has a quota: nothing to do, nothing held (one for every request)."""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_QUOTA = _NoQuota()
 
 
 class QuotaHold:

@@ -126,7 +126,7 @@ def json_object(raw: bytes) -> dict[str, Any]:
 def parse_body(raw: bytes, model: type[T], max_items: int | None = None) -> tuple[T, dict[str, Any]]:
     """Decode and validate a request body; return the typed view and the raw dict.
 
-    Raises BadRequest naming the offending field, or the items past `max_items` (count_items)
+    Raises BadRequest naming the offending field, or the items past `max_items` (bounded_items)
     before anything is validated.
     """
     if not raw:
