@@ -292,3 +292,25 @@ async def test_a_context_fallback_may_serve_the_same_model_name_on_another_backe
     assert raw.headers["x-gateway-backend"] == "s" and raw.headers["x-gateway-fallback"] == "context_length"
     assert raw.parse().choices[0].message.content == ANSWER
     assert len(p.stats.calls) == 1 and len(s.stats.calls) == 1
+
+
+@pytest.mark.parametrize("prompt", [[101, 102, 103], [[101, 102, 103]], ["Tell me a story: "]],
+                         ids=["token ids", "one token array in a list", "one prompt in a list"])
+async def test_a_completion_whose_prompt_is_not_one_string_is_continued_by_restart(upstream, gateway, prompt):
+    """A prefill appends the delivered text to the prompt: a token-id prompt (or a list) went on as
+    its Python text, "[101, 102, 103]w0 w1 w2 ", and the client got an answer spliced onto another
+    prompt (review helper's repro). Such a request restarts on the next backend instead."""
+    p = await upstream("p", mode="cut", fail_after=3, fault_count=1, tokens=8)
+    s = await upstream("s", tokens=8)
+    gw = await gateway({
+        "version": 1, "cache": {"enabled": False}, "health": {"probe_interval_ms": 600_000},
+        "backends": {"p": {"url": p.url, "models": ["m"]}, "s": {"url": s.url, "models": ["m"], "prefill": True}},
+        "models": {"m": {"backends": ["p", "s"], "strategy": "ordered"}},
+    })
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/completions", json={"model": "m", "prompt": prompt, "stream": True, "max_tokens": 8}) as r:
+            raw = await r.read()
+    events = [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    text = "".join(c["text"] for e in events for c in e.get("choices", []))
+    assert s.stats.requests == 1 and s.stats.last_body["prompt"] == prompt  # sent as it came
+    assert text == " ".join(f"w{i}" for i in range(8)) + " " and raw.endswith(b"data: [DONE]\n\n")

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..admission.gate import MAX_COST, Ticket
-from ..classify.classifier import Stage
+from ..classify.classifier import Stage, Verdict
 from ..config.policy import QuotaPolicy
 from ..config.runtime import Route, Runtime
 from ..routing.prefix import prefix_keys
@@ -48,16 +48,18 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     rt.tenants.authorize(tenant, call.model)
     cap(call, tenant)  # the band at most the tenant's priority; a service_tier above it not sent upstream
     route = rt.route(call.model)
-    call.prompt_tokens = len(call.raw) // 4  # cheap; the classifier's estimate replaces it when it runs
+    # Cheap; the classifier's estimate replaces it when it runs. Token ids are counted one by one.
+    unread = call.endpoint.unread_prompt(call.body)
+    call.prompt_tokens = max(len(call.raw) // 4, unread)
     if call.endpoint.classifies:
         view = call.endpoint.classify_view(call.body)  # a translation for some endpoints: once
         verdict = rt.classify(view, route)
-        if rt.uncertain(verdict, route):
+        if rt.uncertain(verdict, route) and not unread:
             verdict = await rt.cascade.decide(verdict, view, tenant.name)
-        call.verdict = verdict
+        call.verdict = verdict if not unread else _unread(verdict, unread)
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
-            call.prompt_tokens = estimate
+            call.prompt_tokens = estimate + unread
     if route.prefixes is not None and call.endpoint.generates:
         _prefix(call, route, tenant)
     pool = route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
@@ -65,6 +67,16 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     validate_legs(pool.translating.get(call.endpoint.name, ()), call.body)
     _ticket(call, rt, tenant)
     return route, tenant
+
+
+def _unread(v: Verdict, unread: int) -> Verdict:
+    """A prompt the classifier could not read whole (token ids, a completion's suffix: 30,000
+    token ids were "simple", sent to the small model, and reserved none of their tokens): complex,
+    recall first."""
+    if v.cls == "complex":
+        return v
+    return replace(v, cls="complex", rule="unread_prompt", stage=Stage.RULE,
+                   reasons=[*v.reasons, f"{unread} prompt tokens given as token ids or a suffix: the classifier reads text only"])
 
 
 def _prefix(call: Call, route: Route, tenant: Tenant) -> None:

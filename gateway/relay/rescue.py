@@ -83,7 +83,7 @@ class Rescue(RelayBase):
         for n, backend in enumerate(candidates):
             if rescues >= self.route.server.max_attempts or call.remaining_s() <= 0 or cut.kind not in _RESCUABLE:
                 break
-            for mode in ("prefill", "restart") if backend.prefill else ("restart",):
+            for mode in ("prefill", "restart") if backend.prefill and call.endpoint.prefills(call.body) else ("restart",):
                 rescues += 1
                 progress.cut, progress.owner, progress.rivals = None, None, None
                 log.warning("request %s: %s; continuing the answer on %r (%s, %d characters delivered)",

@@ -14,7 +14,7 @@ import orjson
 
 from ..cache.entry import Entry, is_complete, replay_json, replay_sse
 from .chat_monitor import ChatMonitor
-from .codec import Endpoint, NotAnAnswer, Whole, count_field
+from .codec import Endpoint, NotAnAnswer, Whole, count_field, token_ids
 from .monitor import Monitor, Rewrite
 from .openai_wire import ChatRequest, CompletionRequest, EmbeddingRequest, RequestBody
 
@@ -47,6 +47,19 @@ class ChatEndpoint(Endpoint):
         """One choice, no tools asked for: text a continuation can reproduce."""
         return body.get("n") in (None, 1) and not body.get("tools")
 
+    def unread_prompt(self, body: Mapping[str, Any]) -> int:
+        """A completion's prompt as token ids, and its suffix (the classifier reads `prompt` text)."""
+        if self._chat:
+            return 0
+        suffix = body.get("suffix")
+        return token_ids(body.get("prompt")) + (max(1, len(suffix) // 4) if isinstance(suffix, str) and suffix else 0)
+
+    def prefills(self, body: Mapping[str, Any]) -> bool:
+        """On completions, a prompt that is one string and not echoed: a prefill appends what was
+        delivered to it (a token-id prompt, or a list, went on as its Python text, "[101, 102]w0
+        w1"; an echoed prompt, already in the delivered text, came a second time)."""
+        return self._chat or (isinstance(body.get("prompt"), str) and not body.get("echo"))
+
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
         if self._chat:
             return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
@@ -73,6 +86,10 @@ class EmbeddingsEndpoint(Endpoint):
 
     name, path, request = "embeddings", "/embeddings", EmbeddingRequest
     streams = classifies = cacheable = generates = False
+
+    def unread_prompt(self, body: Mapping[str, Any]) -> int:
+        """Input given as token ids: counted one by one (the body's size says half for small ids)."""
+        return token_ids(body.get("input"))
 
     def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         usage = _answer(raw).get("usage")

@@ -30,6 +30,15 @@ def count_field(v: Any) -> int | None:
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 else None
 
 
+def token_ids(value: Any) -> int:
+    """The token ids of a prompt or input given as ids: one array of ints, or a list of them."""
+    if not isinstance(value, list) or not value:
+        return 0
+    if isinstance(value[0], int):
+        return len(value)
+    return sum(len(v) for v in value if isinstance(v, list))
+
+
 def validate_legs(legs: Iterable[Endpoint], body: Mapping[str, Any]) -> None:
     """Refuse what a translating leg cannot send (`Endpoint.validate`). A body a translation
     cannot read is the caller's error, a 400, whatever the translation raised: never a 500
@@ -159,6 +168,11 @@ class Endpoint:
         """The body as the classifier reads it (a chat body)."""
         return body
 
+    def unread_prompt(self, body: Mapping[str, Any]) -> int:
+        """Prompt tokens the classifier's text cannot show (token ids, a completion's suffix): the
+        prompt estimate adds them, and a request with any goes to complex (intake.py)."""
+        return 0
+
     def cache_reason(self, body: Mapping[str, Any]) -> str | None:
         """Why this request's answer must not come from the cache, beyond the general rules."""
         return None
@@ -178,6 +192,11 @@ class Endpoint:
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
         """The body that asks a backend to go on from `text` (a continuation's prefill)."""
         raise NotImplementedError(f"{self.name} answers are not continued")
+
+    def prefills(self, body: Mapping[str, Any]) -> bool:
+        """Whether a continuation of this request may prefill (else it restarts, skipping the
+        delivered text)."""
+        return True
 
     # The backend refuses a prefill that ends in whitespace (Anthropic's API): a continuation's
     # prefill goes without it (continuation.Resume.body).

@@ -137,19 +137,21 @@ def parse_body(raw: bytes, model: type[T], max_items: int | None = None) -> tupl
     return validate_body(data, model), data
 
 
-_LISTS = ("messages", "input", "tools")  # a body's lists of items: chat and Messages API, Responses, both
+# A body's lists of items: chat and Messages API, Responses and embeddings, completions, all
+_LISTS = ("messages", "input", "prompt", "tools")
 
 
 def bounded_items(body: dict[str, Any], limit: int) -> None:
     """Raise BadRequest when `body` holds more than `limit` items: its messages (or Responses
-    input items), their content parts and its tools, together (server.max_items). Counted before
-    validation, whose cost (and the classifier's) grows with them."""
+    input items, or prompts and inputs of a list), their content parts and its tools, together
+    (server.max_items); token ids are one item an array. Counted before validation, whose cost
+    (and the classifier's) grows with them."""
     n = 0
     for key in _LISTS:
         items = body.get(key)
         if not isinstance(items, list):
             continue
-        n += len(items)
+        n += 1 if items and isinstance(items[0], int) else len(items)
         if n <= limit:
             for item in items:
                 content = item.get("content") if isinstance(item, dict) else None
@@ -159,7 +161,7 @@ def bounded_items(body: dict[str, Any], limit: int) -> None:
                         break
         if n > limit:
             raise BadRequest(f"invalid field '{key}': the request holds more than {limit:,} messages, input items, "
-                             "content parts and tools together (the gateway's server.max_items)", param=key)
+                             "prompts, content parts and tools together (the gateway's server.max_items)", param=key)
 
 
 def validate_body(data: dict[str, Any], model: type[T]) -> T:
