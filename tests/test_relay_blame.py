@@ -233,3 +233,28 @@ async def test_a_whole_answer_is_hedged_past_the_p95_of_whole_answers_not_of_fir
         status, headers, _ = await _post(gw, {})
         assert status == 200
     assert b.stats.requests - streamed_b <= 4  # past the whole answers' own P95 only, not all 20
+
+
+async def test_a_whole_answer_its_client_does_not_read_is_let_go(upstream, gateway, monkeypatch):
+    """aiohttp writes a handler's response with no limit on how long the client takes: 24 unread
+    answers of 16 MB held 856 MB until their clients closed, long after the requests were counted
+    done (review helper's repro). A whole answer past the socket's buffer is written under the
+    same bound as a stream's bytes: the connection is closed, the answer's memory given back."""
+    monkeypatch.setattr(web_sink, "CLIENT_READ_S", 1.0)
+    a = await upstream("a", tokens=2_000_000)  # ~16 MB as one chat completion: past any socket buffer
+    gw = await gateway(simple_policy(a))
+    s = await _stalled_reader(gw.port, {"model": "gpt-test", "messages": MSG})
+    loop = asyncio.get_running_loop()
+    try:
+        await asyncio.sleep(2.5)  # reading nothing meanwhile
+        closed = False
+        try:  # what the socket still holds, then its end: the gateway closed it (a kept connection sends no end)
+            while await asyncio.wait_for(loop.sock_recv(s, 1 << 20), 1.0):
+                pass
+            closed = True
+        except TimeoutError:
+            pass
+        assert closed
+    finally:
+        s.close()
+    assert (await _post(gw, {}))[0] == 200

@@ -122,9 +122,26 @@ class HttpSink:
         return transport is not None and transport.get_write_buffer_size() + size > _MAY_WAIT
 
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-        self.response = web.Response(
-            status=status, body=body, headers={**self._final_headers(), "Content-Type": content_type}
-        )
+        """A whole answer. One that fits the socket's buffer goes out as aiohttp writes a handler's
+        response; a larger one is written here, bounded like a stream's bytes: a client that takes
+        none of it for CLIENT_READ_S is gone (ConnectionResetError) and its connection closed.
+        aiohttp's own write of a response waits on the client with no limit: 24 unread answers of
+        16 MB held 856 MB until their clients closed (review helper's repro)."""
+        headers = {**self._final_headers(), "Content-Type": content_type}
+        if len(body) <= _MAY_WAIT:
+            self.response = web.Response(status=status, body=body, headers=headers)
+            return
+        resp = web.StreamResponse(status=status, headers=headers)
+        resp.content_length = len(body)
+        await resp.prepare(self.request)
+        self.response = resp
+        try:
+            await client_bounded(resp.write(body), CLIENT_READ_S)
+            await client_bounded(resp.write_eof(), CLIENT_READ_S)
+        except ConnectionError:
+            if self.request.transport is not None:
+                self.request.transport.close()  # the rest of the answer is dropped with it
+            raise
 
     async def fail(self, err: GatewayError) -> None:
         """Answer with an OpenAI-shaped error: a status while we can, an error event once streaming."""
