@@ -98,6 +98,8 @@ def test_map_is_bounded() -> None:
     for i in range(300):
         m.learn(prefix_keys({"prompt": f"prompt {i}"}, 1024), "a", "simple")
     assert len(m) == 100
+    # each backend's first blocks too (trimmed by age only, they held one per distinct prompt)
+    assert m.footprint("a") == 100
 
 
 def test_footprint_counts_first_blocks() -> None:

@@ -131,6 +131,10 @@ class PrefixMap:
             roots = self._roots[backend] = OrderedDict()
         roots[keys[0]] = now
         roots.move_to_end(keys[0])
+        # Bounded like the entries: trimmed only by age (in `footprint`), 200,000 distinct first
+        # blocks under max_entries 100 held 200,000 roots (~36 MB; request rate x the TTL).
+        while len(roots) > self.max_entries:
+            roots.popitem(last=False)
 
     def match(self, keys: Sequence[bytes], start: int | None = None) -> tuple[int, _Entry | None]:
         """The deepest learned block of `keys` at or below index `start` (default: the last), as
