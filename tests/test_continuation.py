@@ -41,6 +41,15 @@ def test_a_transcript_keeps_the_text_and_the_first_streams_identity():
     assert (t.id, t.model, t.created, t.backends) == ("c1", "m1", 7, ["p"])
 
 
+def test_a_long_transcript_is_kept_in_chunks_not_a_string_a_piece():
+    """A str per 3-character piece cost ~20 bytes a character (84 MB at MAX_CHARS; review
+    helper's repro): pieces are joined 64 at a time, the text the same."""
+    pieces = [f"w{i % 10} " for i in range(1000)]
+    t = _delivered(*pieces)
+    assert t.text == "".join(pieces) and t.chars == 3000 and t.tokens == 1000
+    assert len(t.parts) == 1000 // 64
+
+
 @pytest.mark.parametrize("choice", [
     {"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"name": "f"}}]}},
     {"index": 1, "delta": {"content": "second choice"}},

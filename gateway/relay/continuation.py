@@ -44,15 +44,21 @@ class Mismatch(Exception):
     """A restarted answer does not begin with the text the client already has."""
 
 
+_FOLD = 64  # pieces of a transcript joined into one string
+
+
 class Transcript:
     """What one streamed answer delivered so far. `continuable` turns False for anything a
     continuation cannot reproduce (tool calls, several choices)."""
 
-    __slots__ = ("parts", "chars", "id", "model", "created", "continuable", "tokens", "backends", "carry")
+    __slots__ = ("parts", "_tail", "chars", "id", "model", "created", "continuable", "tokens", "backends", "carry")
 
     def __init__(self) -> None:
+        # The text in chunks of _FOLD pieces (a str per piece cost ~20 bytes a character: 84 MB
+        # for MAX_CHARS), the latest pieces in `_tail` until they make a chunk.
         self.parts: list[str] = []
-        self.chars = 0  # the length of the text in parts (bounded: MAX_CHARS)
+        self._tail: list[str] = []
+        self.chars = 0  # the length of the text (bounded: MAX_CHARS)
         self.id: Any = None
         self.model: Any = None
         self.created: Any = None
@@ -63,7 +69,7 @@ class Transcript:
 
     @property
     def text(self) -> str:
-        return "".join(self.parts)
+        return "".join(self.parts) + "".join(self._tail)
 
     def note(self, obj: dict[str, Any], backend: str) -> None:
         """Record one event the client got (an original one, or a rewritten continuation one)."""
@@ -83,10 +89,14 @@ class Transcript:
             elif text:
                 self.tokens += 1
                 if self.continuable:
-                    self.parts.append(text)
+                    tail = self._tail
+                    tail.append(text)
+                    if len(tail) >= _FOLD:
+                        self.parts.append("".join(tail))
+                        tail.clear()
                     self.chars += len(text)
                     if self.chars > MAX_CHARS:  # past any real model's answer: not kept, not continued
-                        self.continuable, self.parts = False, []
+                        self.continuable, self.parts, self._tail = False, [], []
 
 
 def _text_of(choice: dict[str, Any]) -> str | None:
