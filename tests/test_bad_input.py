@@ -261,3 +261,23 @@ async def test_a_huge_model_name_comes_back_cut_in_the_error(upstream, gateway, 
             raw = await r.read()
     assert r.status == (404 if allowed is None else 403) and len(raw) < 1000
     assert "(1000000 characters)" in orjson.loads(raw)["error"]["message"]
+
+
+async def test_a_body_of_more_json_objects_than_the_gateway_holds_is_a_413(upstream, gateway):
+    """A field the gateway passes on, filled with 4 MiB of `{}`: ~100 MB decoded, held for the
+    whole upstream call (five in flight took the process from 68 to 612 MB; review helper's
+    repro). More than MAX_CONTAINERS objects and arrays is a 413 before validation; a body whose
+    strings hold many braces (code) is counted exactly, not refused on its bytes."""
+    from gateway.wire.openai_wire import MAX_CONTAINERS
+
+    up = await upstream("a")
+    gw = await gateway(simple_policy(up))
+    bomb = orjson.dumps({"model": "gpt-test", "messages": MSG, "metadata_x": [{}] * (MAX_CONTAINERS + 1)})
+    code = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "{[" * (MAX_CONTAINERS + 1)}]})
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", data=bomb, headers={"Content-Type": "application/json"}) as r:
+            err = await r.json()
+            assert r.status == 413 and "JSON objects and arrays" in err["error"]["message"], err
+        async with http.post(gw.url + "/v1/chat/completions", data=code, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == 200, await r.text()
+    assert up.stats.requests == 1

@@ -12,7 +12,7 @@ from ..tenants.auth import Tenant
 from ..wire.codec import Endpoint, validate_legs
 from ..web.http_call import api_key, error_response, json_response, read_bounded, request_id
 from ..web.keys import LIVE, PIPELINE
-from ..wire.openai_wire import bounded_items, json_object, validate_body
+from ..wire.openai_wire import bounded_containers, bounded_items, json_object, validate_body
 from .codec import MESSAGES
 from .translate import encoded
 from .wire import MessagesRequest, gateway_error
@@ -55,7 +55,9 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def _count(request: web.Request, rt: Runtime, tenant: Tenant) -> int:
     """The body's estimated input tokens, after the checks /v1/messages makes."""
-    body = json_object(await read_bounded(request, rt.server.max_body_bytes))
+    raw = await read_bounded(request, rt.server.max_body_bytes)
+    body = json_object(raw)
+    bounded_containers(raw, body)
     if "max_tokens" in body:
         raise BadRequest("max_tokens: Extra inputs are not permitted", param="max_tokens")
     bounded_items(body, rt.server.max_items)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
-from ..errors import BadRequest
+from ..errors import BadRequest, PayloadTooLarge
 
 __all__ = [
     "first_message",
@@ -26,6 +26,9 @@ __all__ = [
     "JsonInt",
     "EmbeddingRequest",
     "parse_body",
+    "bounded_containers",
+    "bounded_items",
+    "MAX_CONTAINERS",
     "validate_body",
     "SSEDecoder",
     "SSEEventTooLarge",
@@ -132,9 +135,36 @@ def parse_body(raw: bytes, model: type[T], max_items: int | None = None) -> tupl
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     data = json_object(raw)
+    bounded_containers(raw, data)
     if max_items is not None:
         bounded_items(data, max_items)
     return validate_body(data, model), data
+
+
+# JSON objects and arrays one body may hold. Each costs ~60-100 bytes decoded, and a body is held
+# for its whole upstream call: 4 MiB of `{}` in a field the gateway passes on was ~100 MB, five
+# such requests in flight half a gigabyte. A body of messages at server.max_items holds far fewer.
+MAX_CONTAINERS = 200_000
+
+
+def bounded_containers(raw: bytes, data: Any) -> None:
+    """Raise PayloadTooLarge when the decoded body holds more than MAX_CONTAINERS objects and
+    arrays. Counted in the body's bytes first (a bound: braces in strings count too), and walked
+    only when that count is past it."""
+    if raw.count(b"{") + raw.count(b"[") <= MAX_CONTAINERS:
+        return
+    n, stack = 0, [data]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        else:
+            continue
+        n += 1
+        if n > MAX_CONTAINERS:
+            raise PayloadTooLarge(f"the request body holds more than {MAX_CONTAINERS:,} JSON objects and arrays")
 
 
 # A body's lists of items: chat and Messages API, Responses and embeddings, completions, all
