@@ -714,3 +714,26 @@ async def test_a_leader_that_reads_nothing_holds_neither_its_followers_nor_the_s
     finally:
         sock.close()
     assert up.stats.requests == 1
+
+
+def test_a_followers_backlog_goes_out_a_slice_at_a_time_and_its_own_bytes_leave_the_budget():
+    """Joined whole, a follower's history (up to 8 MiB) was a copy of its own, and another in its
+    socket's buffer while it read nothing: 40 such followers held 550 MB over a 64 MiB budget
+    (review helper's repro; now +45 MB). A take is at most 64 KiB (or one piece); the bytes a tap
+    holds beyond the history leave the budget as they are taken."""
+    budget = Budget()
+    bc = Broadcast(budget=budget)
+    piece = b"x" * 1000
+    for _ in range(300):  # 300 KB of history
+        bc.publish(piece)
+    tap = bc.join()
+    assert tap is not None
+    used = budget.used
+    for _ in range(100):  # 100 KB more, this tap's own
+        bc.publish(piece)
+    assert budget.used == used + 100_000 + 100_000  # the history grew, and the tap counts what it holds beyond it
+    sizes = []
+    while tap.pending:
+        sizes.append(len(tap.take()))
+    assert sum(sizes) == 400_000 and max(sizes) <= 64 << 10 and len(sizes) == 7
+    assert budget.used == used + 100_000 and tap.counted == 0  # the history's stays counted until it is released
