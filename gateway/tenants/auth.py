@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import ipaddress
 import os
 import re
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import Enum

@@ -7,7 +7,7 @@ to the backend untouched (extra="allow"), so new OpenAI parameters work without 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, Protocol, TypeVar
 
 import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
@@ -18,6 +18,7 @@ __all__ = [
     "first_message",
     "function_tool",
     "tool_call_delta",
+    "due_calls",
     "json_object",
     "ChatRequest",
     "RequestBody",
@@ -308,6 +309,25 @@ def function_tool(name: Any, parameters: Any, spec: Mapping[str, Any]) -> dict[s
     if spec.get("strict") is not None:
         fn["strict"] = spec["strict"]
     return {"type": "function", "function": fn}
+
+
+class _Waiting(Protocol):
+    """A translated stream's tool call: its place among the answer's calls, its output index once opened."""
+
+    @property
+    def order(self) -> int: ...
+    @property
+    def index(self) -> int: ...
+
+
+W = TypeVar("W", bound=_Waiting)
+
+
+def due_calls(named: list[W], keep: W | None) -> list[W]:
+    """The named tool calls still waiting to open, in the order they came, all but `keep` (which
+    its caller opens next). Only the named ones are kept to look at: a scan of every call on each
+    text piece was quadratic (2,000 calls then 100,000 pieces: ~3 s)."""
+    return [c for c in sorted(named, key=lambda c: c.order) if c.index < 0 and c is not keep]
 
 
 def tool_call_delta(delta: Mapping[str, Any]) -> tuple[int, str | None, Any, Any]:
