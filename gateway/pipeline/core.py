@@ -54,8 +54,12 @@ class Pipeline:
     async def run(self, call: Call, rt: Runtime, sink: Sink) -> None:
         """Answer one request through every stage; always leaves an answer (data or error) in `sink`."""
         try:
-            async with self.quota.early(rt, call, sink):  # a tenant out of requests: refused before parsing
+            self.quota.early(rt, call, sink)  # a tenant out of requests: refused before parsing
+            try:
                 route, tenant = await intake(call, rt)
+            except GatewayError as err:
+                await self.quota.refused(rt, call, err)  # counted in its rpm all the same
+                raise
             async with self.quota.hold(rt, call, route, tenant, sink):
                 self._announce(call, sink)
                 pinned = await _pin(call, route, rt, tenant, learn=True)

@@ -13,7 +13,7 @@ from ..web.sink import Sink
 from .auth import Tenant
 from .quota import Hold, QuotaExceeded
 
-__all__ = ["QuotaEarly", "QuotaHold", "QuotaStage"]
+__all__ = ["QuotaHold", "QuotaStage"]
 
 
 def _no_header(name: str, value: str) -> None:
@@ -28,11 +28,30 @@ class QuotaStage:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
-    def early(self, rt: Runtime, call: Call, sink: Sink) -> QuotaEarly | _NoQuota:
-        """`async with` it around intake: a caller whose tenant is out of requests for a while is
-        refused (QuotaExceeded) before its body is parsed, and a request intake refuses (a 400,
-        403, 404) still counts in the tenant's `rpm`: an unauthenticated one is intake's 401."""
-        return _NO_QUOTA if rt.quota is None else QuotaEarly(self, rt, call, sink)
+    def early(self, rt: Runtime, call: Call, sink: Sink) -> None:
+        """Before intake: refuse (QuotaExceeded) a caller whose tenant is out of requests for a
+        while, before its body is parsed (an unauthenticated one is intake's 401)."""
+        quota, tenant = rt.quota, call.tenant
+        if quota is None or tenant is None:
+            return
+        try:
+            quota.refuse_early(tenant, sink.set_header)
+        except QuotaExceeded as err:
+            self.count_rejection(rt, tenant, err)
+            raise
+
+    async def refused(self, rt: Runtime, call: Call, err: GatewayError) -> None:
+        """A request intake refused (a 400, 403, 404) is a request all the same: taken from the
+        tenant's `rpm` (and given back at once), so a flood of bodies that fail validation spends
+        it and is then refused before parsing too (each cost up to ~50 ms of the event loop to
+        decode). Its own error stands."""
+        quota, tenant = rt.quota, call.tenant
+        if quota is None or tenant is None or isinstance(err, QuotaExceeded):
+            return
+        try:
+            quota.release(await quota.reserve_request(tenant, call.remaining_s(), _no_header))
+        except QuotaExceeded as rpm:
+            self.count_rejection(rt, tenant, rpm)
 
     def count_rejection(self, rt: Runtime, tenant: Tenant, err: QuotaExceeded) -> None:
         """gateway_quota_rejections_total, for a refusal of `tenant` by `err`'s limit."""
@@ -63,52 +82,6 @@ class QuotaStage:
         (x-ratelimit headers set; QuotaExceeded when a limit refuses), then settled with the
         tokens and spend it used, on every way out of the block."""
         return QuotaHold(self.metrics, rt, call, route, tenant, sink)
-
-
-class QuotaEarly:
-    """The quota's part before intake (a class, not a generator: entered on every request)."""
-
-    __slots__ = ("stage", "rt", "call", "sink")
-
-    def __init__(self, stage: QuotaStage, rt: Runtime, call: Call, sink: Sink) -> None:
-        self.stage, self.rt, self.call, self.sink = stage, rt, call, sink
-
-    async def __aenter__(self) -> None:
-        quota, tenant = self.rt.quota, self.call.tenant
-        if quota is None or tenant is None:
-            return
-        try:
-            quota.refuse_early(tenant, self.sink.set_header)
-        except QuotaExceeded as err:
-            self.stage.count_rejection(self.rt, tenant, err)
-            raise
-
-    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        quota, tenant = self.rt.quota, self.call.tenant
-        if quota is None or tenant is None or not isinstance(exc, GatewayError) or isinstance(exc, QuotaExceeded):
-            return
-        # Refused by intake: a request all the same. Taken (and given back at once) so that a flood
-        # of bodies that fail validation spends the tenant's rpm and is then refused before parsing
-        # too (each cost up to ~50 ms of the event loop to decode); its own error stands.
-        try:
-            quota.release(await quota.reserve_request(tenant, self.call.remaining_s(), _no_header))
-        except QuotaExceeded as err:
-            self.stage.count_rejection(self.rt, tenant, err)
-
-
-class _NoQuota:
-    """QuotaEarly where no tenant has a quota: nothing to do, nothing held (one for every request)."""
-
-    __slots__ = ()
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_QUOTA = _NoQuota()
 
 
 class QuotaHold:

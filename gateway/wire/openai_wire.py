@@ -136,8 +136,10 @@ def parse_body(raw: bytes, model: type[T], max_items: int | None = None) -> tupl
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     data = json_object(raw)
-    bounded_containers(raw, data)
-    if max_items is not None:
+    # Each item, object or array takes two bytes at least: a smaller body cannot hold too many.
+    if len(raw) > 2 * MAX_CONTAINERS:
+        bounded_containers(raw, data)
+    if max_items is not None and len(raw) > 2 * max_items:
         bounded_items(data, max_items)
     return validate_body(data, model), data
 
