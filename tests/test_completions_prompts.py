@@ -47,6 +47,12 @@ async def test_a_prompt_the_classifier_cannot_read_goes_complex_and_reserves_its
     assert status == 200 and headers["x-gateway-class"] == "complex" and headers["x-gateway-backend"] == "big"
     reserved = 1_000_000 - int(headers["x-ratelimit-remaining-tokens"])
     assert reserved >= N_TOKENS * 0.9, reserved
+    async with aiohttp.ClientSession() as http:  # explain reads a completions body too
+        explain = {"model": "auto", "max_tokens": 5, **prompt}
+        async with http.post(gw.url + "/v1/route/explain", json=explain, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            why = await r.json()
+    assert why["endpoint"] == "completions" and why["rule"] == "unread_prompt" and why["class"] == "complex", why
+    assert why["prompt_tokens"] >= N_TOKENS * 0.9
 
 
 async def test_token_ids_count_one_by_one_and_a_flat_array_is_one_item(upstream, gateway):

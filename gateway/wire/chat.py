@@ -54,6 +54,10 @@ class ChatEndpoint(Endpoint):
         suffix = body.get("suffix")
         return token_ids(body.get("prompt")) + (max(1, len(suffix) // 4) if isinstance(suffix, str) and suffix else 0)
 
+    def recognises(self, body: Mapping[str, Any]) -> bool:
+        """A completions body (for /v1/route/explain): `prompt`, no `messages`."""
+        return not self._chat and "prompt" in body and "messages" not in body
+
     def prefills(self, body: Mapping[str, Any]) -> bool:
         """On completions, a prompt that is one string and not echoed: a prefill appends what was
         delivered to it (a token-id prompt, or a list, went on as its Python text, "[101, 102]w0
