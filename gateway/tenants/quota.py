@@ -190,10 +190,12 @@ class Quota:
         spends no tokens: the Responses by-id endpoints and the conversations endpoints, once per
         upstream request they make (None: the tenant has none). Token limits are not checked (a
         tenant over its tokens may still poll or delete what it made). Sets the x-ratelimit
-        headers through `set_header`; raises QuotaExceeded. Give the hold back with `release`."""
+        headers through `set_header`; raises QuotaExceeded (at once, with no round trip, while an
+        earlier refusal said the tenant's rpm is spent: refuse_early). Give the hold back with `release`."""
         plan = self.plans.get(tenant.name)
         if plan is None:
             return None
+        self.refuse_early(tenant, set_header)  # out of requests: no round trip to say so again
         t = plan.tenant
         scopes = (Scope(t.name, rpm=t.rpm, concurrency=t.concurrency),)
         lease = fresh_id(64)

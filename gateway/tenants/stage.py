@@ -16,6 +16,11 @@ from .quota import Hold, QuotaExceeded
 __all__ = ["QuotaHold", "QuotaStage"]
 
 
+def count_rejection(metrics: Metrics, rt: Runtime, tenant: Tenant, err: QuotaExceeded) -> None:
+    """gateway_quota_rejections_total, for a refusal of `tenant` by `err`'s limit."""
+    metrics.quota_rejections.labels(rt.tenants.metric_label(tenant.name), err.limit).inc()
+
+
 def _no_header(name: str, value: str) -> None:
     """Where the x-ratelimit headers of an answer that carries none go."""
 
@@ -37,7 +42,7 @@ class QuotaStage:
         try:
             quota.refuse_early(tenant, sink.set_header)
         except QuotaExceeded as err:
-            self.count_rejection(rt, tenant, err)
+            count_rejection(self.metrics, rt, tenant, err)
             raise
 
     async def refused(self, rt: Runtime, call: Call, err: GatewayError) -> None:
@@ -51,11 +56,7 @@ class QuotaStage:
         try:
             quota.release(await quota.reserve_request(tenant, call.remaining_s(), _no_header))
         except QuotaExceeded as rpm:
-            self.count_rejection(rt, tenant, rpm)
-
-    def count_rejection(self, rt: Runtime, tenant: Tenant, err: QuotaExceeded) -> None:
-        """gateway_quota_rejections_total, for a refusal of `tenant` by `err`'s limit."""
-        self.metrics.quota_rejections.labels(rt.tenants.metric_label(tenant.name), err.limit).inc()
+            count_rejection(self.metrics, rt, tenant, rpm)
 
     @contextlib.asynccontextmanager
     async def one_request(self, rt: Runtime, tenant: Tenant | None, timeout_s: float) -> AsyncIterator[None]:
@@ -67,10 +68,9 @@ class QuotaStage:
             yield
             return
         try:
-            rt.quota.refuse_early(tenant, _no_header)
             hold = await rt.quota.reserve_request(tenant, timeout_s, _no_header)
         except QuotaExceeded as err:
-            self.count_rejection(rt, tenant, err)
+            count_rejection(self.metrics, rt, tenant, err)
             raise
         try:
             yield
@@ -100,7 +100,7 @@ class QuotaHold:
         try:
             self.hold = await rt.quota.reserve(self.call, self.tenant, self.sink, lambda: answer_ceiling(self.call, self.route))
         except QuotaExceeded as err:
-            self.metrics.quota_rejections.labels(rt.tenants.metric_label(self.tenant.name), err.limit).inc()
+            count_rejection(self.metrics, rt, self.tenant, err)
             raise
 
     async def __aexit__(self, *exc: object) -> None:
