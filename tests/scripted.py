@@ -157,6 +157,9 @@ class RecordingSink:
     def would_wait(self, size: int) -> bool:
         return False
 
+    async def hand_off(self, err: Any) -> bool:
+        return False  # nobody shares this stream
+
     async def end(self) -> None:
         self.ended = True
 

@@ -458,3 +458,43 @@ async def test_a_refresh_that_read_before_a_revoke_never_lands_after_one_that_re
     after = asyncio.create_task(book.refresh())  # reads it revoked
     await asyncio.gather(before, after)
     assert book.lookup(digest) is None  # the newer read is what stays loaded
+
+
+async def test_a_revoked_key_leading_a_flight_leaves_its_followers_their_whole_answer(upstream, gateway):
+    """Two keys of one tenant ask the same question at once: the second follows the first's
+    stream (single flight). Revoking the first key mid-stream cut both answers; now its own
+    stream ends with the error, the follower's reads on to [DONE], and the whole answer is stored."""
+    up = await upstream("up", tokens=60, itl_ms=20)
+    policy = _policy(up.url, None)
+    policy["cache"] = {"enabled": True}
+    gw = await gateway(policy)
+    keys = []
+    for name in ("leader", "follower"):
+        st, k = await _call("POST", f"{gw.url}/admin/keys", A, {"tenant": "acme", "name": name})
+        assert st == 201
+        keys.append(k)
+    ask = {"model": "m", "messages": [{"role": "user", "content": "a story"}], "temperature": 0, "stream": True}
+    leader = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=keys[0]["key"], max_retries=0)
+    follower = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=keys[1]["key"], max_retries=0)
+
+    async def follow() -> tuple[str, str]:
+        await asyncio.sleep(0.1)  # the leader's flight is under way
+        raw = await follower.chat.completions.with_raw_response.create(**ask)
+        text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+        return raw.headers.get("x-gateway-cache", ""), text
+
+    followed = asyncio.ensure_future(follow())
+    chunks = 0
+    with pytest.raises(openai.APIError) as exc:
+        async for _ in await leader.chat.completions.create(**ask):
+            chunks += 1
+            if chunks == 10:
+                assert (await _call("DELETE", f"{gw.url}/admin/keys/{keys[0]['id']}", A))[0] == 204
+    assert chunks < 30 and "revoked" in str(exc.value)
+    cache, text = await followed
+    assert cache == "hit" and len(text.split()) == 60  # the leader's stream, whole
+    again = await follower.chat.completions.with_raw_response.create(**ask)
+    assert again.headers.get("x-gateway-cache") == "hit"
+    assert "".join([c.choices[0].delta.content or "" async for c in again.parse() if c.choices]) == text
+    await leader.close()
+    await follower.close()

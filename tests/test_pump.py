@@ -59,6 +59,9 @@ class Sink:
     def would_wait(self, size: int) -> bool:
         return False
 
+    async def hand_off(self, err: Any) -> bool:
+        return False  # nobody shares this stream
+
     async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         raise AssertionError("a stream is never sent whole")
 

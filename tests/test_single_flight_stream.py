@@ -695,11 +695,13 @@ async def test_a_leader_that_reads_nothing_holds_neither_its_followers_nor_the_s
         async with aiohttp.ClientSession() as s:  # a non-streamed follower waits for the stored answer
             plain = asyncio.create_task(s.post(f"{gw.url}/v1/chat/completions", json={
                 "model": "gpt-test", "messages": MSG, "temperature": 0}, headers={"x-request-timeout-ms": "5000"}))
-            f = await streamed
+            # Before: both waited on the leader's client (the streamed follower until it read, which
+            # it does only after this: forever; the non-streamed one to a 504 at its deadline). The
+            # bound is not a speed: the SDK alone parses the 30,000 chunks in 2-8 s, by machine.
+            async with asyncio.timeout(60):
+                f = await streamed
             r = await plain
-            # Before: both waited on the leader's client (the streamed follower until it read,
-            # the non-streamed one to a 504 at its deadline).
-            assert f["error"] is None and f["text"] == _text(30000) and f["finish"] == "stop" and f["end"] < 5
+            assert f["error"] is None and f["text"] == _text(30000) and f["finish"] == "stop"
             assert r.status == 200 and r.headers["x-gateway-cache"] == "hit"
             assert (await r.json())["choices"][0]["message"]["content"] == _text(30000)
         # The leader's client then reads its whole stream, at its own pace.
@@ -737,3 +739,51 @@ def test_a_followers_backlog_goes_out_a_slice_at_a_time_and_its_own_bytes_leave_
         sizes.append(len(tap.take()))
     assert sum(sizes) == 400_000 and max(sizes) <= 64 << 10 and len(sizes) == 7
     assert budget.used == used + 100_000 and tap.counted == 0  # the history's stays counted until it is released
+
+
+# --- a leader whose key stops working hands its stream to its followers -------------------------
+
+
+async def test_a_leader_that_loses_its_key_mid_stream_hands_the_stream_to_its_followers() -> None:
+    """A revoked key ended its request's stream at the next read, and with it the stream of every
+    request that shared its flight (the same tenant's other keys): their answers were cut too.
+    The leader's client gets the error; its followers read on to the end."""
+    bc = Broadcast()
+    leader = ListSink()
+    tee = TeeSink(leader, bc)
+    await tee.write(_chunk("one "))
+    assert await tee.hand_off(UpstreamError("key gone")) is False  # nobody shares it yet: the relay cuts it
+    follower = ListSink()
+    task = asyncio.create_task(follow(bc, _call(), follower))
+    await asyncio.sleep(0.01)
+    assert await tee.hand_off(UpstreamError("key gone")) is True
+    assert leader.ended and leader.failed is not None and tee.lost == "cut" and tee.detached
+    await tee.write(_chunk("two"))  # the relay reads on for the follower
+    await tee.write(SSE_DONE)
+    await tee.end()
+    assert await task is True
+    assert follower.body == _chunk("one ") + _chunk("two") + SSE_DONE
+    assert leader.body == _chunk("one ") + sse_event(leader.failed.to_dict())  # nothing after its error
+    assert await tee.hand_off(UpstreamError("key gone")) is False  # over: nobody reads it any more
+
+
+async def test_a_leader_behind_its_stream_that_loses_its_key_gets_the_error_instead_of_its_backlog() -> None:
+    bc = Broadcast()
+    leader = SlowSink()
+    tee = TeeSink(leader, bc)
+    await tee.write(_chunk("one "))
+    follower = ListSink()
+    task = asyncio.create_task(follow(bc, _call(), follower))
+    await asyncio.sleep(0.01)
+    leader.full = True
+    await tee.write(_chunk("two "))  # queued for the leader's client
+    assert await tee.hand_off(UpstreamError("key gone")) is True
+    await tee.write(_chunk("three"))
+    await tee.write(SSE_DONE)
+    await tee.end()
+    assert await task is True and follower.body.endswith(_chunk("three") + SSE_DONE)
+    leader.resume.set()
+    await tee.settle()
+    assert leader.ended and b"key gone" in leader.body and b"three" not in leader.body and tee.lost == "cut"
+    bc.release()
+    assert bc._budget.used == 0

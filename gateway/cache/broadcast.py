@@ -11,6 +11,8 @@ Outcomes, from a follower's point of view:
   no [DONE] (nothing is ever retried after a byte reached a client);
 - the leader's client went away after content: the stream goes on for the followers (TeeSink
   detaches from that client; the cache stage (stage.py) keeps the relay running) and ends as it would have;
+- the leader's key stopped working after content (revoked, rotated away, expired): its client's
+  stream ends with the error, and the stream goes on for the followers (`TeeSink.hand_off`);
 - the leader failed before any content (all backends failed, a rejected request, a non-streamed
   answer, its client went away before any content, or the flight ended without a stream): the
   follower, which has sent nothing yet, goes upstream itself (`follow()` returns False).
@@ -254,7 +256,7 @@ class TeeSink(SinkWrapper):
     stream goes on for the followers alone: one caller leaving must not cut the answers of others
     (cache/stage.py keeps the relay running for them)."""
 
-    __slots__ = ("_bc", "detached", "lost", "_behind", "_writer")
+    __slots__ = ("_bc", "detached", "lost", "_behind", "_writer", "_ended_by")
 
     def __init__(self, inner: Sink, broadcast: Broadcast) -> None:
         super().__init__(inner)
@@ -263,6 +265,7 @@ class TeeSink(SinkWrapper):
         self.lost: Finish | None = None  # how the leader's client lost its stream, when it did
         self._behind: _Tap | None = None  # the leader's client's backlog, once it fell behind
         self._writer: asyncio.Task[None] | None = None
+        self._ended_by: GatewayError | None = None  # what ends the leader's client's stream early (hand_off)
 
     def keeps_followers(self) -> bool:
         """Whether the stream must go on without the leader's client: followers hold part of it."""
@@ -273,6 +276,24 @@ class TeeSink(SinkWrapper):
         self.detached = True
         if self._writer is not None:
             self._writer.cancel()
+
+    async def hand_off(self, err: GatewayError) -> bool:
+        """The leader's key stopped working mid-stream: its client's stream ends with `err`, and
+        while followers read it the stream goes on for them (a revoked key must not cut the answers
+        of the other callers who share its flight)."""
+        if not self.keeps_followers():
+            return False
+        if not self.detached:
+            self.lost, self.detached = Finish.CUT, True
+            if self._behind is not None:  # its writer ends that client's stream, the rest of its backlog dropped
+                self._ended_by = err
+                self._behind.wake()
+            else:
+                try:
+                    await self._inner.fail(err)
+                except ConnectionError:
+                    self.lost = Finish.CLIENT_DISCONNECT
+        return True
 
     def set_header(self, name: str, value: str) -> None:
         if name == "x-gateway-backend" and not self._bc.started:
@@ -312,6 +333,9 @@ class TeeSink(SinkWrapper):
         bc, inner = self._bc, self._inner
         try:
             while True:
+                if self._ended_by is not None:
+                    await inner.fail(self._ended_by)
+                    return
                 if tap.pending:
                     await inner.write(tap.take())
                 elif tap.overflow:

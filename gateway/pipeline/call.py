@@ -73,6 +73,7 @@ class Caching:
     result: CacheResult = CacheResult.BYPASS
     capture: int = 0  # > 0: keep the complete answer (up to this many bytes) in `entry`
     entry: Entry | None = None
+    handed_off: bool = False  # its client lost the stream (a revoked key), which goes on for the flight's followers
 
 
 @dataclass(slots=True)

@@ -303,9 +303,10 @@ class Attempt:
 
 
 def key_live(call: Call) -> bool:
-    """Whether the caller's key still works (a key from the policy always does, for this request)."""
+    """Whether the caller's key still works (a key from the policy always does, for this request),
+    or the answer goes on for the followers of its flight alone (TeeSink.hand_off)."""
     tenant = call.tenant
-    return tenant is None or tenant.live is None or tenant.live()
+    return tenant is None or tenant.live is None or call.cache.handed_off or tenant.live()
 
 
 def revoked() -> Unauthorized:

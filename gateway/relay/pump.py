@@ -125,11 +125,14 @@ class Pump:
             chunk = await resp.readany()
             if not chunk:
                 return
-            if not key_live(att.call):  # revoked meanwhile: nothing more of it goes out
+            if not key_live(att.call):  # revoked meanwhile: nothing more of it goes out to this caller
                 if not self.first:
                     raise revoked()
-                self.broke = Cut(revoked(), Kind.KEY_REVOKED)
-                return
+                if not await att.sink.hand_off(revoked()):
+                    self.broke = Cut(revoked(), Kind.KEY_REVOKED)
+                    return
+                att.call.cache.handed_off = True  # the rest is its flight's followers': read on for them
+                att.call.out.error = f"{revoked().message} (its stream went on for the requests sharing it)"
             out = await self._events(decoder.feed(chunk))
             if out:
                 self.writing = True

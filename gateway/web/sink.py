@@ -44,6 +44,12 @@ class Sink(Protocol):
     def would_wait(self, size: int) -> bool: ...
     def set_header(self, name: str, value: str) -> None: ...
 
+    async def hand_off(self, err: GatewayError) -> bool:
+        """This caller may have no more of its stream (its key stopped working): True when others
+        share the stream (a flight's followers), this caller's client got `err` and the relay must
+        read on for them; False when nobody else reads it (the relay cuts the stream with `err`)."""
+        ...
+
 
 async def client_bounded(aw: Awaitable[None], timeout_s: float) -> None:
     """Await a write (or drain) to a client; one that takes none of it for `timeout_s` is gone
@@ -116,6 +122,9 @@ class HttpSink:
         """Whether writing `size` more bytes may wait for the client: so much of its answer waits
         in the socket's buffer that it may have fallen behind."""
         return self._may_wait(size)
+
+    async def hand_off(self, err: GatewayError) -> bool:
+        return False  # nobody else reads this client's stream
 
     def _may_wait(self, size: int) -> bool:
         transport = self.request.transport
@@ -196,3 +205,6 @@ class SinkWrapper:
 
     def would_wait(self, size: int) -> bool:
         return self._inner.would_wait(size)
+
+    async def hand_off(self, err: GatewayError) -> bool:
+        return await self._inner.hand_off(err)
