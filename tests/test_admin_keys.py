@@ -274,8 +274,8 @@ async def test_the_book_is_bounded_and_forgets_keys_that_ended_long_ago():
         await book.create("acme", "d", None, None)
     now[0] += 100
     await book.create("acme", "d", None, None)  # both forgotten now: room again
-    assert sorted(k["name"] for k in await book.listing(None)) == ["c", "d"]
-    assert b["id"] not in {k["id"] for k in await book.listing("acme")}
+    assert sorted(k["name"] for k in (await book.page(None)).data) == ["c", "d"]
+    assert b["id"] not in {k["id"] for k in (await book.page("acme")).data}
 
 
 async def test_a_rotation_ends_every_secret_but_the_one_it_replaces_and_now_ends_them_all():
@@ -291,12 +291,12 @@ async def test_a_rotation_ends_every_secret_but_the_one_it_replaces_and_now_ends
     await book.refresh()
     live = [k for k in secrets_ if book.lookup(_sha(k)) is not None]
     assert live == secrets_[-2:]  # the newest, and the one it replaced (in its grace)
-    listed = next(k for k in await book.listing(None) if k["id"] == s0["id"])
+    listed = next(k for k in (await book.page(None)).data if k["id"] == s0["id"])
     assert listed["rotated_at"] == now[0] and listed["previous_secret_until"] is not None
     fresh = (await book.rotate(s0["id"], 0))["key"]
     await book.refresh()
     assert [k for k in [*secrets_, fresh] if book.lookup(_sha(k)) is not None] == [fresh]
-    assert next(k for k in await book.listing(None) if k["id"] == s0["id"])["previous_secret_until"] is None
+    assert next(k for k in (await book.page(None)).data if k["id"] == s0["id"])["previous_secret_until"] is None
 
 
 async def test_a_store_that_comes_back_empty_never_gives_a_replica_the_version_it_loaded_before():
@@ -343,11 +343,11 @@ async def test_a_listing_reads_the_store_only_when_the_keys_changed():
     book, other = KeyBook(store, VirtualKeysPolicy()), KeyBook(store, VirtualKeysPolicy())
     for i in range(300):
         await other.create("acme", f"k{i}", None, None)  # each reloads `other`: a read each
-    first = await book.listing(None)  # this process had loaded nothing: one read
+    first = (await book.page(None)).data  # this process had loaded nothing: one read
     assert len(first) == 300 and reads[0] == 300 + 1
-    assert await book.listing("acme") == first and reads[0] == 301  # nothing changed: no read
+    assert (await book.page("acme")).data == first and reads[0] == 301  # nothing changed: no read
     await other.revoke(first[0]["id"])
-    assert (await book.listing(None))[0]["revoked"] is True and reads[0] == 303  # other's reload, then this one's
+    assert ((await book.page(None)).data)[0]["revoked"] is True and reads[0] == 303  # other's reload, then this one's
 
 
 async def test_a_revoked_key_stops_its_streams_and_its_requests_under_way(upstream, gateway):
@@ -498,3 +498,94 @@ async def test_a_revoked_key_leading_a_flight_leaves_its_followers_their_whole_a
     assert "".join([c.choices[0].delta.content or "" async for c in again.parse() if c.choices]) == text
     await leader.close()
     await follower.close()
+
+
+async def test_the_listing_comes_in_pages_newest_first_each_key_once():
+    """The listing was every key in one answer (~6 MB of JSON for 10,000 keys). It comes in pages
+    of at most 1,000 (100 unless asked), newest first, keys made in the same instant by id; a
+    page's `next` goes on where it ended, and keys made meanwhile do not shift what follows."""
+    now = [1_000.0]
+    book = KeyBook(MemoryKeyStore(), VirtualKeysPolicy(), clock=lambda: now[0])
+    made = []
+    for i in range(250):
+        now[0] += 1.0 if i % 3 == 0 else 0.0  # three keys to an instant
+        made.append(await book.create("acme" if i % 5 else "beta", f"k{i}", None, None))
+    newest_first = [k["id"] for k in sorted(made, key=lambda k: (k["created_at"], k["id"]), reverse=True)]
+    pages, before = [], None
+    while True:
+        page = await book.page(None, 100, before)
+        pages.append([k["id"] for k in page.data])
+        if page.next is None:
+            break
+        before = page.next
+        if len(pages) == 1:
+            now[0] += 5
+            await book.create("acme", "late", None, None)  # newer than every page: never in the ones that follow
+    assert [len(p) for p in pages] == [100, 100, 50] and sum(pages, []) == newest_first
+    assert len((await book.page(None)).data) == 100  # the default
+    beta = (await book.page("beta", 20)).data
+    rest = (await book.page("beta", 1000, (await book.page("beta", 20)).next)).data
+    assert [k["id"] for k in beta + rest] == [k for k in newest_first if made[int(next(m["name"] for m in made if m["id"] == k)[1:])]["tenant"] == "beta"]
+    assert all(k["tenant"] == "beta" for k in beta + rest) and len(beta + rest) == 50
+
+
+async def test_the_listing_refuses_a_bad_page_request(upstream, gateway):
+    up = await upstream("up")
+    gw = await gateway(_policy(up.url, None))
+    for i in range(3):
+        assert (await _call("POST", f"{gw.url}/admin/keys", A, {"tenant": "acme", "name": f"k{i}"}))[0] == 201
+    st, first = await _call("GET", f"{gw.url}/admin/keys?limit=2", V)
+    assert st == 200 and len(first["data"]) == 2 and first["next"]
+    st, rest = await _call("GET", f"{gw.url}/admin/keys?limit=2&before={first['next']}", V)
+    assert st == 200 and len(rest["data"]) == 1 and rest["next"] is None
+    assert {k["id"] for k in first["data"]}.isdisjoint(k["id"] for k in rest["data"])
+    for bad in ("limit=0", "limit=1001", "limit=-1", "limit=1e3", "limit=" + "9" * 40, "before=nope", "before=inf~key_1",
+                "before=nan~key_1", "before=1.5~", "before=" + "1" * 200 + "~k"):
+        st, err = await _call("GET", f"{gw.url}/admin/keys?{bad}", V)
+        assert st == 400 and err["error"]["param"] in ("limit", "before"), (bad, st, err)
+
+
+async def test_a_follower_whose_key_is_revoked_gets_no_more_of_the_flights_answer(upstream, gateway):
+    """A request that followed another's flight (single flight) read the whole answer after its
+    own key was revoked, streamed or whole (review helper's repro): only the relay's reads and
+    attempts asked. A streamed follower's stream now ends with the error; a whole one is a 401."""
+    up = await upstream("up", tokens=100, itl_ms=20, ttft_ms=1000)
+    policy = _policy(up.url, None)
+    policy["cache"] = {"enabled": True}
+    gw = await gateway(policy)
+    keys = [(await _call("POST", f"{gw.url}/admin/keys", A, {"tenant": "acme", "name": n}))[1] for n in ("s", "w")]
+    auth = [{"Authorization": f"Bearer {k['key']}"} for k in keys]
+    ask = {"model": "m", "messages": [{"role": "user", "content": "a story"}], "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        async def lead(body: dict[str, Any]) -> tuple[int, str]:
+            async with s.post(f"{gw.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {TENANT_KEY}"}) as r:
+                return r.status, await r.text()
+
+        leader = asyncio.ensure_future(lead(ask))
+        await asyncio.sleep(0.2)
+        got, chunks = b"", 0
+        async with s.post(f"{gw.url}/v1/chat/completions", json=ask, headers=auth[0]) as r:
+            assert r.headers.get("x-gateway-cache") == "hit"
+            async for line in r.content:
+                got += line
+                chunks += line.startswith(b"data: {")
+                if chunks == 5 and b"DELETE" not in got:
+                    got += b"DELETE"
+                    assert (await _call("DELETE", f"{gw.url}/admin/keys/{keys[0]['id']}", A))[0] == 204
+        assert (await leader)[1].rstrip().endswith("data: [DONE]")  # the leader's own stream is whole
+        assert b"revoked" in got and not got.rstrip().endswith(b"[DONE]") and chunks < 60
+
+        whole = {**ask, "stream": False, "messages": [{"role": "user", "content": "wait for it"}]}
+        leader = asyncio.ensure_future(lead(whole))  # 1 s for its whole answer
+        await asyncio.sleep(0.1)
+
+        async def follow() -> tuple[int, Any]:
+            async with s.post(f"{gw.url}/v1/chat/completions", json=whole, headers=auth[1]) as r:
+                return r.status, (r.headers.get("x-gateway-cache"), await r.json())
+
+        follower = asyncio.ensure_future(follow())
+        await asyncio.sleep(0.3)  # it waits for the leader's answer
+        assert (await _call("DELETE", f"{gw.url}/admin/keys/{keys[1]['id']}", A))[0] == 204
+        status, err = await follower
+        assert status == 401 and "revoked" in err[1]["error"]["message"], err
+        assert (await leader)[0] == 200

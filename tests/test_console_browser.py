@@ -390,3 +390,23 @@ async def test_log_out_forgets_the_key(page, site):
     await expect(pg.locator("#nav")).to_be_hidden()
     assert len(watch.admin_calls()) == sent
     assert watch.problems == [] and watch.dialogs == []
+
+
+async def test_the_keys_view_pages_through_many_keys(page, site):
+    """The keys view showed every key from one answer; it shows pages of 100, as the request log."""
+    pg, watch = page
+    made = await asyncio.gather(*(site.admin("POST", "/admin/keys", json={"tenant": "acme", "name": f"many-{i}"}) for i in range(105)))
+    assert len(made) == 105
+    total = len((await site.admin("GET", "/admin/keys?limit=1000"))["data"])  # with the other tests' keys
+    assert 105 <= total < 200
+    await login(pg, ADMIN_KEY)
+    await pg.get_by_role("button", name="Keys", exact=True).click()
+    rows = pg.locator("#view tbody tr")
+    await expect(rows).to_have_count(100)
+    await expect(pg.get_by_role("button", name="Newer")).to_be_disabled()
+    await pg.get_by_role("button", name="Next page").click()
+    await expect(rows).to_have_count(total - 100)
+    await expect(pg.get_by_role("button", name="Next page")).to_be_disabled()
+    await pg.get_by_role("button", name="Newer").click()
+    await expect(rows).to_have_count(100)
+    assert watch.problems == [] and watch.dialogs == []

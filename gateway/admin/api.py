@@ -22,6 +22,7 @@ from ..tenants.auth import Role
 from ..web.http_call import api_key, error_response, json_response, read_bounded
 from ..web.keys import EXPORTS, KEYBOOK, LIVE, LOOPBACK, POLICY_CHECK, REQUEST_LOG, WORKER
 from ..web.sink import CLIENT_READ_S, client_bounded
+from .keys import LIST_DEFAULT, LIST_MAX, KeyCursor
 from .log_store import Cursor, Filter, scan
 from .overview import overview
 from .policy_check import check_apart
@@ -105,8 +106,16 @@ def _parsed(model: type[M], raw: bytes) -> M:
 
 @reads
 async def list_keys(request: web.Request) -> web.Response:
-    tenant = request.query.get("tenant") or None
-    return json_response({"object": "list", "data": await request.app[KEYBOOK].listing(tenant)})
+    q = request.query
+    limit = _int(q, "limit", LIST_DEFAULT, 1, LIST_MAX) or LIST_DEFAULT
+    before = None
+    if raw := q.get("before"):
+        try:
+            before = KeyCursor.parse(raw)
+        except ValueError:
+            raise BadRequest("before must be a page's `next` cursor", param="before") from None
+    page = await request.app[KEYBOOK].page(q.get("tenant") or None, limit, before)
+    return json_response({"object": "list", "data": page.data, "next": None if page.next is None else str(page.next)})
 
 
 @writes

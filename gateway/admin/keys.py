@@ -17,9 +17,11 @@ for a rotated one.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import hashlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -32,7 +34,7 @@ from ..tenants.auth import VIRTUAL_KEY_PREFIX
 from .key_ops import Add, KeyOp, Revoke, Rotate
 from .key_store import KeyStore
 
-__all__ = ["KeyBook", "VirtualKey", "KEY_PREFIX"]
+__all__ = ["KeyBook", "KeyCursor", "KeyPage", "VirtualKey", "KEY_PREFIX", "LIST_DEFAULT", "LIST_MAX"]
 
 log = logging.getLogger("gateway.admin.keys")
 
@@ -42,6 +44,45 @@ _TOUCH_EVERY_S = 5.0  # last_used_at is written in batches: a request costs a di
 # key made on another replica a moment ago works at once, and a flood of made-up keys costs the
 # store a few reads a second (and each made-up key waits up to this for its 401).
 _CATCH_UP_EVERY_S = 0.05
+
+
+_LIST_PAUSE = 1_000  # keys a listing scans between two pauses for other requests
+LIST_DEFAULT, LIST_MAX = 100, 1000  # keys a page holds, unless asked for fewer or more
+
+
+@dataclass(frozen=True, slots=True)
+class KeyCursor:
+    """Where a page of the listing ended: its last key's (created_at, id), the listing's order
+    (newest first; keys made in the same instant by id). As text, `created_at~id`."""
+
+    created_at: float
+    id: str
+
+    def __str__(self) -> str:
+        return f"{self.created_at!r}~{self.id}"
+
+    @staticmethod
+    def parse(raw: str) -> KeyCursor:
+        """The cursor `str()` wrote; ValueError for anything else."""
+        at, sep, kid = raw.partition("~")
+        if not sep or not kid or len(raw) > 100:
+            raise ValueError(f"not a key listing cursor: {raw[:100]!r}")
+        t = float(at)
+        if not math.isfinite(t):
+            raise ValueError(f"not a key listing cursor: {raw[:100]!r}")
+        return KeyCursor(t, kid)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyPage:
+    """A page of the listing; `next` the cursor of the page after it (None: this is the last)."""
+
+    data: list[dict[str, Any]]
+    next: KeyCursor | None
+
+
+def _cursor_of(listed: dict[str, Any]) -> KeyCursor:
+    return KeyCursor(float(listed["created_at"] or 0.0), listed["id"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +108,8 @@ class KeyBook:
         self._clock = clock
         self._by_digest: dict[str, VirtualKey] = {}
         self._records: dict[str, dict[str, Any]] = {}  # as loaded: the listing's (replaced whole by each load)
+        self._order: list[tuple[float, str]] = []  # the listing's order of `_order_of`'s records
+        self._order_of: dict[str, dict[str, Any]] | None = None
         self._version = -1
         self._used: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
@@ -199,13 +242,16 @@ class KeyBook:
         """Revoke key `kid` (every secret of it), everywhere within a poll. Revoking twice is fine."""
         await self._change(Revoke(kid, self._clock()))
 
-    async def listing(self, tenant: str | None) -> list[dict[str, Any]]:
-        """Every key (of `tenant`), newest first, as the API shows it: never a secret or a digest.
-        From the records this process holds, reloaded first when the store's version moved (one
-        read of the version, not of every record), built with a pause every _LIST_PAUSE keys:
-        three viewers listing 10,000 keys in a loop held every request up to 387 ms."""
+    async def page(self, tenant: str | None, limit: int = LIST_DEFAULT, before: KeyCursor | None = None) -> KeyPage:
+        """A page of the keys (of `tenant`), newest first, as the API shows them: never a secret or
+        a digest; `before` a page's `next`. From the records this process holds, reloaded first
+        when the store's version moved (one read of the version, not of every record). The whole
+        list in one answer was ~6 MB of JSON for 10,000 keys; a page holds at most LIST_MAX, and
+        the scan for a tenant's keys pauses every _LIST_PAUSE keys (three viewers listing 10,000
+        keys in a loop held every request up to 387 ms)."""
         await self._check()
-        records = self._records
+        records = self._records  # this load's: a reload meanwhile replaces it, never changes it
+        order = self._newest_last(records)
         try:
             used = await self.store.last_used()
         except Exception:
@@ -213,14 +259,28 @@ class KeyBook:
         for kid, t in self._used.items():  # not yet written
             used[kid] = max(t, used.get(kid, 0.0))
         now = self._clock()
-        out = []
-        for i, r in enumerate(records.values()):
-            if i and not i % _LIST_PAUSE:
-                await asyncio.sleep(0)  # `records` is this load's: a reload meanwhile replaces it, never changes it
-            if tenant is None or r["tenant"] == tenant:
-                out.append({**public(r, now), "last_used_at": None if r["id"] not in used else round(used[r["id"]], 3)})
-        out.sort(key=lambda r: r["created_at"], reverse=True)
-        return out
+        out: list[dict[str, Any]] = []
+        i = len(order) if before is None else bisect.bisect_left(order, (before.created_at, before.id))
+        scanned = 0
+        while i > 0:
+            i -= 1
+            scanned += 1
+            if not scanned % _LIST_PAUSE:
+                await asyncio.sleep(0)
+            r = records[order[i][1]]
+            if tenant is not None and r["tenant"] != tenant:
+                continue
+            if len(out) == limit:  # one more there is: the page ends at its last key
+                return KeyPage(out, _cursor_of(out[-1]))
+            out.append({**public(r, now), "last_used_at": None if r["id"] not in used else round(used[r["id"]], 3)})
+        return KeyPage(out, None)
+
+    def _newest_last(self, records: dict[str, dict[str, Any]]) -> list[tuple[float, str]]:
+        """(created_at, id) of every record, oldest first: sorted once per load, when listed."""
+        if self._order_of is not records:
+            self._order = sorted((float(r.get("created_at") or 0.0), kid) for kid, r in records.items())
+            self._order_of = records
+        return self._order
 
     async def _change(self, change: KeyOp) -> Any:
         result = await self.store.change(change)
@@ -234,9 +294,6 @@ def _to_next_tick(period_s: float, now: float) -> float:
     same ticks, so the workers and replicas see a revoke together, within a round trip of each
     other (each polling on its own phase, a replica's two workers were up to a period apart)."""
     return period_s - now % period_s
-
-
-_LIST_PAUSE = 1_000  # keys a listing builds between two pauses for other requests
 
 
 def public(rec: dict[str, Any], now: float) -> dict[str, Any]:

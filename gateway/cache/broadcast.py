@@ -36,7 +36,7 @@ from collections import deque
 import orjson
 
 from ..errors import GatewayError, UpstreamError, UpstreamTimeout
-from ..pipeline.call import CacheResult, Call, Finish
+from ..pipeline.call import CacheResult, Call, Finish, key_live, revoked
 from ..web.sink import Sink, SinkWrapper
 from ..wire.openai_wire import SSE_HEARTBEAT, SSEDecoder, event_data
 
@@ -432,8 +432,9 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
     """Answer a streamed follower from its leader's live stream, within the follower's deadline.
 
     True when the follower was answered (its stream ended as the leader's did, or was cut with an
-    error event after content reached it; `call.out.finish` says which, "client_disconnect" included);
-    False when nothing was sent and the follower must go upstream itself.
+    error event after content reached it, its key revoked meanwhile included; `call.out.finish`
+    says which, "client_disconnect" included); False when nothing was sent and the follower must
+    go upstream itself.
     """
     tap = bc.join()
     if tap is None:
@@ -444,6 +445,12 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
         try:
             async with asyncio.timeout(max(0.0, call.remaining_s())):
                 while True:
+                    if not key_live(call):  # this follower's key stopped working: no more of it goes out
+                        if not sent:
+                            return False  # its own relay refuses it (a 401), sending nothing
+                        call.out.finish = Finish.CUT
+                        await sink.fail(revoked())
+                        return True
                     if tap.pending and (sent or bc.state is not _FAILED):
                         data = tap.take()
                         if drop is not None:

@@ -19,7 +19,7 @@ from typing import Any
 from ..admission.gate import BANDS
 from ..config.runtime import CachePlan, Route, Runtime
 from ..errors import Unavailable
-from ..pipeline.call import CacheResult, Call, Finish
+from ..pipeline.call import CacheResult, Call, Finish, key_live, revoked
 from ..relay.attempt import ClientGone
 from ..relay.context import RelayContext
 from ..tenants.auth import Tenant
@@ -148,7 +148,10 @@ class CacheStage:
         sink.set_header("x-gateway-cache", result)
 
     async def _replay(self, call: Call, entry: Entry, sink: Sink) -> None:
-        """Answer from the cache: the stored answer, or the same answer replayed as a stream."""
+        """Answer from the cache: the stored answer, or the same answer replayed as a stream.
+        Not to a caller whose key stopped working while it waited for a flight's answer (a 401)."""
+        if not key_live(call):
+            raise revoked()
         call.cache.result, call.out.backend = CacheResult.HIT, "cache"
         sink.set_header("x-gateway-cache", CacheResult.HIT)
         sink.set_header("x-gateway-backend", "cache")

@@ -240,7 +240,11 @@
     const note = el("p", { className: "note", role: "status" });
     const secret = el("div", { className: "secret", hidden: true });
     const list = el("div", {}, "Loading…");
-    const filter = el("select", { name: "tenant-filter", onchange: () => load() }, el("option", { value: "" }, "All tenants"));
+    const st = { before: null, next: null, older: [] }; // the listing's pages, as the request log's
+    const filter = el("select", { name: "tenant-filter", onchange: () => { Object.assign(st, { before: null, older: [] }); load(); } },
+      el("option", { value: "" }, "All tenants"));
+    const newer = el("button", { type: "button", disabled: true, onclick: () => { st.before = st.older.pop() ?? null; load(); } }, "Newer");
+    const next = el("button", { type: "button", disabled: true, onclick: () => { st.older.push(st.before); st.before = st.next; load(); } }, "Next page");
     let names = [];
     try {
       names = Object.keys((await api("/admin/tenants")).tenants || {}).sort();
@@ -318,9 +322,15 @@
 
     async function load() {
       try {
-        const q = filter.value ? `?tenant=${encodeURIComponent(filter.value)}` : "";
-        const data = (await api(`/admin/keys${q}`)).data || [];
+        const q = new URLSearchParams({ limit: "100" });
+        if (filter.value) q.set("tenant", filter.value);
+        if (st.before !== null) q.set("before", st.before);
+        const page = await api(`/admin/keys?${q}`);
         if (!alive()) return;
+        st.next = page.next ?? null;
+        next.disabled = st.next === null;
+        newer.disabled = st.older.length === 0;
+        const data = page.data || [];
         const heads = ["ID", "Tenant", "Name", "Created", "Expires", "Last used", "Status", "Models"];
         if (admin) heads.push("Actions");
         fill(list, data.length ? table(heads, data.map(keyRow)) : el("p", {}, "No keys."));
@@ -331,7 +341,7 @@
 
     view.append(note, secret);
     if (admin) view.append(createForm(names, (k) => act(Promise.resolve(k), `New key ${k.name}`)));
-    view.append(label("Show tenant", filter), list);
+    view.append(label("Show tenant", filter), list, el("div", { className: "pager" }, newer, next));
     await load();
   }
 

@@ -12,7 +12,7 @@ import orjson
 from ..admission.gate import Ticket
 from ..cache.entry import Entry
 from ..classify.classifier import Verdict
-from ..errors import BadRequest
+from ..errors import BadRequest, Unauthorized
 from ..relay.continuation import Transcript
 from ..routing.affinity import Decision
 from ..tenants.auth import Tenant
@@ -21,7 +21,7 @@ from ..wire.codec import Endpoint, salted
 if TYPE_CHECKING:
     from ..responses.affinity import Learner
 
-__all__ = ["Asked", "CacheResult", "Caching", "Call", "Finish", "Outcome", "Timing"]
+__all__ = ["Asked", "CacheResult", "Caching", "Call", "Finish", "Outcome", "Timing", "key_live", "revoked"]
 
 
 class Finish(StrEnum):
@@ -195,3 +195,15 @@ class Call:
 
     def elapsed_s(self) -> float:
         return time.perf_counter() - self.timing.t0
+
+
+def key_live(call: Call) -> bool:
+    """Whether the caller's key still works (a key from the policy always does, for this request),
+    or the answer goes on for the followers of its flight alone (TeeSink.hand_off)."""
+    tenant = call.tenant
+    return tenant is None or tenant.live is None or call.cache.handed_off or tenant.live()
+
+
+def revoked() -> Unauthorized:
+    """What a request gets once its key stopped working while it was under way."""
+    return Unauthorized("the API key was revoked, rotated away or expired while this request was under way")

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..config.policy import RoutingPolicy
-from ..errors import GatewayError, RateLimited, Unauthorized, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+from ..errors import GatewayError, RateLimited, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 from ..observe.metrics import BackendMetrics
-from ..pipeline.call import Call, Finish
+from ..pipeline.call import Call, Finish, key_live, revoked
 from ..routing.backends import Backend
 from ..routing.health import Kind
 from ..tenants.auth import OPEN_TENANT
@@ -300,17 +300,6 @@ class Attempt:
             f"passed before backend {self.backend.name!r} answered"
         )
         return AttemptFailed(err, Kind.CALLER_DEADLINE)
-
-
-def key_live(call: Call) -> bool:
-    """Whether the caller's key still works (a key from the policy always does, for this request),
-    or the answer goes on for the followers of its flight alone (TeeSink.hand_off)."""
-    tenant = call.tenant
-    return tenant is None or tenant.live is None or call.cache.handed_off or tenant.live()
-
-
-def revoked() -> Unauthorized:
-    return Unauthorized("the API key was revoked, rotated away or expired while this request was under way")
 
 
 async def client_write(aw: Awaitable[None]) -> None:

@@ -21,13 +21,13 @@ import asyncio
 import time
 
 from ..errors import UpstreamError, UpstreamTimeout
-from ..pipeline.call import Finish
+from ..pipeline.call import Finish, key_live, revoked
 from ..routing.health import Kind
 from ..upstream.client import UpstreamHTTPError, UpstreamResponse
 from ..wire.monitor import Verdict
 from ..web.sink import CLIENT_READ_S
 from ..wire.openai_wire import SSEDecoder, SSEEventTooLarge, event_data
-from .attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, client_write, key_live, revoked
+from .attempt import MAX_HELD_BYTES, Attempt, AttemptFailed, Cut, client_write
 from .continuation import Mismatch
 
 __all__ = ["Pump"]
