@@ -126,9 +126,12 @@ async def test_a_body_nested_deeper_than_can_be_re_encoded_is_a_400_and_no_backe
     policy["backends"]["a"]["models"] = {"gpt-test": "upstream-name"}
     gw = await gateway(policy)
     raw = b'{"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "x_vendor": ' + b"[" * 300 + b"]" * 300 + b"}"
+    # Cacheable too (temperature 0): its cache key is the canonical JSON of the body, which was a
+    # 500 with a traceback logged (review helper's repro).
+    cacheable = raw[:-1] + b', "temperature": 0}'
     async with aiohttp.ClientSession() as http:
-        for _ in range(3):
-            async with http.post(gw.url + "/v1/chat/completions", data=raw, headers={"Content-Type": "application/json"}) as r:
+        for body in (raw, raw, cacheable, cacheable):
+            async with http.post(gw.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}) as r:
                 assert r.status == 400
                 assert "nested too deeply" in (await r.json())["error"]["message"]
         async with http.get(gw.url + "/admin/backends") as r:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from ..errors import BadRequest
 from ..store.core import Store, StoreError
 from .broadcast import Broadcast, Budget
 from .entry import Entry, is_complete
@@ -72,7 +73,10 @@ def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any]
         v = fields.get(name)
         if type(v) is int:
             fields[name] = float(v)
-    canonical = orjson.dumps([CACHE_FORMAT, namespace, endpoint, model, fields], option=orjson.OPT_SORT_KEYS)
+    try:
+        canonical = orjson.dumps([CACHE_FORMAT, namespace, endpoint, model, fields], option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:  # orjson reads deeper nesting (1024) than it writes (~255)
+        raise BadRequest("the request body is nested too deeply to be re-encoded for the backend") from None
     owner = hashlib.sha256(namespace.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return f"{_KEY_PREFIX}{owner}:{hashlib.sha256(canonical).hexdigest()}"
 
