@@ -275,6 +275,27 @@ async def test_a_standing_queue_sheds_the_newest_of_the_lowest_band():
     assert len(g.queue) == 0 and g.used == 0
 
 
+def test_a_standing_queue_sheds_from_the_tenant_whose_backlog_made_it_stand():
+    """The newest waiter across tenants was shed: a tenant with one request waiting lost it as
+    often as the tenant that queued thirty (review helper's repro). Now the newest of the tenant
+    with the most waiting for its weight goes; a tenant of twice the weight may hold twice as many."""
+    q = FairQueue()
+    flood = [Ticket("default", "mallory", enqueued=float(i)) for i in range(30)]
+    for t in flood:
+        q.push(t)
+    quiet = Ticket("default", "alice", enqueued=100.0)
+    q.push(quiet)  # the newest of all
+    shed = [q.pop_newest_lowest() for _ in range(29)]
+    assert shed == flood[:0:-1] and not quiet.gone  # mallory's, newest first, down to one each
+    assert q.pop_newest_lowest() is quiet  # one each: the newest then
+    heavy = [Ticket("default", "big", weight=2.0, enqueued=200.0 + i) for i in range(5)]
+    light = [Ticket("default", "small", enqueued=300.0 + i) for i in range(3)]
+    for t in heavy + light:
+        q.push(t)
+    assert q.pop_newest_lowest() is light[-1]  # 3 for a weight of 1 against 5 for 2
+    assert q.pop_newest_lowest() is heavy[-1]  # then 2.5 against 2
+
+
 async def test_a_queue_that_drains_below_the_target_sheds_nothing():
     g = Gate(1)
     g.standing_target_s, g.standing_interval_s = 0.05, 0.05

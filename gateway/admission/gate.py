@@ -114,14 +114,25 @@ class FairQueue:
         return self._pop_band(band)
 
     def pop_newest_lowest(self) -> Ticket | None:
-        """Take out the newest waiter of the lowest band that waits (a standing queue sheds it)."""
+        """Take out the waiter a standing queue sheds: in the lowest band that waits, the newest of
+        the tenant with the most waiting for its weight (its backlog made the queue stand). The
+        newest across tenants shed a tenant with one request waiting as often as the one that
+        queued thirty (50 % of its requests against 23 %: review helper's repro)."""
         band = next((b for b in reversed(BANDS) if self.sizes[b] > 0), None)
         if band is None:
             return None
-        live = [t for q in self._q[band].values() for t in q if not t.gone]
-        if not live:
+        best: tuple[float, float] | None = None
+        victim: Ticket | None = None
+        for q in self._q[band].values():
+            live = [t for t in q if not t.gone]
+            if not live:
+                continue
+            newest = live[-1]  # pushed in order
+            rank = (len(live) / max(newest.weight, 1e-9), newest.enqueued)
+            if best is None or rank > best:
+                best, victim = rank, newest
+        if victim is None:
             return None
-        victim = max(live, key=lambda t: t.enqueued)
         self.leave(victim)
         return victim
 

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
+
+import orjson
 
 from ..admission.gate import MAX_COST, Ticket
 from ..classify.classifier import Stage, Verdict
@@ -59,7 +62,7 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
         call.verdict = verdict if not unread else _unread(verdict, unread)
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
-            call.prompt_tokens = estimate + unread
+            call.prompt_tokens = estimate + unread + _structured_tokens(view)
     if route.prefixes is not None and call.endpoint.generates:
         _prefix(call, route, tenant)
     pool = route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
@@ -67,6 +70,27 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     validate_legs(pool.translating.get(call.endpoint.name, ()), call.body)
     _ticket(call, rt, tenant)
     return route, tenant
+
+
+_STRUCTURED = ("tools", "functions", "response_format")
+
+
+def _structured_tokens(view: Mapping[str, Any]) -> int:
+    """Prompt tokens the classifier's estimate (the messages' text) leaves out: tool and function
+    definitions, a response schema, and the calls earlier turns made (their arguments), as
+    characters / 4 of their JSON. A prompt big in `tools` looked like a 20-token one: its
+    second-long prefill raised its backend's predicted TTFT for every prompt and moved the other
+    tenants' traffic (review helper's repro). Images are not counted (their JSON is no measure)."""
+    parts = [view[k] for k in _STRUCTURED if view.get(k)]
+    messages = view.get("messages")
+    if isinstance(messages, list):
+        parts.extend(calls for m in messages if isinstance(m, Mapping) and (calls := m.get("tool_calls") or m.get("function_call")))
+    if not parts:
+        return 0
+    try:
+        return len(orjson.dumps(parts)) // 4
+    except orjson.JSONEncodeError:  # nested too deeply: the body cannot be sent on either (a 400 there)
+        return 0
 
 
 def _unread(v: Verdict, unread: int) -> Verdict:

@@ -129,9 +129,11 @@ OUTCOMES: dict[Kind, Outcome] = {
     Kind.HTTP_5XX: Outcome(health=True, sample=True, asked=True),
     Kind.HTTP_503: Outcome(health=True, sample=True),
     Kind.HTTP_429: Outcome(health=False, sample=False),
-    Kind.HTTP_401: Outcome(health=True, sample=True),
-    Kind.HTTP_403: Outcome(health=True, sample=True),
-    Kind.HTTP_408: Outcome(health=True, sample=True),
+    # Our key or the backend is wrong, or a WAF or an ingress rule in front of it refused what one
+    # caller sent: a request probe tells which (it fails too when the key is wrong).
+    Kind.HTTP_401: Outcome(health=True, sample=True, asked=True),
+    Kind.HTTP_403: Outcome(health=True, sample=True, asked=True),
+    Kind.HTTP_408: Outcome(health=True, sample=True, asked=True),
     Kind.HTTP_404: Outcome(health=False, sample=False),
     Kind.HTTP_405: Outcome(health=False, sample=False),
     Kind.MALFORMED: Outcome(health=True, sample=True, asked=True),
