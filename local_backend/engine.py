@@ -440,7 +440,7 @@ class Engine:
         return {
             "queue_depth": waiting,
             "batch_size": running,
-            "kv_cache_usage": min(1.0, sum(list(cache.lengths)) / max(1, cache.budget_positions())),
+            "kv_cache_usage": cache.usage(),
             "kv_cache_bytes": cache.nbytes(),
         }
 

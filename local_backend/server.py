@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 __all__ = ["STATE", "BackendState", "SamplingDefaults", "create_app", "sampling_defaults"]
 
 log = logging.getLogger("local_backend.server")
+
+_T = TypeVar("_T")
+_R = TypeVar("_R", ChatRequest, CompletionRequest)
 
 
 @dataclass
@@ -303,14 +306,27 @@ async def _collect_all(seqs: list[Sequence]) -> tuple[list[tuple[str, Delta, lis
 
 async def _tokenize(request: web.Request, encode: Callable[..., list[int]], engine: Engine, req: ChatRequest | CompletionRequest,
                     size: int) -> list[int]:
-    """Run ``encode`` on the app's tokenizer thread, with the engine's pre-tokenization length
-    check; a 429 when the bodies waiting for that thread (`size` bytes this one) pass twice the
-    body limit: one caller's large prompts cannot hold every other caller's behind them."""
+    """Run ``encode`` on the app's tokenizer thread, with the engine's pre-tokenization length check."""
+    call = functools.partial(encode, engine.tokenizer, req, max_chars=engine.longest_token_chars, context_length=engine.context_length)
+    return await _on_tokenizer_thread(request, call, size)
+
+
+async def _parse(request: web.Request, model: type[_R], body: bytes) -> _R:
+    """Validate a body on the tokenizer thread: a megabyte of small messages or content parts
+    costs the validator tens of ms or more, which on the event loop held every stream and the
+    health checks (24 clients sending such bodies: /healthz 4.9 s, and the launcher restarts a
+    server whose health checks take 3 s; review helper's repro)."""
+    return await _on_tokenizer_thread(request, functools.partial(parse_request, model, body), len(body))
+
+
+async def _on_tokenizer_thread(request: web.Request, call: Callable[[], _T], size: int) -> _T:
+    """Run ``call`` on the app's tokenizer thread; a 429 when the bodies waiting for that thread
+    (`size` bytes this one) pass twice the body limit: one caller's large prompts cannot hold
+    every other caller's behind them."""
     state = request.app[STATE]
     if state.tokenizing_bytes and state.tokenizing_bytes + size > 2 * state.body_limit_bytes:
         raise ApiError(429, f"the local model is busy: {state.tokenizing_bytes} bytes of prompts wait to be tokenized",
                        type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-    call = functools.partial(encode, engine.tokenizer, req, max_chars=engine.longest_token_chars, context_length=engine.context_length)
     state.tokenizing_bytes += size
     try:
         return await asyncio.get_running_loop().run_in_executor(request.app[TOKENIZER_THREAD], call)
@@ -326,7 +342,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions"""
     state = request.app[STATE]
     body = await _read_body(request, state.body_limit_bytes)
-    req = parse_request(ChatRequest, body)
+    req = await _parse(request, ChatRequest, body)
     refusal = req.unsupported()
     if refusal is not None:
         raise refusal
@@ -377,7 +393,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/completions"""
     state = request.app[STATE]
     body = await _read_body(request, state.body_limit_bytes)
-    req = parse_request(CompletionRequest, body)
+    req = await _parse(request, CompletionRequest, body)
     refusal = req.unsupported()
     if refusal is not None:
         raise refusal

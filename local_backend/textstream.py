@@ -14,6 +14,48 @@ from tokenizers.decoders import DecodeStream
 __all__ = ["TextAssembler"]
 
 
+class _StopMatcher:
+    """One stop sequence's Knuth-Morris-Pratt automaton, fed the text as it comes: `state` is the
+    longest prefix of the stop that the text so far ends with. Each character costs amortized
+    O(1); trying every prefix of the held text at every token cost O(len(stop)^2): four stops of
+    1,000 characters, 0.4-0.8 ms a token per row on the engine thread, slowing every batch-mate
+    (review helper's repro)."""
+
+    __slots__ = ("stop", "fail", "state")
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.fail = _failure(stop)
+        self.state = 0
+
+    def feed(self, text: str) -> int:
+        """Read `text`; the index in it just past the stop's first completion, else -1."""
+        stop, fail, k, last = self.stop, self.fail, self.state, len(self.stop)
+        for i, c in enumerate(text):
+            while k and stop[k] != c:
+                k = fail[k - 1]
+            if stop[k] == c:
+                k += 1
+                if k == last:
+                    self.state = k
+                    return i + 1
+        self.state = k
+        return -1
+
+
+def _failure(s: str) -> list[int]:
+    """KMP's table: for each prefix s[:i+1], the length of its longest proper prefix that is also its suffix."""
+    fail = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
 class TextAssembler:
     """Per-request incremental detokenizer with stop-sequence matching."""
 
@@ -21,7 +63,7 @@ class TextAssembler:
         # `tokenizer` is a transformers fast tokenizer; the decode stream wants its Rust core.
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=True)
-        self._stop = tuple(s for s in stop if s)
+        self._stop = [_StopMatcher(s) for s in stop if s]
         self._held = ""
         self.stopped = False
 
@@ -33,12 +75,20 @@ class TextAssembler:
         if not self._stop:
             return piece
         text = self._held + piece
-        cut = min((i for i in (text.find(s) for s in self._stop) if i >= 0), default=-1)
+        # Where each stop completes first (the held text is already read: each automaton's state
+        # is the part of it that stop's prefix covers); the earliest start wins.
+        base = len(self._held)
+        cut = -1
+        for m in self._stop:
+            end = m.feed(piece)
+            if end >= 0:
+                start = base + end - len(m.stop)
+                cut = start if cut < 0 else min(cut, start)
         if cut >= 0:
             self.stopped = True
             self._held = ""
             return text[:cut]
-        keep = self._partial_stop_suffix(text)
+        keep = max(m.state for m in self._stop)  # what may still become a stop: held back
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
@@ -46,13 +96,3 @@ class TextAssembler:
         """The held-back text, once the sequence ended without completing a stop."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
-
-    def _partial_stop_suffix(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that is a proper prefix of a stop sequence."""
-        best = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best

@@ -83,6 +83,17 @@ class KVCache:
             return self.slots * self.max_capacity
         return max(1, self.max_bytes // self.bytes_per_position)
 
+    def usage(self) -> float:
+        """The share of the cache the running sequences hold, as admission sees it: at their limits,
+        rows and capacity rounded up to powers of two (`fits`), against the byte budget; without a
+        budget (or static), the positions written against all. Two long-limit sequences that left
+        no room for a third read 0.34 from their written positions alone (review helper's repro)."""
+        lengths, limits = list(self.lengths), list(self.limits)
+        written = min(1.0, sum(lengths) / max(1, self.budget_positions()))
+        if self.static or self.max_bytes is None or not limits:
+            return written
+        return max(written, min(1.0, self._bytes_for(*self._shape_for(len(limits), max(limits))) / self.max_bytes))
+
     def used_positions(self) -> int:
         """Positions the running sequences hold."""
         return sum(self.lengths)

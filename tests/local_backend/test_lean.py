@@ -138,3 +138,18 @@ async def test_engine_with_the_template_prefix_cached_gives_the_same_tokens(tiny
 
     want = [await tokens(plain, p) for p in PROMPTS]
     assert list(await asyncio.gather(*(tokens(cached, p) for p in PROMPTS))) == want
+
+
+def test_cache_usage_counts_what_admission_reserves() -> None:
+    """vllm:kv_cache_usage_perc read the positions written (0.34) while two long-limit rows had
+    left no room for a third (review helper's repro): it reads what admission counts, the rows at
+    their limits rounded up to powers of two, against the byte budget."""
+    per_position = 2 * 1 * 1 * 4 * 4  # K and V, one layer, one head, head_dim 4, fp32
+    cache = KVCache(layers=1, slots=8, kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                    capacity=4, max_capacity=64, max_bytes=3 * 64 * per_position)
+    assert cache.usage() == 0.0
+    for _ in range(2):
+        cache.add_row(10, 64)  # 10 written, may grow to 64
+    assert not cache.fits(1)  # 4 rows x 64 positions: past the budget of 3 x 64
+    assert cache.usage() == pytest.approx(2 * 64 / (3 * 64))
+    assert cache.usage() > 20 / cache.budget_positions()  # what it read before

@@ -534,3 +534,31 @@ async def test_n_completions_with_logprobs_and_a_full_queue_refuses_all_of_them(
             break
         await asyncio.sleep(0.02)
     assert snap["queue_depth"] == 0 and snap["batch_size"] == 0, snap
+
+
+async def test_bodies_are_validated_off_the_event_loop_and_hold_at_most_4096_messages(server: RunningServer, monkeypatch) -> None:
+    """A megabyte of one-character messages cost the validator ~230 ms on the event loop: 24
+    clients sending such bodies held every stream for seconds and /healthz for 4.9 s, past the
+    launcher's 3 s (review helper's repro). Bodies are validated on the tokenizer thread, under
+    its byte bound, and a chat holds at most 4,096 messages (and a message as many parts)."""
+    import threading
+
+    from local_backend import server as srv
+
+    threads: list[str] = []
+    original = srv.parse_request
+
+    def parse(model, body):  # type: ignore[no-untyped-def]
+        threads.append(threading.current_thread().name)
+        return original(model, body)
+
+    monkeypatch.setattr(srv, "parse_request", parse)
+    many = orjson.dumps({"model": "tiny-random", "messages": [{"role": "user", "content": "x"}] * 4097})
+    status, payload, _ = await _post(f"{server.base_url}/chat/completions", many)
+    assert status == 400 and payload["error"]["param"] == "messages"  # type: ignore[index]
+    parts = orjson.dumps({"model": "tiny-random", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 4097}]})
+    status, payload, _ = await _post(f"{server.base_url}/chat/completions", parts)
+    assert status == 400 and payload["error"]["param"] == "messages[0].content"  # type: ignore[index]
+    status, _, _ = await _post(f"{server.base_url}/completions", orjson.dumps({"model": "tiny-random", "prompt": "Once", "max_tokens": 1}))
+    assert status == 200
+    assert threads and all(name.startswith("local-backend-tokenize") for name in threads), threads
