@@ -200,9 +200,11 @@ async def test_a_hit_never_hands_out_values_the_answer_echoes_from_another_reque
     assert up.stats.requests == 3
 
 
-async def test_a_deleted_response_is_not_handed_out_again_by_the_cache(upstream, gateway):
+async def test_a_deleted_response_is_not_handed_out_again_by_the_cache(upstream, gateway, store):
+    # On Redis the deleted id came back: the miss looked the key up again under the cross-process
+    # lock and replayed the stale entry (review helper's repro). The entry is deleted first.
     up = await upstream(_name("a"), tokens=3)
-    gw = await gateway(_policy(up))
+    gw = await gateway(_policy(up, store=store))
     c = gw.client()
     ask = {"model": "gpt-test", "input": f"delete me {uuid.uuid4().hex}", "temperature": 0}
     first = (await c.responses.create(**ask)).id

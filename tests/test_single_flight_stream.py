@@ -787,3 +787,35 @@ async def test_a_leader_behind_its_stream_that_loses_its_key_gets_the_error_inst
     assert leader.ended and b"key gone" in leader.body and b"three" not in leader.body and tee.lost == "cut"
     bc.release()
     assert bc._budget.used == 0
+
+
+def test_followers_read_the_history_in_place_not_a_copy_each():
+    """Each follower joined with a copy of the history's list (8 bytes an event): 200 followers of
+    a 54,000-event stream held 85 MiB that no budget counted (review helper's repro). They read
+    the Broadcast's own list in place, each from its own position."""
+    import tracemalloc
+
+    bc = Broadcast()
+    events = [_chunk(f"w{i} ") for i in range(54_000)]
+    for ev in events:
+        bc.publish(ev)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        taps = [bc.join() for _ in range(200)]
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20, held  # ~100 KB of taps; the copies were 85 MiB
+    first, last = taps[0], taps[-1]
+    assert first is not None and last is not None
+    bc.publish(_chunk("late"))
+    got = b""
+    while first.pending:
+        got += first.take()
+    assert got == b"".join(events) + _chunk("late")
+    bc.release()  # nobody joins now; a tap still reads what it joined with
+    rest = b""
+    while last.pending:
+        rest += last.take()
+    assert rest == got

@@ -206,14 +206,19 @@ class Cache:
             self._recovered()
         return True
 
-    async def _corrupt(self, key: str, raw: bytes) -> None:
-        if self._on_error is not None:
-            self._on_error("corrupt")
-        self._log.warning("cache entry %s is corrupt (%d bytes), deleted", key, len(raw))
+    async def forget(self, key: str) -> None:
+        """Delete an entry that must not be answered again (the Response id it hands out is gone);
+        a store that fails leaves it to its TTL."""
         try:
             await self.store.delete(key)
         except StoreError as exc:
             self._failed("delete", exc)
+
+    async def _corrupt(self, key: str, raw: bytes) -> None:
+        if self._on_error is not None:
+            self._on_error("corrupt")
+        self._log.warning("cache entry %s is corrupt (%d bytes), deleted", key, len(raw))
+        await self.forget(key)
 
     def _failed(self, op: str, exc: StoreError) -> None:
         self._failing = True

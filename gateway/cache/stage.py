@@ -72,7 +72,10 @@ class CacheStage:
             return
         entry = await cache.lookup(plan.key)
         if entry is not None and (rid := call.endpoint.held_id(entry)) is not None and not await _still_held(rt, rid):
-            entry = None  # its id was deleted (or forgotten): a fresh answer, stored over it
+            # Its id was deleted (or forgotten): a fresh answer, stored over it. Deleted first: on
+            # a shared store the miss looks the key up again once it holds the lock, and replayed it.
+            entry = None
+            await cache.forget(plan.key)
         if entry is None:
             entry = await self._miss(call, cache, plan, plan.key, rt.policy.cache.lock_ms / 1000, sink, produce)
         if entry is not None:
