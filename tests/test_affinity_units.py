@@ -102,6 +102,22 @@ def test_map_is_bounded() -> None:
     assert m.footprint("a") == 100
 
 
+def test_a_full_map_drops_the_keys_of_the_tenant_that_holds_the_most() -> None:
+    """One table for everyone: 40 requests of 128 one-word messages emptied a 5,000-entry table
+    of another tenant's conversation (review helper's repro). A full table drops the least
+    recently learned keys of the namespace holding the most."""
+    m = PrefixMap(max_entries=500, ttl_s=600)
+    alice = prefix_keys(conv("hello", "hi there", "and then?", system="be brief"), 1024, "alice")
+    m.learn(alice, "a", "none", "alice")
+    for i in range(40):
+        flood = prefix_keys({"messages": [{"role": "user", "content": f"w{i}-{j}"} for j in range(128)]}, 1024, "mallory")
+        m.learn(flood, "b", "none", "mallory")
+    assert len(m) == 500
+    assert m.match(alice)[0] == len(alice)  # alice's conversation is still known whole
+    keep = prefix_keys({"messages": [{"role": "user", "content": f"w39-{j}"} for j in range(128)]}, 1024, "mallory")
+    assert m.match(keep)[0] == len(keep)  # and the flooder's newest
+
+
 def test_footprint_counts_first_blocks() -> None:
     m = PrefixMap()
     for sys_prompt in ("one " * 300, "two " * 300):

@@ -138,7 +138,9 @@ class RelayBase:
             self.ctx.metrics.relay_events.labels("failover", tries.last_label or "unknown").inc()
             log.info("request %s: failing over from %r (%s) to %r", call.request_id, call.out.attempts[-1], tries.last_label, backend.name)
         if call.prefix and self.route.prefixes is not None:
-            self.route.prefixes.learn(call.prefix, backend.name, call.cls)  # its cache holds this prompt now
+            tenant = call.tenant
+            # its cache holds this prompt now
+            self.route.prefixes.learn(call.prefix, backend.name, call.cls, "" if tenant is None else tenant.cache_namespace)
             d = call.out.affinity
             if d is not None:
                 if d.result is AffinityResult.HIT and backend.name != d.backend:

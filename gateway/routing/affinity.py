@@ -5,7 +5,8 @@ Two sources say where a prefix is, neither needing a round trip on the request p
 - **Learned** (`PrefixMap`): every attempt records its prompt's block keys (routing/prefix.py) ->
   the backend it went to. A request whose keys match goes to a backend holding its deepest match:
   a conversation's next turn follows the turn before, and every conversation on a system prompt
-  that some backend already prefilled goes there. Kept per process, bounded (LRU, `max_entries`)
+  that some backend already prefilled goes there. Kept per process, bounded (`max_entries`: a
+  full table drops the least recently learned keys of the tenant namespace holding the most)
   and forgotten after `prefix_ttl_s` unused.
 - **Rendezvous hashing** for a prefix nobody holds yet: each backend's weight is a hash of (first
   block, backend name) and the heaviest wins, so every worker and replica sends a new system
@@ -80,13 +81,14 @@ class Decision:
 
 
 class _Entry:
-    __slots__ = ("holders", "cls", "end", "at")
+    __slots__ = ("holders", "cls", "end", "at", "owner")
 
-    def __init__(self, cls: str, at: float) -> None:
+    def __init__(self, cls: str, at: float, owner: str) -> None:
         self.holders: list[str] = []
         self.cls = cls  # the class its last request was answered in (a conversation's stickiness)
         self.end = False  # the last block of some request's prompt: a conversation turn ended here
         self.at = at
+        self.owner = owner  # the tenant namespace whose prompts it came from (keys are salted by it)
 
 
 class PrefixMap:
@@ -94,7 +96,11 @@ class PrefixMap:
 
     def __init__(self, max_entries: int = 100_000, ttl_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_entries, self.ttl_s, self.clock = max_entries, ttl_s, clock
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._entries: dict[bytes, _Entry] = {}
+        # Each namespace's keys, least recently learned first: a full table drops the oldest of the
+        # namespace that holds the most (one table for everyone: 40 requests of 128 one-word
+        # messages emptied a 5,000-entry table of another tenant's conversation; review helper's repro).
+        self._owned: dict[str, OrderedDict[bytes, None]] = {}
         self._roots: dict[str, OrderedDict[bytes, float]] = {}  # backend -> first block -> last sent
 
     def configure(self, max_entries: int, ttl_s: float) -> None:
@@ -104,18 +110,24 @@ class PrefixMap:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def learn(self, keys: Sequence[bytes], backend: str, cls: str) -> None:
-        """`backend` was sent a prompt with these keys (its cache holds them now)."""
+    def learn(self, keys: Sequence[bytes], backend: str, cls: str, owner: str = "") -> None:
+        """`backend` was sent a prompt with these keys (its cache holds them now); `owner`: the
+        tenant namespace the keys were salted with."""
         if not keys:
             return
         now = self.clock()
         entries = self._entries
+        owned = self._owned.get(owner)
+        if owned is None:
+            owned = self._owned[owner] = OrderedDict()
         for k in keys:
             e = entries.get(k)
             if e is None:
-                e = entries[k] = _Entry(cls, now)
+                e = entries[k] = _Entry(cls, now, owner)
+                owned[k] = None
             else:
-                entries.move_to_end(k)
+                if e.owner == owner:
+                    owned.move_to_end(k)
                 e.at, e.cls = now, cls
             h = e.holders
             if not h or h[0] != backend:
@@ -124,8 +136,8 @@ class PrefixMap:
                 h.insert(0, backend)
                 del h[_MAX_HOLDERS:]
         entries[keys[-1]].end = True
-        while len(entries) > self.max_entries:
-            entries.popitem(last=False)
+        if len(entries) > self.max_entries:
+            self._evict()
         roots = self._roots.get(backend)
         if roots is None:
             roots = self._roots[backend] = OrderedDict()
@@ -135,6 +147,17 @@ class PrefixMap:
         # blocks under max_entries 100 held 200,000 roots (~36 MB; request rate x the TTL).
         while len(roots) > self.max_entries:
             roots.popitem(last=False)
+
+    def _evict(self) -> None:
+        """Down to max_entries: the oldest keys of the namespace that holds the most."""
+        entries, owned = self._entries, self._owned
+        while len(entries) > self.max_entries:
+            name, keys = max(owned.items(), key=lambda kv: len(kv[1]))
+            while keys and len(entries) > self.max_entries:
+                k, _ = keys.popitem(last=False)
+                del entries[k]
+            if not keys:
+                del owned[name]
 
     def match(self, keys: Sequence[bytes], start: int | None = None) -> tuple[int, _Entry | None]:
         """The deepest learned block of `keys` at or below index `start` (default: the last), as
