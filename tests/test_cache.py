@@ -655,6 +655,7 @@ async def test_cancelled_leaders_and_followers_leave_nothing_behind() -> None:
     async def follower() -> None:
         async with flight.hold("k", wait_s=5) as f:
             woke.append(f.leader)
+            await asyncio.sleep(0.01)  # its own call, as a leader
 
     lead = asyncio.create_task(leader())
     await leader_in.wait()
@@ -662,10 +663,10 @@ async def test_cancelled_leaders_and_followers_leave_nothing_behind() -> None:
     await asyncio.sleep(0)
     followers[0].cancel()  # a follower gives up while waiting
     await asyncio.sleep(0)
-    lead.cancel()  # then the leader is cancelled mid-call: the rest wake and go on their own
+    lead.cancel()  # then the leader is cancelled mid-call (its client left): the rest form a new flight
     done = await asyncio.gather(lead, *followers, return_exceptions=True)
     assert isinstance(done[0], asyncio.CancelledError) and isinstance(done[1], asyncio.CancelledError)
-    assert woke == [False, False]
+    assert woke == [True, False]  # one leads it, the other follows (its leader stored nothing: it goes on alone)
     assert len(flight) == 0
     async with flight.hold("k", wait_s=5) as f:  # the key is free for the next miss
         assert f.leader

@@ -250,3 +250,26 @@ async def test_a_streamed_leader_whose_client_closes_at_the_end_still_stores_for
     finally:
         await probe.delete(key, LOCK + key)
         await probe.aclose()
+
+
+async def test_followers_of_a_whole_answer_whose_client_left_form_one_new_flight(upstream, gateway):
+    """A non-streamed leader's client left just before its answer came: its handler was cancelled
+    with the upstream call, and the three followers that had waited each went upstream alone
+    (four upstream calls in all; review helper's repro). They form one new flight: two calls."""
+    up = await upstream("a", tokens=3, ttft_ms=1000)
+    gw = await gateway(simple_policy(up))
+    body = {"model": "gpt-test", "messages": [{"role": "user", "content": "slow question"}], "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        async def post() -> tuple[int, str | None]:
+            async with s.post(f"{gw.url}/v1/chat/completions", json=body) as r:
+                await r.read()
+                return r.status, r.headers.get("x-gateway-cache")
+
+        leader = asyncio.ensure_future(post())
+        await asyncio.sleep(0.1)
+        followers = [asyncio.ensure_future(post()) for _ in range(3)]
+        await asyncio.sleep(0.6)
+        leader.cancel()  # its client goes away before the answer
+        got = await asyncio.gather(*followers)
+    assert sorted(got) == [(200, "hit"), (200, "hit"), (200, "miss")], got
+    assert up.stats.requests == 2

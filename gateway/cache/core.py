@@ -264,7 +264,7 @@ class Flight:
     in this process (whose cross-process lock it must not wait on, shared_flight.py).
     """
 
-    __slots__ = ("leader", "entry", "stream", "terms", "beside", "_done")
+    __slots__ = ("leader", "entry", "stream", "terms", "beside", "abandoned", "_done")
 
     def __init__(self, leader: bool, entry: Entry | None = None, stream: Broadcast | None = None,
                  done: asyncio.Event | None = None, terms: Terms = ANY_TERMS, beside: bool = False) -> None:
@@ -273,6 +273,7 @@ class Flight:
         self.stream = stream
         self.terms = terms  # a registered leader's: who may join it
         self.beside = beside
+        self.abandoned = False  # a registered leader's block ended by its cancellation (its client left)
         self._done = done  # set when a registered leader's block ends (only followers of one wait on it)
 
     def publish(self, entry: Entry) -> None:
@@ -341,6 +342,18 @@ class _Hold:
         self._led: Flight | None = None  # the flight this caller registered and leads
 
     async def __aenter__(self) -> Flight:
+        deadline = asyncio.get_running_loop().time() + max(0.0, self._wait_s)
+        while True:
+            flight = await self._enter(deadline)
+            if flight is not None:
+                return flight
+            # Its leader's client left before the answer came (its handler cancelled, the upstream
+            # call with it): the followers that waited form a new flight, one of them its leader,
+            # instead of each going upstream alone (3 followers, 3 more upstream calls; review
+            # helper's repro). A leader that answered, stored nothing or failed is not retried.
+
+    async def _enter(self, deadline: float) -> Flight | None:
+        """One try at the flight for the key; None when the one followed was abandoned in time to try again."""
         flights = self._sf._flights
         current = flights.get(self._key)
         if current is None:
@@ -364,8 +377,10 @@ class _Hold:
             return Flight(leader=True, beside=True)
         assert current._done is not None  # a registered flight
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(max(0.0, self._wait_s)):
+            async with asyncio.timeout_at(deadline):
                 await current._done.wait()
+        if current.abandoned and current.entry is None and asyncio.get_running_loop().time() < deadline:
+            return None
         return Flight(leader=False, entry=current.entry)
 
     def _register(self, *, beside: bool) -> Flight:
@@ -375,10 +390,12 @@ class _Hold:
         self._led = self._sf._flights[self._key] = flight
         return flight
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         flight = self._led
         if flight is None:
             return
+        if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            flight.abandoned = True
         flights = self._sf._flights
         if flights.get(self._key) is flight:
             del flights[self._key]
