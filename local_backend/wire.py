@@ -113,7 +113,7 @@ class _Sampling(_Request):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: Int | None = None
     stop: str | Annotated[list[str], _FAST] | None = None
-    stream: bool = False
+    stream: bool | None = None  # null (OpenAI's schema allows it): not streamed
     stream_options: StreamOptions | None = None
     n: Int = Field(default=1, ge=1, le=_MAX_CHOICES)  # choices: each its own sequence in the batch
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -164,7 +164,7 @@ class _Sampling(_Request):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+        return bool(self.stream) and self.stream_options is not None and self.stream_options.include_usage
 
 
 class ChatRequest(_Sampling):

@@ -343,9 +343,9 @@ async def test_a_listing_reads_the_store_only_when_the_keys_changed():
     book, other = KeyBook(store, VirtualKeysPolicy()), KeyBook(store, VirtualKeysPolicy())
     for i in range(300):
         await other.create("acme", f"k{i}", None, None)  # each reloads `other`: a read each
-    first = (await book.page(None)).data  # this process had loaded nothing: one read
+    first = (await book.page(None, 1000)).data  # this process had loaded nothing: one read
     assert len(first) == 300 and reads[0] == 300 + 1
-    assert (await book.page("acme")).data == first and reads[0] == 301  # nothing changed: no read
+    assert (await book.page("acme", 1000)).data == first and reads[0] == 301  # nothing changed: no read
     await other.revoke(first[0]["id"])
     assert ((await book.page(None)).data)[0]["revoked"] is True and reads[0] == 303  # other's reload, then this one's
 

@@ -409,6 +409,7 @@ def test_without_corroboration_and_in_half_open_one_tenant_ejects_as_before():
 
 def test_asked_kinds_are_the_ones_a_request_can_cause():
     asked = {k for k, o in OUTCOMES.items() if o.asked}
+    # 401/403/408 too: a WAF or an ingress rule in front of a model server refuses what one caller sends
     assert asked == {Kind.HTTP_5XX, Kind.MALFORMED, Kind.ERROR_EVENT, Kind.ERROR_EVENT_MID_STREAM, Kind.TIMEOUT,
-                     Kind.FIRST_TOKEN_TIMEOUT}
+                     Kind.FIRST_TOKEN_TIMEOUT, Kind.HTTP_401, Kind.HTTP_403, Kind.HTTP_408}
     assert all(OUTCOMES[k].health for k in asked)

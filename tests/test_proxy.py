@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import openai
 import orjson
+import pytest
 
 from tests.conftest import simple_policy
 
@@ -136,6 +138,29 @@ async def test_models_lists_what_the_tenant_may_use(upstream, gateway):
     assert ids == ["m1", "m3"]
     ids = [m.id async for m in gw.client("sk-all").models.list()]
     assert ids == ["m1", "m2", "m3"]
+    # models.retrieve (GET /v1/models/{id}) was an "unknown path" 404 (review helper's repro)
+    got = await gw.client("sk-acme").models.retrieve("m3")
+    assert got.id == "m3" and got.object == "model"
+    for key, model in (("sk-acme", "m2"), ("sk-all", "nope"), ("sk-all", "org/m1")):
+        with pytest.raises(openai.NotFoundError) as exc:
+            await gw.client(key).models.retrieve(model)
+        assert exc.value.code == "model_not_found"
+    with pytest.raises(openai.AuthenticationError):
+        await gw.client("sk-wrong").models.retrieve("m1")
+
+
+async def test_a_null_stream_is_not_streamed(upstream, gateway):
+    """OpenAI's schema allows `"stream": null` (clients that write out None send it): it was a 400
+    on every endpoint (review helper's repro). It reads as false, and the backend never sees it."""
+    up = await upstream("a", tokens=3)
+    gw = await gateway(simple_policy(up))
+    c = gw.client()
+    got = await c.post("/chat/completions", cast_to=object, body={"model": "gpt-test", "messages": MSG, "stream": None})
+    assert got["object"] == "chat.completion" and "stream" not in up.stats.last_body
+    got = await c.post("/completions", cast_to=object, body={"model": "gpt-test", "prompt": "hi", "stream": None})
+    assert got["object"] == "text_completion"
+    with pytest.raises(openai.BadRequestError):
+        await c.post("/chat/completions", cast_to=object, body={"model": "gpt-test", "messages": MSG, "stream": "yes"})
 
 
 async def test_health_ready_metrics_and_admin_endpoints(upstream, gateway):

@@ -68,6 +68,20 @@ async def test_rpm_refuses_with_openai_shape_headers_and_nothing_upstream(upstre
     assert 'gateway_quota_rejections_total{limit="rpm",tenant="acme"} 1.0' in await _metrics(gw)
 
 
+async def test_a_token_refusal_says_what_the_request_reserves(upstream, gateway):
+    """A max_tokens past the tpm reserves the whole tpm: after one 25-token answer the next was
+    refused with "reached its tpm limit (20000)" next to x-ratelimit-remaining-tokens 19,975,
+    which read as a contradiction (review helper's repro). The 429 says what it reserves."""
+    up = await upstream("a", tokens=5)
+    gw = await gateway(_policy(up, {"tpm": 20_000}))
+    client = gw.client(key=KEY)
+    await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=32_000)
+    with pytest.raises(openai.RateLimitError) as exc:
+        await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=32_000)
+    assert "reserves 20000 tokens" in exc.value.message and "max_tokens" in exc.value.message, exc.value.message
+    await client.chat.completions.create(model="gpt-test", messages=MSG, max_tokens=100)  # a smaller one fits
+
+
 async def test_a_tenant_out_of_requests_is_refused_before_its_body_is_parsed(upstream, gateway):
     """Once a refusal said the tenant's rpm is spent, its next requests are 429s before their bodies
     are parsed and classified: a tenant refused every request still cost the event loop ~0.5 s

@@ -505,3 +505,14 @@ async def test_a_follow_up_left_mid_stream_is_charged_the_stored_context_it_made
     await quota.drain()
     charged = (await quota.usage("alice"))[""].window_tokens - before
     assert context <= charged < context + 300, (context, charged)
+
+
+async def test_a_backends_error_on_a_by_id_call_comes_back_in_openais_shape(upstream, gateway):
+    """A backend's "404: Not Found" in plain text (a path it does not serve) was relayed as it was:
+    the SDK showed an empty message (review helper's repro). Errors come back as error objects."""
+    up = await upstream(_name("a"), tokens=3)
+    gw = await gateway(_policy(up))
+    conv = await gw.client(A).conversations.create()
+    status, body, headers = await _call(gw, "GET", f"/v1/conversations/{conv.id}/items", A)  # the fake serves no items
+    assert status == 404 and headers["Content-Type"].startswith("application/json")
+    assert body["error"]["code"] == "upstream_rejected" and "Not Found" in body["error"]["message"]

@@ -31,8 +31,8 @@ def report(
     health.OUTCOMES says. `status`: the upstream's HTTP status, for a 5xx's label; `sample`:
     whether the attempt is a latency sample at all (a by-id call is not)."""
     o = OUTCOMES[kind]
-    timeout = kind in (Kind.TIMEOUT, Kind.FIRST_TOKEN_TIMEOUT)
-    if o.sample and sample and not (timeout and _open_ended(call)):
+    if o.sample and sample:
+        timeout = kind in (Kind.TIMEOUT, Kind.FIRST_TOKEN_TIMEOUT)
         completion = None
         if kind is Kind.OK:  # an answer without usage: None; one that decodes nothing (embeddings): 0
             completion = (call.out.usage or {}).get("completion_tokens", None if call.endpoint.generates else 0)
@@ -43,6 +43,7 @@ def report(
             completion_tokens=completion if isinstance(completion, int) else None,
             streamed=call.stream,
             timeout=timeout,
+            open_ended=timeout and _open_ended(call),
         )
     health = backend.health_for(call.model) if call.model else backend.health
     if kind is Kind.OK:
@@ -71,6 +72,7 @@ def _open_ended(call: Call) -> bool:
     """A whole answer the request set no length limit on: its deadline passing says how long the
     caller let it run, not how slow the backend's first token is (one 300-token answer without
     max_tokens, cut at the 2 s deadline, raised its backend's predicted TTFT from 7 ms to 1 s and
-    moved every tenant's traffic: review helper's repro). Neither a latency nor an error sample;
-    its health still counts it, as a failure a request can cause (health.OUTCOMES: asked)."""
+    moved every tenant's traffic: review helper's repro). Counted, but not learnt from
+    (LatencyTracker.observe_done); its health counts it, as a failure a request can cause
+    (health.OUTCOMES: asked)."""
     return not call.stream and call.endpoint.generates and call.max_output_tokens() is None

@@ -19,7 +19,7 @@ from aiohttp import web
 from yarl import URL
 
 from ..config.runtime import Runtime
-from ..errors import GatewayError, UpstreamError, UpstreamTimeout
+from ..errors import GatewayError, UpstreamError, UpstreamRejected, UpstreamTimeout
 from ..pipeline.call import Call, Finish, Timing
 from ..relay.attempt import MAX_BODY_BYTES
 from ..relay.report import report
@@ -137,7 +137,7 @@ class Passthrough:
             if on_found is not None and resp.status == 200:
                 await on_found(backend, resp)
             read = None if on_read is None or resp.status != 200 else (lambda data: on_read(backend, data))
-            return await self._relayed(resp, t.total_ms / 1000, t.idle_ms / 1000, read)
+            return await self._relayed(resp, t.total_ms / 1000, t.idle_ms / 1000, read, backend.name)
         except TimeoutError:
             self._report(backend, Kind.TIMEOUT)
             err: GatewayError = UpstreamTimeout(f"backend {backend.name!r} did not answer {method} {path} in time")
@@ -154,6 +154,7 @@ class Passthrough:
 
     async def _relayed(
         self, resp: UpstreamResponse, total_s: float, idle_s: float, on_read: Callable[[bytes], Awaitable[None]] | None,
+        backend: str,
     ) -> web.StreamResponse:
         out_headers = {**self.headers, **{k: resp.headers[k] for k in _PASS_HEADERS if k in resp.headers}}
         if "text/event-stream" not in resp.headers.get("Content-Type", ""):
@@ -162,6 +163,11 @@ class Passthrough:
             resp.release()
             if on_read is not None:
                 await on_read(data)
+            if resp.status >= 400:
+                # In OpenAI's error shape whatever the backend wrote ("404: Not Found" as text: the
+                # SDK showed an empty message; review helper's repro); an error object as it is.
+                data = UpstreamRejected(resp.status, data, backend).to_body()
+                out_headers["Content-Type"] = "application/json"
             return web.Response(status=resp.status, body=data, headers=out_headers)
         return await self._stream(resp, out_headers, idle_s)
 

@@ -141,6 +141,7 @@ class Tracker:
         completion_tokens: int | None = None,
         streamed: bool = True,
         timeout: bool = False,
+        open_ended: bool = False,
     ) -> None:
         """An attempt ended after `seconds`: answered (ok) or failed.
 
@@ -150,7 +151,10 @@ class Tracker:
         answered whole; once streams have shown real TTFTs, such an answer teaches nothing.
         timeout=True marks a first-token (or whole-answer) deadline: `seconds` is then a lower
         bound of the TTFT and raises the level, so a stuck backend ranks last even though it never
-        produced a sample.
+        produced a sample. `open_ended` with a timeout: a whole answer the request set no length
+        limit on, cut at its deadline: counted (errors, timeouts), but neither the error rate nor
+        the TTFT learns from it (how long it ran was the caller's choice: one such answer raised
+        the predicted TTFT 7 ms -> 1 s and moved every tenant's traffic; review helper's repro).
         """
         now = self.clock()
         self.duration.add(now, seconds)
@@ -158,7 +162,7 @@ class Tracker:
         self.total_requests += 1
         # A timeout of a prompt far larger than this backend's usual says more about the prompt:
         # neither an error nor a TTFT bound for everyone's prediction (see outsized()).
-        outsized = timeout and prompt_tokens is not None and self.outsized(prompt_tokens)
+        outsized = timeout and (open_ended or (prompt_tokens is not None and self.outsized(prompt_tokens)))
         self.error_ewma *= self._err_keep
         if not ok:
             self.total_errors += 1

@@ -180,7 +180,7 @@ class Quota:
         _headers(sink.set_header, decision)
         if not decision.ok:
             assert decision.limit is not None
-            raise self._refused(tenant.name, decision, limits.scopes)
+            raise self._refused(tenant.name, decision, limits.scopes, held)
         if plan.counts_tokens:
             call.ask_usage()  # a stream settles with the backend's usage
         return Hold(tenant.name, limits.names, store, decision, held, ask.lease)
@@ -225,14 +225,14 @@ class Quota:
         _headers(set_header, d)  # the requests' figures only: the tokens' may have moved since
         raise _exceeded(tenant.name, d, out.scopes)
 
-    def _refused(self, tenant: str, d: Decision, scopes: tuple[Scope, ...]) -> QuotaExceeded:
+    def _refused(self, tenant: str, d: Decision, scopes: tuple[Scope, ...], reserved: int = 0) -> QuotaExceeded:
         if d.limit == "rpm" and d.scope == "" and d.retry_after_s > 0:
             # For at most _EARLY_S at a time: then one request goes the whole way and asks the store
             # again (a reload, or a shared store gone down and this process's own counters in its
             # place, may admit it).
             now = self._clock()
             self._out[tenant] = _Out(now + min(d.retry_after_s, _EARLY_S), now, d, scopes)
-        return _exceeded(tenant, d, scopes)
+        return _exceeded(tenant, d, scopes, reserved)
 
     async def _take(self, tenant: str, ask: Ask, scopes: tuple[str, ...], reserved: int) -> tuple[Store, Decision]:
         """The shared store's decision, or this process's own while the shared one fails.
@@ -424,12 +424,19 @@ def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
         set_header("x-ratelimit-reset-tokens", _duration(d.reset_tokens_s))
 
 
-def _exceeded(tenant: str, d: Decision, scopes: tuple[Scope, ...]) -> QuotaExceeded:
+def _exceeded(tenant: str, d: Decision, scopes: tuple[Scope, ...], reserved: int = 0) -> QuotaExceeded:
+    """The 429 for a refusal. For a token limit it says what this request reserves: a large
+    max_tokens reserves up to the whole tpm, and a refusal that came with 19,975 tokens
+    "remaining" in its headers read as a contradiction (review helper's repro)."""
     scope = next(s for s in scopes if s.name == d.scope)
     value: float = getattr(scope, d.limit or "", 0) if d.limit != "spend_per_day_usd" else scope.spend_per_day_micro / 1e6
     where = f" for model {d.scope!r}" if d.scope else ""
+    need = ""
+    if reserved and d.limit in ("tpm", "tokens_per_day"):
+        need = (f" (this request reserves {reserved} tokens: its prompt and its answer limit, max_tokens or the default,"
+                f" at most the limit; a smaller max_tokens fits sooner)")
     return QuotaExceeded(
-        f"tenant {tenant!r} reached its {d.limit} limit ({value:g}){where}; it frees up in {_duration(d.retry_after_s)}",
+        f"tenant {tenant!r} reached its {d.limit} limit ({value:g}){where}{need}; it frees up in {_duration(d.retry_after_s)}",
         retry_after_s=max(d.retry_after_s, 0.001),
         limit=d.limit or "",
     )

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 import orjson
 from aiohttp import web
 
-from ..errors import BadRequest, GatewayError, InternalError, NotFound, Unauthorized, Unavailable
+from ..errors import BadRequest, GatewayError, InternalError, ModelNotFound, NotFound, Unauthorized, Unavailable
 from ..observe.metrics import refresh_gauges
 from ..observe.observer import server_timing
 from ..process.control import ControlError, ask, rejections
@@ -73,6 +73,21 @@ async def list_models(request: web.Request) -> web.Response:
         if tenant.may_use(m)
     ]
     return json_response({"object": "list", "data": data})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: one model of the list (the SDKs' models.retrieve); a 404
+    `model_not_found` for a model the caller may not use, as for one that does not exist."""
+    rt = request.app[LIVE].runtime
+    await rt.tenants.catch_up(api_key(request))
+    try:
+        tenant = rt.tenants.authenticate(api_key(request))
+    except GatewayError as err:
+        return error_response(err)
+    model = request.match_info["id"]
+    if model not in rt.public_models or not tenant.may_use(model):
+        return error_response(ModelNotFound(f"the model {model[:200]!r} does not exist or you do not have access to it", param="model"))
+    return json_response({"id": model, "object": "model", "created": int(rt.created), "owned_by": "gateway"})
 
 
 async def route_explain(request: web.Request) -> web.Response:
@@ -284,6 +299,7 @@ def routes() -> list[web.RouteDef]:
         *responses_by_id(),
         *messages_extra(),
         web.get("/v1/models", list_models),
+        web.get("/v1/models/{id:.+}", retrieve_model),  # an id may hold slashes (org/model)
         web.post("/v1/route/explain", route_explain),
         web.get("/healthz", healthz),
         web.get("/readyz", readyz),

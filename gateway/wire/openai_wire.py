@@ -136,6 +136,8 @@ def parse_body(raw: bytes, model: type[T], max_items: int | None = None) -> tupl
     if not raw:
         raise BadRequest("the request body is empty; send a JSON object")
     data = json_object(raw)
+    if "stream" in data and data["stream"] is None:
+        del data["stream"]  # OpenAI's schema allows null (clients that write out None send it): not streamed
     # Each item, object or array takes two bytes at least: a smaller body cannot hold too many.
     if len(raw) > 2 * MAX_CONTAINERS:
         bounded_containers(raw, data)

@@ -562,3 +562,9 @@ async def test_bodies_are_validated_off_the_event_loop_and_hold_at_most_4096_mes
     status, _, _ = await _post(f"{server.base_url}/completions", orjson.dumps({"model": "tiny-random", "prompt": "Once", "max_tokens": 1}))
     assert status == 200
     assert threads and all(name.startswith("local-backend-tokenize") for name in threads), threads
+
+
+async def test_a_null_stream_is_a_whole_answer(server: RunningServer) -> None:
+    body = orjson.dumps({"model": "tiny-random", "messages": MESSAGES, "max_tokens": 2, "stream": None})
+    status, payload, _ = await _post(f"{server.base_url}/chat/completions", body)
+    assert status == 200 and payload["object"] == "chat.completion"
