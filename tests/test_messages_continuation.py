@@ -385,7 +385,8 @@ def test_a_chat_request_continued_on_anthropic_is_sent_as_messages_with_the_pref
             "stream_options": {"include_usage": True}}
     body = orjson.loads(Resume(t, "prefill", "b", "cut").body(CHAT_VIA_MESSAGES.upstream_request(chat), "claude-1",
                                                               CHAT_VIA_MESSAGES.prefill, trim=True))
-    assert body["system"] == "Be brief." and body["max_tokens"] == 4096 and body["stream"] is True
+    # the translation's default limit (4096), less the one content event delivered
+    assert body["system"] == "Be brief." and body["max_tokens"] == 4095 and body["stream"] is True
     assert "stream_options" not in body and body["messages"] == [*HELLO, {"role": "assistant", "content": "w0 w1"}]
 
 
@@ -409,3 +410,26 @@ def test_the_fake_refuses_a_prefill_that_ends_in_whitespace_as_the_api_does():
     for content in ("w0 w1 ", [{"type": "text", "text": "w0\n"}]):
         with pytest.raises(Invalid, match="trailing whitespace"):
             validate({**base, "messages": [*HELLO, {"role": "assistant", "content": content}]})
+
+
+@pytest.mark.parametrize("api", ["messages", "chat"])
+async def test_a_prefill_continuation_gets_what_is_left_of_the_answers_limit(claude, gateway, api):
+    """The continuation was sent the client's max_tokens unchanged: with max_tokens 5, a cut
+    after 3 words came back with 8, each cut another whole limit (past a quota's bound too;
+    review helper's repro). It gets what is left: the answer stays within the limit."""
+    a = await claude("a", words=20, cut_after=3)
+    b = await claude("b", words=20)
+    gw = await gateway(_policy(a, b, prefill=True))
+    async with aiohttp.ClientSession() as http:
+        if api == "messages":
+            async with http.post(gw.url + "/v1/messages", json={"model": "m", "max_tokens": 5, "messages": HELLO, "stream": True},
+                                 headers={"x-api-key": KEY}) as r:
+                raw = await r.read()
+            text = "".join(d["delta"].get("text", "") for _, d in sse(raw) if d["type"] == "content_block_delta")
+        else:
+            async with http.post(gw.url + "/v1/chat/completions", json={"model": "m", "max_tokens": 5, "messages": HELLO, "stream": True},
+                                 headers={"Authorization": f"Bearer {KEY}"}) as r:
+                raw = await r.read()
+            text = "".join(c["delta"].get("content") or "" for _, d in sse(raw) if d != "[DONE]" for c in d["choices"])
+    assert b.stats.last_body["max_tokens"] == 2  # 5, of which 3 were delivered
+    assert len(text.split()) == 5, text

@@ -314,3 +314,55 @@ async def test_a_completion_whose_prompt_is_not_one_string_is_continued_by_resta
     text = "".join(c["text"] for e in events for c in e.get("choices", []))
     assert s.stats.requests == 1 and s.stats.last_body["prompt"] == prompt  # sent as it came
     assert text == " ".join(f"w{i}" for i in range(8)) + " " and raw.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_restart_that_regenerates_a_long_answer_is_not_cut_by_the_first_token_deadline(upstream, gateway):
+    """A restart regenerates what the client already has before its first new token: those
+    events did not move the pump's timer, so the first-token deadline (1 s here) ran over 40
+    tokens at 40 ms, cut the answer and counted against the healthy backend continuing it
+    (review helper's repro). The backend's output keeps it alive: the stall deadline applies."""
+    p = await upstream("p", tokens=60, itl_ms=5, mode="cut", fail_after=40, fault_count=1)
+    s = await upstream("s", tokens=60, itl_ms=40)
+    gw = await gateway({
+        "version": 1, "cache": {"enabled": False}, "health": {"probe_interval_ms": 600000},
+        "backends": {"p": {"url": p.url, "models": ["m"]},
+                     "s": {"url": s.url, "models": ["m"], "prefill": False, "timeouts": {"first_token_ms": 1000}}},
+        "models": {"m": {"backends": ["p", "s"], "strategy": "ordered"}},
+    })
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MSG, "stream": True}) as r:
+            raw = await r.read()
+        async with http.get(gw.url + "/metrics") as r:
+            metrics = await r.text()
+    events = [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert raw.endswith(b"data: [DONE]\n\n"), raw[-300:]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == "".join(f"w{i} " for i in range(60))
+    assert 'upstream_errors_total{backend="s"' not in metrics
+
+
+@pytest.mark.parametrize("first", ["fails_before_content", "loses_the_hedge"])
+async def test_a_continued_stream_keeps_the_identity_of_the_backend_the_client_saw(upstream, gateway, first):
+    """The transcript noted events held before an attempt's first output: an attempt that failed
+    before any content (a role chunk, then an error event), or a hedge's loser, gave the continued
+    stream its id and model from the cut on (review helper's repro). Only what reached the client counts."""
+    if first == "fails_before_content":
+        p = await upstream("p", tokens=8, mode="error_event", fail_after=0, model="p-model")
+        hedge: dict[str, Any] = {}
+    else:
+        p = await upstream("p", tokens=8, ttft_ms=1500, model="p-model")
+        hedge = {"hedge": {"default_delay_ms": 100, "min_delay_ms": 10, "max_extra_pct": 100}}
+    s = await upstream("s", tokens=8, mode="cut", fail_after=3, model="s-model")
+    t = await upstream("t", tokens=8, model="t-model")
+    gw = await gateway({
+        "version": 1, "cache": {"enabled": False}, "health": {"probe_interval_ms": 600000},
+        "backends": {n: {"url": u.url, "models": ["m"], "prefill": True} for n, u in (("p", p), ("s", s), ("t", t))},
+        "models": {"m": {"backends": ["p", "s", "t"], "strategy": "ordered", **hedge}},
+    })
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": "m", "messages": MSG, "stream": True}) as r:
+            raw = await r.read()
+    events = [orjson.loads(e[6:]) for e in raw.split(b"\n\n") if e.startswith(b"data: {")]
+    assert {(e["id"], e["model"]) for e in events} == {(events[0]["id"], "s-model")}
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == "".join(f"w{i} " for i in range(8))
+    (backends,) = [e["x_gateway"]["backends"] for e in events if e.get("x_gateway")]
+    assert backends[0] == "s" and len(backends) == 2  # s's answer, continued on another: p never reached the client first

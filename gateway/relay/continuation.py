@@ -111,6 +111,11 @@ def _text_of(choice: dict[str, Any]) -> str | None:
     return text if isinstance(text, str) else ""
 
 
+# An answer's length limit, in the fields any leg's request may carry it (chat, completions, the
+# Responses and Messages APIs).
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
 class Resume:
     """One continuation attempt: the body to send, and how its events become the client's."""
 
@@ -137,6 +142,13 @@ class Resume:
             self._loose = text[len(sent):]
             if sent:
                 out = prefill(out, sent)
+            # The answer's limit counts what was delivered: a backend going on from the delivered
+            # text gets what is left of it (with max_tokens 5, a cut after 3 came back with 8, each
+            # cut another whole limit, past a quota's bound too; review helper's repro).
+            for name in _LIMIT_FIELDS:
+                limit = out.get(name)
+                if type(limit) is int and limit > 0:
+                    out[name] = max(1, limit - self._delivered_tokens)
         return orjson.dumps(out)
 
     def rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:

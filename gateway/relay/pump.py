@@ -44,7 +44,7 @@ class Pump:
     once the stream ended; raises AttemptFailed before the first output, Cut after it."""
 
     __slots__ = ("att", "resp", "mon", "timer", "idle_s", "first", "saw_done", "failed", "broke", "held",
-                 "held_bytes", "last", "client_ttft", "decoder", "writing", "malformed")
+                 "held_bytes", "last", "client_ttft", "decoder", "writing", "malformed", "skipping", "unnoted")
 
     def __init__(self, att: Attempt, resp: UpstreamResponse) -> None:
         call = att.call
@@ -63,6 +63,15 @@ class Pump:
         self.decoder = SSEDecoder()
         self.writing = False  # a write to the client is under way
         self.malformed = False  # an event was dropped as malformed: the answer may lack part of it
+        # A continuation's backend generates output the client already has (a restart regenerates
+        # it, a prefill's thinking is dropped): alive, so the stall deadline applies, not the first
+        # token's (which cut every long restart and every thinking model's continuation, and
+        # blamed the backend continuing it; review helper's repro).
+        self.skipping = False
+        # The held events' parts of the answer, noted in the transcript only once they reach the
+        # client: an attempt that failed before its first output (or lost a hedge) gave the
+        # continued stream its id, model and created (review helper's repro).
+        self.unnoted: list[dict[str, object]] = []
 
     async def run(self) -> Kind:
         att = self.att
@@ -142,7 +151,7 @@ class Pump:
                 self.writing = False
             if self._over():
                 return
-            if self.first:
+            if self.first or self.skipping:
                 self.timer.reschedule(self._next_deadline(loop))
 
     def _waited(self, seconds: float) -> None:
@@ -161,7 +170,7 @@ class Pump:
     def _next_deadline(self, loop: asyncio.AbstractEventLoop) -> float:
         """The timer's next deadline: the first output's, then the stall's, then the end's."""
         att = self.att
-        if not self.first:
+        if not self.first and not self.skipping:
             return att.first_deadline
         wait = _AFTER_FINISH_S if self.mon.finished else self.idle_s
         return min(loop.time() + wait, att.call_deadline)
@@ -183,6 +192,7 @@ class Pump:
                 continue
             if mon.timed:  # the backend's output, even where a continuation skips it: its timing
                 self.last = att.observe_content(self.last, client=self.client_ttft)
+                self.skipping = not self.first
             if v is _DROP:
                 continue
             if v is _DONE:
@@ -210,7 +220,10 @@ class Pump:
                     att.claim()
             transcript = att.call.transcript
             if transcript is not None and mon.event is not None:
-                transcript.note(mon.event, att.backend.name)
+                if self.first:
+                    transcript.note(mon.event, att.backend.name)
+                else:
+                    self.unnoted.append(mon.event)
             if self.first:
                 out.append(ev)
                 continue
@@ -221,6 +234,10 @@ class Pump:
                     att.claim()  # an answer without output: its end is its first byte
                 self.first = att.progress.first_sent = True
                 out, self.held = [*out, *self.held], []
+                if transcript is not None:
+                    for event in self.unnoted:
+                        transcript.note(event, att.backend.name)
+                    self.unnoted = []
             elif self.held_bytes > MAX_HELD_BYTES:
                 raise AttemptFailed(
                     UpstreamError(f"backend {att.backend.name!r} sent over {MAX_HELD_BYTES} bytes before its {mon.first}"),
@@ -236,6 +253,10 @@ class Pump:
             return Cut(UpstreamTimeout(f"the request's deadline of {att.call.timeout_ms()} ms passed mid-stream"),
                        Kind.CALLER_DEADLINE)
         if not self.first:
+            if self.skipping:
+                raise AttemptFailed(UpstreamTimeout(
+                    f"backend {att.backend.name!r} stalled for more than {int(self.idle_s * 1000)} ms before its {self.mon.first}"
+                    " (regenerating what the client already has)"), Kind.FIRST_TOKEN_TIMEOUT) from None
             waited = att.first_deadline - asyncio.get_running_loop().time() + (time.perf_counter() - att.started)
             raise AttemptFailed(UpstreamTimeout(f"no {self.mon.first} within {int(waited * 1000)} ms"),
                                 Kind.FIRST_TOKEN_TIMEOUT) from None
