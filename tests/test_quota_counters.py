@@ -116,6 +116,32 @@ async def test_concurrency_leases_are_released_by_settle(kind):
         assert (await s.quota_take("t", _ask(scope, lease="l3"))).ok
 
 
+async def test_a_take_whose_answer_never_came_is_reversed_on_redis_and_one_still_on_its_way_takes_nothing():
+    """A take that timed out on the gateway's side may have run on Redis: its request, tokens and
+    lease stayed there until the lease's TTL (~10 minutes of `concurrency` refusals; review
+    helper's repro). UNDO reverses it; run first, it makes the late take take nothing."""
+    async with _store("redis") as s:
+        assert isinstance(s, RedisStore)
+        scope, model = Scope("", rpm=100, tpm=10_000, concurrency=1), Scope("gpt-x", tpm=10_000, concurrency=1)
+        ran = _ask(scope, model, tokens=700, lease="ran")
+        assert (await s.quota_take("t", ran)).ok
+        assert not (await s.quota_take("t", _ask(scope, model, lease="other"))).ok  # concurrency 1: held
+        assert await s.quota_undo("t", ran) is True
+        for name in ("", "gpt-x"):
+            u = await s.quota_usage("t", name)
+            assert (u.window_tokens, u.day_tokens, u.inflight) == (0, 0, 0), name
+        assert (await s.quota_usage("t", "")).window_requests == 0
+        assert await s.quota_undo("t", ran) is False  # once
+        late = _ask(scope, model, tokens=700, lease="late")
+        assert await s.quota_undo("t", late) is False  # it has not run (yet)
+        assert (await s.quota_take("t", late)).limit == "undone"  # now it comes: it takes nothing
+        assert (await s.quota_usage("t", "")).inflight == 0
+        settled = _ask(scope, model, tokens=700, lease="settled")
+        d = await s.quota_take("t", settled)
+        await s.quota_settle("t", Settle(("", "gpt-x"), d.bucket, d.day, -700, 0, "settled"))
+        assert await s.quota_undo("t", settled) is False  # a settled take's record is gone: nothing to reverse
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_short_lease_does_not_take_the_long_ones_with_it(kind):
     # On Redis the leases are one sorted set with a TTL: a request with a short deadline set that

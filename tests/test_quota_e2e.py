@@ -506,3 +506,38 @@ async def test_a_client_that_leaves_while_its_quota_take_is_on_the_wire_gives_it
             if keys:
                 await raw.delete(*keys)
             await raw.aclose()
+
+
+async def test_a_take_that_times_out_on_a_stalled_redis_is_reversed_there(upstream, gateway):
+    """Redis stalls for ~0.5 s (a slow script, a big key's DEL, a fork): the gateway's take times
+    out and the request goes on this process's counters, but the take still ran on Redis, and its
+    lease stayed until the request's deadline + 10 s: a tenant with `concurrency: 1` was refused
+    for ~10 minutes (review helper's repro). The take is reversed there once Redis answers."""
+    import redis.asyncio as aredis
+
+    from tests.procs import redis_server
+
+    up = await upstream("a", tokens=4)
+    async with redis_server() as url:
+        policy = _policy(up, {"concurrency": 1, "tpm": 100_000})
+        policy["store"] = {"url": url, "quota_timeout_ms": 250}
+        gw = await gateway(policy)
+        q = gw.app[LIVE].runtime.quota
+        r = aredis.from_url(url)
+        client = gw.client(key=KEY)
+        await client.chat.completions.create(model="gpt-test", messages=MSG)  # Redis answers
+        t0 = time.perf_counter()
+        await r.eval("local i=0 while i<3000000 do i=i+1 end return i", 0)
+        loops = int(3_000_000 * 0.6 / max(1e-3, time.perf_counter() - t0))  # ~0.6 s of Redis busy
+        busy = asyncio.ensure_future(r.eval(f"local i=0 while i<{loops} do i=i+1 end return i", 0))
+        await asyncio.sleep(0.05)
+        await client.chat.completions.create(model="gpt-test", messages=MSG)  # served on this process's counters
+        await busy
+        for _ in range(40):  # the reversal runs once Redis answers again (within a few tries)
+            if (await q.usage("acme"))[""].inflight == 0:
+                break
+            await asyncio.sleep(0.25)
+        assert (await q.usage("acme"))[""].inflight == 0
+        for _ in range(3):
+            await client.chat.completions.create(model="gpt-test", messages=MSG)  # not refused: concurrency 1 is free
+        await r.aclose()

@@ -72,6 +72,11 @@ class Store(Protocol):
         """Correct a reservation with what was used, and release its lease."""
         ...
 
+    async def quota_undo(self, tenant: str, ask: Ask) -> bool:
+        """Reverse a quota_take whose answer never came back (it timed out): what it took, if it
+        ran; a take of it still on its way takes nothing. True when a take was reversed."""
+        ...
+
     def take_now(self, tenant: str, ask: Ask) -> Decision | None:
         """quota_take at once when it needs no round trip (this process's own counters); None,
         having done nothing, when it does (await quota_take)."""
@@ -181,6 +186,9 @@ class MemoryStore:
 
     async def quota_settle(self, tenant: str, settle: Settle) -> None:
         self.quota.settle(tenant, settle)
+
+    async def quota_undo(self, tenant: str, ask: Ask) -> bool:
+        return False  # a take here never times out: its caller always has its answer
 
     def take_now(self, tenant: str, ask: Ask) -> Decision | None:
         return self.quota.take(tenant, ask)

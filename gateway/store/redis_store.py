@@ -42,7 +42,7 @@ class RedisStore:
     `quotas`: False for a store that holds none (no pool of their own)."""
 
     __slots__ = (
-        "_redis", "_timeout_s", "prefix", "_qredis", "_quota_timeout_s", "_take", "_settle", "_usage", "_delete_if",
+        "_redis", "_timeout_s", "prefix", "_qredis", "_quota_timeout_s", "_take", "_settle", "_undo", "_usage", "_delete_if",
     )  # fmt: skip
     shared = True  # every replica on this Redis sees it
 
@@ -75,6 +75,7 @@ class RedisStore:
         # EVALSHA, loading the script again after a Redis restart (NOSCRIPT) by itself.
         self._take = self._qredis.register_script(quota_lua.TAKE)
         self._settle = self._qredis.register_script(quota_lua.SETTLE)
+        self._undo = self._qredis.register_script(quota_lua.UNDO)
         self._usage = self._qredis.register_script(quota_lua.USAGE)
 
     async def get(self, key: str) -> bytes | None:
@@ -138,6 +139,7 @@ class RedisStore:
         for sc in ask.scopes:
             keys += quota_lua.scope_keys(self.prefix, tenant, sc.name)
             args += [sc.name, sc.rpm, sc.tpm, sc.concurrency, sc.tokens_per_day, sc.spend_per_day_micro]
+        keys.append(quota_lua.take_key(self.prefix, tenant, ask.lease))
         try:
             async with asyncio.timeout(self._quota_timeout_s):
                 r = await self._take(keys=keys, args=args)
@@ -159,12 +161,24 @@ class RedisStore:
         keys: list[str] = []
         for name in settle.scopes:
             keys += quota_lua.scope_keys(self.prefix, tenant, name)
+        keys.append(quota_lua.take_key(self.prefix, tenant, settle.lease))
         args: list[int | str] = [settle.bucket, settle.day, settle.token_delta, settle.spend_micro, settle.lease]
         try:
             async with asyncio.timeout(self._quota_timeout_s):
                 await self._settle(keys=keys, args=args)
         except FAILURES as exc:
             raise _error("quota settle", exc) from None
+
+    async def quota_undo(self, tenant: str, ask: Ask) -> bool:
+        keys: list[str] = []
+        for sc in ask.scopes:
+            keys += quota_lua.scope_keys(self.prefix, tenant, sc.name)
+        keys.append(quota_lua.take_key(self.prefix, tenant, ask.lease))
+        try:
+            async with asyncio.timeout(self._quota_timeout_s):
+                return int(await self._undo(keys=keys, args=[ask.lease, ask.lease_ttl_ms + 1000])) == 1
+        except FAILURES as exc:
+            raise _error("quota undo", exc) from None
 
     async def quota_usage(self, tenant: str, scope: str) -> Usage:
         try:

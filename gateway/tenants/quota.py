@@ -39,6 +39,8 @@ log = logging.getLogger("gateway.quota")
 _WARN_EVERY_S = 60.0
 _LEASE_MARGIN_MS = 10_000  # a lease outlives its request's deadline by this much, then expires
 _EARLY_S = 1.0  # how long an rpm refusal refuses the tenant's next requests before their bodies are parsed
+_UNDO_PAUSES_S = (0.25, 0.5, 1.0, 2.0, 4.0)  # a timed-out take is reversed after these pauses, until the store answers
+_MAX_UNDOS = 1_000  # reversals waiting at once (a store that is down would otherwise pile them up)
 # Limits that need the real token count of every answer (so streams ask for usage).
 TOKEN_LIMITS = ("tpm", "tokens_per_day", "spend_per_day_usd")
 
@@ -140,6 +142,7 @@ class Quota:
         self._clock = clock
         self._last_warn: float | None = None
         self._settling: set[asyncio.Task[Any]] = set()  # settles (and takes whose caller left) in flight, owned here
+        self._undoing: set[asyncio.Task[None]] = set()  # reversals of takes that timed out (_undo_later), owned here
         self._out: dict[str, _Out] = {}  # tenants of the policy refused by their rpm, until it frees up
         self.plans: dict[str, _Plan] = {}
         for name, tp in policy.tenants.items():
@@ -255,7 +258,30 @@ class Quota:
             return self.store, await self.store.quota_take(tenant, ask)
         except StoreError as exc:
             self._degraded(exc)
+            self._undo_later(tenant, ask)
             return self.fallback, await self.fallback.quota_take(tenant, ask)
+
+    def _undo_later(self, tenant: str, ask: Ask) -> None:
+        """A take that failed on the shared store may still have run there (a timeout on a
+        stalled Redis): its request went on this process's counters, and nothing would have given
+        its lease and tokens back on the shared store before its lease's TTL (the deadline + 10 s:
+        ~10 minutes in which a tenant with `concurrency: 1` was refused everywhere; review
+        helper's repro). Reversed there as soon as the store answers again (a few tries over ~8 s),
+        at most _MAX_UNDOS at a time."""
+        if len(self._undoing) >= _MAX_UNDOS:
+            return
+        task = asyncio.get_running_loop().create_task(self._undo(tenant, ask))
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
+
+    async def _undo(self, tenant: str, ask: Ask) -> None:
+        for pause in _UNDO_PAUSES_S:
+            await asyncio.sleep(pause)
+            try:
+                await self.store.quota_undo(tenant, ask)
+                return
+            except StoreError:
+                continue
 
     def _give_back(self, task: asyncio.Task[tuple[Store, Decision]], tenant: str, scopes: tuple[str, ...], reserved: int,
                    lease: str) -> None:
@@ -298,9 +324,13 @@ class Quota:
             self._degraded(exc)  # the lease expires by itself; the estimate stays counted
 
     async def drain(self) -> None:
-        """Wait for the settles in flight (each bounded by the store's timeout)."""
+        """Wait for the settles in flight (each bounded by the store's timeout); the reversals of
+        timed-out takes still waiting for the store are given up (their leases expire by themselves)."""
         while self._settling:
             await asyncio.gather(*list(self._settling), return_exceptions=True)
+        for task in list(self._undoing):
+            task.cancel()
+        await asyncio.gather(*list(self._undoing), return_exceptions=True)
 
     async def usage(self, tenant: str) -> dict[str, Usage]:
         """Current use of each scope of a tenant with limits (tenant scope under "")."""

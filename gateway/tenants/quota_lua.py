@@ -8,7 +8,7 @@ Cluster slot. Per scope, five keys: r (requests per second bucket), t (tokens pe
 
 from __future__ import annotations
 
-__all__ = ["TAKE", "SETTLE", "USAGE", "scope_keys"]
+__all__ = ["TAKE", "SETTLE", "UNDO", "USAGE", "scope_keys", "take_key"]
 
 KEYS_PER_SCOPE = 5
 
@@ -17,6 +17,12 @@ def scope_keys(prefix: str, tenant: str, scope: str) -> list[str]:
     """The five keys of one scope, in the order the scripts read them."""
     base = f"{prefix}{{gwq:{tenant}}}:{scope}:"
     return [base + k for k in ("r", "t", "c", "d", "m")]
+
+
+def take_key(prefix: str, tenant: str, lease: str) -> str:
+    """The record of one take (its bucket, day and tokens) while its request runs, in the tenant's
+    slot: what UNDO reverses when the caller never learnt the take's answer (a timeout)."""
+    return f"{prefix}{{gwq:{tenant}}}:u:{lease}"
 
 
 _COMMON = r"""
@@ -55,14 +61,19 @@ local function free_after(pairs_, used, need, limit, now)
 end
 """
 
-# KEYS: 5 per scope. ARGV: tokens, lease, lease_ttl_ms, then per scope: name, rpm, tpm,
-# concurrency, tokens_per_day, spend_per_day_micro (0: no limit).
+# KEYS: 5 per scope, then the take's record (take_key). ARGV: tokens, lease, lease_ttl_ms, then per
+# scope: name, rpm, tpm, concurrency, tokens_per_day, spend_per_day_micro (0: no limit).
 TAKE = _COMMON + r"""
 local now = now_s()
 local b = math.floor(now)
 local day = math.floor(now / 86400)
 local ask, lease, ttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
 local n = (#ARGV - 3) / 6
+local rec = KEYS[n * 5 + 1]
+if redis.call('EXISTS', rec) == 1 then
+  -- UNDO ran first (the caller gave up waiting for this answer): it takes nothing
+  return {0, 'undone', '', '0', b, day, -1, -1, '0', -1, -1, '0'}
+end
 local ok, limit, scope_name, retry = 1, '', '', 0
 local lreq, rreq, reset_req, ltok, rtok, reset_tok = -1, -1, 0, -1, -1, 0
 -- capped at the smallest tpm and the same on every scope, so one settle delta corrects them all
@@ -128,15 +139,17 @@ if ok == 1 then
       if rtok >= 0 then rtok = math.max(0, rtok - tokens) end
     end
   end
+  redis.call('SET', rec, b .. ' ' .. day .. ' ' .. tokens, 'PX', ttl + 1000)
 end
 return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(reset_req), ltok, rtok, tostring(reset_tok)}
 """
 
-# KEYS: 5 per scope. ARGV: bucket, day, token_delta, spend_micro, lease. One delta for every
-# scope: TAKE reserved the same number of tokens on each.
+# KEYS: 5 per scope, then the take's record. ARGV: bucket, day, token_delta, spend_micro, lease.
+# One delta for every scope: TAKE reserved the same number of tokens on each.
 SETTLE = r"""
 local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-for k = 0, #KEYS - 1, 5 do
+redis.call('DEL', KEYS[#KEYS])
+for k = 0, #KEYS - 2, 5 do
   if delta ~= 0 then
     if redis.call('HEXISTS', KEYS[k + 2], b) == 1 then
       local v = redis.call('HINCRBY', KEYS[k + 2], b, delta)
@@ -149,6 +162,35 @@ for k = 0, #KEYS - 1, 5 do
   if spend ~= 0 then
     redis.call('HINCRBY', KEYS[k + 5], day, spend)
     redis.call('PEXPIRE', KEYS[k + 5], 2 * 86400 * 1000)
+  end
+  redis.call('ZREM', KEYS[k + 3], lease)
+end
+return 1
+"""
+
+# KEYS: 5 per scope, then the take's record. ARGV: lease, ttl_ms. Reverses a take whose caller
+# never learnt its answer (the round trip timed out, and it answered from its own counters): its
+# request, tokens and lease come off every scope, as if it had not run. A take not run yet (still
+# on its way) finds the record this leaves and takes nothing. Returns 1 when a take was reversed.
+UNDO = r"""
+local rec, lease, ttl = KEYS[#KEYS], ARGV[1], tonumber(ARGV[2])
+local held = redis.call('GET', rec)
+redis.call('SET', rec, 'undone', 'PX', ttl)
+if not held or held == 'undone' then return 0 end
+local b, day, tokens = string.match(held, '(%S+) (%S+) (%S+)')
+tokens = tonumber(tokens)
+for k = 0, #KEYS - 2, 5 do
+  if redis.call('HEXISTS', KEYS[k + 1], b) == 1 then
+    local r = redis.call('HINCRBY', KEYS[k + 1], b, -1)
+    if r < 0 then redis.call('HSET', KEYS[k + 1], b, 0) end
+  end
+  if redis.call('HEXISTS', KEYS[k + 2], b) == 1 then
+    local v = redis.call('HINCRBY', KEYS[k + 2], b, -tokens)
+    if v < 0 then redis.call('HSET', KEYS[k + 2], b, 0) end
+  end
+  if redis.call('HEXISTS', KEYS[k + 4], day) == 1 then
+    local d = redis.call('HINCRBY', KEYS[k + 4], day, -tokens)
+    if d < 0 then redis.call('HSET', KEYS[k + 4], day, 0) end
   end
   redis.call('ZREM', KEYS[k + 3], lease)
 end
