@@ -181,6 +181,27 @@ async def test_daily_tokens_and_spend(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_a_spend_limit_reserves_what_an_answer_may_cost(kind):
+    """A spend limit was checked against what was spent, and nothing reserved: 20 requests at once
+    were all admitted under a limit one of them spent (review helper's repro). A take reserves the
+    answer's estimated cost; a settle corrects it to what was spent."""
+    async with _store(kind) as s:
+        scope = Scope("", spend_per_day_micro=10_000)
+        asks = [Ask((scope,), 0, f"l{i}", 60_000, spend_micro=4_000) for i in range(3)]
+        got = [await s.quota_take("t", a) for a in asks]
+        assert [d.ok for d in got] == [True, True, False] and got[2].limit == "spend_per_day_usd"
+        assert (await s.quota_usage("t", "")).day_spend_micro == 8_000
+        await s.quota_settle("t", Settle(("",), got[0].bucket, got[0].day, 0, 1_000 - 4_000, "l0"))  # it cost 1,000
+        assert (await s.quota_usage("t", "")).day_spend_micro == 5_000
+        assert (await s.quota_take("t", Ask((scope,), 0, "l3", 60_000, spend_micro=4_000))).ok  # 9,000 of 10,000
+        assert not (await s.quota_take("t", Ask((scope,), 0, "l4", 60_000, spend_micro=2_000))).ok
+        assert (await s.quota_take("t", Ask((scope,), 0, "l5", 60_000))).ok  # no estimate (no price): under the limit, in
+        for lease in ("l1", "l3"):  # what they reserved, none of it spent
+            await s.quota_settle("t", Settle(("",), got[0].bucket, got[0].day, 0, -4_000, lease))
+        assert (await s.quota_usage("t", "")).day_spend_micro == 1_000
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_tenants_are_independent(kind):
     async with _store(kind) as s:
         scope = Scope("", rpm=1)

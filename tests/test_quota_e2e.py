@@ -243,6 +243,29 @@ async def test_spend_per_day_uses_backend_prices(upstream, gateway):
     assert 'gateway_spend_usd_total{tenant="acme"}' in await _metrics(gw)
 
 
+async def test_requests_at_once_cannot_spend_past_the_daily_limit_together(upstream, gateway):
+    """20 streams at once under a $10 daily limit (one answer's worth) were all admitted, and
+    spent $200 (review helper's repro): a take reserves what its answer may cost at the dearest
+    price that may apply, capped at the limit."""
+    up = await upstream("a", tokens=1000, itl_ms=1)
+    policy = _policy(up, {"spend_per_day_usd": 10})
+    policy["backends"]["a"]["price"] = {"input_per_mtok": 10, "output_per_mtok": 10_000}  # $10 for 1,000 output tokens
+    gw = await gateway(policy)
+
+    async def one(http: aiohttp.ClientSession) -> int:
+        body = {"model": "gpt-test", "messages": MSG, "stream": True}
+        async with http.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body) as r:
+            await r.read()
+            return r.status
+
+    async with aiohttp.ClientSession() as http:
+        statuses = await asyncio.gather(*(one(http) for _ in range(20)))
+    await gw.app[LIVE].runtime.quota.drain()
+    spent = (await gw.app[LIVE].runtime.quota.usage("acme"))[""].day_spend_micro / 1e6
+    assert statuses.count(200) == 1 and set(statuses) == {200, 429}, statuses
+    assert 10 <= spent <= 10.01, spent
+
+
 async def test_a_reload_that_changes_a_limit_takes_effect_on_the_next_request(upstream, gateway):
     up = await upstream("a")
     policy = _policy(up, {"rpm": 1})

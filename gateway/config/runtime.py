@@ -400,6 +400,13 @@ def _serves(b: Backend, codec: Endpoint) -> bool:
     return codec.toward(b.kind, b.policy.endpoints) is not None
 
 
+def answer_cost_usd(call: Call, route: Route, prompt_tokens: int, completion_tokens: int) -> float:
+    """What an answer of these sizes costs at the dearest `price` among the backends that may
+    answer `call` (as answer_ceiling's): a spend limit reserves it (0: none has a price)."""
+    backends = (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
+    return max((b.policy.price.usd(prompt_tokens, completion_tokens) for b in backends if b.policy.price is not None), default=0.0)
+
+
 def answer_ceiling(call: Call, route: Route) -> int | None:
     """The largest answer limit every backend that may answer `call` accepts (its class's pool on
     this endpoint and the route's context fallbacks): each one's `max_output_tokens`, else the

@@ -135,7 +135,7 @@ class RedisStore:
 
     async def quota_take(self, tenant: str, ask: Ask) -> Decision:
         keys: list[str] = []
-        args: list[str | int] = [ask.tokens, ask.lease, ask.lease_ttl_ms]
+        args: list[str | int] = [ask.tokens, ask.lease, ask.lease_ttl_ms, ask.spend_micro]
         for sc in ask.scopes:
             keys += quota_lua.scope_keys(self.prefix, tenant, sc.name)
             args += [sc.name, sc.rpm, sc.tpm, sc.concurrency, sc.tokens_per_day, sc.spend_per_day_micro]

@@ -97,6 +97,7 @@ class Hold:
     decision: Decision
     reserved: int
     lease: str
+    spend_reserved: int = 0  # micro-USD the take reserved against spend limits (a settle corrects it)
     settled: bool = False
 
 
@@ -158,10 +159,12 @@ class Quota:
     def __bool__(self) -> bool:
         return bool(self.plans)
 
-    async def reserve(self, call: Call, tenant: Tenant, sink: Sink, ceiling: Callable[[], int | None]) -> Hold | None:
+    async def reserve(self, call: Call, tenant: Tenant, sink: Sink, ceiling: Callable[[], int | None],
+                      cost: Callable[[int, int], float] | None = None) -> Hold | None:
         """Take the tenant's limits for this call (None: the tenant has none). Sets the
         x-ratelimit headers; raises QuotaExceeded when a limit refuses. `ceiling`: the largest
-        answer limit every backend that may answer accepts (None: unknown), see `_fit`."""
+        answer limit every backend that may answer accepts (None: unknown), see `_fit`; `cost`:
+        what an answer of (prompt, completion) tokens may cost in USD, which a spend limit reserves."""
         plan = self.plans.get(tenant.name)
         if plan is None:
             return None
@@ -175,8 +178,9 @@ class Quota:
                 # holds: the tpm), not an estimate (5 background requests were charged 5,190
                 # tokens and generated 100,060).
                 reserved = call.prompt_tokens + self._completion_estimate(call, plan, _room(call, limits))
-        ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS)
         held = min(reserved, limits.cap)  # what the counters take (they cap it there too)
+        spend = _spend_reserve(limits, cost, call.prompt_tokens, held - call.prompt_tokens)
+        ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS, spend)
         store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
         if decision is None:
             store, decision = await self._take(tenant.name, ask, limits.names, held)
@@ -186,7 +190,7 @@ class Quota:
             raise self._refused(tenant.name, decision, limits.scopes, held)
         if plan.counts_tokens:
             call.ask_usage()  # a stream settles with the backend's usage
-        return Hold(tenant.name, limits.names, store, decision, held, ask.lease)
+        return Hold(tenant.name, limits.names, store, decision, held, ask.lease, spend)
 
     async def reserve_request(self, tenant: Tenant, timeout_s: float, set_header: Callable[[str, str], None]) -> Hold | None:
         """Take one request from the tenant's request limits (`rpm`, `concurrency`) for a call that
@@ -249,7 +253,7 @@ class Quota:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
             self._settling.add(task)  # drain() waits for it, and for the settle it starts (added first)
-            task.add_done_callback(lambda t: self._give_back(t, tenant, scopes, reserved, ask.lease))
+            task.add_done_callback(lambda t: self._give_back(t, tenant, scopes, reserved, ask.lease, ask.spend_micro))
             task.add_done_callback(self._settling.discard)
             raise
 
@@ -284,13 +288,13 @@ class Quota:
                 continue
 
     def _give_back(self, task: asyncio.Task[tuple[Store, Decision]], tenant: str, scopes: tuple[str, ...], reserved: int,
-                   lease: str) -> None:
+                   lease: str, spend: int) -> None:
         """A take whose caller left: settle what it took as unused (the request stays counted)."""
         if task.cancelled() or task.exception() is not None:
             return
         store, decision = task.result()
         if decision.ok:
-            self._finish(Hold(tenant, scopes, store, decision, reserved, lease), 0, 0.0)
+            self._finish(Hold(tenant, scopes, store, decision, reserved, lease, spend), 0, 0.0)
 
     def release(self, hold: Hold | None) -> None:
         """Settle a `reserve_request` hold: the request stays counted, its lease goes back."""
@@ -310,7 +314,7 @@ class Quota:
             return
         hold.settled = True
         d = hold.decision
-        settle = Settle(hold.scopes, d.bucket, d.day, used - hold.reserved, round(spend_usd * 1e6), hold.lease)
+        settle = Settle(hold.scopes, d.bucket, d.day, used - hold.reserved, round(spend_usd * 1e6) - hold.spend_reserved, hold.lease)
         if hold.store.settle_now(hold.tenant, settle):
             return  # this process's counters: no round trip, so no task (a task costs µs per request)
         task = asyncio.get_running_loop().create_task(self._settle(hold, settle))
@@ -452,6 +456,17 @@ def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
         set_header("x-ratelimit-limit-tokens", str(d.limit_tokens))
         set_header("x-ratelimit-remaining-tokens", str(d.remaining_tokens))
         set_header("x-ratelimit-reset-tokens", _duration(d.reset_tokens_s))
+
+
+def _spend_reserve(limits: _Limits, cost: Callable[[int, int], float] | None, prompt: int, completion: int) -> int:
+    """What a take reserves against spend limits (micro-USD): the answer's cost at the dearest
+    price that may apply, capped at the smallest spend limit (so an expensive request can ever
+    run); 0 without a spend limit or a price. Checked only against spend so far, 20 requests at
+    once were all admitted under a limit one of them spent, and spent 20x it (review helper's repro)."""
+    caps = [s.spend_per_day_micro for s in limits.scopes if s.spend_per_day_micro]
+    if not caps or cost is None:
+        return 0
+    return min(round(cost(prompt, max(0, completion)) * 1e6), *caps)
 
 
 def _exceeded(tenant: str, d: Decision, scopes: tuple[Scope, ...], reserved: int = 0) -> QuotaExceeded:

@@ -50,6 +50,7 @@ class Ask:
     tokens: int
     lease: str
     lease_ttl_ms: int
+    spend_micro: int = 0  # what the answer may cost (micro-USD), reserved on every scope with a spend limit
 
 
 @dataclass(slots=True)
@@ -75,7 +76,8 @@ class Decision:
 @dataclass(frozen=True, slots=True)
 class Settle:
     """Correct a reservation: `token_delta` (actual - reserved) into its bucket and day of every
-    scope (a take reserved the same number on each), add `spend_micro`, and release the lease."""
+    scope (a take reserved the same number on each), `spend_micro` (actual - reserved) into its
+    day, and release the lease."""
 
     scopes: tuple[str, ...]
     bucket: int
@@ -176,6 +178,13 @@ class _Counters:
                 del self.leases[lease]
 
 
+def _over_spend(spent: int, reserve: int, limit: int) -> bool:
+    """Whether a request that may cost `reserve` goes past a spend `limit` of which `spent` is
+    taken (reserved or spent): with no estimate (no price known), once the limit is reached. The
+    caller caps `reserve` at the smallest limit, so an expensive request can ever run."""
+    return spent >= limit or (reserve > 0 and spent + reserve > limit)
+
+
 def _reservation(ask: Ask) -> int:
     """The tokens an Ask takes on each of its scopes: capped at the smallest tpm among them, the
     same on all (a cap per scope would leave each holding a different reservation, which the one
@@ -234,7 +243,7 @@ class MemoryQuota:
                 refused = ("concurrency", 1.0)
             elif scope.tokens_per_day and c.day.get(day, 0) + tokens > scope.tokens_per_day:
                 refused = ("tokens_per_day", (day + 1) * DAY_S - now)
-            elif scope.spend_per_day_micro and c.spend.get(day, 0) >= scope.spend_per_day_micro:
+            elif scope.spend_per_day_micro and _over_spend(c.spend.get(day, 0), ask.spend_micro, scope.spend_per_day_micro):
                 refused = ("spend_per_day_usd", (day + 1) * DAY_S - now)
             if refused is not None:
                 d.ok, d.limit, d.scope, d.retry_after_s = False, refused[0], scope.name, refused[1]
@@ -244,6 +253,8 @@ class MemoryQuota:
             c.requests.add(b, 1)
             c.tokens.add(b, tokens)
             c.day[day] = c.day.get(day, 0) + tokens
+            if ask.spend_micro:
+                c.spend[day] = c.spend.get(day, 0) + ask.spend_micro
             if scope.concurrency:
                 c.leases[ask.lease] = now + ask.lease_ttl_ms / 1000
             if scope.name == "":
@@ -261,7 +272,7 @@ class MemoryQuota:
                 c.tokens.correct(s.bucket, s.token_delta)
                 c.day[s.day] = max(0, c.day.get(s.day, 0) + s.token_delta)
             if s.spend_micro:
-                c.spend[s.day] = c.spend.get(s.day, 0) + s.spend_micro
+                c.spend[s.day] = max(0, c.spend.get(s.day, 0) + s.spend_micro)
             c.leases.pop(s.lease, None)
             c.trim(now)
 

@@ -61,14 +61,15 @@ local function free_after(pairs_, used, need, limit, now)
 end
 """
 
-# KEYS: 5 per scope, then the take's record (take_key). ARGV: tokens, lease, lease_ttl_ms, then per
-# scope: name, rpm, tpm, concurrency, tokens_per_day, spend_per_day_micro (0: no limit).
+# KEYS: 5 per scope, then the take's record (take_key). ARGV: tokens, lease, lease_ttl_ms,
+# spend_micro (the answer's estimated cost, reserved), then per scope: name, rpm, tpm,
+# concurrency, tokens_per_day, spend_per_day_micro (0: no limit).
 TAKE = _COMMON + r"""
 local now = now_s()
 local b = math.floor(now)
 local day = math.floor(now / 86400)
-local ask, lease, ttl = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local n = (#ARGV - 3) / 6
+local ask, lease, ttl, cost = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local n = (#ARGV - 4) / 6
 local rec = KEYS[n * 5 + 1]
 if redis.call('EXISTS', rec) == 1 then
   -- UNDO ran first (the caller gave up waiting for this answer): it takes nothing
@@ -79,11 +80,11 @@ local lreq, rreq, reset_req, ltok, rtok, reset_tok = -1, -1, 0, -1, -1, 0
 -- capped at the smallest tpm and the same on every scope, so one settle delta corrects them all
 local tokens = ask
 for i = 0, n - 1 do
-  local tpm = tonumber(ARGV[6 + i * 6])
+  local tpm = tonumber(ARGV[7 + i * 6])
   if tpm > 0 and tokens > tpm then tokens = tpm end
 end
 for i = 0, n - 1 do
-  local a = 4 + i * 6
+  local a = 5 + i * 6
   local name = ARGV[a]
   local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
   local tpd, spend = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
@@ -111,15 +112,18 @@ for i = 0, n - 1 do
       why, wait = 'concurrency', 1
     elseif tpd > 0 and tonumber(redis.call('HGET', KEYS[k + 4], day) or '0') + tokens > tpd then
       why, wait = 'tokens_per_day', (day + 1) * 86400 - now
-    elseif spend > 0 and tonumber(redis.call('HGET', KEYS[k + 5], day) or '0') >= spend then
-      why, wait = 'spend_per_day_usd', (day + 1) * 86400 - now
+    elseif spend > 0 then
+      local spent = tonumber(redis.call('HGET', KEYS[k + 5], day) or '0')
+      if spent >= spend or (cost > 0 and spent + cost > spend) then
+        why, wait = 'spend_per_day_usd', (day + 1) * 86400 - now
+      end
     end
     if why then ok, limit, scope_name, retry = 0, why, name, wait end
   end
 end
 if ok == 1 then
   for i = 0, n - 1 do
-    local a = 4 + i * 6
+    local a = 5 + i * 6
     local k = i * 5
     redis.call('HINCRBY', KEYS[k + 1], b, 1)
     redis.call('PEXPIRE', KEYS[k + 1], 62000)
@@ -127,6 +131,10 @@ if ok == 1 then
     redis.call('PEXPIRE', KEYS[k + 2], 62000)
     redis.call('HINCRBY', KEYS[k + 4], day, tokens)
     redis.call('PEXPIRE', KEYS[k + 4], 2 * 86400 * 1000)
+    if cost > 0 then
+      redis.call('HINCRBY', KEYS[k + 5], day, cost)
+      redis.call('PEXPIRE', KEYS[k + 5], 2 * 86400 * 1000)
+    end
     if tonumber(ARGV[a + 3]) > 0 then
       redis.call('ZADD', KEYS[k + 3], math.floor(now * 1000) + ttl, lease)
       -- never shortened: a request with a short deadline set it to its own TTL, and the set
@@ -139,13 +147,13 @@ if ok == 1 then
       if rtok >= 0 then rtok = math.max(0, rtok - tokens) end
     end
   end
-  redis.call('SET', rec, b .. ' ' .. day .. ' ' .. tokens, 'PX', ttl + 1000)
+  redis.call('SET', rec, b .. ' ' .. day .. ' ' .. tokens .. ' ' .. cost, 'PX', ttl + 1000)
 end
 return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(reset_req), ltok, rtok, tostring(reset_tok)}
 """
 
-# KEYS: 5 per scope, then the take's record. ARGV: bucket, day, token_delta, spend_micro, lease.
-# One delta for every scope: TAKE reserved the same number of tokens on each.
+# KEYS: 5 per scope, then the take's record. ARGV: bucket, day, token_delta, spend_delta (micro-USD:
+# actual - reserved), lease. One delta for every scope: TAKE reserved the same on each.
 SETTLE = r"""
 local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 redis.call('DEL', KEYS[#KEYS])
@@ -160,7 +168,8 @@ for k = 0, #KEYS - 2, 5 do
     redis.call('PEXPIRE', KEYS[k + 4], 2 * 86400 * 1000)
   end
   if spend ~= 0 then
-    redis.call('HINCRBY', KEYS[k + 5], day, spend)
+    local m = redis.call('HINCRBY', KEYS[k + 5], day, spend)
+    if m < 0 then redis.call('HSET', KEYS[k + 5], day, 0) end
     redis.call('PEXPIRE', KEYS[k + 5], 2 * 86400 * 1000)
   end
   redis.call('ZREM', KEYS[k + 3], lease)
@@ -177,8 +186,8 @@ local rec, lease, ttl = KEYS[#KEYS], ARGV[1], tonumber(ARGV[2])
 local held = redis.call('GET', rec)
 redis.call('SET', rec, 'undone', 'PX', ttl)
 if not held or held == 'undone' then return 0 end
-local b, day, tokens = string.match(held, '(%S+) (%S+) (%S+)')
-tokens = tonumber(tokens)
+local b, day, tokens, cost = string.match(held, '(%S+) (%S+) (%S+) (%S+)')
+tokens, cost = tonumber(tokens), tonumber(cost)
 for k = 0, #KEYS - 2, 5 do
   if redis.call('HEXISTS', KEYS[k + 1], b) == 1 then
     local r = redis.call('HINCRBY', KEYS[k + 1], b, -1)
@@ -191,6 +200,10 @@ for k = 0, #KEYS - 2, 5 do
   if redis.call('HEXISTS', KEYS[k + 4], day) == 1 then
     local d = redis.call('HINCRBY', KEYS[k + 4], day, -tokens)
     if d < 0 then redis.call('HSET', KEYS[k + 4], day, 0) end
+  end
+  if cost > 0 and redis.call('HEXISTS', KEYS[k + 5], day) == 1 then
+    local m = redis.call('HINCRBY', KEYS[k + 5], day, -cost)
+    if m < 0 then redis.call('HSET', KEYS[k + 5], day, 0) end
   end
   redis.call('ZREM', KEYS[k + 3], lease)
 end

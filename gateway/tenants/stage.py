@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from ..config.runtime import Route, Runtime, answer_ceiling
+from ..config.runtime import Route, Runtime, answer_ceiling, answer_cost_usd
 from ..errors import GatewayError
 from ..observe.metrics import Metrics
 from ..pipeline.call import Call
@@ -98,7 +98,8 @@ class QuotaHold:
         if rt.quota is None:
             return
         try:
-            self.hold = await rt.quota.reserve(self.call, self.tenant, self.sink, lambda: answer_ceiling(self.call, self.route))
+            self.hold = await rt.quota.reserve(self.call, self.tenant, self.sink, lambda: answer_ceiling(self.call, self.route),
+                                               lambda p, c: answer_cost_usd(self.call, self.route, p, c))
         except QuotaExceeded as err:
             count_rejection(self.metrics, rt, self.tenant, err)
             raise
