@@ -75,6 +75,40 @@ async def test_a_messages_client_reaches_an_anthropic_backend_natively(fake_anth
     assert text == WORDS and final.stop_reason == "end_turn" and final.usage.output_tokens > 0
 
 
+async def test_the_clients_beta_headers_and_the_backends_own_headers_reach_it(fake_anthropic, upstream, gateway, clients):
+    """`anthropic-beta` (1M context, interleaved thinking: what Claude Code sends) was dropped on
+    the way, as was every other client header: beta features went off without a word (review
+    helper's repro). The beta headers a backend's API reads go on, after the backend's own
+    `headers:`; nothing else of the client's does (not OpenAI-Organization or -Project)."""
+    up = await upstream("oa", tokens=2)
+    policy = _policy(fake_anthropic, up)
+    policy["backends"]["an"]["headers"] = {"Anthropic-Beta": "context-1m-2025-08-07", "X-Proxy-Route": "eu"}
+    policy["models"]["fo"] = {"backends": [up.name]}
+    gw = await gateway(policy)
+    c = clients(gw, "anthropic")
+    await c.beta.messages.create(model="a", max_tokens=16, messages=HELLO, betas=["interleaved-thinking-2025-05-14"])
+    h = {k.lower(): v for k, v in fake_anthropic.stats.last_headers.items()}
+    assert h["anthropic-beta"] == "context-1m-2025-08-07, interleaved-thinking-2025-05-14" and h["x-proxy-route"] == "eu"
+    oc = clients(gw, "openai")
+    await oc.chat.completions.create(model="a", messages=HELLO, extra_headers={"anthropic-beta": "b1", "OpenAI-Organization": "org-x"})
+    h = {k.lower(): v for k, v in fake_anthropic.stats.last_headers.items()}
+    assert h["anthropic-beta"] == "context-1m-2025-08-07, b1" and "openai-organization" not in h  # through translation too
+    await oc.chat.completions.create(model="fo", messages=HELLO, extra_headers={"anthropic-beta": "b1", "OpenAI-Beta": "assistants=v2",
+                                                                               "OpenAI-Project": "proj-x"})
+    h = {k.lower(): v for k, v in up.stats.last_headers.items()}
+    assert h.get("openai-beta") == "assistants=v2" and "anthropic-beta" not in h and "openai-project" not in h
+
+
+def test_a_backends_headers_may_not_be_the_gateways_own():
+    from gateway.config.policy import PolicyError, parse_policy
+
+    base = "backends:\n  a: {url: 'http://127.0.0.1:1/v1', models: [m], headers: %s}\n"
+    assert parse_policy(base % "{X-Team: search}").backends["a"].headers == {"x-team": "search"}
+    for bad in ("{Authorization: 'Bearer x'}", "{x-api-key: k}", "{Content-Length: '1'}", "{'bad name': v}", "{X-A: \"a\\nb\"}"):
+        with pytest.raises(PolicyError, match="headers"):
+            parse_policy(base % bad)
+
+
 async def test_standard_only_reaches_an_anthropic_backend(fake_anthropic, gateway, clients):
     # The client opts out of Priority Tier capacity: dropping the field would give it Anthropic's `auto`.
     gw = await gateway(_policy(fake_anthropic))

@@ -104,6 +104,13 @@ class PricePolicy(_Section):
         return (prompt_tokens * self.input_per_mtok + completion_tokens * self.output_per_mtok) / 1e6
 
 
+# Headers a backend's `headers:` may not set: the gateway's own (its key, the body's framing, the request's id).
+RESERVED_HEADERS = frozenset({
+    "authorization", "x-api-key", "content-type", "content-length", "transfer-encoding", "host", "connection",
+    "accept-encoding", "x-request-id", "anthropic-version",
+})
+
+
 class BackendPolicy(_Section):
     url: str
     # The API it speaks: OpenAI's (chat, completions, embeddings, responses) or Anthropic's Messages
@@ -144,6 +151,22 @@ class BackendPolicy(_Section):
     # Whether this is a local model (cost first for the `simple` class, routing.simple): None means
     # true for a `launch:` backend and false otherwise.
     local: bool | None = None
+    # Headers sent with every request to it (an `anthropic-beta`, OpenRouter's `HTTP-Referer`, a
+    # routing header of a provider's proxy). Not the ones the gateway sets itself (its key, the
+    # body's type and length); secrets belong in api_key_env.
+    headers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("headers")
+    @classmethod
+    def _headers(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, value in v.items():
+            if not re.fullmatch(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,100}", name):
+                raise ValueError(f"{name[:100]!r} is not a header name")
+            if name.lower() in RESERVED_HEADERS:
+                raise ValueError(f"{name!r} is set by the gateway itself (the backend's key: api_key_env)")
+            if len(value) > 4096 or any(c in value for c in "\r\n\0"):
+                raise ValueError(f"the value of header {name!r} must be one line of at most 4,096 characters")
+        return {name.lower(): value for name, value in v.items()}
 
     @field_validator("url", "metrics_url")
     @classmethod

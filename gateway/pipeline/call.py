@@ -52,6 +52,7 @@ class Asked:
     deadline: bool = False  # x-request-timeout-ms was sent (else a band's default may apply)
     trace_parent: tuple[int, int, int] | None = None  # a valid W3C traceparent: (trace id, span id, flags)
     strip_usage: bool = False  # the gateway asked for the stream's usage chunk: the client did not
+    betas: tuple[tuple[str, str], ...] = ()  # the client's beta headers (routing/backends.py BETA_HEADERS), lower-case names
 
 
 @dataclass(slots=True)

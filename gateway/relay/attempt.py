@@ -164,6 +164,10 @@ class Attempt:
             translated = leg.upstream_body(call.body, upstream_model, salt)  # in the backend's API's format
             body = call.body_for(upstream_model, salt) if translated is None else translated
         headers = {**backend.headers, "X-Request-Id": call.request_id}
+        for name, value in call.asked.betas:
+            if name in backend.forwards:  # the backend's own (its `headers:`) first, then the client's
+                mine = headers.get(name)
+                headers[name] = value if mine is None else f"{mine}, {value}"
         resp: UpstreamResponse | None = None
         timer = asyncio.timeout_at(self.first_deadline)  # one timer per attempt, moved as the phases change
         call.timing.sent_at = time.perf_counter()  # Server-Timing's stages (observe/observer.py)

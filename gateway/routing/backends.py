@@ -17,7 +17,14 @@ from .health import Health
 from .latency import Tracker
 from .load import Load
 
-__all__ = ["ANTHROPIC_VERSION", "Backend", "BackendState", "Slots"]
+__all__ = ["ANTHROPIC_VERSION", "BETA_HEADERS", "FORWARDED", "Backend", "BackendState", "Slots"]
+
+# The client's headers that turn on a provider's beta features, passed on to the backends whose
+# API reads them (Claude Code and the SDKs send `anthropic-beta` for 1M context, interleaved
+# thinking, ...). Nothing else of the client's headers goes upstream: not OpenAI-Organization or
+# -Project, which would pick what the gateway's own key is billed to.
+BETA_HEADERS = ("anthropic-beta", "openai-beta")
+FORWARDED: dict[str, tuple[str, ...]] = {"anthropic": ("anthropic-beta",), "openai": ("openai-beta",)}
 
 ANTHROPIC_VERSION = "2023-06-01"  # the Messages API version a `kind: anthropic` backend is called with
 
@@ -89,7 +96,9 @@ class Backend:
                 headers["x-api-key"] = key
             else:
                 headers["Authorization"] = f"Bearer {key}"
-        self.headers = headers
+        self.headers = {**policy.headers, **headers}
+        # The client's beta headers this backend's API reads (FORWARDED): passed on, after its own.
+        self.forwards = FORWARDED[policy.kind]
         self.metrics_url = policy.metrics_url or (_sibling_metrics(self.base_url) if policy.launch else None)
         self.local = policy.local if policy.local is not None else policy.launch is not None
 

@@ -17,6 +17,7 @@ from ..errors import BadRequest, GatewayError, Unauthorized
 from ..observe.observer import parse_traceparent
 from ..pipeline.call import Asked, Call, Timing
 from ..pipeline.ids import fresh_id
+from ..routing.backends import BETA_HEADERS
 from ..tenants.auth import Tenant
 from ..tenants.priority import Band
 from ..wire.codec import Endpoint
@@ -112,13 +113,16 @@ def new_call(request: web.Request, endpoint: Endpoint, raw: bytes, server_timeou
         raise BadRequest("header x-priority must be one of priority, default, flex", param="x-priority")
     no_cache, no_store = cache_control(h.get("cache-control"))
     now = time.monotonic()  # one reading: the deadline's message says exactly the timeout asked for
+    asked = Asked(priority, no_cache, no_store, bool(h.get("x-request-timeout-ms")), parse_traceparent(h.get("traceparent")))
+    if "anthropic-beta" in h or "openai-beta" in h:
+        asked.betas = tuple((name, ", ".join(h.getall(name))) for name in BETA_HEADERS if name in h)
     return Call(
         request_id=rid or request_id(request),
         endpoint=endpoint,
         raw=raw,
         api_key=api_key(request),
         deadline=now + timeout_ms / 1000,
-        asked=Asked(priority, no_cache, no_store, bool(h.get("x-request-timeout-ms")), parse_traceparent(h.get("traceparent"))),
+        asked=asked,
         timing=Timing(t0_monotonic=now),
         tenant=tenant,
     )
