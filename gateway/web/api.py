@@ -7,6 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -17,11 +18,13 @@ from ..observe.observer import server_timing
 from ..process.control import ControlError, ask, rejections
 from ..admin.api import reads, routes as admin_routes, writes
 from ..classify.cascade import EncoderState
+from ..config.runtime import Runtime
 from ..console.routes import routes as console_routes
 from ..messages.api import routes as messages_extra
 from ..responses.api import routes as responses_by_id
 from ..routing.selector import usable
 from ..store.target import hide_password
+from ..tenants.auth import Tenant
 from ..wire.codec import Endpoint
 from ..wire.endpoints import ENDPOINTS, at_path, explained
 from .http_call import accounted, api_key, body_if_authenticated, error_response, json_response, new_call, request_id
@@ -60,34 +63,37 @@ def _proxy(endpoint: Endpoint) -> Callable[[web.Request], Awaitable[web.StreamRe
 
 
 async def list_models(request: web.Request) -> web.Response:
-    rt = request.app[LIVE].runtime
-    await rt.tenants.catch_up(api_key(request))
+    """GET /v1/models: the public models the caller's tenant may use."""
     try:
-        tenant = rt.tenants.authenticate(api_key(request))
+        rt, tenant = await _caller(request)
     except GatewayError as err:
         return error_response(err)
-    created = int(rt.created)
-    data = [
-        {"id": m, "object": "model", "created": created, "owned_by": "gateway"}
-        for m in rt.public_models
-        if tenant.may_use(m)
-    ]
+    data = [_model(rt, m) for m in rt.public_models if tenant.may_use(m)]
     return json_response({"object": "list", "data": data})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     """GET /v1/models/{id}: one model of the list (the SDKs' models.retrieve); a 404
     `model_not_found` for a model the caller may not use, as for one that does not exist."""
-    rt = request.app[LIVE].runtime
-    await rt.tenants.catch_up(api_key(request))
     try:
-        tenant = rt.tenants.authenticate(api_key(request))
+        rt, tenant = await _caller(request)
+        model = request.match_info["id"]
+        if model not in rt.public_models or not tenant.may_use(model):
+            raise ModelNotFound(f"the model {model[:200]!r} does not exist or you do not have access to it", param="model")
     except GatewayError as err:
         return error_response(err)
-    model = request.match_info["id"]
-    if model not in rt.public_models or not tenant.may_use(model):
-        return error_response(ModelNotFound(f"the model {model[:200]!r} does not exist or you do not have access to it", param="model"))
-    return json_response({"id": model, "object": "model", "created": int(rt.created), "owned_by": "gateway"})
+    return json_response(_model(rt, model))
+
+
+async def _caller(request: web.Request) -> tuple[Runtime, Tenant]:
+    """The runtime and the caller's tenant (Unauthorized for a key it does not know)."""
+    rt = request.app[LIVE].runtime
+    await rt.tenants.catch_up(api_key(request))
+    return rt, rt.tenants.authenticate(api_key(request))
+
+
+def _model(rt: Runtime, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": int(rt.created), "owned_by": "gateway"}
 
 
 async def route_explain(request: web.Request) -> web.Response:
