@@ -564,3 +564,28 @@ async def test_a_take_that_times_out_on_a_stalled_redis_is_reversed_there(upstre
         for _ in range(3):
             await client.chat.completions.create(model="gpt-test", messages=MSG)  # not refused: concurrency 1 is free
         await r.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_attempt_that_read_the_prompt_is_charged_its_prompt(upstream, gateway, stream):
+    """A prompt whose prefill outlasts the cold first-token deadline on the first candidates was
+    read by every backend and charged once: 10,053 tokens for three readings (review helper's
+    repro). Each attempt after which a backend had read the prompt costs its prompt."""
+    ups = [await upstream(f"u{i}", tokens=20, prompt_ms_per_kchar=40) for i in range(3)]  # ~1.6 s to prefill 40,000 chars
+    policy = simple_policy(*ups, cache={"enabled": False})
+    policy["models"]["gpt-test"]["strategy"] = "ordered"
+    policy["routing"] = {"cold_first_token_ms": 1000}
+    policy["tenants"] = {"acme": {"key_sha256": [_digest(KEY)], "quota": {"tpm": 1_000_000}}}
+    gw = await gateway(policy)
+    q = gw.app[LIVE].runtime.quota
+    big = "word " * 8000  # ~10,000 tokens
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "gpt-test", "messages": [{"role": "user", "content": big}], "stream": stream, "max_tokens": 20}
+        async with http.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+    await q.drain()
+    charged = (await q.usage("acme"))[""].window_tokens
+    reads = sum(u.stats.requests for u in ups)
+    assert charged >= reads * 10_000, (reads, charged)
+    assert reads >= 2 or not stream  # a stream's first token is due within 1 s: it failed over (a whole answer had longer)

@@ -85,6 +85,7 @@ class Outcome:
     attempts: list[str] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     streamed_tokens: int = 0  # content events passed to the client (what a client that leaves is charged)
+    read_prompts: int = 0  # attempts after which a backend had read the prompt (relay/report.py READ_PROMPT)
     status: int = 200
     error: str | None = None
     finish: Finish | None = None

@@ -25,7 +25,7 @@ from .attempt import Attempt, AttemptFailed, Cut, Lost, Progress
 from .context import RelayContext
 from .continuation import Resume
 from .pump import Pump
-from .report import report
+from .report import READ_PROMPT, report
 
 __all__ = ["RelayBase", "Tries"]
 
@@ -104,6 +104,7 @@ class RelayBase:
                 self._report(att, cut.kind)
                 return True
             except Lost:
+                self.call.out.read_prompts += 1  # it was at work on the prompt: the tenant is charged it
                 return False  # a hedged rival answered first: nothing about this backend is known
             except UpstreamRejected as rejected:
                 self._report(att, Kind.CONTEXT_LENGTH if rejected.context_length else Kind.REJECTED)
@@ -155,3 +156,5 @@ class RelayBase:
     def _report(self, att: Attempt, kind: Kind, status: int | None = None) -> None:
         seconds = time.perf_counter() - att.started - att.client_wait_s  # the backend's time, not the client's
         report(self.call, att.backend, self.ctx.metrics, att.m, kind, seconds, status=status)
+        if kind in READ_PROMPT:
+            self.call.out.read_prompts += 1

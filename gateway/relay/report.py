@@ -11,13 +11,20 @@ from ..pipeline.call import Call
 from ..routing.backends import Backend
 from ..routing.health import OUTCOMES, Kind
 
-__all__ = ["report"]
+__all__ = ["READ_PROMPT", "report"]
 
 log = logging.getLogger("gateway.relay")
 
 # Outcomes that are not the backend's errors: not in gateway_upstream_errors_total.
 _NOT_UPSTREAM_ERRORS = frozenset({Kind.REJECTED, Kind.CONTEXT_LENGTH, Kind.CALLER_DEADLINE, Kind.CLIENT_DISCONNECT,
                                   Kind.LOST, Kind.MISMATCH, Kind.KEY_REVOKED})
+# Outcomes after which the backend had read the prompt (answered, or failed or was cut once at
+# work on it): each such attempt costs the tenant its prompt (quota.py _tokens_used). A prompt
+# whose prefill outlasts every backend's first-token deadline was read by three backends and
+# charged once (review helper's repro). Refusals (429, 503, 4xx), refused connections and 5xx
+# answers (most come before any work) are not counted.
+READ_PROMPT = frozenset({Kind.OK, Kind.TIMEOUT, Kind.FIRST_TOKEN_TIMEOUT, Kind.MALFORMED, Kind.TOO_LARGE, Kind.ERROR_EVENT,
+                         Kind.CUT, Kind.DISCONNECT, Kind.CUT_MID_STREAM, Kind.ERROR_EVENT_MID_STREAM, Kind.MISMATCH})
 # Outcomes about the backend as a whole, not one of its models.
 _WHOLE_BACKEND = frozenset({Kind.CONNECT})
 

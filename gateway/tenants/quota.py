@@ -426,25 +426,30 @@ def _tokens_used(call: Call, reserved: int) -> int:
     - sent to a backend but ended without an answer (the client left, the backends failed, a
       stream stopped before its first token): the prompt estimate, the backend may have read it;
     - never sent to a backend (a cache hit, a flight's follower, refused or shed before): 0.
+
+    Plus the prompt estimate for every other attempt after which a backend had read the prompt
+    (failed over after a timeout or a cut, a hedge's loser, a continuation's earlier legs:
+    `call.out.read_prompts`): the answer's usage counts only its own backend's reading.
     """
     if call.cache.result is CacheResult.HIT:
         return 0
+    others = max(0, call.out.read_prompts - 1) * call.prompt_tokens
     usage = call.out.usage or {}
     total = usage.get("total_tokens")
     if isinstance(total, int):
-        return total
+        return total + others
     p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
     if isinstance(p, int) or isinstance(c, int):
-        return (p if isinstance(p, int) else 0) + (c if isinstance(c, int) else 0)
+        return (p if isinstance(p, int) else 0) + (c if isinstance(c, int) else 0) + others
     if not call.timing.sent_at:  # set as an attempt starts sending: no backend was asked
         return 0
     if call.endpoint.answers_later(call.body):  # the backend runs on, whoever left: what it may generate
-        return max(reserved, call.prompt_tokens)
+        return max(reserved, call.prompt_tokens) + others
     if call.out.streamed_tokens:
-        return call.prompt_tokens + call.out.streamed_tokens
+        return call.prompt_tokens + call.out.streamed_tokens + others
     if call.out.finish is Finish.OK and not call.stream:
-        return max(reserved, call.prompt_tokens)
-    return call.prompt_tokens
+        return max(reserved, call.prompt_tokens) + others
+    return call.prompt_tokens + others
 
 
 def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
