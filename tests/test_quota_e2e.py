@@ -589,3 +589,65 @@ async def test_every_attempt_that_read_the_prompt_is_charged_its_prompt(upstream
     reads = sum(u.stats.requests for u in ups)
     assert charged >= reads * 10_000, (reads, charged)
     assert reads >= 2 or not stream  # a stream's first token is due within 1 s: it failed over (a whole answer had longer)
+
+
+@pytest.mark.parametrize("how", ["base_left_mid_stream", "conversation_items", "background_base"])
+async def test_a_follow_up_is_charged_the_context_even_when_no_usage_measured_it(upstream, gateway, how):
+    """Context was recorded from an answer's usage only: follow-ups of a base whose stream was left
+    before its usage, of a conversation made with items, or of a background response (answered
+    `queued`) were charged their ~25 new tokens of a 10,000-token context (review helper's
+    repros). Without usage the context is what the base was charged; a conversation's items count."""
+    import re
+
+    up = await upstream("c", tokens=200, itl_ms=5)
+    policy = _policy(up, {"tpm": 1_000_000})
+    policy["server"] = {"heartbeat_after_ms": 60_000}
+    gw = await gateway(policy)
+    q = gw.app[LIVE].runtime.quota
+    big = "word " * 8000  # ~10,000 tokens
+    hdr = {"Authorization": f"Bearer {KEY}"}
+
+    async def leave_after_first_delta(http: aiohttp.ClientSession, body: dict) -> bytes:
+        async with http.post(gw.url + "/v1/responses", json=body, headers=hdr) as r:
+            assert r.status == 200, await r.text()
+            buf = b""
+            while b"output_text.delta" not in buf:
+                buf += await r.content.readany()
+            r.close()
+            return buf
+
+    async def charged(work: Any) -> tuple[int, Any]:
+        await q.drain()
+        before = (await q.usage("acme"))[""].window_tokens
+        out = await work
+        for _ in range(20):  # the context's record is written as the request ends
+            await asyncio.sleep(0.05)
+        await q.drain()
+        return (await q.usage("acme"))[""].window_tokens - before, out
+
+    async with aiohttp.ClientSession() as http:
+        if how == "conversation_items":
+            async def make() -> str:
+                async with http.post(gw.url + "/v1/conversations", headers=hdr,
+                                     json={"items": [{"type": "message", "role": "user", "content": big}]}) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["id"]
+            _, cid = await charged(make())
+            ref: dict[str, str] = {"conversation": cid}
+        elif how == "background_base":
+            async def make() -> str:
+                body = {"model": "gpt-test", "input": big, "background": True, "max_output_tokens": 16}
+                async with http.post(gw.url + "/v1/responses", headers=hdr, json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["id"]
+            _, rid = await charged(make())
+            await asyncio.sleep(1.5)  # the backend completes it
+            ref = {"previous_response_id": rid}
+        else:
+            buf = (await charged(leave_after_first_delta(http, {"model": "gpt-test", "input": big, "stream": True})))[1]
+            ref = {"previous_response_id": re.search(rb'"id":"(resp_[^"]+)"', buf).group(1).decode()}
+        for _ in range(2):  # and each follow-up's own follow-ups: the chain keeps its context
+            cost, buf = await charged(leave_after_first_delta(http, {"model": "gpt-test", "input": "and then?", "stream": True, **ref}))
+            assert cost >= 10_000, cost
+            if "previous_response_id" in ref:
+                ref = {"previous_response_id": re.search(rb'"id":"(resp_[^"]+)"', buf).group(1).decode()}

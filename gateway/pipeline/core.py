@@ -85,7 +85,21 @@ class Pipeline:
             log.exception("request %s: internal error", call.request_id)
             await _refuse(call, sink, InternalError(f"internal error in the gateway (request id {call.request_id})"), bug=True)
         finally:
+            if call.affinity is not None and call.affinity.unsized():
+                self._size_context(call)
             self.observer.count(call, rt)
+
+    def _size_context(self, call: Call) -> None:
+        """An answer a follow-up can build on came without usage: its context is recorded as what
+        the request was charged, in a task of its own (the handler may be cancelled: its client left)."""
+        assert call.affinity is not None
+        tokens = call.prompt_tokens + call.out.streamed_tokens
+        if call.endpoint.answers_later(call.body):  # a background answer: what it may generate
+            tokens += call.max_output_tokens() or 0
+        task = asyncio.get_running_loop().create_task(call.affinity.size(tokens))
+        carried = self.ctx.carried
+        carried.add(task)
+        task.add_done_callback(carried.discard)
 
     async def explain(self, call: Call, rt: Runtime) -> dict[str, Any]:
         """What the gateway would do with this request: the same stages, calling no backend and

@@ -260,13 +260,29 @@ class Affinity:
             log.warning("response affinity store failed (%s) after %d tries: %s", op, self.attempts, exc)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Learner:
     """One request's handle on the map: the owner is bound, the backend comes with each answer."""
 
     affinity: Affinity
     owner: str
     claimed: set[str] = field(default_factory=set)  # ids this request recorded already (a stream's events repeat them)
+    followable: list[str] = field(default_factory=list)  # its response's and conversation's ids, once recorded
+    sized: bool = False  # their context size was recorded (from the answer's usage)
+
+    def unsized(self) -> bool:
+        """Whether a follow-up of this answer could be made and its context size is unknown: the
+        answer came without usage (its client left mid-stream, a background answer is `queued`)."""
+        return bool(self.followable) and not self.sized
+
+    async def size(self, tokens: int) -> None:
+        """Record `tokens` (what the request was charged: its prompt and what it streamed) as the
+        context a follow-up makes the backend read, where no usage said it. A follow-up of an
+        answer whose client left after its first delta was charged its 26 new tokens of a
+        10,000-token context, and so was each of its own follow-ups (review helper's repro)."""
+        if tokens > 0 and self.unsized():
+            self.sized = True
+            await self.affinity.record_context(self.followable, tokens, self.owner)
 
     async def learn(self, response: Mapping[str, Any], backend: str) -> None:
         """Record the ids `response` (a Responses object, or the part of one a stream's event
@@ -289,9 +305,12 @@ class Learner:
             writes.append(self.affinity.record(items, backend, self.owner, required=False))
         usage = usage_of(response)
         tokens = usage["total_tokens"] if usage is not None else 0
-        if tokens > 0 and own and required:
-            # A follow-up makes the backend read this much again: charged with its new input (pinning.pin)
-            writes.append(self.affinity.record_context(own, tokens, self.owner))
+        if own and required:
+            self.followable.extend(rid for rid in own if rid not in self.followable)
+            if tokens > 0:
+                # A follow-up makes the backend read this much again: charged with its new input (pinning.pin)
+                writes.append(self.affinity.record_context(own, tokens, self.owner))
+                self.sized = True
         if len(writes) == 1:
             await writes[0]
         elif writes:

@@ -185,6 +185,8 @@ async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.
         raise UpstreamError(f"backend {backend.name!r} answered the new conversation without a usable id")
     # Not released unless recorded: an id without an owner would be nobody's (a 404 to all).
     await rt.affinity.record([cid], backend.name, tenant.cache_namespace)
+    if b'"items"' in body:  # what its first turn makes the backend read: charged with that turn (pinning.pin)
+        await rt.affinity.record_context([cid], len(body) // 4, tenant.cache_namespace)
     return out
 
 
