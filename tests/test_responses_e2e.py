@@ -452,3 +452,30 @@ async def test_a_replayed_stream_ends_at_the_requests_deadline_and_frees_its_lea
         assert b"response.output_text.delta" in body and b"response.completed" not in body  # a cut, not a success
         async with http.get(gw.url + f"/v1/responses/{rid}", headers=headers) as r:
             assert r.status == 200  # its lease went back with it
+
+
+async def test_a_backend_without_the_responses_api_says_how_to_reach_it(gateway):
+    """A chat-only server (vLLM, TGI) left at the default endpoints answered /v1/responses with a
+    404, and the client read "all backends failed (vllm: HTTP 404)" (review helper's repro): the
+    error says what the 404 likely means, and how to have the gateway translate."""
+    from aiohttp import web
+
+    from tests.servers import serve_app
+
+    async def chat(_: web.Request) -> web.Response:
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    try:
+        gw = await gateway({"version": 1, "backends": {"vllm": {"url": f"http://127.0.0.1:{port}/v1", "models": ["m"]}}})
+        with pytest.raises(openai.APIStatusError) as exc:
+            await gw.client().responses.create(model="m", input="hi")
+        assert "HTTP 404 on /responses" in exc.value.message and "endpoints: [chat, completions]" in exc.value.message
+        gw2 = await gateway({"version": 1, "backends": {"vllm": {"url": f"http://127.0.0.1:{port}/v1", "models": ["m"],
+                                                                 "endpoints": ["chat", "completions"]}}})
+        assert (await gw2.client().responses.create(model="m", input="hi")).output_text == "hello"  # translated
+    finally:
+        await runner.cleanup()

@@ -235,7 +235,9 @@ class Attempt:
         if status >= 500 or status in (401, 403, 404, 405, 408):
             # Our key, our model name, the path, or the backend itself is wrong: another backend may
             # do better. Whether it counts against this one's health: health.OUTCOMES.
-            raise self.failed(f"HTTP {status}", Kind.http(status), f"HTTP {status}: {snippet}", status)
+            hint = self.leg.missing_hint if status == 404 else None
+            summary = f"HTTP {status}" if hint is None else f"HTTP {status} on {self.leg.path} ({hint})"
+            raise self.failed(summary, Kind.http(status), f"HTTP {status}: {snippet}", status)
         raise UpstreamRejected(status, raw, backend.name, context_length=context_length(status, raw))
 
     async def deliver(self, raw: bytes) -> Kind:

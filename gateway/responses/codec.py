@@ -32,6 +32,10 @@ _MISSING = {"previous_response_id": "previous_response_not_found", "conversation
 class ResponsesEndpoint(Endpoint):
     name, path, request = "responses", "/responses", ResponsesRequest
     limit_fields = ("max_output_tokens",)
+    # vLLM, TGI and other chat servers often lack it: the gateway translates for those whose
+    # `endpoints` leave it out (a bare "HTTP 404" left the operator guessing; review helper's repro).
+    missing_hint = ("the backend may not serve the Responses API: list its endpoints without it "
+                    "(endpoints: [chat, completions]) and the gateway translates to chat completions")
 
     def answers_later(self, body: Mapping[str, Any]) -> bool:
         # Streamed too: a client that leaves a background stream does not stop the backend (5 such

@@ -103,6 +103,9 @@ class Endpoint:
     # A translating leg that sends a limit of its own when the request sets none (Anthropic's
     # API requires one): the limit it sends, which its backend is known to accept.
     default_limit: int | None = None
+    # What a 404 from a backend on this endpoint most likely means, for the client's error (None:
+    # nothing more than the status says).
+    missing_hint: str | None = None
 
     def __init__(self) -> None:
         self.upstream = self.upstream or self.name
