@@ -71,7 +71,7 @@ local day = math.floor(now / 86400)
 local ask, lease, ttl, cost = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = (#ARGV - 4) / 6
 local rec = KEYS[n * 5 + 1]
-if redis.call('EXISTS', rec) == 1 then
+if redis.call('GET', rec) == 'undone' then
   -- UNDO ran first (the caller gave up waiting for this answer): it takes nothing
   return {0, 'undone', '', '0', b, day, -1, -1, '0', -1, -1, '0'}
 end
