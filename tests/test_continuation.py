@@ -96,6 +96,26 @@ def test_restart_skips_exactly_the_delivered_text_across_chunk_boundaries():
     assert more is not None and more["choices"][0]["delta"]["content"] == " More"
 
 
+def test_a_restart_keeps_the_logprobs_of_only_what_it_passes_on():
+    """A chunk partly skipped kept all its logprobs: the client's tokens spelled "Hello wor world"
+    where its text said "Hello world" (review helper's repro). Its tokens are cut where they meet
+    the cut; a cut inside a token leaves that chunk without logprobs."""
+    def chunk(*tokens: str) -> dict:
+        out = _chunk("".join(tokens))
+        out["choices"][0]["logprobs"] = {"content": [{"token": t, "logprob": -0.1, "bytes": list(t.encode()), "top_logprobs": []}
+                                                     for t in tokens]}
+        return out
+
+    r = Resume(_delivered("Hello ", "wor"), "restart", "s", "cut")
+    assert r.rewrite(chunk("Hello", " ")) is None
+    out = r.rewrite(chunk("wor", "ld", "!"))  # the cut falls between tokens: the rest keep theirs
+    assert out is not None and out["choices"][0]["delta"]["content"] == "ld!"
+    assert [t["token"] for t in out["choices"][0]["logprobs"]["content"]] == ["ld", "!"]
+    r = Resume(_delivered("Hello ", "wor"), "restart", "s", "cut")
+    out = r.rewrite(chunk("Hello", " world", "!"))  # inside " world": no logprobs rather than wrong ones
+    assert out is not None and out["choices"][0]["delta"]["content"] == "ld!" and out["choices"][0]["logprobs"] is None
+
+
 @pytest.mark.parametrize("chunks", [["Help"], ["Hello"]])
 def test_restart_refuses_an_answer_that_begins_differently_or_ends_short(chunks):
     r = Resume(_delivered("Hello ", "wor"), "restart", "s", "cut")

@@ -161,8 +161,11 @@ class Resume:
                 continue
             text = _text_of(choice)
             if text:
-                text = self._skip(text)
-                _set_text(choice, text)
+                kept = self._skip(text)
+                _set_text(choice, kept)
+                if len(kept) != len(text) and choice.get("logprobs") is not None:
+                    choice["logprobs"] = _trim_logprobs(choice["logprobs"], len(text) - len(kept))
+                text = kept
                 has_text = has_text or bool(text)
             delta = choice.get("delta")
             if isinstance(delta, dict):
@@ -204,6 +207,27 @@ class Resume:
             raise Mismatch("the restarted answer does not begin with the text already delivered")
         self._pending = pending[n:]
         return text[n:]
+
+
+def _trim_logprobs(logprobs: Any, skipped: int) -> Any:
+    """A chunk's logprobs without the tokens of its first `skipped` characters (a restart's part
+    the client already has): its tokens spelled "Hello wor world" where its text said "Hello
+    world" (review helper's repro). Chat's token list is cut where the tokens meet the cut; a
+    cut inside a token, or another shape (completions' arrays), leaves the chunk without logprobs."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        return None
+    n = 0
+    for i, entry in enumerate(content):
+        if n == skipped:
+            return {**logprobs, "content": content[i:]}
+        token = entry.get("token") if isinstance(entry, dict) else None
+        if not isinstance(token, str):
+            return None
+        n += len(token)
+        if n > skipped:
+            return None
+    return {**logprobs, "content": []} if n == skipped else None
 
 
 def _set_text(choice: dict[str, Any], text: str) -> None:
