@@ -184,6 +184,18 @@ async def _streamed(gw: Any, key: str, text: str, **kw: Any) -> str:
         return raw.headers["x-gateway-backend"]
 
 
+def _pair(a: Any, b: Any, strategy: str = "latency", **extra: Any) -> dict[str, Any]:
+    """Backends a and b serving model m, three tenants (mallory, alice, bob), request probes."""
+    return {
+        "backends": {"a": {"url": a.url, "models": ["m"]}, "b": {"url": b.url, "models": ["m"]}},
+        "models": {"m": {"backends": ["a", "b"], "strategy": strategy}},
+        "cache": {"enabled": False}, "reload": {"watch": False},
+        "health": {"recovery_probe_interval_ms": 200},
+        "tenants": {n: {"key_sha256": [hash_key(k)]} for n, k in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))},
+        **extra,
+    }
+
+
 @pytest.mark.parametrize("strategy", ["ordered", "latency"])
 async def test_one_tenants_huge_prompts_neither_eject_a_backend_nor_slow_its_estimate_for_the_others(upstream, gateway, strategy):
     # A 300 KB prompt's prefill (~3 s here) outlasts a backend's 2 s first-token floor: three of
@@ -191,13 +203,7 @@ async def test_one_tenants_huge_prompts_neither_eject_a_backend_nor_slow_its_est
     # raised its predicted TTFT from 7 ms to ~1 s, moving alice's traffic off it (review helper's repros).
     a = await upstream("a", ttft_ms=5, tokens=3, prompt_ms_per_kchar=10)
     b = await upstream("b", ttft_ms=5, tokens=3, prompt_ms_per_kchar=10)
-    policy = {
-        "backends": {"a": {"url": a.url, "models": ["m"]}, "b": {"url": b.url, "models": ["m"]}},
-        "models": {"m": {"backends": ["a", "b"], "strategy": strategy}},
-        "cache": {"enabled": False}, "reload": {"watch": False},
-        "health": {"recovery_probe_interval_ms": 200},
-        "tenants": {n: {"key_sha256": [hash_key(k)]} for n, k in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))},
-    }
+    policy = _pair(a, b, strategy)
     gw = await gateway(policy)
     rt = gw.app[LIVE].runtime
     before = collections.Counter([await _streamed(gw, ALICE, f"hello {i}") for i in range(50)])  # 20+ samples each
@@ -243,14 +249,7 @@ async def test_a_prompt_big_in_tools_counts_its_tools_and_teaches_no_one_a_slow_
     the other tenants' traffic off it (review helper's repro)."""
     a = await upstream("a", ttft_ms=5, tokens=3, prompt_ms_per_kchar=10)
     b = await upstream("b", ttft_ms=5, tokens=3, prompt_ms_per_kchar=10)
-    policy = {
-        "backends": {"a": {"url": a.url, "models": ["m"]}, "b": {"url": b.url, "models": ["m"]}},
-        "models": {"m": {"backends": ["a", "b"], "strategy": "latency"}},
-        "cache": {"enabled": False}, "reload": {"watch": False},
-        "classifier": {"classify_all": True, "encoder": {"enabled": False}},
-        "health": {"recovery_probe_interval_ms": 200},
-        "tenants": {n: {"key_sha256": [hash_key(k)]} for n, k in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))},
-    }
+    policy = _pair(a, b, classifier={"classify_all": True, "encoder": {"enabled": False}})
     gw = await gateway(policy)
     rt = gw.app[LIVE].runtime
     before = collections.Counter([await _streamed(gw, ALICE, f"hello {i}") for i in range(50)])
@@ -277,13 +276,7 @@ async def test_a_long_whole_answer_without_a_limit_teaches_no_one_a_slow_ttft(up
     TTFT from 7 ms to 1 s, moving every tenant's traffic (review helper's repro)."""
     a = await upstream("a", ttft_ms=5, itl_ms=10, tokens=300)
     b = await upstream("b", ttft_ms=5, itl_ms=10, tokens=300)
-    policy = {
-        "backends": {"a": {"url": a.url, "models": ["m"]}, "b": {"url": b.url, "models": ["m"]}},
-        "models": {"m": {"backends": ["a", "b"], "strategy": "latency"}},
-        "cache": {"enabled": False}, "reload": {"watch": False},
-        "health": {"recovery_probe_interval_ms": 200},
-        "tenants": {n: {"key_sha256": [hash_key(k)]} for n, k in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))},
-    }
+    policy = _pair(a, b)
     gw = await gateway(policy)
     rt = gw.app[LIVE].runtime
     for i in range(50):

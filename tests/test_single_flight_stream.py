@@ -641,7 +641,8 @@ class SlowSink(ListSink):
         await super().write(data)
 
 
-async def test_a_leaders_client_that_falls_behind_gets_its_stream_later_while_followers_read_on() -> None:
+async def _falling_behind() -> tuple[Broadcast, SlowSink, TeeSink, ListSink, asyncio.Task[bool]]:
+    """A leader's client that got one chunk, then stops reading; a follower reading along."""
     bc = Broadcast()
     leader = SlowSink()
     tee = TeeSink(leader, bc)
@@ -650,6 +651,11 @@ async def test_a_leaders_client_that_falls_behind_gets_its_stream_later_while_fo
     task = asyncio.create_task(follow(bc, _call(), follower))
     await asyncio.sleep(0.01)
     leader.full = True  # from here its writes would wait
+    return bc, leader, tee, follower, task
+
+
+async def test_a_leaders_client_that_falls_behind_gets_its_stream_later_while_followers_read_on() -> None:
+    bc, leader, tee, follower, task = await _falling_behind()
     async with asyncio.timeout(1):  # the relay never waits on it: before, the first of these hung
         for word in ("two ", "three"):
             await tee.write(_chunk(word))
@@ -768,14 +774,7 @@ async def test_a_leader_that_loses_its_key_mid_stream_hands_the_stream_to_its_fo
 
 
 async def test_a_leader_behind_its_stream_that_loses_its_key_gets_the_error_instead_of_its_backlog() -> None:
-    bc = Broadcast()
-    leader = SlowSink()
-    tee = TeeSink(leader, bc)
-    await tee.write(_chunk("one "))
-    follower = ListSink()
-    task = asyncio.create_task(follow(bc, _call(), follower))
-    await asyncio.sleep(0.01)
-    leader.full = True
+    bc, leader, tee, follower, task = await _falling_behind()
     await tee.write(_chunk("two "))  # queued for the leader's client
     assert await tee.hand_off(UpstreamError("key gone")) is True
     await tee.write(_chunk("three"))
