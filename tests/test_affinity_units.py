@@ -338,3 +338,17 @@ def test_namespaces_never_share_keys() -> None:
     a, b = prefix_keys(body, 1024, "tenant:a"), prefix_keys(body, 1024, "tenant:b")
     assert len(a) == len(b) and not set(a) & set(b)
     assert prefix_keys(body, 1024, "tenant:a") == a
+
+
+def test_a_full_map_drops_expired_blocks_before_anyone_s_fresh_ones() -> None:
+    """Evicting from the namespace holding the most kept an idle tenant's expired blocks while an
+    active tenant's fresh ones went (review of the change): expired blocks go first."""
+    now = [0.0]
+    m = PrefixMap(max_entries=100, ttl_s=600, clock=lambda: now[0])
+    for i in range(60):
+        m.learn([b"B%d" % i], "x", "none", "idle")
+    now[0] = 3600.0
+    fresh = [[b"A%d" % i] for i in range(70)]
+    for keys in fresh:
+        m.learn(keys, "x", "none", "active")
+    assert all(m.match(keys)[0] == 1 for keys in fresh) and len(m) <= 100

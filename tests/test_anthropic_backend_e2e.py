@@ -104,9 +104,34 @@ def test_a_backends_headers_may_not_be_the_gateways_own():
 
     base = "backends:\n  a: {url: 'http://127.0.0.1:1/v1', models: [m], headers: %s}\n"
     assert parse_policy(base % "{X-Team: search}").backends["a"].headers == {"x-team": "search"}
-    for bad in ("{Authorization: 'Bearer x'}", "{x-api-key: k}", "{Content-Length: '1'}", "{'bad name': v}", "{X-A: \"a\\nb\"}"):
+    for bad in ("{Authorization: 'Bearer x'}", "{x-api-key: k}", "{Content-Length: '1'}", "{'bad name': v}", "{X-A: \"a\\nb\"}",
+                "{Proxy-Authorization: x}"):
         with pytest.raises(PolicyError, match="headers"):
             parse_policy(base % bad)
+
+
+def test_a_backends_header_values_are_never_shown_and_secret_ones_come_from_the_environment(monkeypatch):
+    """An inline `api-key` (Azure) or `Helicone-Auth` was shown to viewer keys by GET /admin/policy
+    (review of the change): header values are hidden there, and `headers_env` reads a secret from
+    the environment, as api_key_env does."""
+    from gateway.admin.policy_view import env_warnings, redacted
+    from gateway.config.policy import PolicyError, parse_policy
+    from gateway.routing.backends import Backend, BackendState, Slots
+
+    text = ("backends:\n  az: {url: 'http://127.0.0.1:1/v1', models: [m], headers: {api-key: INLINE-SECRET},"
+            " headers_env: {Helicone-Auth: TEST_HELICONE}}\n")
+    policy = parse_policy(text)
+    view = redacted(policy)
+    assert "INLINE-SECRET" not in repr(view) and view["backends"]["az"]["headers"] == {"api-key": "<hidden>"}
+    assert view["backends"]["az"]["headers_env"] == {"helicone-auth": "TEST_HELICONE"}  # a variable's name is no secret
+    assert env_warnings(policy) == ["backends.az.headers_env.helicone-auth: environment variable TEST_HELICONE is not set here"]
+    with pytest.raises(ValueError, match="TEST_HELICONE is not set"):
+        Backend("az", policy.backends["az"], BackendState(slots=Slots(4)))
+    monkeypatch.setenv("TEST_HELICONE", "Bearer sk-h")
+    b = Backend("az", policy.backends["az"], BackendState(slots=Slots(4)))
+    assert b.headers["helicone-auth"] == "Bearer sk-h" and b.headers["api-key"] == "INLINE-SECRET"
+    with pytest.raises(PolicyError, match="environment variable"):
+        parse_policy(text.replace("TEST_HELICONE", "not a var"))
 
 
 async def test_standard_only_reaches_an_anthropic_backend(fake_anthropic, gateway, clients):

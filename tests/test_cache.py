@@ -733,3 +733,13 @@ def test_an_answer_whose_content_is_not_a_string_is_not_stored() -> None:
     assert entry_from_response(plain, 1 << 20) is not None and b"Paris." in b"".join(replay_sse(entry_from_response(plain, 1 << 20), include_usage=False))
     null = parts.replace(b'[{"type":"text","text":"Paris."}]', b"null")
     assert entry_from_response(null, 1 << 20) is not None  # no text (a tool call's answer): as before
+
+
+def test_a_beta_header_that_reaches_the_backend_is_part_of_the_key() -> None:
+    """A client's beta header changes what the backend answers (interleaved thinking): requests
+    with and without it shared a cached answer and a flight (review of the change)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    plain = cache_key("t", "chat", "m", body)
+    assert cache_key("t", "chat", "m", body, headers=()) == plain  # no beta: the key as before
+    beta = cache_key("t", "chat", "m", body, headers=(("anthropic-beta", "interleaved-thinking-2025-05-14"),))
+    assert beta != plain and beta == cache_key("t", "chat", "m", body, headers=(("anthropic-beta", "interleaved-thinking-2025-05-14"),))

@@ -190,11 +190,15 @@ async def test_a_spend_limit_reserves_what_an_answer_may_cost(kind):
         asks = [Ask((scope,), 0, f"l{i}", 60_000, spend_micro=4_000) for i in range(3)]
         got = [await s.quota_take("t", a) for a in asks]
         assert [d.ok for d in got] == [True, True, False] and got[2].limit == "spend_per_day_usd"
+        assert got[2].retry_after_s <= 1  # held by requests in flight: free as they settle, not at midnight
         assert (await s.quota_usage("t", "")).day_spend_micro == 8_000
         await s.quota_settle("t", Settle(("",), got[0].bucket, got[0].day, 0, 1_000 - 4_000, "l0"))  # it cost 1,000
         assert (await s.quota_usage("t", "")).day_spend_micro == 5_000
         assert (await s.quota_take("t", Ask((scope,), 0, "l3", 60_000, spend_micro=4_000))).ok  # 9,000 of 10,000
         assert not (await s.quota_take("t", Ask((scope,), 0, "l4", 60_000, spend_micro=2_000))).ok
+        await s.quota_settle("t", Settle(("",), got[0].bucket, got[0].day, 0, 2_000, "l5x"))  # spent to the limit
+        assert (await s.quota_take("t", Ask((scope,), 0, "l6", 60_000))).retry_after_s > 60  # spent: until the day ends
+        await s.quota_settle("t", Settle(("",), got[0].bucket, got[0].day, 0, -2_000, "l5x"))
         assert (await s.quota_take("t", Ask((scope,), 0, "l5", 60_000))).ok  # no estimate (no price): under the limit, in
         for lease in ("l1", "l3"):  # what they reserved, none of it spent
             await s.quota_settle("t", Settle(("",), got[0].bucket, got[0].day, 0, -4_000, lease))

@@ -651,3 +651,25 @@ async def test_a_follow_up_is_charged_the_context_even_when_no_usage_measured_it
             assert cost >= 10_000, cost
             if "previous_response_id" in ref:
                 ref = {"previous_response_id": re.search(rb'"id":"(resp_[^"]+)"', buf).group(1).decode()}
+
+
+async def test_a_hedges_loser_is_charged_the_prompt_it_read(upstream, gateway):
+    """The loser of a hedge is cancelled by its rival's claim: it read the 10,000-token prompt
+    and was not charged it (review of the change)."""
+    a = await upstream("a", mode="stall")
+    b = await upstream("b", ttft_ms=5, tokens=3)
+    policy = simple_policy(a, b, cache={"enabled": False})
+    policy["models"]["gpt-test"]["strategy"] = "ordered"
+    policy["models"]["gpt-test"]["hedge"] = {"max_extra_pct": 50, "min_delay_ms": 50, "default_delay_ms": 100}
+    policy["backends"]["a"]["timeouts"] = {"first_token_ms": 20000}
+    policy["tenants"] = {"acme": {"key_sha256": [_digest(KEY)], "quota": {"tpm": 1_000_000}}}
+    gw = await gateway(policy)
+    q = gw.app[LIVE].runtime.quota
+    async with aiohttp.ClientSession() as http:
+        body = {"model": "gpt-test", "messages": [{"role": "user", "content": "word " * 8000}], "stream": True, "max_tokens": 20}
+        async with http.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, json=body) as r:
+            assert r.status == 200 and r.headers["x-gateway-backend"] == "b", await r.text()
+            await r.read()
+    await q.drain()
+    assert a.stats.requests == 1 and b.stats.requests == 1
+    assert (await q.usage("acme"))[""].window_tokens >= 2 * 9_000

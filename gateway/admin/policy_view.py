@@ -16,10 +16,15 @@ _DIGEST_FIELDS = ("key_sha256", "viewer_key_sha256")
 
 
 def redacted(policy: Policy) -> dict[str, Any]:
-    """The policy as JSON, with key digests counted instead of shown and passwords in URLs
-    (`redis://:secret@host`) replaced. Environment variable names stay: they are not secrets."""
+    """The policy as JSON, with key digests counted instead of shown, passwords in URLs
+    (`redis://:secret@host`) replaced, and the values of backends' `headers` hidden (a
+    provider's `api-key`, a proxy's `Helicone-Auth`: credentials a viewer must not read).
+    Environment variable names stay: they are not secrets."""
     out = _walk(policy.model_dump(mode="json"))
     assert isinstance(out, dict)
+    for backend in (out.get("backends") or {}).values():
+        if isinstance(backend, dict) and backend.get("headers"):
+            backend["headers"] = dict.fromkeys(backend["headers"], "<hidden>")
     return out
 
 
@@ -41,6 +46,8 @@ def env_warnings(policy: Policy) -> list[str]:
     """The environment variables the policy names that are not set here."""
     out = [f"backends.{name}.api_key_env: environment variable {b.api_key_env} is not set here"
            for name, b in policy.backends.items() if b.api_key_env and not os.environ.get(b.api_key_env)]
+    out += [f"backends.{name}.headers_env.{header}: environment variable {env} is not set here"
+            for name, b in policy.backends.items() for header, env in b.headers_env.items() if not os.environ.get(env)]
     holders = [(f"tenants.{n}", t.key_sha256_env) for n, t in policy.tenants.items()]
     if policy.admin is not None:
         holders += [("admin", policy.admin.key_sha256_env), ("admin.viewer", policy.admin.viewer_key_sha256_env)]

@@ -72,8 +72,10 @@ class _Tap:
     __slots__ = ("_hist", "_at", "_end", "_queue", "size", "counted", "uncounted", "waiter", "overflow", "_budget")
 
     def __init__(self, history: list[bytes], size: int, budget: Budget) -> None:
-        self._hist: list[bytes] | None = history  # the Broadcast's list: it only grows; a release lets go of it
         self._at, self._end = 0, len(history)
+        # The Broadcast's list (it only grows), held only while part of it is still to be written:
+        # one joined before the first byte holding it would keep a released history alive.
+        self._hist: list[bytes] | None = history if self._end else None
         self._queue: deque[bytes] = deque()
         self.size = size
         self.counted = 0
@@ -315,12 +317,15 @@ class TeeSink(SinkWrapper):
             if self._behind is not None:  # its writer ends that client's stream, the rest of its backlog dropped
                 self._ended_by = err
                 self._behind.wake()
-            else:
-                try:
-                    await self._inner.fail(err)
-                except ConnectionError:
-                    self.lost = Finish.CLIENT_DISCONNECT
+            else:  # in a task of its own: a slow client must not hold the followers' stream
+                self._writer = asyncio.get_running_loop().create_task(self._end_with(err))
         return True
+
+    async def _end_with(self, err: GatewayError) -> None:
+        try:
+            await self._inner.fail(err)
+        except ConnectionError:
+            self.lost = Finish.CLIENT_DISCONNECT
 
     def set_header(self, name: str, value: str) -> None:
         if name == "x-gateway-backend" and not self._bc.started:

@@ -59,14 +59,16 @@ _WARN_EVERY_S = 60.0
 MAX_FLIGHTS = 10_000  # concurrent single flights per process; beyond it, requests go on alone
 
 
-def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any], echoed: frozenset[str] = frozenset()) -> str:
+def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any], echoed: frozenset[str] = frozenset(),
+              headers: tuple[tuple[str, str], ...] = ()) -> str:
     """`gwc:v1:<namespace digest>:<sha256 hex>`: the digest of the canonical JSON (sorted keys) of
     everything that changes the answer, after 16 hex digits of the namespace's own (whose entries
     it is: `key_owner`, for an in-memory store shared fairly among namespaces).
 
     `namespace` isolates tenants (the tenant name, or a namespace the policy shares between tenants);
     `endpoint` is "chat" or "completions"; `model` is the public model the client asked for;
-    `echoed`: transport fields the endpoint's answers repeat back, keyed all the same.
+    `echoed`: transport fields the endpoint's answers repeat back, keyed all the same;
+    `headers`: the client's headers that reach the backend and may change its answer (a beta).
     """
     fields = {k: v for k, v in body.items() if k not in TRANSPORT_FIELDS or k in echoed}
     for name in _FLOAT_FIELDS:
@@ -74,7 +76,8 @@ def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any]
         if type(v) is int:
             fields[name] = float(v)
     try:
-        canonical = orjson.dumps([CACHE_FORMAT, namespace, endpoint, model, fields], option=orjson.OPT_SORT_KEYS)
+        key = [CACHE_FORMAT, namespace, endpoint, model, fields, *([list(headers)] if headers else [])]
+        canonical = orjson.dumps(key, option=orjson.OPT_SORT_KEYS)
     except orjson.JSONEncodeError:  # orjson reads deeper nesting (1024) than it writes (~255)
         raise BadRequest("the request body is nested too deeply to be re-encoded for the backend") from None
     owner = hashlib.sha256(namespace.encode("utf-8", "surrogateescape")).hexdigest()[:16]

@@ -107,7 +107,7 @@ class PricePolicy(_Section):
 # Headers a backend's `headers:` may not set: the gateway's own (its key, the body's framing, the request's id).
 RESERVED_HEADERS = frozenset({
     "authorization", "x-api-key", "content-type", "content-length", "transfer-encoding", "host", "connection",
-    "accept-encoding", "x-request-id", "anthropic-version",
+    "accept-encoding", "x-request-id", "anthropic-version", "proxy-authorization", "te", "upgrade", "expect", "keep-alive",
 })
 
 
@@ -152,11 +152,15 @@ class BackendPolicy(_Section):
     # true for a `launch:` backend and false otherwise.
     local: bool | None = None
     # Headers sent with every request to it (an `anthropic-beta`, OpenRouter's `HTTP-Referer`, a
-    # routing header of a provider's proxy). Not the ones the gateway sets itself (its key, the
-    # body's type and length); secrets belong in api_key_env.
+    # routing header of a provider's proxy, an `api-key` of its own). Not the ones the gateway
+    # sets itself (its key, the body's type and length). Their values are never shown on the
+    # admin plane (/admin/policy shows `<hidden>`).
     headers: dict[str, str] = Field(default_factory=dict)
+    # Headers whose values are secrets (a provider's `api-key`, a proxy's `Helicone-Auth`): header
+    # name -> the environment variable that holds the value, read at start like api_key_env.
+    headers_env: dict[str, str] = Field(default_factory=dict)
 
-    @field_validator("headers")
+    @field_validator("headers", "headers_env")
     @classmethod
     def _headers(cls, v: dict[str, str]) -> dict[str, str]:
         for name, value in v.items():
@@ -167,6 +171,14 @@ class BackendPolicy(_Section):
             if len(value) > 4096 or any(c in value for c in "\r\n\0"):
                 raise ValueError(f"the value of header {name!r} must be one line of at most 4,096 characters")
         return {name.lower(): value for name, value in v.items()}
+
+    @field_validator("headers_env")
+    @classmethod
+    def _header_envs(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, env in v.items():
+            if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", env):
+                raise ValueError(f"{name}: must name an environment variable (the value itself goes there), got {env!r}")
+        return v
 
     @field_validator("url", "metrics_url")
     @classmethod

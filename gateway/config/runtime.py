@@ -274,7 +274,7 @@ class Runtime:
             why = call.endpoint.cache_reason(call.body)
         if why is not None:
             return CachePlan(None, why)
-        key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body, call.endpoint.echoed)
+        key = cache_key(tenant.cache_namespace, call.endpoint.name, call.model, call.body, call.endpoint.echoed, call.asked.betas)
         return CachePlan(key, None, ttl, not call.asked.no_store)
 
     def _pool(self, model: str, names: tuple[str, ...], strategy: str) -> Pool:

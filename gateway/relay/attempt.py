@@ -101,7 +101,7 @@ class Attempt:
     first-token deadline while this backend has too few samples; `resume`: continue a broken stream."""
 
     __slots__ = ("call", "backend", "ctx", "sink", "progress", "m", "live", "resume", "started", "now",
-                 "first_deadline", "call_deadline", "leg", "client_wait_s")
+                 "first_deadline", "call_deadline", "leg", "client_wait_s", "sent")
 
     def __init__(self, req: Requester, backend: Backend, m: BackendMetrics, *, live: RoutingPolicy | None,
                  cold_s: float | None = None, resume: Resume | None = None) -> None:
@@ -112,6 +112,7 @@ class Attempt:
         self.leg = leg  # the codec toward this backend: the endpoint itself, or a translating leg
         self.started = time.perf_counter()
         self.client_wait_s = 0.0  # time its writes waited on a client slow to read: not the backend's
+        self.sent = False  # its request went to the backend (which may be at work on the prompt)
         self.now = now = asyncio.get_running_loop().time()
         self.call_deadline = now + self.call.remaining_s()
         first_s = backend.timeouts.first_token_ms / 1000
@@ -171,6 +172,7 @@ class Attempt:
         resp: UpstreamResponse | None = None
         timer = asyncio.timeout_at(self.first_deadline)  # one timer per attempt, moved as the phases change
         call.timing.sent_at = time.perf_counter()  # Server-Timing's stages (observe/observer.py)
+        self.sent = True
         try:
             async with timer:
                 resp = await self.ctx.pool.post(url, body, headers, connect_timeout_s=t.connect_ms / 1000)

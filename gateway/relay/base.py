@@ -7,6 +7,7 @@ every way to the client (failover, retry, hedge, context fallback, rescue) goes 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -106,6 +107,12 @@ class RelayBase:
             except Lost:
                 self.call.out.read_prompts += 1  # it was at work on the prompt: the tenant is charged it
                 return False  # a hedged rival answered first: nothing about this backend is known
+            except asyncio.CancelledError:
+                # A hedge's loser (its rival's claim cancels it) or a client that left: a backend
+                # that had the request was at work on the prompt, and the tenant is charged it.
+                if att.sent:
+                    self.call.out.read_prompts += 1
+                raise
             except UpstreamRejected as rejected:
                 self._report(att, Kind.CONTEXT_LENGTH if rejected.context_length else Kind.REJECTED)
                 raise

@@ -163,7 +163,11 @@ class Passthrough:
             resp.release()
             if on_read is not None:
                 await on_read(data)
-            if resp.status >= 400:
+            if resp.status >= 500:  # the backend's own failure: its words go to the log only, as the relay's do
+                log.info("request %s: backend %r answered HTTP %d: %r", self.call.request_id, backend, resp.status, data[:500])
+                data = UpstreamError(f"backend {backend!r} answered HTTP {resp.status}", upstream_status=resp.status).to_body()
+                out_headers["Content-Type"] = "application/json"
+            elif resp.status >= 400:
                 # In OpenAI's error shape whatever the backend wrote ("404: Not Found" as text: the
                 # SDK showed an empty message; review helper's repro); an error object as it is.
                 data = UpstreamRejected(resp.status, data, backend).to_body()

@@ -6,7 +6,8 @@ Two sources say where a prefix is, neither needing a round trip on the request p
   the backend it went to. A request whose keys match goes to a backend holding its deepest match:
   a conversation's next turn follows the turn before, and every conversation on a system prompt
   that some backend already prefilled goes there. Kept per process, bounded (`max_entries`: a
-  full table drops the least recently learned keys of the tenant namespace holding the most)
+  full table drops the expired keys, then the least recently learned of the tenant namespace
+  holding the most)
   and forgotten after `prefix_ttl_s` unused.
 - **Rendezvous hashing** for a prefix nobody holds yet: each backend's weight is a hash of (first
   block, backend name) and the heaviest wins, so every worker and replica sends a new system
@@ -149,8 +150,20 @@ class PrefixMap:
             roots.popitem(last=False)
 
     def _evict(self) -> None:
-        """Down to max_entries: the oldest keys of the namespace that holds the most."""
+        """Down to max_entries: the keys past their TTL first (any namespace's), then the oldest
+        of the namespace that holds the most (an idle tenant's dead blocks must not outlast an
+        active one's fresh ones)."""
         entries, owned = self._entries, self._owned
+        horizon = self.clock() - self.ttl_s
+        for name, keys in list(owned.items()):
+            while keys and len(entries) > self.max_entries:
+                k = next(iter(keys))
+                if entries[k].at >= horizon:
+                    break
+                keys.popitem(last=False)
+                del entries[k]
+            if not keys:
+                del owned[name]
         while len(entries) > self.max_entries:
             name, keys = max(owned.items(), key=lambda kv: len(kv[1]))
             while keys and len(entries) > self.max_entries:

@@ -96,7 +96,15 @@ class Backend:
                 headers["x-api-key"] = key
             else:
                 headers["Authorization"] = f"Bearer {key}"
-        self.headers = {**policy.headers, **headers}
+        secret = {}
+        for header, env in policy.headers_env.items():
+            value = os.environ.get(env)
+            if not value:
+                raise ValueError(f"backends.{name}.headers_env.{header}: environment variable {env} is not set")
+            if len(value) > 4096 or any(c in value for c in "\r\n\0"):
+                raise ValueError(f"backends.{name}.headers_env.{header}: the value of {env} must be one line of at most 4,096 characters")
+            secret[header] = value
+        self.headers = {**policy.headers, **secret, **headers}
         # The client's beta headers this backend's API reads (FORWARDED): passed on, after its own.
         self.forwards = FORWARDED[policy.kind]
         self.metrics_url = policy.metrics_url or (_sibling_metrics(self.base_url) if policy.launch else None)

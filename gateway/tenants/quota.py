@@ -322,10 +322,15 @@ class Quota:
         task.add_done_callback(self._settling.discard)
 
     async def _settle(self, hold: Hold, settle: Settle) -> None:
-        try:
-            await hold.store.quota_settle(hold.tenant, settle)
-        except StoreError as exc:
-            self._degraded(exc)  # the lease expires by itself; the estimate stays counted
+        """On the shared store, tried again while it fails (a few times over ~8 s): a settle lost
+        leaves the reservation counted, and a spend reservation for the rest of the day."""
+        for pause in (0.0, *_UNDO_PAUSES_S):
+            await asyncio.sleep(pause)
+            try:
+                await hold.store.quota_settle(hold.tenant, settle)
+                return
+            except StoreError as exc:
+                self._degraded(exc)  # the lease expires by itself; the estimate stays counted
 
     async def drain(self) -> None:
         """Wait for the settles in flight (each bounded by the store's timeout); the reversals of

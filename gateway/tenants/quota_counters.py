@@ -244,7 +244,9 @@ class MemoryQuota:
             elif scope.tokens_per_day and c.day.get(day, 0) + tokens > scope.tokens_per_day:
                 refused = ("tokens_per_day", (day + 1) * DAY_S - now)
             elif scope.spend_per_day_micro and _over_spend(c.spend.get(day, 0), ask.spend_micro, scope.spend_per_day_micro):
-                refused = ("spend_per_day_usd", (day + 1) * DAY_S - now)
+                # Spent: until the day ends. Held by requests in flight: as soon as they settle.
+                spent_out = c.spend.get(day, 0) >= scope.spend_per_day_micro
+                refused = ("spend_per_day_usd", (day + 1) * DAY_S - now if spent_out else 1.0)
             if refused is not None:
                 d.ok, d.limit, d.scope, d.retry_after_s = False, refused[0], scope.name, refused[1]
         if not d.ok:

@@ -114,8 +114,10 @@ for i = 0, n - 1 do
       why, wait = 'tokens_per_day', (day + 1) * 86400 - now
     elseif spend > 0 then
       local spent = tonumber(redis.call('HGET', KEYS[k + 5], day) or '0')
-      if spent >= spend or (cost > 0 and spent + cost > spend) then
+      if spent >= spend then
         why, wait = 'spend_per_day_usd', (day + 1) * 86400 - now
+      elseif cost > 0 and spent + cost > spend then
+        why, wait = 'spend_per_day_usd', 1  -- held by requests in flight: free as they settle
       end
     end
     if why then ok, limit, scope_name, retry = 0, why, name, wait end
