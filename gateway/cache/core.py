@@ -336,27 +336,37 @@ class _Hold:
     """`SingleFlight.hold`'s context manager: a class, not a generator (entered once per cache
     miss: a generator-based one costs a few µs more per request)."""
 
-    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_terms", "_stores", "_led")
+    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_terms", "_stores", "_led", "_deadline")
 
     def __init__(self, sf: SingleFlight, key: str, wait_s: float, stream: bool, include_usage: bool, terms: Terms,
                  stores: bool) -> None:
         self._sf, self._key, self._wait_s, self._stream, self._include_usage = sf, key, wait_s, stream, include_usage
         self._terms, self._stores = terms, stores
         self._led: Flight | None = None  # the flight this caller registered and leads
+        self._deadline: float | None = None  # the loop's time by which a follower stops waiting (set on its first wait)
 
     async def __aenter__(self) -> Flight:
-        deadline = asyncio.get_running_loop().time() + max(0.0, self._wait_s)
         while True:
-            flight = await self._enter(deadline)
+            flight = self._join()
             if flight is not None:
                 return flight
+            current = self._sf._flights[self._key]  # a registered flight to follow: wait for its answer
+            assert current._done is not None
+            loop = asyncio.get_running_loop()
+            if self._deadline is None:  # only a follower's wait needs one (a leader's miss reads no clock)
+                self._deadline = loop.time() + max(0.0, self._wait_s)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(self._deadline):
+                    await current._done.wait()
+            if not (current.abandoned and current.entry is None and loop.time() < self._deadline):
+                return Flight(leader=False, entry=current.entry)
             # Its leader's client left before the answer came (its handler cancelled, the upstream
             # call with it): the followers that waited form a new flight, one of them its leader,
             # instead of each going upstream alone (3 followers, 3 more upstream calls; review
             # helper's repro). A leader that answered, stored nothing or failed is not retried.
 
-    async def _enter(self, deadline: float) -> Flight | None:
-        """One try at the flight for the key; None when the one followed was abandoned in time to try again."""
+    def _join(self) -> Flight | None:
+        """This caller's place, decided now; None: follow the registered flight for the key (wait)."""
         flights = self._sf._flights
         current = flights.get(self._key)
         if current is None:
@@ -378,13 +388,7 @@ class _Hold:
             # It asked for a usage chunk that the leader's stream lacks (and its stored answer may
             # too): it goes upstream itself, alone, as when the flights are full.
             return Flight(leader=True, beside=True)
-        assert current._done is not None  # a registered flight
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout_at(deadline):
-                await current._done.wait()
-        if current.abandoned and current.entry is None and asyncio.get_running_loop().time() < deadline:
-            return None
-        return Flight(leader=False, entry=current.entry)
+        return None
 
     def _register(self, *, beside: bool) -> Flight:
         """Lead the flight for the key (over one in progress when `beside`: that one keeps its followers)."""

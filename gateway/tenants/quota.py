@@ -60,10 +60,12 @@ class _Limits:
     scopes: tuple[Scope, ...]
     names: tuple[str, ...]
     cap: int
+    spend_cap: int  # the smallest spend limit among the scopes (micro-USD; 0: none)
 
     @classmethod
     def of(cls, scopes: tuple[Scope, ...]) -> _Limits:
-        return cls(scopes, tuple(s.name for s in scopes), _cap(scopes))
+        spends = [s.spend_per_day_micro for s in scopes if s.spend_per_day_micro]
+        return cls(scopes, tuple(s.name for s in scopes), _cap(scopes), min(spends, default=0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +181,7 @@ class Quota:
                 # tokens and generated 100,060).
                 reserved = call.prompt_tokens + self._completion_estimate(call, plan, _room(call, limits))
         held = min(reserved, limits.cap)  # what the counters take (they cap it there too)
-        spend = _spend_reserve(limits, cost, call.prompt_tokens, held - call.prompt_tokens)
+        spend = _spend_reserve(limits.spend_cap, cost, call.prompt_tokens, held - call.prompt_tokens) if limits.spend_cap else 0
         ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS, spend)
         store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
         if decision is None:
@@ -438,7 +440,8 @@ def _tokens_used(call: Call, reserved: int) -> int:
     """
     if call.cache.result is CacheResult.HIT:
         return 0
-    others = max(0, call.out.read_prompts - 1) * call.prompt_tokens
+    reads = call.out.read_prompts
+    others = (reads - 1) * call.prompt_tokens if reads > 1 else 0
     usage = call.out.usage or {}
     total = usage.get("total_tokens")
     if isinstance(total, int):
@@ -468,15 +471,14 @@ def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
         set_header("x-ratelimit-reset-tokens", _duration(d.reset_tokens_s))
 
 
-def _spend_reserve(limits: _Limits, cost: Callable[[int, int], float] | None, prompt: int, completion: int) -> int:
+def _spend_reserve(cap: int, cost: Callable[[int, int], float] | None, prompt: int, completion: int) -> int:
     """What a take reserves against spend limits (micro-USD): the answer's cost at the dearest
-    price that may apply, capped at the smallest spend limit (so an expensive request can ever
-    run); 0 without a spend limit or a price. Checked only against spend so far, 20 requests at
-    once were all admitted under a limit one of them spent, and spent 20x it (review helper's repro)."""
-    caps = [s.spend_per_day_micro for s in limits.scopes if s.spend_per_day_micro]
-    if not caps or cost is None:
+    price that may apply, capped at the smallest spend limit `cap` (so an expensive request can
+    ever run); 0 without a price. Checked only against spend so far, 20 requests at once were all
+    admitted under a limit one of them spent, and spent 20x it (review helper's repro)."""
+    if cost is None:
         return 0
-    return min(round(cost(prompt, max(0, completion)) * 1e6), *caps)
+    return min(round(cost(prompt, max(0, completion)) * 1e6), cap)
 
 
 def _exceeded(tenant: str, d: Decision, scopes: tuple[Scope, ...], reserved: int = 0) -> QuotaExceeded:
