@@ -146,6 +146,7 @@ class Quota:
         self._last_warn: float | None = None
         self._settling: set[asyncio.Task[Any]] = set()  # settles (and takes whose caller left) in flight, owned here
         self._undoing: set[asyncio.Task[None]] = set()  # reversals of takes that timed out (_undo_later), owned here
+        self._draining = False  # shutting down: a failed settle is not tried again (drain would wait ~9 s on a dead store)
         self._out: dict[str, _Out] = {}  # tenants of the policy refused by their rpm, until it frees up
         self.plans: dict[str, _Plan] = {}
         for name, tp in policy.tenants.items():
@@ -333,10 +334,14 @@ class Quota:
                 return
             except StoreError as exc:
                 self._degraded(exc)  # the lease expires by itself; the estimate stays counted
+            if self._draining:
+                return
 
     async def drain(self) -> None:
         """Wait for the settles in flight (each bounded by the store's timeout); the reversals of
-        timed-out takes still waiting for the store are given up (their leases expire by themselves)."""
+        timed-out takes still waiting for the store are given up (their leases expire by themselves),
+        and a settle that fails is not tried again."""
+        self._draining = True
         while self._settling:
             await asyncio.gather(*list(self._settling), return_exceptions=True)
         for task in list(self._undoing):
