@@ -111,6 +111,11 @@ RESERVED_HEADERS = frozenset({
 })
 
 
+def header_value_ok(value: str) -> bool:
+    """Whether a backend header's value may be sent: one line of at most 4,096 characters."""
+    return len(value) <= 4096 and not any(c in value for c in "\r\n\0")
+
+
 class BackendPolicy(_Section):
     url: str
     # The API it speaks: OpenAI's (chat, completions, embeddings, responses) or Anthropic's Messages
@@ -168,7 +173,7 @@ class BackendPolicy(_Section):
                 raise ValueError(f"{name[:100]!r} is not a header name")
             if name.lower() in RESERVED_HEADERS:
                 raise ValueError(f"{name!r} is set by the gateway itself (the backend's key: api_key_env)")
-            if len(value) > 4096 or any(c in value for c in "\r\n\0"):
+            if not header_value_ok(value):
                 raise ValueError(f"the value of header {name!r} must be one line of at most 4,096 characters")
         return {name.lower(): value for name, value in v.items()}
 

@@ -400,21 +400,25 @@ def _serves(b: Backend, codec: Endpoint) -> bool:
     return codec.toward(b.kind, b.policy.endpoints) is not None
 
 
+def _answerers(call: Call, route: Route) -> tuple[Backend, ...]:
+    """Every backend that may answer `call`: its class's pool on this endpoint (failover, retries,
+    hedges and rescues stay in it) and the route's context fallbacks."""
+    return (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
+
+
 def answer_cost_usd(call: Call, route: Route, prompt_tokens: int, completion_tokens: int) -> float:
     """What an answer of these sizes costs at the dearest `price` among the backends that may
-    answer `call` (as answer_ceiling's): a spend limit reserves it (0: none has a price)."""
-    backends = (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
-    return max((b.policy.price.usd(prompt_tokens, completion_tokens) for b in backends if b.policy.price is not None), default=0.0)
+    answer `call`: a spend limit reserves it (0: none has a price)."""
+    return max((b.policy.price.usd(prompt_tokens, completion_tokens) for b in _answerers(call, route) if b.policy.price is not None),
+               default=0.0)
 
 
 def answer_ceiling(call: Call, route: Route) -> int | None:
-    """The largest answer limit every backend that may answer `call` accepts (its class's pool on
-    this endpoint and the route's context fallbacks): each one's `max_output_tokens`, else the
-    limit its translating leg sends when the request sets none (a chat request to an Anthropic
-    backend: 4096); None when one of them cannot say."""
-    backends = (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
+    """The largest answer limit every backend that may answer `call` accepts (_answerers): each
+    one's `max_output_tokens`, else the limit its translating leg sends when the request sets none
+    (a chat request to an Anthropic backend: 4096); None when one of them cannot say."""
     tops = []
-    for b in backends:
+    for b in _answerers(call, route):
         top = b.policy.max_output_tokens
         if top is None and (leg := call.endpoint.toward(b.kind, b.policy.endpoints)) is not None:
             top = leg.default_limit
@@ -425,10 +429,8 @@ def answer_ceiling(call: Call, route: Route) -> int | None:
 
 
 def _defaults(call: Call, route: Route) -> dict[str, float]:
-    """The default temperature of every backend that may answer `call`: its class's pool on this
-    endpoint (failover, retries, hedges and rescues stay in it) and the route's context fallbacks."""
-    backends = (*route.pool(call.cls, call.endpoint.name).backends, *route.context_fallbacks)
-    return {b.name: b.policy.sampling_default_temperature for b in backends}
+    """The default temperature of every backend that may answer `call` (_answerers)."""
+    return {b.name: b.policy.sampling_default_temperature for b in _answerers(call, route)}
 
 
 def _cost(bp: BackendPolicy) -> float:

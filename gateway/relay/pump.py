@@ -137,11 +137,12 @@ class Pump:
             if not key_live(att.call):  # revoked meanwhile: nothing more of it goes out to this caller
                 if not self.first:
                     raise revoked()
-                if not await att.sink.hand_off(revoked()):
-                    self.broke = Cut(revoked(), Kind.KEY_REVOKED)
+                err = revoked()
+                if not await att.sink.hand_off(err):
+                    self.broke = Cut(err, Kind.KEY_REVOKED)
                     return
                 att.call.cache.handed_off = True  # the rest is its flight's followers': read on for them
-                att.call.out.error = f"{revoked().message} (its stream went on for the requests sharing it)"
+                att.call.out.error = f"{err.message} (its stream went on for the requests sharing it)"
             out = await self._events(decoder.feed(chunk))
             if out:
                 self.writing = True

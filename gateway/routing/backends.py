@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from yarl import URL
 
 from ..admission.gate import Gate
-from ..config.policy import BackendPolicy
+from ..config.policy import BackendPolicy, header_value_ok
 from ..wire.endpoints import ENDPOINTS
 from .health import Health
 from .latency import Tracker
@@ -23,8 +23,8 @@ __all__ = ["ANTHROPIC_VERSION", "BETA_HEADERS", "FORWARDED", "Backend", "Backend
 # API reads them (Claude Code and the SDKs send `anthropic-beta` for 1M context, interleaved
 # thinking, ...). Nothing else of the client's headers goes upstream: not OpenAI-Organization or
 # -Project, which would pick what the gateway's own key is billed to.
-BETA_HEADERS = ("anthropic-beta", "openai-beta")
 FORWARDED: dict[str, tuple[str, ...]] = {"anthropic": ("anthropic-beta",), "openai": ("openai-beta",)}
+BETA_HEADERS = tuple(name for names in FORWARDED.values() for name in names)
 
 ANTHROPIC_VERSION = "2023-06-01"  # the Messages API version a `kind: anthropic` backend is called with
 
@@ -87,23 +87,12 @@ class Backend:
         if policy.kind == "anthropic":
             headers["anthropic-version"] = ANTHROPIC_VERSION
         if policy.api_key_env:
-            key = os.environ.get(policy.api_key_env)
-            if not key:
-                raise ValueError(
-                    f"backends.{name}.api_key_env: environment variable {policy.api_key_env} is not set"
-                )
+            key = _secret(f"backends.{name}.api_key_env", policy.api_key_env)
             if policy.kind == "anthropic":
                 headers["x-api-key"] = key
             else:
                 headers["Authorization"] = f"Bearer {key}"
-        secret = {}
-        for header, env in policy.headers_env.items():
-            value = os.environ.get(env)
-            if not value:
-                raise ValueError(f"backends.{name}.headers_env.{header}: environment variable {env} is not set")
-            if len(value) > 4096 or any(c in value for c in "\r\n\0"):
-                raise ValueError(f"backends.{name}.headers_env.{header}: the value of {env} must be one line of at most 4,096 characters")
-            secret[header] = value
+        secret = {h: _secret(f"backends.{name}.headers_env.{h}", env, header=True) for h, env in policy.headers_env.items()}
         self.headers = {**policy.headers, **secret, **headers}
         # The client's beta headers this backend's API reads (FORWARDED): passed on, after its own.
         self.forwards = FORWARDED[policy.kind]
@@ -141,6 +130,17 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, {self.base_url!r})"
+
+
+def _secret(where: str, env: str, *, header: bool = False) -> str:
+    """A backend's secret from the environment variable `env` (its key, a header's value): a
+    ValueError naming `where` when it is unset, or (`header`) is not one header line."""
+    value = os.environ.get(env)
+    if not value:
+        raise ValueError(f"{where}: environment variable {env} is not set")
+    if header and not header_value_ok(value):
+        raise ValueError(f"{where}: the value of {env} must be one line of at most 4,096 characters")
+    return value
 
 
 def _sibling_metrics(base_url: str) -> str:
