@@ -329,3 +329,49 @@ async def test_the_starvation_guard_never_leaves_a_slot_idle_that_a_waiting_prio
     g.release("default")  # a lower-band slot frees: the lower waiter takes it
     await asyncio.sleep(0)
     assert lower.done()
+
+
+def test_a_full_queue_pushes_out_the_heaviest_tenants_newest_for_a_lighter_one():
+    """A full queue refused every newcomer: one tenant that filled it locked the others out. Now a
+    newcomer displaces the newest waiter of a lower band, or of the tenant holding more of its
+    own band for its weight than the newcomer's tenant would with it; else it is refused."""
+    q = FairQueue()
+    flood = [Ticket("default", "mallory", enqueued=float(i)) for i in range(4)]
+    for t in flood:
+        q.push(t)
+    assert q.push_out("default", "mallory") is None  # its own backlog: refused
+    assert q.push_out("default", "alice") is flood[-1] and flood[-1].gone  # 4 against 1
+    q.push(Ticket("default", "alice", enqueued=10.0))
+    assert q.push_out("default", "alice") is flood[-2]  # 3 against 2
+    alice = Ticket("default", "alice", enqueued=11.0)
+    q.push(alice)
+    assert q.push_out("default", "alice") is None  # 2 against 3: alice would hold more
+    assert q.push_out("default", "bob") is alice  # 2 each: the later newest goes
+    assert q.push_out("default", "big", weight=4.0) is flood[-3]  # mallory's 2 against 1 / 4
+    assert q.push_out("flex", "carol") is None  # a lower band displaces nobody above it
+    low = Ticket("flex", "mallory", enqueued=20.0)
+    q.push(low)
+    assert q.push_out("default", "mallory") is low  # a higher band displaces a lower one first
+    assert q.position("default", "zed") == len(q)  # the counts follow what was taken out
+
+
+async def test_a_newcomer_that_pushes_a_waiter_out_takes_its_place():
+    adm = Admission(max_inflight=1, max_queue=2)
+    adm._service_s = 0.01
+    await adm.enter(Ticket(tenant="m"), 5.0)
+    waiting = [asyncio.create_task(adm.enter(Ticket(tenant="m"), 5.0)) for _ in range(2)]
+    await asyncio.sleep(0.01)
+    with pytest.raises(Shed):
+        await adm.enter(Ticket(tenant="m"), 5.0)  # its own tenant fills the queue: refused
+    quiet = asyncio.create_task(adm.enter(Ticket(tenant="a"), 5.0))
+    await asyncio.sleep(0.01)
+    with pytest.raises(Shed) as exc:
+        await waiting[1]  # the newest of the tenant holding the queue gave its place up
+    assert exc.value.reason == "queue_full" and "its place went to" in str(exc.value)
+    assert len(adm.gate.queue) == 2
+    adm.leave(0.01)  # round robin: m's older waiter, then the quiet tenant
+    await waiting[0]
+    adm.leave(0.01)
+    await quiet
+    adm.leave(0.01)
+    assert adm.gate.used == 0 and len(adm.gate.queue) == 0

@@ -440,6 +440,42 @@ async def test_a_full_admission_queue_refuses_at_once(upstream, gateway):
     await assert_all_counts_zero(gw)
 
 
+async def test_a_tenant_that_fills_the_queue_gives_places_up_to_another_tenant(upstream, gateway):
+    """One slot, max_queue 4: one tenant fills the queue, then another sends 3 one after the other.
+    A full queue refused every newcomer, so the quiet tenant got 503s until the flood drained (a
+    review's finding). Each of its requests now takes the place of the flooder's newest waiter."""
+    import collections
+
+    keys = {"mallory": "sk-" + secrets.token_hex(8), "alice": "sk-" + secrets.token_hex(8)}
+    up = await upstream("a", ttft_ms=200, tokens=1)
+    gw = await gateway({
+        "backends": {"a": {"url": up.url, "models": ["m"]}}, "models": {"m": {"backends": ["a"]}},
+        "cache": {"enabled": False}, "reload": {"watch": False},
+        "admission": {"max_inflight": 1, "max_queue": 4}, "admin": {"key_sha256": [hash_key(ADMIN_KEY)]},
+        "tenants": {n: {"key_sha256": [hash_key(k)]} for n, k in keys.items()},
+    })
+
+    async def post(http: aiohttp.ClientSession, who: str, text: str) -> tuple[int, str]:
+        body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {keys[who]}"}) as r:
+            return r.status, (await r.text())
+
+    async with aiohttp.ClientSession() as http:
+        flood = [asyncio.create_task(post(http, "mallory", f"m{i}")) for i in range(8)]
+        await wait_for(lambda: queued(gw, "admission")["default"] == 4, 5.0, "the flood queued")
+        alice = [await post(http, "alice", f"a{i}") for i in range(3)]
+        mallory = await asyncio.gather(*flood)
+    assert [s for s, _ in alice] == [200, 200, 200], alice
+    statuses = collections.Counter(s for s, _ in mallory)
+    pushed = sum("its place went to" in text for _, text in mallory)
+    # 3 refused at once (1 holds the slot, 4 wait); alice's first took a place, and the later ones
+    # did while the queue was still full (it drains as they are answered, by round robin).
+    assert pushed >= 1 and statuses == {200: 5 - pushed, 503: 3 + pushed}, mallory
+    m = await metrics(gw)
+    assert sample(m, "gateway_shed_total", reason="queue_full", priority="default") == 3 + pushed
+    await assert_all_counts_zero(gw)
+
+
 # -- clients that leave ------------------------------------------------------------------------------
 
 

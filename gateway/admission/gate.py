@@ -71,6 +71,7 @@ class FairQueue:
         self._rr: dict[str, deque[str]] = {b: deque() for b in BANDS}
         self._deficit: dict[str, dict[str, float]] = {b: {} for b in BANDS}
         self.sizes: dict[str, int] = dict.fromkeys(BANDS, 0)  # live waiters per band
+        self._live: dict[str, dict[str, int]] = {b: {} for b in BANDS}  # live waiters per band and tenant
         self._since_lower = 0
 
     def __len__(self) -> int:
@@ -85,12 +86,23 @@ class FairQueue:
             self._deficit[t.band][t.tenant] = 0.0
         q.append(t)
         self.sizes[t.band] += 1
+        live = self._live[t.band]
+        live[t.tenant] = live.get(t.tenant, 0) + 1
 
     def leave(self, t: Ticket) -> None:
         """`t` stops waiting (cancelled, timed out): it no longer counts, and is skipped later."""
         if not t.gone:
             t.gone = True
-            self.sizes[t.band] -= 1
+            self._uncount(t)
+
+    def _uncount(self, t: Ticket) -> None:
+        self.sizes[t.band] -= 1
+        live = self._live[t.band]
+        n = live[t.tenant] - 1
+        if n:
+            live[t.tenant] = n
+        else:
+            del live[t.tenant]
 
     def next_band(self) -> str | None:
         """The band pop() would serve now (None when nobody waits)."""
@@ -119,21 +131,35 @@ class FairQueue:
         newest across tenants shed a tenant with one request waiting as often as the one that
         queued thirty (50 % of its requests against 23 %: review helper's repro)."""
         band = next((b for b in reversed(BANDS) if self.sizes[b] > 0), None)
-        if band is None:
+        return None if band is None else self._take_heaviest(band)
+
+    def push_out(self, band: str, tenant: str, weight: float = 1.0) -> Ticket | None:
+        """The queue is full and a (band, tenant) request arrives: the waiter it displaces, taken
+        out of the queue, or None (the newcomer is refused). A lower band's waiter goes first (as a
+        standing queue sheds: the newest of the tenant with the most waiting for its weight); in
+        the newcomer's own band, the newest of the tenant holding the most of it for its weight,
+        if that is more than the newcomer's tenant would hold with it. A full queue refused every
+        newcomer: one tenant that filled it locked every other tenant out until it drained."""
+        lowest = next((b for b in reversed(BANDS) if self.sizes[b] > 0), None)
+        if lowest is None:
             return None
+        if BANDS.index(lowest) > BANDS.index(band):
+            return self._take_heaviest(lowest)
+        return self._take_heaviest(band, above=(self._live[band].get(tenant, 0) + 1) / max(weight, 1e-9))
+
+    def _take_heaviest(self, band: str, above: float = -1.0) -> Ticket | None:
+        """Take out the newest waiter of the tenant of `band` with the most waiting for its weight
+        (the later newest on a tie), if that share is over `above`; None otherwise."""
+        queues = self._q[band]
         best: tuple[float, float] | None = None
         victim: Ticket | None = None
-        for q in self._q[band].values():
-            live = [t for t in q if not t.gone]
-            if not live:
-                continue
-            newest = live[-1]  # pushed in order
-            rank = (len(live) / max(newest.weight, 1e-9), newest.enqueued)
-            if best is None or rank > best:
+        for tenant, n in self._live[band].items():
+            newest = next(t for t in reversed(queues[tenant]) if not t.gone)  # pushed in order
+            rank = (n / max(newest.weight, 1e-9), newest.enqueued)
+            if rank[0] > above and (best is None or rank > best):
                 best, victim = rank, newest
-        if victim is None:
-            return None
-        self.leave(victim)
+        if victim is not None:
+            self.leave(victim)
         return victim
 
     def waiting_at_or_above(self, band: str) -> bool:
@@ -157,11 +183,12 @@ class FairQueue:
     def position(self, band: str, tenant: str, weight: float = 1.0) -> int:
         """About how many waiters would be dispatched before a new one of (band, tenant)."""
         ahead = sum(self.sizes[b] for b in BANDS[: BANDS.index(band)])
-        queues = self._q[band]
-        mine = sum(1 for t in queues.get(tenant, ()) if not t.gone)
-        for name, q in queues.items():
+        live = self._live[band]
+        mine = live.get(tenant, 0)
+        turns = int((mine + 1) / max(weight, 1e-9)) + 1
+        for name, n in live.items():
             if name != tenant:  # round robin: each other tenant gets about as many turns as we wait
-                ahead += min(sum(1 for t in q if not t.gone), int((mine + 1) / max(weight, 1e-9)) + 1)
+                ahead += min(n, turns)
         return ahead + mine
 
     def _head_wait(self, band: str) -> float:
@@ -194,7 +221,7 @@ class FairQueue:
             q.popleft()
             head.gone = True  # dispatched: it no longer counts as waiting (its leave() is a no-op)
             deficit[tenant] -= head.cost
-            self.sizes[band] -= 1
+            self._uncount(head)
             while q and q[0].gone:
                 q.popleft()
             if not q:
@@ -370,10 +397,8 @@ class Gate:
         elif now - self._above_since >= self.standing_interval_s:
             self._above_since = now
             victim = self.queue.pop_newest_lowest()
-            if victim is not None and victim.fut is not None and not victim.fut.done():
-                victim.fut.set_exception(
-                    Shed("standing_queue", f"overloaded: the queue has stood above {target * 1000:.0f} ms", target)
-                )
+            if victim is not None:
+                refuse_waiter(victim, Shed("standing_queue", f"overloaded: the queue has stood above {target * 1000:.0f} ms", target))
 
     def predicted_wait_s(self, band: str, tenant: str, service_s: float, weight: float = 1.0) -> float:
         """About how long a new (band, tenant) waiter would wait: the waiters dispatched before it
@@ -385,6 +410,12 @@ class Gate:
     def position(self, band: str, tenant: str, weight: float = 1.0) -> int:
         """0 when a (band, tenant) request would get a slot now, else its place in the queue."""
         return 0 if self.free(band) else self.queue.position(band, tenant, weight)
+
+
+def refuse_waiter(t: Ticket, why: Shed) -> None:
+    """Refuse a waiter taken out of its queue: its acquire() raises `why`."""
+    if t.fut is not None and not t.fut.done():
+        t.fut.set_exception(why)
 
 
 def reserve_slots(limit: int, pct: float) -> int:
@@ -465,7 +496,12 @@ class Admission:
         if self.gate.try_acquire(ticket.band):
             return 0.0
         if len(queue) >= self.max_queue:
-            raise Shed("queue_full", f"the admission queue is full ({self.max_queue} waiting)", self.service_s())
+            victim = queue.push_out(ticket.band, ticket.tenant, ticket.weight)
+            if victim is None:
+                raise Shed("queue_full", f"the admission queue is full ({self.max_queue} waiting)", self.service_s())
+            # Its place goes to a request of a higher band, or of a tenant holding less of the queue.
+            refuse_waiter(victim, Shed("queue_full", f"the admission queue is full ({self.max_queue} waiting): its place went to "
+                              "a request of a higher priority or of a tenant with fewer waiting", self.service_s()))
         started = self._clock()
         if not await self.gate.acquire(remaining_s - first_token_s, ticket):
             raise TimeoutError
