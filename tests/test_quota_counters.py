@@ -104,6 +104,23 @@ async def test_scopes_with_different_tpm_reserve_alike_and_each_settles_to_what_
 
 
 @pytest.mark.parametrize("kind", KINDS)
+async def test_a_request_longer_than_the_window_settles_what_it_used_past_its_reservation_now(kind):
+    """Its reservation's bucket has left the window: a positive correction went to that bucket and
+    was dropped with it (a 2-minute stream's tokens past its reservation never reached the tpm).
+    It counts in the current second now; a negative one has nothing left to give back."""
+    async with _store(kind) as s:
+        scope = Scope("", tpm=10_000)
+        d = await s.quota_take("t", _ask(scope, tokens=100))
+        long_ago = d.bucket - 120
+        await s.quota_settle("t", Settle(("",), long_ago, d.day, 700, 0, "x"))
+        await s.quota_settle("t", Settle(("",), long_ago, d.day, -300, 0, "y"))
+        u = await s.quota_usage("t", "")
+        assert (u.window_tokens, u.day_tokens) == (100 + 700, 100 + 700 - 300)
+        after = await s.quota_take("t", _ask(scope, tokens=1))
+        assert after.remaining_tokens == 10_000 - 801
+
+
+@pytest.mark.parametrize("kind", KINDS)
 async def test_concurrency_leases_are_released_by_settle(kind):
     async with _store(kind) as s:
         scope = Scope("", concurrency=2)

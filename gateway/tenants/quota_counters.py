@@ -268,10 +268,17 @@ class MemoryQuota:
 
     def settle(self, tenant: str, s: Settle) -> None:
         now = self._clock()
+        sec = math.floor(now)
         for name in s.scopes:
             c = self._get(f"{tenant}\x00{name}")
             if s.token_delta:
-                c.tokens.correct(s.bucket, s.token_delta)
+                if s.token_delta > 0 and s.bucket < sec - WINDOW_S:
+                    # A request longer than the window: its reservation has left it, so what it
+                    # used beyond that counts now (it was dropped: a 2-minute stream's tokens past
+                    # its reservation never reached the tpm).
+                    c.tokens.add(c.tokens.second(sec), s.token_delta)
+                else:
+                    c.tokens.correct(s.bucket, s.token_delta)
                 c.day[s.day] = max(0, c.day.get(s.day, 0) + s.token_delta)
             if s.spend_micro:
                 c.spend[s.day] = max(0, c.spend.get(s.day, 0) + s.spend_micro)

@@ -155,13 +155,19 @@ return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(res
 """
 
 # KEYS: 5 per scope, then the take's record. ARGV: bucket, day, token_delta, spend_delta (micro-USD:
-# actual - reserved), lease. One delta for every scope: TAKE reserved the same on each.
-SETTLE = r"""
+# actual - reserved), lease. One delta for every scope: TAKE reserved the same on each. A positive
+# delta whose bucket has left the window goes to the current second's.
+SETTLE = _COMMON + r"""
 local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local sec = math.floor(now_s())
 redis.call('DEL', KEYS[#KEYS])
 for k = 0, #KEYS - 2, 5 do
   if delta ~= 0 then
-    if redis.call('HEXISTS', KEYS[k + 2], b) == 1 then
+    if delta > 0 and tonumber(b) < sec - 60 then
+      -- a request longer than the window: what it used past its reservation counts now
+      redis.call('HINCRBY', KEYS[k + 2], sec, delta)
+      redis.call('PEXPIRE', KEYS[k + 2], 62000)
+    elseif redis.call('HEXISTS', KEYS[k + 2], b) == 1 then
       local v = redis.call('HINCRBY', KEYS[k + 2], b, delta)
       if v < 0 then redis.call('HSET', KEYS[k + 2], b, 0) end
     end
