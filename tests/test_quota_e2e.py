@@ -653,6 +653,30 @@ async def test_a_follow_up_is_charged_the_context_even_when_no_usage_measured_it
                 ref = {"previous_response_id": re.search(rb'"id":"(resp_[^"]+)"', buf).group(1).decode()}
 
 
+async def test_a_follow_ups_context_is_reserved_before_it_reaches_a_backend(upstream, gateway):
+    """The stored context joined a follow-up's prompt only after its reservation: a tenant with
+    5,000 tokens of its tpm left had a follow-up of a 10,000-token response admitted, read by the
+    backend and settled past the limit. It is refused at admission now, and no backend reads it."""
+    up = await upstream("c", tokens=4)
+    gw = await gateway(_policy(up, {"tpm": 15_000}))
+    q = gw.app[LIVE].runtime.quota
+    hdr = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/responses", headers=hdr,
+                             json={"model": "gpt-test", "input": "word " * 8000, "max_output_tokens": 16}) as r:
+            assert r.status == 200, await r.text()
+            base = await r.json()
+        await q.drain()
+        used = (await q.usage("acme"))[""].window_tokens
+        assert 9_000 < used < 11_000, used
+        body = {"model": "gpt-test", "input": "and then?", "previous_response_id": base["id"], "max_output_tokens": 16}
+        async with http.post(gw.url + "/v1/responses", headers=hdr, json=body) as r:
+            assert r.status == 429, await r.text()
+            err = (await r.json())["error"]
+    assert "tpm" in err["message"], err
+    assert up.stats.requests == 1  # the follow-up reached no backend
+
+
 async def test_a_hedges_loser_is_charged_the_prompt_it_read(upstream, gateway):
     """The loser of a hedge is cancelled by its rival's claim: it read the 10,000-token prompt
     and was not charged it (review of the change)."""

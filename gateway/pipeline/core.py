@@ -2,8 +2,8 @@
 
     early       a tenant out of requests (rpm): refused before parsing  (tenants/stage.py)
     intake      authenticate, parse, authorize, route, classify, band   (intake.py)
-    quota       the tenant's limits: reserved, then settled             (tenants/stage.py)
     pin         a follow-up goes where its state is                      (pinning.py)
+    quota       the tenant's limits: reserved, then settled             (tenants/stage.py)
     cache       a hit, a flight's answer, or the relay's (then stored)   (cache/stage.py)
     admission   a place in the process's gate, or a fast refusal        (admission/stage.py)
     relay       failover, retries, hedging, streaming, rescue            (relay/core.py)
@@ -57,13 +57,14 @@ class Pipeline:
             self.quota.early(rt, call, sink)  # a tenant out of requests: refused before parsing
             try:
                 route, tenant = await intake(call, rt)
+                # Before the quota: a follow-up's stored context is part of the prompt it reserves.
+                pinned = await _pin(call, route, rt, tenant, learn=True)
             except GatewayError as err:
                 await self.quota.refused(rt, call, err)  # counted in its rpm all the same
                 raise
+            route = route if pinned is None else pinned.route
             async with self.quota.hold(rt, call, route, tenant, sink):
                 self._announce(call, sink)
-                pinned = await _pin(call, route, rt, tenant, learn=True)
-                route = route if pinned is None else pinned.route
 
                 async def upstream(out: Sink) -> None:
                     relay = Relay(call, route, self.ctx, out)
