@@ -64,6 +64,29 @@ async def test_a_bad_edit_keeps_the_old_policy(upstream, gateway, caplog):
     assert "backends.a.url" in caplog.text  # the log names the YAML path of the problem
 
 
+async def test_a_save_during_a_reload_is_reloaded_too(upstream, gateway, monkeypatch):
+    """The digest of the policy in force was taken by reading the file again after the build: a
+    save landing in between was taken for the one in force and never loaded (review's repro). It
+    is the digest of the bytes parsed now, so the watcher sees the later save."""
+    import gateway.config.reload as reload_mod
+
+    a, b, c = await upstream("a"), await upstream("b"), await upstream("c")
+    gw = await gateway(simple_policy(a, reload={"interval_ms": 50}))
+    real, saved = reload_mod.read_policy, []
+
+    def read_then_save(path, source=None):
+        out = real(path, source)
+        if not saved:  # the operator's next save lands while the gateway builds the previous one
+            saved.append(1)
+            path.write_text(yaml.safe_dump(simple_policy(c, reload={"interval_ms": 50})))
+        return out
+
+    monkeypatch.setattr(reload_mod, "read_policy", read_then_save)
+    gw.write_policy(simple_policy(b, reload={"interval_ms": 50}))
+    await _wait_generation(gw, 3)
+    assert sorted(gw.app[LIVE].runtime.backends) == ["c"]
+
+
 async def test_sighup_reloads(upstream, gateway):
     a, b = await upstream("a"), await upstream("b")
     gw = await gateway(simple_policy(a, reload={"watch": False}))

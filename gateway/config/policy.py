@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from ..store.target import parse_target
 
 __all__ = [
+    "read_policy",
     "Policy",
     "PolicyError",
     "BackendPolicy",
@@ -1084,11 +1085,22 @@ def parse_policy(text: str, source: str = "<policy>", *, max_nodes: int = MAX_PO
     return policy
 
 
-def load_policy(path: str | Path) -> Policy:
-    """Read and validate a policy file."""
+def load_policy(path: str | Path, source: str | None = None) -> Policy:
+    """Read and validate a policy file (`source`: the name its errors give it, else its path)."""
+    return read_policy(path, source)[0]
+
+
+def read_policy(path: str | Path, source: str | None = None) -> tuple[Policy, bytes]:
+    """Read a policy file once: the policy and the very bytes it was parsed from (a reload hashes
+    and keeps those, not a second read that may see a later save). Raises PolicyError."""
     p = Path(path)
+    name = source or str(p)
     try:
-        text = p.read_text(encoding="utf-8")
+        data = p.read_bytes()
     except OSError as exc:
-        raise PolicyError(str(p), [Problem("", f"cannot read: {exc.strerror or exc}")]) from None
-    return parse_policy(text, str(p))
+        raise PolicyError(name, [Problem("", f"cannot read: {exc.strerror or exc}")]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(name, [Problem("", f"not UTF-8: {exc.reason} at byte {exc.start}")]) from None
+    return parse_policy(text, name), data

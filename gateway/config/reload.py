@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..observe.metrics import Metrics
-from .policy import Policy, PolicyError, load_policy
+from .policy import Policy, PolicyError, read_policy
 from .runtime import Runtime
 
 __all__ = ["Live", "Reloader"]
@@ -56,8 +56,10 @@ class Reloader:
         build: Callable[[Policy, int], Runtime],
         metrics: Metrics,
         on_swap: Callable[[Runtime], Awaitable[None]] | None = None,
+        source: str | None = None,
     ) -> None:
         self.path = path
+        self.source = source or str(path)  # what errors and logs call it (a worker reads the supervisor's copy)
         self.live = live
         self.build = build
         self.metrics = metrics
@@ -72,16 +74,18 @@ class Reloader:
             return False, "the gateway was started without a policy file"
         async with self._lock:
             try:
-                policy: Policy = await asyncio.to_thread(load_policy, self.path)
+                policy, data = await asyncio.to_thread(read_policy, self.path, self.source)
                 runtime = self.build(policy, self.live.runtime.generation + 1)
             except (PolicyError, ValueError) as exc:
                 self.metrics.policy_reloads.labels("error").inc()
                 log.error("policy reload (%s) rejected, keeping generation %d: %s", trigger, self.live.runtime.generation, exc)
                 return False, str(exc)
-            self._digest = _digest(self.path)
+            # The digest of what was parsed: a save during the build is a change the watcher sees
+            # (a second read here took its digest for the one in force).
+            self._digest = hashlib.sha256(data).hexdigest()
             self.live.swap(runtime)
             self.metrics.policy_reloads.labels("ok").inc()
-            log.info("policy reloaded (%s): generation %d from %s", trigger, runtime.generation, self.path)
+            log.info("policy reloaded (%s): generation %d from %s", trigger, runtime.generation, self.source)
             if self.on_swap is not None:
                 await self.on_swap(runtime)
             return True, ""

@@ -33,7 +33,7 @@ from prometheus_client import multiprocess
 
 from ..admin.relayed import SharedAdmin
 from ..observe.log_lines import OneLineFormatter
-from ..config.policy import Policy, PolicyError, load_policy
+from ..config.policy import Policy, PolicyError, read_policy
 from ..config.reload import _digest, _stat
 from ..store.connect import warn_over_budget
 from ..web.app import create_app
@@ -120,7 +120,8 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
     except OSError as exc:  # taken since `listen_problem` looked: one line, not a traceback
         await runner.cleanup()
         raise ListenError(f"cannot listen on {_where(host, port)}: {_why(exc)}") from None
-    log.info("gateway (pid %d) serving on http://%s:%d with policy %s", os.getpid(), host, port, policy)
+    log.info("gateway (pid %d) serving on http://%s:%d with policy %s", os.getpid(), host, port,
+             worker.policy_source if worker is not None and worker.policy_source else policy)
     settle_heap()
     stop = asyncio.Event()
     how: list[int] = []
@@ -251,8 +252,14 @@ class _Supervisor:
         self.path = policy
         self.host, self.port, self.count, self.access_log = host, port, workers, access_log
         self.control_dir = control_dir
-        self.policy = load_policy(policy)
+        self.policy, self.data = read_policy(policy)
         self.generation = 1
+        # The policy in force, as the bytes the supervisor parsed: workers read this copy, at start
+        # and on each reload, never the file (one started after a crash read a later, rejected
+        # edit and failed in a loop that took the whole gateway down; a save during a fan-out or
+        # a start could leave workers on different policies).
+        self.snapshot = control_dir / "policy.yaml"
+        _write_snapshot(self.snapshot, self.data)
         # The launcher logs; workers watch /healthz and ask `/launched` why one is not ready.
         self.children = Children(lambda name, state: None)
         self.ctx = multiprocessing.get_context("spawn")
@@ -328,8 +335,8 @@ class _Supervisor:
                     os.kill(p.pid, sig)
 
     def _spawn(self, index: int) -> None:
-        info = WorkerInfo(index, self.count, self.control_dir, os.getpid())
-        p = self.ctx.Process(target=_worker_process, args=(str(self.path), self.host, self.port, self.access_log, info))
+        info = WorkerInfo(index, self.count, self.control_dir, os.getpid(), self.generation, str(self.path))
+        p = self.ctx.Process(target=_worker_process, args=(str(self.snapshot), self.host, self.port, self.access_log, info))
         p.start()
         self.procs[index] = (p, time.monotonic())
 
@@ -376,19 +383,23 @@ class _Supervisor:
         files, store URL, open mode), so they never move to where the workers do not route."""
         async with self._lock:
             try:
-                policy: Policy | None = await asyncio.to_thread(load_policy, self.path)
-                own: dict[str, Any] = {"ok": True}
+                policy, data = await asyncio.to_thread(read_policy, self.path)
             except (PolicyError, ValueError) as exc:
                 log.error("supervisor: policy reload (%s) rejected: %s", trigger, exc)
-                policy, own = None, {"ok": False, "error": str(exc)}
+                return {"ok": False, "supervisor": {"pid": os.getpid(), "ok": False, "error": str(exc)}, "workers": []}
+            # The workers reload these bytes (the snapshot), not the file as it is when each reads it.
+            await asyncio.to_thread(_write_snapshot, self.snapshot, data)
             sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
             results = await control.ask_all(sockets, "POST", "/reload", _FANOUT_TIMEOUT_S)
             rejected = control.rejections(results)
-            if policy is not None and rejected:
+            own: dict[str, Any] = {"ok": True}
+            if rejected:
+                await asyncio.to_thread(_write_snapshot, self.snapshot, self.data)  # a worker started later: the one in force
                 why = next((str(r["error"]) for r in rejected if r.get("error")), "a worker rejected it")
                 log.error("supervisor: policy reload (%s) rejected by a worker; launched models stay as they are: %s", trigger, why)
                 own = {"ok": False, "error": why}
-            elif policy is not None:
+            else:
+                self.data = data
                 await self._apply(policy)
         ok = bool(own["ok"]) and all(r.get("ok") for r in results)
         return {"ok": ok, "supervisor": {"pid": os.getpid(), **own}, "workers": results}
@@ -429,3 +440,10 @@ class _Supervisor:
             if now is not None and (d := _digest(self.path)) != digest:
                 digest = d
                 await self.reload_all("file change")
+
+
+def _write_snapshot(path: Path, data: bytes) -> None:
+    """Replace the policy copy the workers read, at once (a worker starting never reads half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -22,6 +22,8 @@ class WorkerInfo:
     count: int
     control_dir: Path
     supervisor_pid: int = 0
+    generation: int = 1  # the supervisor's policy generation when it started this worker
+    policy_source: str = ""  # the policy file's path, for messages (the worker reads the supervisor's copy)
 
     @property
     def socket(self) -> Path:

@@ -284,7 +284,7 @@ def reload_failure(supervisor: Mapping[str, object], workers: list[dict[str, obj
     """Why a reload did not succeed everywhere: a process rejected the policy (400
     invalid_policy: it stays on the previous one), or only some processes did not answer (503
     reload_incomplete: the policy is in force in every one that did; a worker restarting reads
-    the policy file as it starts)."""
+    the supervisor's copy of the policy in force)."""
     failed = [r for r in workers if not r.get("ok")]
     if supervisor.get("ok", True) is not False and failed and not rejections(failed):
         missing = ", ".join(str(r.get("socket", "?")) for r in failed)

@@ -65,7 +65,8 @@ def create_app(
     its share of each backend's max_concurrency, and leaves launching to the supervisor).
     `access_log`: write the JSON access log even when the policy's `log.access` is off."""
     path = None if isinstance(policy, Policy) else Path(policy)
-    loaded = load_policy(path) if path is not None else policy
+    source = worker.policy_source or None if worker is not None else None
+    loaded = load_policy(path, source) if path is not None else policy
     assert isinstance(loaded, Policy)
     # Bodies are read by body.read_body (bounded, inflated under the limit, after authentication);
     # client_max_size only backs that up for a stray request.read(). The parser never inflates.
@@ -81,7 +82,7 @@ def create_app(
     # needs it (a route that classifies); its settings are read at start.
     encoder = EncoderWorker(loaded.classifier.encoder, observe=metrics.classifier_encoder_seconds.observe)
     snapshots = _Snapshots(metrics, admission, host, worker, keybook, request_log, encoder)
-    live = Live(snapshots.build(loaded, 1), snapshots.activate)  # loads the encoder here, if needed
+    live = Live(snapshots.build(loaded, 1 if worker is None else worker.generation), snapshots.activate)  # loads the encoder here, if needed
     snapshots.started = True
 
     def set_state(name: str, state: LaunchState) -> None:
@@ -107,7 +108,7 @@ def create_app(
     app[ENCODER] = encoder
     app[POLICY_CHECK] = asyncio.Lock()
     app[EXPORTS] = asyncio.Semaphore(EXPORTS_AT_ONCE)
-    app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap)
+    app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap, source=source)
     app.add_routes(routes())
     _lifecycle(app, children, live, snapshots.stores, worker)
     return app
