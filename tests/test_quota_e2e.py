@@ -697,3 +697,39 @@ async def test_a_hedges_loser_is_charged_the_prompt_it_read(upstream, gateway):
     await q.drain()
     assert a.stats.requests == 1 and b.stats.requests == 1
     assert (await q.usage("acme"))[""].window_tokens >= 2 * 9_000
+
+
+async def test_shutdown_settles_a_request_that_began_before_a_reload(upstream, gateway):
+    """Shutdown drained the settles of the newest runtime's quota only: a stream begun before a
+    reload settled through the old one, the store closed under it and its concurrency lease stayed
+    held in Redis until it expired (review helper's repro). Every quota put in force is drained."""
+    import redis.asyncio as aredis
+
+    from gateway.web.keys import RELOADER
+    from tests.procs import redis_server
+
+    async with redis_server() as url:
+        up = await upstream("a", tokens=10, itl_ms=100)  # a ~1 s stream
+
+        def policy(rpm: int) -> dict[str, Any]:
+            p = _policy(up, {"concurrency": 5, "rpm": rpm})
+            p["store"], p["reload"] = {"url": url, "quota_timeout_ms": 3000}, {"watch": False}
+            return p
+
+        gw = await gateway(policy(1000))
+        r = aredis.from_url(url)
+        async with aiohttp.ClientSession() as http:
+            body = {"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+            async with http.post(gw.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+                assert resp.status == 200
+                gw.write_policy(policy(2000))
+                ok, why = await gw.app[RELOADER].reload("test")
+                assert ok, why
+                # Redis stalls for writes as the stream ends (a blip, a failover): its settle waits.
+                await r.execute_command("CLIENT", "PAUSE", "1000", "WRITE")
+                await resp.read()
+        await asyncio.sleep(0.1)
+        await gw.runner.cleanup()  # the app's shutdown, after the drain of requests
+        held = sum([await r.zcard(k) for k in await r.keys("*{gwq:acme}*:c")])
+        await r.aclose()
+    assert held == 0, f"{held} concurrency lease(s) left held in Redis after shutdown"

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 import os
+import weakref
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -39,6 +40,7 @@ from ..routing.scrape import run_scrapes
 from ..store.connect import warn_over_budget
 from ..store.core import Store
 from ..tenants.auth import is_loopback, open_mode_problem
+from ..tenants.quota import Quota
 from ..upstream.client import UpstreamPool
 from .api import backends_view, routes
 from .drain import Drain
@@ -110,7 +112,7 @@ def create_app(
     app[EXPORTS] = asyncio.Semaphore(EXPORTS_AT_ONCE)
     app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap, source=source)
     app.add_routes(routes())
-    _lifecycle(app, children, live, snapshots.stores, worker)
+    _lifecycle(app, children, live, snapshots, worker)
     return app
 
 
@@ -127,6 +129,9 @@ class _Snapshots:
         self.states: dict[str, BackendState] = {}
         self.stores: dict[StorePolicy, Store] = {}
         self.prefixes = PrefixMap()  # learned prefix -> backend, kept across reloads like the states
+        # Every quota put in force that still exists (a runtime's requests, or its settles, hold it):
+        # shutdown drains each one's settles.
+        self.quotas: weakref.WeakSet[Quota] = weakref.WeakSet()
 
     def build(self, p: Policy, generation: int) -> Runtime:
         """A complete runtime for `p`; nothing live changes until `activate`, at its swap."""
@@ -151,6 +156,8 @@ class _Snapshots:
         """A built runtime's limits in force, once, at its swap: the backends', the admission
         gate's, and the series of its tenants."""
         rt.activate(self.states, self.stores)
+        if rt.quota is not None:
+            self.quotas.add(rt.quota)
         a = rt.policy.admission
         self.admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())
         self.metrics.zero_series(sorted({rt.tenants.metric_label(t) for t in rt.policy.tenants}))
@@ -176,11 +183,11 @@ def _log_store(policy: Policy, worker: WorkerInfo | None) -> LogStore:
     return MemoryLogStore(rp.size, rp.memory_max_bytes) if worker is None else RelayedLogStore(worker.supervisor_socket, rp.size)
 
 
-def _lifecycle(app: web.Application, children: Children, live: Live, stores: dict[StorePolicy, Store],
+def _lifecycle(app: web.Application, children: Children, live: Live, snapshots: _Snapshots,
                worker: WorkerInfo | None) -> None:
     """What starts with the app and stops with it, in order."""
     app.cleanup_ctx.append(_upstream_pool)
-    app.cleanup_ctx.append(lambda _app: _close_stores(stores, live))
+    app.cleanup_ctx.append(lambda _app: _close_stores(snapshots))
     if worker is None:
         app.cleanup_ctx.append(lambda _app: _launched(children, live))
         app.cleanup_ctx.append(_peers)
@@ -309,12 +316,14 @@ async def _admin_plane(app: web.Application) -> AsyncIterator[None]:
     await keys.close()
 
 
-async def _close_stores(stores: dict[StorePolicy, Store], live: Live) -> AsyncIterator[None]:
+async def _close_stores(snapshots: _Snapshots) -> AsyncIterator[None]:
+    stores = snapshots.stores
     await asyncio.gather(*(s.warm() for s in stores.values() if hasattr(s, "warm")))
     yield
-    quota = live.runtime.quota
-    if quota is not None:
-        await quota.drain()  # the last requests' settles, before their store closes
+    # The last requests' settles, before their store closes: through the quota of the runtime
+    # each started on (only the newest was drained: a request begun before a reload left its
+    # concurrency lease and its reservation in Redis until the lease expired).
+    await asyncio.gather(*(q.drain() for q in list(snapshots.quotas)))
     for store in stores.values():
         await store.close()
 
