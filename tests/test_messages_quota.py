@@ -111,3 +111,48 @@ async def test_a_chat_request_without_a_limit_is_bounded_by_the_tpm_on_its_way_t
                              headers={"authorization": f"Bearer {KEY}"}) as r:
             assert r.status == 200
     assert fake.stats.last_body["max_tokens"] == 4096
+
+
+BIG = "lorem ipsum dolor sit amet " * 15_000  # ~405,000 characters: ~100,000 tokens
+
+
+@pytest.mark.parametrize("extra", [{"thinking": {"type": "enabled", "budget_tokens": 1024}}, {"top_k": 5}])
+@pytest.mark.parametrize("where", ["system", "blocks", "tool_result", "document"])
+async def test_a_prompt_chat_cannot_express_is_estimated_from_all_its_text(gateway, anthropic, extra, where):
+    """On a route that classifies, the prompt estimate is the classifier's view of the body; for a
+    body chat cannot express (thinking, top_k, ...) that view kept only string-content turns: a
+    100,000-token prompt was reserved and charged 3 tokens, and tpm let three through where it
+    refuses the second (review helper's repro). Its view now holds all its text. (A backend that
+    reports no usage: what is charged is the estimate.)"""
+    fake = await anthropic(NoUsage)
+    be = {"url": fake.url, "kind": "anthropic", "api_key_env": "TEST_ANTHROPIC_KEY", "models": {"a": "claude-fake-1"}}
+    gw = await gateway({
+        "backends": {"an": be, "an2": dict(be)}, "models": {"a": {"simple": ["an"], "complex": ["an2"]}},
+        "cache": {"enabled": False},
+        "tenants": {"acme": {"key_sha256": [hash_key(KEY)], "quota": {"tpm": 5_000}}},
+    })
+    turns: list[dict[str, Any]] = {
+        "system": [{"role": "user", "content": "hi"}],
+        "blocks": [{"role": "user", "content": [{"type": "text", "text": BIG}]}],
+        "tool_result": [
+            {"role": "user", "content": "look it up"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get", "input": {"q": "x"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": BIG}]}]},
+        ],
+        "document": [{"role": "user", "content": [
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": BIG}},
+            {"type": "text", "text": "summarise it"}]}],
+    }[where]
+    body: dict[str, Any] = {"model": "a", "max_tokens": 100, "messages": turns, **extra}
+    if where == "system":
+        body["system"] = BIG
+    if where == "tool_result":
+        body["tools"] = [{"name": "get", "description": "look up", "input_schema": {"type": "object"}}]
+    statuses = []
+    async with aiohttp.ClientSession() as http:
+        for _ in range(2):
+            async with http.post(gw.url + "/v1/messages", json=body, headers={"x-api-key": KEY}) as r:
+                await r.read()
+                statuses.append(r.status)
+    assert statuses == [200, 429], statuses  # the first is capped at the tpm; the second is refused
+    assert await _tokens(gw) > 90_000

@@ -74,7 +74,7 @@ class MessagesEndpoint(Endpoint):
         try:
             return messages_to_chat(dict(body))
         except TranslationError:  # a feature chat lacks: classified by its text alone
-            return {"messages": [m for m in body.get("messages") or [] if isinstance(m, dict) and isinstance(m.get("content"), str)]}
+            return text_view(body)
 
     def error_body(self, err: GatewayError) -> bytes:
         return gateway_error(err)[1]
@@ -179,6 +179,62 @@ class ChatViaMessages(Endpoint):
         body = orjson.dumps(chat)
         entry = Entry(body) if capture and len(body) <= capture and is_complete(chat) else None
         return Whole(_usage_of(msg), entry, body=body)
+
+
+def text_view(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Messages request chat cannot express (thinking, top_k, a prefill, documents, server
+    tools...) as chat messages of its plain text, for the classifier and the prompt estimate:
+    the system prompt, each turn's text, thinking, tool inputs and results, text documents, and
+    the tools. Only turns whose content was a string were kept: a 100,000-token prompt with
+    `thinking` on was estimated at 3 tokens, reserved and charged as such (review helper's repro).
+    Images and base64 documents are not text (their size is no measure)."""
+    messages: list[dict[str, Any]] = []
+    system = _text_of(body.get("system"))
+    if system:
+        messages.append({"role": "system", "content": system})
+    turns = body.get("messages")
+    for turn in turns if isinstance(turns, list) else ():
+        if isinstance(turn, dict) and turn.get("role") in ("user", "assistant"):
+            messages.append({"role": turn["role"], "content": _text_of(turn.get("content"))})
+    view: dict[str, Any] = {"messages": messages}
+    if body.get("tools"):
+        view["tools"] = body["tools"]
+    return view
+
+
+_TEXT_FIELDS = {"text": "text", "thinking": "thinking"}
+
+
+def _text_of(content: Any, nested: bool = False) -> str:
+    """The text of a string or a list of content blocks (a tool result's own blocks, one level down)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    out: list[str] = []
+    for block in content:
+        if not isinstance(block, dict):
+            continue
+        kind = block.get("type")
+        text: Any = None
+        if kind in _TEXT_FIELDS:
+            text = block.get(_TEXT_FIELDS[kind])
+        elif kind == "tool_result" and not nested:
+            text = _text_of(block.get("content"), nested=True)
+        elif kind in ("tool_use", "server_tool_use"):
+            try:
+                text = orjson.dumps(block.get("input")).decode()
+            except orjson.JSONEncodeError:  # nested past what can be sent: a 400 elsewhere
+                text = None
+        elif kind == "document":
+            source = block.get("source")
+            if isinstance(source, dict) and source.get("type") == "text":
+                text = source.get("data")
+            elif isinstance(source, dict) and source.get("type") == "content" and not nested:
+                text = _text_of(source.get("content"), nested=True)
+        if isinstance(text, str) and text:
+            out.append(text)
+    return "\n".join(out)
 
 
 def _json(raw: bytes) -> dict[str, Any] | None:
