@@ -295,6 +295,33 @@ async def test_each_request_is_logged_with_its_route_and_no_prompt_unless_the_te
     assert ov["backends"]["up"]["ttft_ms_p50"] >= 15 and ov["backends"]["up"]["latency_ms_p95"] >= 15
 
 
+async def test_the_classifiers_top_terms_of_a_prompt_are_shown_to_its_caller_and_never_logged(upstream, gateway):
+    """The route's `reasons` in the log held "top terms: +word ...", words of the prompt, which
+    every viewer read for tenants whose `log_payloads` is off (review helper's repro). The terms
+    are the caller's to see through /v1/route/explain; the log keeps them only with its payloads."""
+    up = await upstream("up", tokens=2)
+    policy = _policy(up.url)
+    policy["models"] = {"auto": {"simple": ["up"], "complex": ["up"]}}
+    gw = await gateway(policy)
+    words = ["zorblaxquartz", "acmemergerproject"]
+    prompts = [f"{w} {w} is my {w}: tell me a story about {w}" for w in words]
+    prompts += [f"Prove rigorously, step by step, the theorem about {w} and {w}" for w in words]
+    for who in (KEY, PAYLOAD_KEY):
+        for p in prompts:
+            await gw.client(who).chat.completions.create(model="auto", messages=[{"role": "user", "content": p}])
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/route/explain", headers={"Authorization": f"Bearer {KEY}"},
+                             json={"model": "auto", "messages": [{"role": "user", "content": prompts[0]}]}) as r:
+            explained = await r.json()
+    assert any(r.startswith("top terms: ") and words[0] in r for r in explained["reasons"]), explained["reasons"]
+    rows = (await _get(gw.url + "/admin/requests?limit=50"))["data"]
+    acme = [e for e in rows if e["tenant"] == "acme"]
+    assert len(acme) == 4 and all(e["reasons"] for e in acme)  # the features' reasons stay
+    assert not any(w in json.dumps(acme) for w in words), [e["reasons"] for e in acme]
+    beta = [e for e in rows if e["tenant"] == "beta"]
+    assert len(beta) == 4 and all(words[0] in json.dumps(e) or words[1] in json.dumps(e) for e in beta)  # its payloads
+
+
 async def test_bad_query_values_are_400s_and_the_log_can_be_turned_off(upstream, gateway):
     up = await upstream("up", tokens=2)
     gw = await gateway(_policy(up.url, request_log={"enabled": False}))

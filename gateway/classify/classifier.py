@@ -64,6 +64,14 @@ class Verdict:
     stage: Stage = Stage.LEXICAL
     lexical_score: float | None = None  # set when a later stage decided (score is then its own)
     encoder_score: float | None = None
+    # The prompt's words that pushed hardest ("+word": toward the class). Shown to the caller
+    # (/v1/route/explain), never logged: they are the prompt's, and the request log keeps a
+    # prompt only for a tenant whose `log_payloads` says so.
+    terms: list[str] = field(default_factory=list)
+
+    def explained(self) -> list[str]:
+        """The reasons, and the top terms, as explain shows them."""
+        return [*self.reasons, "top terms: " + " ".join(self.terms)] if self.terms else self.reasons
 
 
 # Labels for reasons; a feature without one is not worth naming to an operator.
@@ -201,8 +209,8 @@ class Classifier:
 
         rule = _forced(ext.features, rules)
         cls = COMPLEX if rule is not None or score >= thr else SIMPLE
-        return Verdict(cls, score, thr, rule, f, _reasons(cls, rule, contribs, term_contribs),
-                       Stage.LEXICAL if rule is None else Stage.RULE)
+        return Verdict(cls, score, thr, rule, f, _reasons(cls, rule, contribs),
+                       Stage.LEXICAL if rule is None else Stage.RULE, terms=_terms(cls, term_contribs))
 
 
 def read_bytes(p: Path, what: str) -> bytes:
@@ -253,19 +261,20 @@ _RULE_REASONS = {
 }
 
 
-def _reasons(cls: str, rule: str | None, contribs: list[tuple[float, str]],
-             term_contribs: list[tuple[float, str]]) -> list[str]:
-    """A few short reasons: the rule, then the features and terms that pushed hardest toward
-    the chosen class."""
+def _reasons(cls: str, rule: str | None, contribs: list[tuple[float, str]]) -> list[str]:
+    """A few short reasons: the rule, then the features that pushed hardest toward the chosen class."""
     sign = 1.0 if cls == COMPLEX else -1.0
     out = [_RULE_REASONS[rule]] if rule else []
     top = heapq.nlargest(3, ((sign * c, label) for c, label in contribs))
     out += [label for c, label in top if c > 0.05]
+    return out
+
+
+def _terms(cls: str, term_contribs: list[tuple[float, str]]) -> list[str]:
+    """The prompt's three terms that pushed hardest toward the chosen class."""
+    sign = 1.0 if cls == COMPLEX else -1.0
     best: dict[str, float] = {}
     for c, t in term_contribs:
         if sign * c > max(best.get(t, 0.0), 0.02):
             best[t] = sign * c
-    terms = [("+" if sign > 0 else "-") + t for t in heapq.nlargest(3, best, key=best.__getitem__)]
-    if terms:
-        out.append("top terms: " + " ".join(terms))
-    return out
+    return [("+" if sign > 0 else "-") + t for t in heapq.nlargest(3, best, key=best.__getitem__)]
