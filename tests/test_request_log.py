@@ -427,3 +427,38 @@ async def test_an_export_that_matches_nothing_lets_other_requests_run_between_pa
     assert [e async for e in scan(store, Filter(model="nope"))] == []
     t.cancel()
     assert ticks - before >= 2  # at least once between the pages (60,000 entries: 3 pages read past)
+
+
+async def test_viewers_polling_the_overview_at_once_share_one_reading_of_the_log():
+    """Each /admin/overview read and summed up to 10,000 entries on the event loop; 8 viewers
+    polling it held /healthz ~0.5 s (review helper's repro). Callers at once share one reading, a
+    fresh one (under FRESH_S) is answered again, and the figures are summed a page at a time."""
+    from gateway.admin.overview import FRESH_S, Overviews
+
+    now = time.time()
+    store = MemoryLogStore(100_000, 1 << 30)
+    rows = [{"id": f"r{i}", "time": now - 100 + i * 0.001, "tenant": "acme", "backend": "up" if i % 4 else "cache",
+             "status": 200 if i % 10 else 503, "cache": "hit" if i % 4 == 0 else "miss", "ttft_ms": float(i % 100),
+             "duration_ms": float(i % 1000)} for i in range(12_000)]
+    await store.append([(int(e["time"] * 1e6), "acme", orjson.dumps(e)) for e in rows])
+    pages = 0
+    page_of = store.page
+
+    async def counted(*args: Any) -> Any:
+        nonlocal pages
+        pages += 1
+        return await page_of(*args)
+
+    store.page = counted  # type: ignore[method-assign]
+    log = RequestLog(store, RequestLogPolicy(), on_drop=lambda reason, n: None)
+    clock = [0.0]
+    ov = Overviews(clock=lambda: clock[0])
+    got = await asyncio.gather(*(ov.get(log) for _ in range(8)))
+    assert pages == 10 and all(g is got[0] for g in got)  # one reading: 10 pages of 1,000 (sampled)
+    first = got[0]
+    assert first["requests"] == 10_000 and first["sampled"] and first["cache_hits"] == 2_500
+    assert first["backends"]["up"]["requests"] == 7_500 and first["errors"] == 1_000 and first["cache_hit_ratio"] == 0.25
+    clock[0] += FRESH_S / 2
+    assert await ov.get(log) is first and pages == 10
+    clock[0] += FRESH_S
+    assert (await ov.get(log))["requests"] == 10_000 and pages == 20  # read again once stale

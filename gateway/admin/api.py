@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -20,11 +19,10 @@ from ..errors import BadRequest, Forbidden, GatewayError, RateLimited, Unauthori
 from ..store.core import StoreError
 from ..tenants.auth import Role
 from ..web.http_call import api_key, error_response, json_response, read_bounded
-from ..web.keys import EXPORTS, KEYBOOK, LIVE, LOOPBACK, POLICY_CHECK, REQUEST_LOG, WORKER
+from ..web.keys import EXPORTS, KEYBOOK, LIVE, LOOPBACK, OVERVIEWS, POLICY_CHECK, REQUEST_LOG, WORKER
 from ..web.sink import CLIENT_READ_S, client_bounded
 from .keys import LIST_DEFAULT, LIST_MAX, KeyCursor
 from .log_store import Cursor, Filter, scan
-from .overview import overview
 from .policy_check import check_apart
 from .policy_view import redacted
 
@@ -249,9 +247,7 @@ def _shared(request: web.Request) -> bool:
 
 @reads
 async def admin_overview(request: web.Request) -> web.Response:
-    rlog = request.app[REQUEST_LOG]
-    await rlog.flush()
-    return json_response(await overview(rlog.store, time.time()))
+    return json_response(await request.app[OVERVIEWS].get(request.app[REQUEST_LOG]))
 
 
 # ---- the policy ---------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from ..admin.key_store import KeyStore, MemoryKeyStore, RedisKeyStore
 from ..admin.keys import KeyBook
 from ..admin.relayed import RelayedKeyStore, RelayedLogStore
 from ..admin.log_store import LogStore, MemoryLogStore, RedisLogStore
+from ..admin.overview import Overviews
 from ..admin.request_log import RequestLog
 from ..admission.gate import Admission
 from ..classify.cascade import EncoderWorker
@@ -45,7 +46,7 @@ from ..upstream.client import UpstreamPool
 from .api import backends_view, routes
 from .drain import Drain
 from .edge import handler_args
-from .keys import ADMISSION, DRAIN, ENCODER, EXPORTS, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, PEERS, PIPELINE, POLICY_CHECK, RELAY, RELOADER, REQUEST_LOG, WORKER
+from .keys import ADMISSION, DRAIN, ENCODER, EXPORTS, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, OVERVIEWS, PEERS, PIPELINE, POLICY_CHECK, RELAY, RELOADER, REQUEST_LOG, WORKER
 
 __all__ = ["create_app"]
 
@@ -107,6 +108,7 @@ def create_app(
     app[OBSERVER] = Observer(metrics, force_access_log=access_log)
     app[KEYBOOK] = keybook
     app[REQUEST_LOG] = request_log
+    app[OVERVIEWS] = Overviews()
     app[ENCODER] = encoder
     app[POLICY_CHECK] = asyncio.Lock()
     app[EXPORTS] = asyncio.Semaphore(EXPORTS_AT_ONCE)

@@ -10,6 +10,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from ..admin.keys import KeyBook
+    from ..admin.overview import Overviews
     from ..admin.request_log import RequestLog
     from ..admission.gate import Admission
     from ..classify.cascade import EncoderWorker
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from ..relay.context import RelayContext
     from .drain import Drain
 
-__all__ = ["ADMISSION", "DRAIN", "ENCODER", "EXPORTS", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "PEERS", "PIPELINE", "POLICY_CHECK",
+__all__ = ["ADMISSION", "DRAIN", "ENCODER", "EXPORTS", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "OVERVIEWS", "PEERS", "PIPELINE", "POLICY_CHECK",
            "RELAY", "RELOADER", "REQUEST_LOG", "WORKER"]
 
 LIVE: web.AppKey["Live"] = web.AppKey("live")
@@ -41,6 +42,8 @@ LOOPBACK: web.AppKey[bool] = web.AppKey("loopback", bool)
 # The admin plane's: virtual keys (admin/keys.py) and the request log (admin/request_log.py).
 KEYBOOK: web.AppKey["KeyBook"] = web.AppKey("keybook")
 REQUEST_LOG: web.AppKey["RequestLog"] = web.AppKey("request_log")
+# The console's overview of the log, computed once at a time and reused for a moment (admin/overview.py).
+OVERVIEWS: web.AppKey["Overviews"] = web.AppKey("overviews")
 # The classifier cascade's encoder (classify/cascade.py): one per process, loaded in the background.
 ENCODER: web.AppKey["EncoderWorker"] = web.AppKey("encoder")
 # Held while a pasted policy is checked (POST /admin/policy/check, in a thread): one at a time.
