@@ -254,3 +254,45 @@ async def test_a_failover_before_the_first_token_starts_a_fresh_message(upstream
     kinds = [d["type"] for _, d in _events(raw) if d["type"] != "ping"]
     assert status == 200 and kinds[0] == "message_start" and kinds.count("message_start") == 1, kinds
     assert kinds[-1] == "message_stop" and a.stats.requests == 1 and b.stats.requests == 1
+
+
+# ---- a final assistant turn (Anthropic's prefill) -----------------------------------------------
+
+PREFILLED = [{"role": "user", "content": "Give me JSON"}, {"role": "assistant", "content": "w0 w1"}]
+
+
+async def test_a_prefill_goes_only_to_chat_backends_that_continue_one(upstream, gateway):
+    """A final assistant turn was a 400 on every chat backend, `prefill: true` or not (review
+    helper's repro). It goes to the ones that continue it, past a first candidate that would
+    start a new turn; a request without one still goes to that first candidate."""
+    new_turn, continues = await upstream("a", tokens=6, prefill=False), await upstream("b", tokens=6)
+    policy = _policy(new_turn, continues)
+    policy["backends"]["b"]["prefill"] = True
+    gw = await gateway(policy)
+    c = _client(gw)
+    msg = await c.messages.with_raw_response.create(model="m", max_tokens=64, messages=PREFILLED)
+    assert msg.headers["x-gateway-backend"] == "b" and new_turn.stats.requests == 0
+    assert continues.stats.last_body["messages"][-1] == {"role": "assistant", "content": "w0 w1"}
+    assert (await msg.parse()).content[0].text.strip() == "w2 w3 w4 w5"  # what follows the prefill
+    async with c.messages.stream(model="m", max_tokens=64, messages=PREFILLED) as s:
+        assert (await s.get_final_text()).strip() == "w2 w3 w4 w5"
+    plain = await c.messages.with_raw_response.create(model="m", max_tokens=64, messages=HELLO)
+    assert plain.headers["x-gateway-backend"] == "a"
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/messages/count_tokens", json={"model": "m", "messages": PREFILLED},
+                             headers={"x-api-key": KEY}) as r:
+            assert r.status == 200, await r.text()
+
+
+async def test_a_prefill_no_backend_continues_is_a_clear_400_before_any_call(upstream, gateway):
+    up = await upstream("a", tokens=6, prefill=False)
+    gw = await gateway(_policy(up))
+    status, _, raw = await _post(gw, {"model": "m", "max_tokens": 16, "messages": PREFILLED})
+    err = orjson.loads(raw)
+    assert status == 400 and err["type"] == "error" and err["error"]["type"] == "invalid_request_error", err
+    assert "prefill" in err["error"]["message"] and "continues" in err["error"]["message"]
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/messages/count_tokens", json={"model": "m", "messages": PREFILLED},
+                             headers={"x-api-key": KEY}) as r:
+            assert r.status == 400 and "prefill" in (await r.json())["error"]["message"]
+    assert up.stats.requests == 0

@@ -8,6 +8,7 @@ backends it shares with the running one (health thresholds, slots) apply once, a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -123,6 +124,9 @@ class Route:
     # The process's learned prefix -> backend map, when a pool of this route uses prefix affinity
     # or its conversations keep their class (routing.prefix_affinity.sticky_class); else None.
     prefixes: PrefixMap | None = None
+    # endpoint -> (simple, complex) pools of the backends that continue a final assistant turn
+    # (BackendPolicy.prefill), for the endpoints whose requests may end in one (Messages)
+    prefilling: dict[str, tuple[Pool | None, Pool | None]] = field(default_factory=dict)
 
     def pool(self, cls: str, endpoint: str = "chat") -> Pool:
         """The candidates for a request class on an endpoint; BadRequest when no backend of this
@@ -142,6 +146,24 @@ class Route:
 
     def candidates(self, cls: str) -> tuple[Backend, ...]:
         return self.pool(cls).backends
+
+    def prefilled(self, cls: str, endpoint: str) -> Route:
+        """The route for a request that ends in an assistant turn its answer continues (Anthropic's
+        prefill): only the backends that continue one, context fallbacks included. A chat backend
+        that starts a new turn would answer after it instead (the request was a 400 on every chat
+        backend, `prefill: true` or not). BadRequest when the class has none."""
+        pair = self.prefilling.get(endpoint)
+        if pair is None:
+            return self
+        if (pair[0] if cls == "simple" else pair[1]) is None:
+            self.pool(cls, endpoint)  # not served at all: that 400 first
+            raise BadRequest(
+                f"a final assistant turn (a prefill) is continued only by a backend that continues one (`prefill: true`, "
+                f"or `kind: anthropic`): none of the backends of model {shown(self.model)} for this request does",
+                param="messages", code="unsupported_prefill",
+            )
+        return dataclasses.replace(self, by_endpoint={**self.by_endpoint, endpoint: pair},
+                                   context_fallbacks=tuple(b for b in self.context_fallbacks if b.prefill))
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +338,13 @@ class Runtime:
         """A pool of one backend (a follow-up pinned to the backend that holds its state)."""
         return self._pool(model, (backend,), "ordered")
 
+    def _prefilling(self, model: str, pool: Pool | None, strategy: str) -> Pool | None:
+        """`pool` when each of its backends continues a final assistant turn, else the ones that do."""
+        if pool is None:
+            return None
+        names = tuple(b.name for b in pool.backends if b.prefill)
+        return pool if len(names) == len(pool.backends) else (self._pool(model, names, strategy) if names else None)
+
     def _by_endpoint(self, model: str, pool: Pool, strategy: str) -> dict[str, Pool | None]:
         """Per endpoint: the pool itself when every backend serves it, else the ones that do."""
         out: dict[str, Pool | None] = {}
@@ -333,6 +362,8 @@ class Runtime:
             simple, complex_ = self._pool(model, r.simple or (), strategy), self._pool(model, r.complex or (), strategy)
         s_eps = self._by_endpoint(model, simple, strategy)
         c_eps = s_eps if complex_ is simple else self._by_endpoint(model, complex_, strategy)
+        prefilling = {ep: (self._prefilling(model, s_eps[ep], strategy), self._prefilling(model, c_eps[ep], strategy))
+                      for ep, codec in ENDPOINTS.items() if codec.client_prefill}
         sticky = r.backends is None and self.routing.prefix_affinity.sticky_class
         learns = sticky or any(p is not None and p.affinity for eps in (s_eps, c_eps) for p in eps.values())
         return Route(
@@ -350,6 +381,7 @@ class Runtime:
             retry=r.retry,
             context_fallbacks=tuple(self.backends[b] for b in r.context_fallbacks),
             prefixes=self.prefixes if learns else None,
+            prefilling=prefilling,
         )
 
     def classify(self, view: Mapping[str, Any], route: Route) -> Verdict:

@@ -75,9 +75,17 @@ def _validate_legs(route: Route, body: dict[str, Any]) -> None:
     """Refuse what a translating leg of the route cannot send, as intake does. The request's class
     is not known here (no classification for a count), so the legs of both classes' pools count."""
     legs: dict[int, Endpoint] = {}
+    refusals: list[BadRequest] = []
     for cls in ("simple", "complex"):
-        for leg in route.pool(cls, MESSAGES.name).translating.get(MESSAGES.name, ()):
+        try:  # a final assistant turn: only the backends that continue one (in either class)
+            narrowed = route.prefilled(cls, MESSAGES.name) if MESSAGES.ends_in_prefill(body) else route
+        except BadRequest as err:
+            refusals.append(err)
+            continue
+        for leg in narrowed.pool(cls, MESSAGES.name).translating.get(MESSAGES.name, ()):
             legs[id(leg)] = leg
+    if len(refusals) == 2:
+        raise refusals[0]
     validate_legs(legs.values(), body)
 
 

@@ -61,6 +61,7 @@ class MessagesEndpoint(Endpoint):
     id_headers = ("x-request-id", "request-id")  # the SDK's `_request_id` and `APIStatusError.request_id`
     asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
     prefill_trims = True  # Anthropic refuses a final assistant turn that ends in whitespace
+    client_prefill = True
 
     def continuable(self, body: Mapping[str, Any]) -> bool:
         """Text a continuation can reproduce: no tools asked for, no extended thinking."""
@@ -70,9 +71,13 @@ class MessagesEndpoint(Endpoint):
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
         return continue_message(body, text)
 
+    def ends_in_prefill(self, body: Mapping[str, Any]) -> bool:
+        turns = body.get("messages")
+        return bool(turns) and isinstance(turns, list) and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant"
+
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         try:
-            return messages_to_chat(dict(body))
+            return messages_to_chat(dict(body), prefill=True)
         except TranslationError:  # a feature chat lacks: classified by its text alone
             return text_view(body)
 
@@ -109,17 +114,21 @@ class MessagesViaChat(Endpoint):
     kinds = frozenset()
     continues = True  # as chat underneath: the transcript reads the chat chunks (ChatToMessagesMonitor.event)
 
+    # A final assistant turn (a prefill) is sent as the chat request's last message: a request
+    # ending in one reaches only backends that continue it (`prefill: true`; intake narrows the
+    # route, config.runtime.Route.prefilled), never one that would start a new turn after it.
+
     def upstream_request(self, body: Mapping[str, Any]) -> dict[str, Any]:
-        return messages_to_chat(dict(body))
+        return messages_to_chat(dict(body), prefill=True)
 
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
         return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
 
     def validate(self, body: Mapping[str, Any]) -> None:
-        encoded(messages_to_chat(dict(body)), "the request")  # raises Untranslatable / TranslationError (400s)
+        encoded(messages_to_chat(dict(body), prefill=True), "the request")  # raises Untranslatable / TranslationError (400s)
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str, cache_salt: str | None = None) -> bytes:
-        return encoded(salted({**messages_to_chat(dict(body)), "model": upstream_model}, cache_salt), "the request")
+        return encoded(salted({**messages_to_chat(dict(body), prefill=True), "model": upstream_model}, cache_salt), "the request")
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:

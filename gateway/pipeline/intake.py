@@ -63,6 +63,8 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
         estimate = verdict.features.get("prompt_tokens")
         if isinstance(estimate, int):
             call.prompt_tokens = estimate + unread + _structured_tokens(view)
+    if call.endpoint.client_prefill and call.endpoint.ends_in_prefill(call.body):
+        route = route.prefilled(call.cls, call.endpoint.name)  # only backends that continue it
     if route.prefixes is not None and call.endpoint.generates:
         _prefix(call, route, tenant)
     pool = route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call

@@ -85,6 +85,7 @@ class Endpoint:
     stateful = False  # answers make the backend hold state later requests build on (responses/affinity.py, pipeline/pinning.py)
     asks_usage = False  # a stream's usage comes only when asked for (stream_options.include_usage)
     generates = True  # answers are generated tokens (a quota reserves for them; embeddings are not)
+    client_prefill = False  # a request may end in an assistant turn its answer continues (`ends_in_prefill`)
     # The backend's endpoint (a key of endpoints.ENDPOINTS) an attempt posts to: its own for a
     # native codec, another for a translating leg (see `toward`).
     upstream: str = ""
@@ -195,6 +196,11 @@ class Endpoint:
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
         """The body that asks a backend to go on from `text` (a continuation's prefill)."""
         raise NotImplementedError(f"{self.name} answers are not continued")
+
+    def ends_in_prefill(self, body: Mapping[str, Any]) -> bool:
+        """Whether the request ends with an assistant turn its answer continues (Anthropic's
+        prefill): only a backend that continues one (BackendPolicy.prefill) may answer it."""
+        return False
 
     def prefills(self, body: Mapping[str, Any]) -> bool:
         """Whether a continuation of this request may prefill (else it restarts, skipping the
