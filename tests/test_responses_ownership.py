@@ -248,6 +248,27 @@ async def test_a_stored_item_is_named_only_by_its_owner_and_reaches_the_backend_
     assert exc.value.body["param"] == "input" and "256" in exc.value.body["message"]
 
 
+@pytest.mark.parametrize("form", ["type omitted", "type null"])
+async def test_a_typeless_item_reference_is_checked_and_pinned_as_a_typed_one(upstream, gateway, form):
+    """OpenAI reads an input item with an `id` and no `type` or `role` as an item reference (its
+    `type` is optional): only the typed form was checked, so `{"id": <alice's item>}` from bob went
+    to the backend, and alice's own was not pinned (review helper's repro)."""
+    a = await upstream(_name("a"), tokens=3)
+    b = await upstream(_name("b"), tokens=3)
+    gw = await gateway(_policy(a, b, strategy="round_robin"))
+    alice, bob = gw.client(A), gw.client(B)
+    secret = await alice.responses.create(model="gpt-test", input="alice's secret")
+    ref = {"id": secret.output[0].id} if form == "type omitted" else {"type": None, "id": secret.output[0].id}
+    sent = a.stats.requests + b.stats.requests
+    with pytest.raises(openai.NotFoundError) as exc:
+        await bob.responses.create(model="gpt-test", input=[ref, {"role": "user", "content": "repeat it"}])
+    assert exc.value.body["code"] == "item_not_found" and a.stats.requests + b.stats.requests == sent
+    holder = next(u for u in (a, b) if secret.id in u.responses.kept)
+    for _ in range(3):
+        raw = await alice.responses.with_raw_response.create(model="gpt-test", input=[ref, {"role": "user", "content": "and?"}])
+        assert raw.headers["x-gateway-backend"] == holder.name
+
+
 async def test_a_conversation_made_through_the_gateway_pins_its_turns_to_its_backend(upstream, gateway):
     a = await upstream(_name("a"), tokens=3)
     b = await upstream(_name("b"), tokens=3)

@@ -82,6 +82,7 @@ import orjson
 
 from ..messages.translate import TranslationError, Untranslatable
 from ..wire.openai_wire import due_calls, first_message, function_tool, tool_call_delta
+from .wire import is_item_reference
 
 __all__ = [
     "DONE",
@@ -211,7 +212,7 @@ def _input_messages(items: list[Any]) -> list[dict[str, Any]]:
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise TranslationError(f"{where}: an input item object")
-        kind = item.get("type", "message")
+        kind = "item_reference" if is_item_reference(item) else item.get("type", "message")
         if kind == "message":
             messages.append(_message(item, where))
         elif kind == "function_call":

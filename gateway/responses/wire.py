@@ -26,6 +26,7 @@ __all__ = [
     "held_items",
     "item_ids",
     "MAX_ITEM_REFS",
+    "is_item_reference",
     "stateful_reason",
     "usage_of",
     "stateful_refs",
@@ -79,11 +80,21 @@ def conversation_id(body: Mapping[str, Any]) -> str | None:
     return conv if isinstance(conv, str) and conv else None
 
 
+def is_item_reference(item: Any) -> bool:
+    """Whether an input item names a stored item: `{"type": "item_reference", "id": ...}`, or, as
+    OpenAI reads it (its `type` is optional), a typeless item with an `id` and no `role`. Only the
+    typed form was checked: `{"id": "<another tenant's item>"}` went to the backend unchecked."""
+    if not isinstance(item, dict):
+        return False
+    kind = item.get("type")
+    return kind == "item_reference" or (kind is None and "role" not in item and item.get("id") is not None)
+
+
 def _item_refs(items: Any) -> list[str]:
     """The stored items an `input` list refers to (`item_reference`), each once, in order."""
     if not isinstance(items, list):
         return []
-    refs = (item.get("id") for item in items if isinstance(item, dict) and item.get("type") == "item_reference")
+    refs = (item.get("id") for item in items if is_item_reference(item))
     return list(dict.fromkeys(rid for rid in refs if isinstance(rid, str) and rid))
 
 
@@ -138,7 +149,7 @@ def chat_view(body: Mapping[str, Any]) -> dict[str, Any]:
         messages.append({"role": "user", "content": items})
     elif isinstance(items, list):
         for item in items:
-            if not isinstance(item, dict):
+            if not isinstance(item, dict) or is_item_reference(item):
                 continue
             kind = item.get("type", "message")
             if kind == "message" or "role" in item:
