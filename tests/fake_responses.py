@@ -7,7 +7,7 @@ follow-ups and GET/DELETE/cancel/input_items work on the backend that made it, a
 a `previous_response_id` this fake did not issue is a 404 (previous_response_not_found), as is a
 `conversation` whose id does not start with `conv_<name>`. POST /v1/conversations makes one
 (`conv_<name>_<n>`, the body kept), GET/DELETE /v1/conversations/{id} read and delete the ones it
-made. `background: true` answers `queued`
+made, POST /v1/conversations/{id}/items adds items to one. `background: true` answers `queued`
 at once; the response completes after the time its tokens would take (cancel stops it).
 Modes for streams, at `fail_after` deltas: stall_mid, disconnect, cut (the body ends without
 response.completed), error_event (a Responses `error` event), failed (`response.failed`),
@@ -195,8 +195,20 @@ class ResponsesFake:
             return _error(404, f"Conversation with id '{cid}' not found.", None, "conversation_not_found")
         return web.json_response({"id": cid, "object": "conversation.deleted", "deleted": True})
 
+    async def add_items(self, request: web.Request) -> web.Response:
+        """POST /v1/conversations/{id}/items: the items join the conversation (kept in its body's `items`)."""
+        cid = request.match_info["id"]
+        if cid not in self.conversations:
+            return _error(404, f"Conversation with id '{cid}' not found.", None, "conversation_not_found")
+        items = orjson.loads(await request.read() or b"{}").get("items") or []
+        self.conversations[cid].setdefault("items", []).extend(items)
+        data = [{**it, "id": f"item_{cid}_{i}"} for i, it in enumerate(items) if isinstance(it, dict)]
+        return web.json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None, "has_more": False})
+
     def routes(self) -> list[web.RouteDef]:
         return [
+            web.post("/v1/conversations/{id}/items", self.add_items),
             web.get("/v1/responses/{id}", self.get),
             web.delete("/v1/responses/{id}", self.delete),
             web.post("/v1/responses/{id}/cancel", self.cancel),

@@ -591,12 +591,15 @@ async def test_every_attempt_that_read_the_prompt_is_charged_its_prompt(upstream
     assert reads >= 2 or not stream  # a stream's first token is due within 1 s: it failed over (a whole answer had longer)
 
 
-@pytest.mark.parametrize("how", ["base_left_mid_stream", "conversation_items", "background_base"])
+@pytest.mark.parametrize("how", ["base_left_mid_stream", "conversation_items", "background_base", "items_added_later",
+                                 "item_reference"])
 async def test_a_follow_up_is_charged_the_context_even_when_no_usage_measured_it(upstream, gateway, how):
     """Context was recorded from an answer's usage only: follow-ups of a base whose stream was left
     before its usage, of a conversation made with items, or of a background response (answered
     `queued`) were charged their ~25 new tokens of a 10,000-token context (review helper's
-    repros). Without usage the context is what the base was charged; a conversation's items count."""
+    repros); so were those of a conversation whose items were added after it was made, and
+    requests naming a stored item (`item_reference`). Without usage the context is what the base
+    was charged; a conversation's items count, and a stored item's size."""
     import re
 
     up = await upstream("c", tokens=200, itl_ms=5)
@@ -626,14 +629,35 @@ async def test_a_follow_up_is_charged_the_context_even_when_no_usage_measured_it
         return (await q.usage("acme"))[""].window_tokens - before, out
 
     async with aiohttp.ClientSession() as http:
-        if how == "conversation_items":
+        if how == "items_added_later":
+            async def make() -> str:
+                async with http.post(gw.url + "/v1/conversations", headers=hdr, json={}) as r:
+                    assert r.status == 200, await r.text()
+                    cid = (await r.json())["id"]
+                async with http.post(gw.url + f"/v1/conversations/{cid}/items", headers=hdr,
+                                     json={"items": [{"type": "message", "role": "user", "content": big}]}) as r:
+                    assert r.status == 200, await r.text()
+                return cid
+            _, cid = await charged(make())
+            ref: dict[str, Any] = {"conversation": cid}
+        elif how == "item_reference":
+            async def make() -> str:
+                async with http.post(gw.url + "/v1/responses", headers=hdr, json={"model": "gpt-test", "input": big}) as r:
+                    assert r.status == 200, await r.text()
+                    rid = (await r.json())["id"]
+                async with http.get(gw.url + f"/v1/responses/{rid}/input_items", headers=hdr) as r:  # the caller sees its items
+                    assert r.status == 200, await r.text()
+                    return (await r.json())["data"][0]["id"]
+            _, iid = await charged(make())
+            ref = {"input": [{"type": "item_reference", "id": iid}, {"role": "user", "content": "and then?"}]}
+        elif how == "conversation_items":
             async def make() -> str:
                 async with http.post(gw.url + "/v1/conversations", headers=hdr,
                                      json={"items": [{"type": "message", "role": "user", "content": big}]}) as r:
                     assert r.status == 200, await r.text()
                     return (await r.json())["id"]
             _, cid = await charged(make())
-            ref: dict[str, str] = {"conversation": cid}
+            ref = {"conversation": cid}
         elif how == "background_base":
             async def make() -> str:
                 body = {"model": "gpt-test", "input": big, "background": True, "max_output_tokens": 16}

@@ -269,6 +269,34 @@ async def test_a_typeless_item_reference_is_checked_and_pinned_as_a_typed_one(up
         assert raw.headers["x-gateway-backend"] == holder.name
 
 
+async def test_the_conversations_api_takes_only_the_callers_stored_items_on_their_backend(upstream, gateway):
+    """POST /v1/conversations and POST /v1/conversations/{id}/items take input items too: an
+    `item_reference` to another tenant's stored item was sent on unchecked, and its owner's item
+    copied into the new conversation (review helper's repro). Another tenant's is a 404 sent
+    nowhere; the owner's conversation is made on the backend holding the item."""
+    a = await upstream(_name("a"), tokens=3)
+    b = await upstream(_name("b"), tokens=3)
+    gw = await gateway(_policy(a, b, strategy="round_robin"))
+    alice = gw.client(A)
+    secret = await alice.responses.create(model="gpt-test", input="alice's secret")
+    holder = next(u for u in (a, b) if secret.id in u.responses.kept)
+    for ref in ({"type": "item_reference", "id": secret.output[0].id}, {"id": secret.output[0].id}):
+        sent = a.stats.requests + b.stats.requests
+        status, err, _ = await _call(gw, "POST", "/v1/conversations", B, {"items": [ref]})
+        assert status == 404 and err["error"]["code"] == "item_not_found" and err["error"]["param"] == "items", err
+        status, conv, _ = await _call(gw, "POST", "/v1/conversations", B, {})
+        assert status == 200
+        status, err, _ = await _call(gw, "POST", f"/v1/conversations/{conv['id']}/items", B, {"items": [ref]})
+        assert status == 404 and err["error"]["code"] == "item_not_found", err
+        assert a.stats.requests + b.stats.requests == sent  # refused before any upstream call
+    status, conv, headers = await _call(gw, "POST", "/v1/conversations", A,
+                                        {"items": [{"type": "item_reference", "id": secret.output[0].id}]})
+    assert status == 200 and headers["x-gateway-backend"] == holder.name, (status, conv)
+    status, listed, _ = await _call(gw, "POST", f"/v1/conversations/{conv['id']}/items", A,
+                                    {"items": [{"type": "item_reference", "id": secret.output[0].id}]})
+    assert status == 200, listed
+
+
 async def test_a_conversation_made_through_the_gateway_pins_its_turns_to_its_backend(upstream, gateway):
     a = await upstream(_name("a"), tokens=3)
     b = await upstream(_name("b"), tokens=3)
@@ -534,6 +562,6 @@ async def test_a_backends_error_on_a_by_id_call_comes_back_in_openais_shape(upst
     up = await upstream(_name("a"), tokens=3)
     gw = await gateway(_policy(up))
     conv = await gw.client(A).conversations.create()
-    status, body, headers = await _call(gw, "GET", f"/v1/conversations/{conv.id}/items", A)  # the fake serves no items
+    status, body, headers = await _call(gw, "GET", f"/v1/conversations/{conv.id}/items/item_1", A)  # the fake serves no item by id
     assert status == 404 and headers["Content-Type"].startswith("application/json")
     assert body["error"]["code"] == "upstream_rejected" and "Not Found" in body["error"]["message"]

@@ -130,15 +130,19 @@ async def pin(call: Call, route: Route, rt: Runtime, owner: str) -> Pinned | Non
         asyncio.gather(*(rt.affinity.lookup(rid) for _, rid in refs)),
         asyncio.gather(*(rt.affinity.context(rid) for field, rid in refs if field != "input")),
     )
+    items = 0
     for (field, rid), holder in zip(refs, holders, strict=True):
         if holder is None and rt.affinity.adopt_unknown:
             continue  # the migration mode: searched for below, and adopted by the answer (affinity.Learner)
         if holder is None or holder.owner != owner:
             raise not_yours(field, rid, endpoint.missing_code(field))
         held.append((field, rid, holder))
-    # Its prompt is the new input and that context (the quota charges it when no usage comes back:
-    # a stream left early on a 100,000-token conversation cost its few new tokens).
-    call.prompt_tokens += max(sizes, default=0)
+        if field == "input":
+            items += holder.tokens
+    # Its prompt is the new input, that context and the stored items it names (the quota charges
+    # them when no usage comes back: a stream left early on a 100,000-token conversation cost its
+    # few new tokens, and one naming a 50,000-token stored item 33).
+    call.prompt_tokens += max(sizes, default=0) + items
     if not held:
         field, rid = refs[0]
         return Pinned(field, rid, None, route, endpoint.missing_code(field))  # search: see the module docstring

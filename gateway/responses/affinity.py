@@ -68,25 +68,27 @@ class OwnerConflict(GatewayError):
 
 @dataclass(frozen=True, slots=True)
 class Holder:
-    """Where a response id lives, and whose it is."""
+    """Where a response id lives, and whose it is; for a stored item, its size in tokens (what a
+    request naming it makes the backend read; 0: unknown)."""
 
     backend: str
     owner: str
+    tokens: int = 0
 
 
-def _value(backend: str, owner: str) -> bytes:
-    return f"{backend}\n{owner}".encode()
+def _value(backend: str, owner: str, tokens: int = 0) -> bytes:
+    return f"{backend}\n{owner}\n{tokens}".encode() if tokens else f"{backend}\n{owner}".encode()
 
 
 def _holder(raw: bytes) -> Holder:
-    backend, _, owner = raw.decode("utf-8", "replace").partition("\n")
-    return Holder(backend, owner)
+    backend, owner, tokens = ([*raw.decode("utf-8", "replace").split("\n", 2), "", ""])[:3]
+    return Holder(backend, owner, int(tokens) if tokens.isdigit() and len(tokens) < 12 else 0)
 
 
 def owner_of(key: str, raw: bytes) -> str:
     """The owner a record (`raw`, under `key`) names: an in-memory map is shared fairly among
     owners by it (store.core.FairMemoryStore: one tenant's records cannot evict another's)."""
-    return raw.partition(b"\n")[2].decode("utf-8", "replace")
+    return raw.partition(b"\n")[2].partition(b"\n")[0].decode("utf-8", "replace")
 
 
 class Affinity:
@@ -120,18 +122,19 @@ class Affinity:
         self._on_event = on_event
         self._last_warn = -_WARN_EVERY_S
 
-    async def record(self, ids: Sequence[str], backend: str, owner: str, *, required: bool = True) -> None:
+    async def record(self, ids: Sequence[str] | Mapping[str, int], backend: str, owner: str, *, required: bool = True) -> None:
         """Record that `backend` holds `ids` for `owner` (written at once, not one after another);
-        an id already `owner`'s is refreshed (its TTL starts again). Raises OwnerConflict when
-        another owner holds one (that record stays), and RecordFailed when the store did not take a
-        write in `attempts` tries (`required=False`: reported and logged only, for answers nobody
-        can follow up)."""
-        value = _value(backend, owner)
+        an id already `owner`'s is refreshed (its TTL starts again). Stored items come as a map of
+        id -> size in tokens. Raises OwnerConflict when another owner holds one (that record
+        stays), and RecordFailed when the store did not take a write in `attempts` tries
+        (`required=False`: reported and logged only, for answers nobody can follow up)."""
+        sizes = ids if isinstance(ids, Mapping) else {}
         ids = [rid for rid in dict.fromkeys(ids) if rid and len(rid) <= MAX_ID_CHARS]
         # Not required: one try, so an answer nobody can follow is not held up by a slow store.
         tries = self.attempts if required else 1
         results = await asyncio.gather(
-            *(self._retrying(functools.partial(self._claim, rid, value, owner), tries) for rid in ids), return_exceptions=True
+            *(self._retrying(functools.partial(self._claim, rid, _value(backend, owner, sizes.get(rid, 0)), owner), tries)
+              for rid in ids), return_exceptions=True
         )
         for rid, result in zip(ids, results, strict=True):
             if isinstance(result, OwnerConflict):
@@ -298,7 +301,7 @@ class Learner:
         if self.affinity.adopt_unknown and isinstance(prev, str) and prev:
             held.append(prev)
         ids = [rid for rid in held if rid not in self.claimed]
-        items = [rid for rid in held_items(response) if rid not in self.claimed]
+        items = {rid: n for rid, n in held_items(response).items() if rid not in self.claimed}
         required = response.get("store") is not False or conversation_id(response) is not None
         writes = [self.affinity.record(ids, backend, self.owner, required=required)] if ids else []
         if items:

@@ -17,8 +17,10 @@ id from the map. Each request is drained, observed and reported like any other (
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -35,7 +37,7 @@ from ..wire.openai_wire import json_object
 from .codec import RESPONSES
 from .passthrough import Passthrough
 from .route import holders_of
-from .wire import held_items, item_ids
+from .wire import MAX_ITEM_REFS, held_items, item_ids, item_refs
 
 __all__ = ["routes"]
 
@@ -73,6 +75,12 @@ async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: 
     body = await read_bounded(request, rt.server.max_body_bytes) if method == "POST" else b""
     await by_id.take()  # counted before the map is read: refused calls cost the caller too
     backends, search = await holders_of(rid, owner, rt, param)
+    adding = kind == "conversation" and suffix == "/items" and method == "POST"
+    if adding:  # stored items the new ones name must be the caller's, on the conversation's backend
+        holder = await _items_holder(rt, json_object(body).get("items"), owner)
+        if holder is not None and not search and holder != backends[0].name:
+            raise BadRequest(f"items name stored items held by backend {holder!r}, and conversation {rid!r} is on "
+                             f"{backends[0].name!r}: no backend holds both", param="items", code="response_backend_mismatch")
 
     async def adopt(backend: Backend, resp: UpstreamResponse) -> None:
         # The migration mode: the id becomes the caller's before its answer is released.
@@ -95,27 +103,53 @@ async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: 
             continue  # searching: that backend does not have it
         if method == "DELETE" and out.status == 200 and not suffix:
             await rt.affinity.forget(rid)  # a deleted response (conversation) leaves the map
+        if adding and out.status == 200:
+            # Its next turn makes the backend read them too: charged with that turn (pinning.pin),
+            # as the items a conversation was made with are (added later, they were not).
+            await rt.affinity.record_context([rid], await rt.affinity.context(rid) + len(body) // 4, owner)
         return out
     raise not_yours(param, rid, RESPONSES.missing_code(param))
 
 
-def shown_items(data: bytes) -> list[str]:
-    """The item ids of a by-id answer: a response's stored output items, a list's items."""
+def shown_items(data: bytes) -> dict[str, int]:
+    """The items of a by-id answer (a response's stored output items, a list's items): id -> size in tokens."""
     try:
         obj = orjson.loads(data)
     except orjson.JSONDecodeError:
-        return []
+        return {}
     if not isinstance(obj, dict):
-        return []
+        return {}
     if obj.get("object") == "list":
         return item_ids(obj.get("data"))
-    return held_items(obj) if obj.get("object") == "response" else []
+    return held_items(obj) if obj.get("object") == "response" else {}
 
 
-def _conversation_backend(rt: Runtime, tenant: Tenant, model: str | None) -> Backend:
+async def _items_holder(rt: Runtime, items: Any, owner: str) -> str | None:
+    """The backend holding the stored items `items` names (None: it names none). Each must be
+    `owner`'s, else a 404 sent nowhere, as on /v1/responses: a conversation made or extended with
+    another tenant's item id copied that item into it (review helper's repro)."""
+    refs = item_refs(items)
+    if len(refs) > MAX_ITEM_REFS:
+        raise BadRequest(f"at most {MAX_ITEM_REFS} distinct item references (item_reference) a request", param="items")
+    holders = await asyncio.gather(*(rt.affinity.lookup(r) for r in refs))
+    found: set[str] = set()
+    for rid, holder in zip(refs, holders, strict=True):
+        if holder is None and rt.affinity.adopt_unknown:
+            continue  # the migration mode: the backend says whether it has it
+        if holder is None or holder.owner != owner:
+            raise not_yours("items", rid, RESPONSES.missing_code("input"))
+        found.add(holder.backend)
+    if len(found) > 1:
+        raise BadRequest(f"items name stored items held by different backends ({', '.join(sorted(found))}): no backend holds them all",
+                         param="items", code="response_backend_mismatch")
+    return next(iter(found), None)
+
+
+def _conversation_backend(rt: Runtime, tenant: Tenant, model: str | None, holder: str | None = None) -> Backend:
     """Where a new conversation is made: with `model`, the first usable backend of that model's
     route that serves the Responses API (its later turns must use a model routed there); without,
-    the first of the backends of every model the tenant may use, in the policy's order."""
+    the first of the backends of every model the tenant may use, in the policy's order. `holder`:
+    the backend holding the stored items it is made with, which must be one of those."""
     if model is not None:
         rt.tenants.authorize(tenant, model)
         candidates = serving(rt.route(model), RESPONSES)
@@ -129,6 +163,12 @@ def _conversation_backend(rt: Runtime, tenant: Tenant, model: str | None) -> Bac
         if not candidates:
             raise BadRequest("none of the models this key may use has a backend serving the Responses API",
                              param="model", code="unsupported_endpoint")
+    if holder is not None:
+        held = [b for b in candidates if b.name == holder]
+        if not held:
+            raise BadRequest(f"items name stored items held by backend {holder!r}, which no model this conversation may use "
+                             "is routed to", param="items", code="response_backend_mismatch")
+        candidates = held
     for backend in candidates:
         if backend.takes_traffic():
             return backend
@@ -136,15 +176,15 @@ def _conversation_backend(rt: Runtime, tenant: Tenant, model: str | None) -> Bac
     return candidates[0]
 
 
-def _creation_body(raw: bytes) -> tuple[bytes, str | None]:
-    """The body to send upstream (without the gateway's own `model` field), and that model."""
+def _creation_body(raw: bytes) -> tuple[bytes, str | None, Any]:
+    """The body to send upstream (without the gateway's own `model` field), that model, and its `items`."""
     if not raw.strip():
-        return b"{}", None
+        return b"{}", None, None
     body = json_object(raw)
     model = body.pop("model", None)
     if model is not None and not (isinstance(model, str) and model):
         raise BadRequest("invalid field 'model': must be a model name (a non-empty string)", param="model")
-    return orjson.dumps(body), model
+    return orjson.dumps(body), model, body.get("items")
 
 
 async def create_conversation(request: web.Request) -> web.StreamResponse:
@@ -164,9 +204,9 @@ async def create_conversation(request: web.Request) -> web.StreamResponse:
 
 async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.StreamResponse:
     tenant = await by_id.authenticate()
-    body, model = _creation_body(await read_bounded(request, rt.server.max_body_bytes))
+    body, model, items = _creation_body(await read_bounded(request, rt.server.max_body_bytes))
     await by_id.take()
-    backend = _conversation_backend(rt, tenant, model)
+    backend = _conversation_backend(rt, tenant, model, await _items_holder(rt, items, tenant.cache_namespace))
 
     async def whole(backend: Backend, resp: UpstreamResponse) -> None:
         if "text/event-stream" in resp.headers.get("Content-Type", ""):

@@ -27,6 +27,7 @@ __all__ = [
     "item_ids",
     "MAX_ITEM_REFS",
     "is_item_reference",
+    "item_refs",
     "stateful_reason",
     "usage_of",
     "stateful_refs",
@@ -88,6 +89,11 @@ def is_item_reference(item: Any) -> bool:
         return False
     kind = item.get("type")
     return kind == "item_reference" or (kind is None and "role" not in item and item.get("id") is not None)
+
+
+def item_refs(items: Any) -> list[str]:
+    """The stored items a list of input items names (`item_reference`), each once, in order."""
+    return _item_refs(items)
 
 
 def _item_refs(items: Any) -> list[str]:
@@ -195,19 +201,27 @@ def held_ids(response: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def held_items(response: Mapping[str, Any]) -> list[str]:
-    """The ids of the output items a backend keeps for this response (a later `item_reference`
-    names one): those of a stored response, or of one that extended a conversation."""
+def held_items(response: Mapping[str, Any]) -> dict[str, int]:
+    """The output items a backend keeps for this response (a later `item_reference` names one),
+    those of a stored response or of one that extended a conversation: id -> its size in tokens."""
     if response.get("store") is False and not conversation_id(response):
-        return []
+        return {}
     return item_ids(response.get("output"))
 
 
-def item_ids(items: Any) -> list[str]:
-    """The ids of a list of items (a response's `output`, a listing's `data`)."""
+def item_ids(items: Any) -> dict[str, int]:
+    """The items of a list (a response's `output`, a listing's `data`): id -> its size in tokens
+    (characters of its JSON / 4: what a request naming it makes the backend read)."""
     if not isinstance(items, list):
-        return []
-    return [rid for item in items if isinstance(item, dict) and isinstance(rid := item.get("id"), str) and rid]
+        return {}
+    return {rid: _size(item) for item in items if isinstance(item, dict) and isinstance(rid := item.get("id"), str) and rid}
+
+
+def _size(item: Mapping[str, Any]) -> int:
+    try:
+        return len(orjson.dumps(item)) // 4
+    except orjson.JSONEncodeError:  # nested past what orjson writes: not an item anyone can send back
+        return 0
 
 
 def error_event(err: GatewayError, sequence_number: int) -> bytes:
