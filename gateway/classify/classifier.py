@@ -64,14 +64,14 @@ class Verdict:
     stage: Stage = Stage.LEXICAL
     lexical_score: float | None = None  # set when a later stage decided (score is then its own)
     encoder_score: float | None = None
-    # The prompt's words that pushed hardest ("+word": toward the class). Shown to the caller
-    # (/v1/route/explain), never logged: they are the prompt's, and the request log keeps a
-    # prompt only for a tenant whose `log_payloads` says so.
-    terms: list[str] = field(default_factory=list)
+    # The reason naming the prompt's words that pushed hardest ("top terms: +word ..."), one of
+    # `reasons`: shown to the caller (/v1/route/explain), never logged (they are the prompt's,
+    # and the request log keeps a prompt only for a tenant whose `log_payloads` says so).
+    terms: str | None = None
 
-    def explained(self) -> list[str]:
-        """The reasons, and the top terms, as explain shows them."""
-        return [*self.reasons, "top terms: " + " ".join(self.terms)] if self.terms else self.reasons
+    def logged(self) -> list[str]:
+        """The reasons the request log keeps: all but the prompt's top terms."""
+        return self.reasons if self.terms is None else [r for r in self.reasons if r != self.terms]
 
 
 # Labels for reasons; a feature without one is not worth naming to an operator.
@@ -209,8 +209,9 @@ class Classifier:
 
         rule = _forced(ext.features, rules)
         cls = COMPLEX if rule is not None or score >= thr else SIMPLE
-        return Verdict(cls, score, thr, rule, f, _reasons(cls, rule, contribs),
-                       Stage.LEXICAL if rule is None else Stage.RULE, terms=_terms(cls, term_contribs))
+        top = _terms(cls, term_contribs)
+        return Verdict(cls, score, thr, rule, f, [*_reasons(cls, rule, contribs), *([top] if top else [])],
+                       Stage.LEXICAL if rule is None else Stage.RULE, terms=top)
 
 
 def read_bytes(p: Path, what: str) -> bytes:
@@ -270,11 +271,12 @@ def _reasons(cls: str, rule: str | None, contribs: list[tuple[float, str]]) -> l
     return out
 
 
-def _terms(cls: str, term_contribs: list[tuple[float, str]]) -> list[str]:
-    """The prompt's three terms that pushed hardest toward the chosen class."""
+def _terms(cls: str, term_contribs: list[tuple[float, str]]) -> str | None:
+    """The reason naming the prompt's three terms that pushed hardest toward the chosen class."""
     sign = 1.0 if cls == COMPLEX else -1.0
     best: dict[str, float] = {}
     for c, t in term_contribs:
         if sign * c > max(best.get(t, 0.0), 0.02):
             best[t] = sign * c
-    return [("+" if sign > 0 else "-") + t for t in heapq.nlargest(3, best, key=best.__getitem__)]
+    terms = [("+" if sign > 0 else "-") + t for t in heapq.nlargest(3, best, key=best.__getitem__)]
+    return "top terms: " + " ".join(terms) if terms else None

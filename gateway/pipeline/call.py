@@ -134,7 +134,7 @@ class Call:
     @property
     def reasons(self) -> list[str]:
         v = self.verdict
-        return v.reasons if v is not None and v.features else []
+        return v.logged() if v is not None and v.features else []
 
     def ask_usage(self) -> None:
         """A stream: have the backend send its usage chunk (a quota settles with it, the cache

@@ -158,7 +158,7 @@ def verdict_view(call: Call, tenant: Tenant) -> dict[str, Any]:
         "lexical_score": None if v is None else round(v.score if v.lexical_score is None else v.lexical_score, 4),
         "encoder_score": None if v is None or v.encoder_score is None else round(v.encoder_score, 4),
         "rule": None if v is None else v.rule,
-        "reasons": call.reasons if v is None else v.explained(),
+        "reasons": call.reasons if v is None else v.reasons,
         "features": {} if v is None else v.features,
         "prompt_tokens": call.prompt_tokens,
     }
