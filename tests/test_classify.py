@@ -384,3 +384,21 @@ def test_classification_is_fast(clf: Classifier) -> None:
             clf.classify(body)
         per_call = (time.perf_counter() - start) / 50
         assert per_call < 0.01, per_call     # very loose: the target is well under 1 ms
+
+
+@pytest.mark.parametrize("fill", ["-", "'", "'-", "- ", "a-", "' "])
+def test_no_prompt_makes_the_features_backtrack(fill: str) -> None:
+    """The long-form writing pattern let `'` and `-` be separators and words alike: "write" and 25
+    dashes split in combinatorially many ways (6.9 s for 31 characters, x17 for each 5 more) on
+    the event loop (review helper's repro). Every cue window of such fills now reads at once (the
+    bound is not a speed target: the old pattern took hours on these)."""
+    from gateway.classify.features import extract
+
+    t0 = time.perf_counter()
+    for verb in ("write", "make", "come up with", "tell"):
+        for n in (31, 60, 750):
+            extract({"messages": [{"role": "user", "content": verb + " " + fill * (n // len(fill))}]})
+            extract({"messages": [{"role": "user", "content": (verb + " " + fill * 8 + " ") * (n // 8)}]})
+    assert time.perf_counter() - t0 < 2.0
+    f = extract({"messages": [{"role": "user", "content": "Write a one-paragraph summary of the plot."}]}).features
+    assert f["creative_longform"]  # a hyphenated long-form noun still counts

@@ -65,11 +65,13 @@ _LONGFORM_NOUNS = (
     "|chapters?|novels?|odes?|ballads?|verses?|skits?|conversations?|plays?|cover letter"
     "|recipes?|guides?|tutorials?|itinerar(?:y|ies)|proposals?")
 # the long-form noun must be what is written ("write a short story"), not what the output is for
-# ("generate a topic sentence for an article", "a closing to a business email")
+# ("generate a topic sentence for an article", "a closing to a business email"). Separators and
+# words are disjoint classes (`'` and `-` belong to words only): where both took them, "write"
+# and 25 dashes split in combinatorially many ways and held the event loop for seconds.
 _CREATIVE_RE = re.compile(r"\b(?:write|compose|create|draft|craft|generate|pen|produce|tell|make"
-                          r"|construct|come up with)\b(?:[^.?!\n\w]+(?!(?:for|to|about|of|on|in"
-                          r"|into|from|with|that|which|based|like)\b)[\w'-]+){0,6}?[^.?!\n\w]+"
-                          r"(?:" + _LONGFORM_NOUNS + r")\b")
+                          r"|construct|come up with)\b(?:[^.?!\n\w'-]+(?!(?:for|to|about|of|on|in"
+                          r"|into|from|with|that|which|based|like)\b)[\w'-]+){0,6}?(?:[^.?!\n\w'-]+|(?<=\w)-)"
+                          r"(?:" + _LONGFORM_NOUNS + r")\b")  # "a one-paragraph summary" too
 _LIST_COUNT_RE = re.compile(r"\b(?:list|name|give|suggest|provide|identify|state|generate|recall"
                             r"|brainstorm)\s+(?:me\s+)?(?:\d|one|two|three|four|five|six|a few)\b")
 _URL_RE = re.compile(r"\S+://\S+")
