@@ -57,12 +57,14 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     if call.endpoint.classifies:
         view = call.endpoint.classify_view(call.body)  # a translation for some endpoints: once
         verdict = rt.classify(view, route)
+        estimate = verdict.features.get("prompt_tokens")
+        if isinstance(estimate, int):
+            read = estimate + _structured_tokens(view)  # what the text does not show is _unread's
+            call.prompt_tokens = read + unread
+            verdict = _long(verdict, read, rt.rules.complex_over_prompt_tokens)
         if rt.uncertain(verdict, route) and not unread:
             verdict = await rt.cascade.decide(verdict, view, tenant.name)
         call.verdict = verdict if not unread else _unread(verdict, unread)
-        estimate = verdict.features.get("prompt_tokens")
-        if isinstance(estimate, int):
-            call.prompt_tokens = estimate + unread + _structured_tokens(view)
     if call.endpoint.client_prefill and call.endpoint.ends_in_prefill(call.body):
         route = route.prefilled(call.cls, call.endpoint.name)  # only backends that continue it
     if route.prefixes is not None and call.endpoint.generates:
@@ -93,6 +95,16 @@ def _structured_tokens(view: Mapping[str, Any]) -> int:
         return len(orjson.dumps(parts)) // 4
     except orjson.JSONEncodeError:  # nested too deeply: the body cannot be sent on either (a 400 there)
         return 0
+
+
+def _long(v: Verdict, tokens: int, limit: int | None) -> Verdict:
+    """The long-prompt rule on the whole prompt estimate: the classifier counts the messages'
+    text, not the tool calls earlier turns made nor the tools (a chat whose history held 45,000
+    tokens of tool-call arguments was simple and went to the small model: review helper's repro)."""
+    if v.cls == "complex" or limit is None or tokens <= limit:
+        return v
+    return replace(v, cls="complex", rule="prompt_tokens", stage=Stage.RULE,
+                   reasons=[*v.reasons, f"rule: long prompt ({tokens} tokens with its tool definitions and calls)"])
 
 
 def _unread(v: Verdict, unread: int) -> Verdict:

@@ -54,6 +54,14 @@ class ChatEndpoint(Endpoint):
         suffix = body.get("suffix")
         return token_ids(body.get("prompt")) + (max(1, len(suffix) // 4) if isinstance(suffix, str) and suffix else 0)
 
+    def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """On completions, the body without a `messages` field (which the classifier would read
+        instead of `prompt`: a 180,000-character prompt behind `"messages": [{"content": "hi"}]`
+        was simple, sent to the small model, and reserved 6 tokens: review helper's repro)."""
+        if self._chat or "messages" not in body:
+            return body
+        return {k: v for k, v in body.items() if k != "messages"}
+
     def recognises(self, body: Mapping[str, Any]) -> bool:
         """A completions body (for /v1/route/explain): `prompt`, no `messages`."""
         return not self._chat and "prompt" in body and "messages" not in body
