@@ -466,3 +466,24 @@ async def test_expect_100_continue_is_not_sent_to_a_request_refused_anyway(upstr
     assert too_big.startswith(b"HTTP/1.1 413") and b"request_too_large" in too_big, too_big
     assert messages.startswith(b"HTTP/1.1 401") and b'"type":"error"' in messages  # in that API's shape
     assert fine.startswith(b"HTTP/1.1 100")  # a request that may be served is invited as before
+
+
+# ---- hostile headers and bodies (review of the edge) -------------------------------------------------
+
+CHAT = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+
+
+async def test_a_beta_header_that_is_not_ascii_is_a_400_and_no_backend_is_blamed(upstream, edge_gateway, caplog):
+    """A byte that is not UTF-8 in `openai-beta` came through as a lone surrogate and raised as the
+    request went upstream: a 500 with a traceback, counted as backend a's 500 (review helper's
+    repro). It is the caller's 400, naming the header; nothing is sent."""
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up))
+    head = _post("/v1/chat/completions", CHAT, extra="openai-beta: q\r\n").replace(b"openai-beta: q", b"openai-beta: \xff")
+    with caplog.at_level(logging.ERROR):
+        a = await asyncio.to_thread(exchange, port, head)
+        _, metrics = await asyncio.to_thread(get, port, "/metrics")
+    err = _json_answer(a, 400)
+    assert err["param"] == "openai-beta", err
+    assert up.stats.requests == 0 and not [r for r in caplog.records if r.exc_info]
+    assert 'code="500"' not in metrics.decode()

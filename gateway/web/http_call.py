@@ -102,6 +102,15 @@ def _timeout_ms(asked: str | None, server_timeout_ms: int) -> int:
     return max(1, int(value))
 
 
+def _beta(name: str, value: str) -> str:
+    """A beta header's value as it goes upstream: printable ASCII (a byte that is not UTF-8 came as
+    a lone surrogate, and sending it upstream raised: a 500 with a traceback, counted against a
+    backend never called; review helper's repro)."""
+    if not value.isascii() or not value.isprintable():
+        raise BadRequest(f"header {name} must be printable ASCII (beta names, comma-separated)", param=name)
+    return value
+
+
 def new_call(request: web.Request, endpoint: Endpoint, raw: bytes, server_timeout_ms: int, rid: str | None = None,
              tenant: Tenant | None = None) -> Call:
     """The Call for one request (BadRequest for a bad x-request-timeout-ms or x-priority);
@@ -115,7 +124,7 @@ def new_call(request: web.Request, endpoint: Endpoint, raw: bytes, server_timeou
     now = time.monotonic()  # one reading: the deadline's message says exactly the timeout asked for
     asked = Asked(priority, no_cache, no_store, bool(h.get("x-request-timeout-ms")), parse_traceparent(h.get("traceparent")))
     if "anthropic-beta" in h or "openai-beta" in h:  # BETA_HEADERS, spelled out: two lookups, no loop on every request
-        asked.betas = tuple((name, ", ".join(h.getall(name))) for name in BETA_HEADERS if name in h)
+        asked.betas = tuple((name, _beta(name, ", ".join(h.getall(name)))) for name in BETA_HEADERS if name in h)
     return Call(
         request_id=rid or request_id(request),
         endpoint=endpoint,
