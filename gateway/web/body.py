@@ -50,6 +50,11 @@ def _encoding(header: str | None) -> str | None:
     )
 
 
+# Concatenated gzip members a body may have (clients send one): each starts a decompressor in a
+# Python loop, and 200,000 empty ones in 4 MiB cost the event loop ~15x an ordinary 4 MiB body.
+MAX_GZIP_MEMBERS = 64
+
+
 class Inflater:
     """Inflates a gzip or deflate body fed in pieces, never past `limit` bytes of output.
 
@@ -63,6 +68,7 @@ class Inflater:
         self.size = 0  # inflated bytes so far
         self._d: zlib._Decompress | None = None
         self._first = b""  # a deflate body's first byte, until its second comes
+        self._members = 0  # gzip members started
 
     def _start(self, data: bytes) -> zlib._Decompress:
         if self.encoding in _GZIP:
@@ -83,6 +89,10 @@ class Inflater:
             if self._d is None or self._d.eof:
                 if self._d is not None and self.encoding not in _GZIP:
                     raise BadRequest("the request body has data after the end of its deflate stream", param="Content-Encoding",
+                                     code="invalid_content_encoding")
+                self._members += 1
+                if self._members > MAX_GZIP_MEMBERS:
+                    raise BadRequest(f"the request body has more than {MAX_GZIP_MEMBERS} gzip members", param="Content-Encoding",
                                      code="invalid_content_encoding")
                 self._d = self._start(data)
             try:
