@@ -487,3 +487,19 @@ async def test_a_beta_header_that_is_not_ascii_is_a_400_and_no_backend_is_blamed
     assert err["param"] == "openai-beta", err
     assert up.stats.requests == 0 and not [r for r in caplog.records if r.exc_info]
     assert 'code="500"' not in metrics.decode()
+
+
+@pytest.mark.parametrize("path, shape", [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic"),
+                                         ("/v1/messages/count_tokens", "anthropic")])
+async def test_an_answer_aiohttp_makes_itself_is_in_the_apis_own_shape(upstream, edge_gateway, path, shape):
+    """aiohttp's own 417 for an unknown Expect was turned into OpenAI's shape on every path; on
+    /v1/messages the anthropic SDK then read no error type (review helper's repro)."""
+    up = await upstream("a")
+    port = await edge_gateway(_policy(up))
+    a = await asyncio.to_thread(exchange, port, _post(path, CHAT, extra="Expect: 100-maybe\r\n"))
+    assert a.status == 417 and a.ctype.startswith("application/json"), a.raw[:300]
+    body = orjson.loads(a.body)
+    if shape == "anthropic":
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    else:
+        assert body["error"]["type"] == "invalid_request_error" and "param" in body["error"], body

@@ -36,7 +36,6 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
-import orjson
 from aiohttp import hdrs, web
 from aiohttp.http import RawRequestMessage
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
@@ -356,7 +355,7 @@ class _Connection(web.RequestHandler):
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
     ) -> tuple[web.StreamResponse, bool]:
         if isinstance(resp, web.HTTPException) and resp.status >= 400 and resp.content_type != "application/json":
-            resp = _as_json(resp)
+            resp = _as_json(resp, request.path)
         try:
             return await super().finish_response(request, resp, start_time)
         finally:
@@ -371,12 +370,13 @@ class _Connection(web.RequestHandler):
         super().log_exception(*args, **kw)
 
 
-def _as_json(exc: web.HTTPException) -> web.Response:
+def _as_json(exc: web.HTTPException, path: str) -> web.Response:
     """An answer aiohttp itself raised (417 for an unknown Expect, 413 from request.read(), ...)
-    in the JSON shape, keeping the headers that belong to it."""
-    kind = "invalid_request_error" if exc.status < 500 else "api_error"
-    message = (exc.text or exc.reason or "").strip()[:200] or HTTPStatus(exc.status).phrase
-    body = orjson.dumps({"error": {"message": message, "type": kind, "param": None,
-                                   "code": (exc.reason or "error").lower().replace(" ", "_")}})
+    in the JSON shape of the API `path` is under (Anthropic's for /v1/messages: it was OpenAI's),
+    keeping the headers that belong to it."""
+    err = GatewayError((exc.text or exc.reason or "").strip()[:200] or HTTPStatus(exc.status).phrase,
+                       code=(exc.reason or "error").lower().replace(" ", "_"))
+    err.status, err.type = exc.status, "invalid_request_error" if exc.status < 500 else "api_error"
+    body = at_path(path).error_body(err)
     keep = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after", "location", "connection")}
     return web.Response(body=body, status=exc.status, content_type="application/json", headers=keep)
