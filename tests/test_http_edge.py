@@ -503,3 +503,46 @@ async def test_an_answer_aiohttp_makes_itself_is_in_the_apis_own_shape(upstream,
         assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
     else:
         assert body["error"]["type"] == "invalid_request_error" and "param" in body["error"], body
+
+
+async def test_a_body_its_handler_never_read_is_not_held_by_the_idle_connection(upstream, tmp_path):
+    """A body that came with its head and was never read (a 401 before authentication) stayed
+    buffered on the keep-alive connection until its next request or the keep-alive timeout:
+    300 connections of 100 KiB held 29 MiB (review helper's repro). It is dropped as the answer
+    goes out; the connection stays open for the next request."""
+    from aiohttp import web
+
+    up = await upstream("a")
+    path = tmp_path / "policy.yaml"
+    path.write_text(yaml.safe_dump(_policy(up)))
+    runner = EdgeRunner(create_app(path), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    body = b"x" * 100 * 1024
+    try:
+        def run() -> list[socket.socket]:
+            held = []
+            for _ in range(40):
+                s = socket.create_connection(("127.0.0.1", port))
+                s.sendall(_post("/v1/chat/completions", body, key=None))
+                held.append(s)
+            for s in held:
+                s.settimeout(5)
+                got = b""
+                while b"\r\n\r\n" not in got:
+                    got += s.recv(65536)
+                assert b" 401 " in got.split(b"\r\n")[0], got[:100]
+            return held
+
+        held = await asyncio.to_thread(run)
+        await asyncio.sleep(0.3)
+        conns = list(runner.server._connections)  # type: ignore[union-attr]
+        assert len(conns) == 40  # kept alive
+        unread = sum(sum(len(b) for b in p._buffer) for c in conns if (p := getattr(c, "_last_payload", None)) is not None)
+        for s in held:
+            s.close()
+        assert unread < 40 * 4096, f"{unread} bytes of unread bodies held by idle connections"
+    finally:
+        await runner.cleanup()

@@ -360,6 +360,7 @@ class _Connection(web.RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self._answered += 1
+            _discard_unread(request)
 
     def log_exception(self, *args: Any, **kw: Any) -> None:
         """A body the client framed wrongly or dropped, found while lingering: its doing, not a bug."""
@@ -368,6 +369,19 @@ class _Connection(web.RequestHandler):
             log.debug("connection from %s closed: %s", self._address, exc)
             return
         super().log_exception(*args, **kw)
+
+
+def _discard_unread(request: web.BaseRequest) -> None:
+    """Drop what arrived of a body its handler never read (a 401, an early 429, a 404): aiohttp
+    discards only a body still arriving, and one that came with its head stayed buffered on the
+    idle keep-alive connection (300 connections of 100 KiB 401s held 29 MiB for up to 75 s:
+    review helper's repro)."""
+    content = request.content
+    try:
+        while content.read_nowait(-1):
+            pass
+    except Exception:  # noqa: BLE001 (a payload that failed: nothing of it is needed any more)
+        pass
 
 
 def _as_json(exc: web.HTTPException, path: str) -> web.Response:
