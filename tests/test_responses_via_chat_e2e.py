@@ -104,6 +104,26 @@ async def test_a_schema_nested_past_what_json_can_write_back_is_a_400_not_a_500(
     assert up.stats.requests == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_metadata_nested_past_what_json_can_write_back_is_a_400_and_blames_no_backend(upstream, gateway, stream):
+    """`metadata` is not sent to chat but echoed in the Response: nested 300 deep, every backend's
+    answer could not be written, each was blamed in turn until ejected (a 502), or a stream was a
+    500 (review helper's repro). The echoed fields are checked with the request: a 400, nothing sent."""
+    from gateway.web.keys import LIVE
+
+    a = await upstream("loc1", tokens=3, endpoints=("chat", "completions", "models"))
+    b = await upstream("loc2", tokens=3, endpoints=("chat", "completions", "models"))
+    gw = await gateway(_policy(a, b, cache={"enabled": False}, models={"m": {"backends": ["loc1", "loc2"], "strategy": "ordered"}}))
+    body = {"model": "m", "input": "hi", "metadata": {"k": _deep(300)}, "stream": stream}
+    async with aiohttp.ClientSession() as http:
+        for _ in range(6):
+            async with http.post(gw.url + "/v1/responses", json=body) as r:
+                out = await r.json()
+                assert r.status == 400 and out["error"]["param"] == "metadata", out
+    assert a.stats.requests + b.stats.requests == 0
+    assert all(gw.app[LIVE].runtime.backends[n].health.state() == "healthy" for n in ("loc1", "loc2"))
+
+
 async def test_long_instructions_stream_through_a_chat_backend(upstream, gateway):
     """The translation's start events repeat the request (its instructions, 600 KB here) and are
     held until the first output: they counted against the 1 MiB a backend may send before it, so

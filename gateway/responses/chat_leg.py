@@ -19,7 +19,7 @@ from ..wire.codec import Endpoint, NotAnAnswer, Whole, salted
 from ..wire.monitor import Monitor, Rewrite, Verdict
 from .replay import replayable
 from ..messages.translate import encoded
-from .via_chat import ChatToResponsesStream, StreamOrderError, chat_completion_to_response, responses_to_chat
+from .via_chat import ECHOED, ChatToResponsesStream, StreamOrderError, chat_completion_to_response, responses_to_chat
 from .wire import ResponsesRequest, stateful_refs
 
 __all__ = ["RESPONSES_VIA_CHAT", "ResponsesViaChat"]
@@ -34,6 +34,9 @@ class ResponsesViaChat(Endpoint):
         if not stateful_refs(body):  # a follow-up goes to the backend holding its state (pinning), as it is
             # Encoded too: orjson reads deeper nesting (a tool's schema) than it writes: a 400, not a 500
             encoded(responses_to_chat(body), "the request")
+            for key in ECHOED:  # and what the Response echoes, which chat is not sent
+                if body.get(key) is not None:
+                    encoded(body[key], key)
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str, cache_salt: str | None = None) -> bytes:
         return encoded(salted({**responses_to_chat(body), "model": upstream_model}, cache_salt), "the request")

@@ -401,6 +401,13 @@ def _incomplete(finish: Any) -> bool:
     return isinstance(finish, str) and finish in _INCOMPLETE
 
 
+# The request's fields a Response echoes (`_response`): each must encode as the request's, or the
+# answer could not be written (metadata nested 300 deep, which chat is never sent, made every
+# backend's answer unreadable: blamed on each in turn until ejected, or a 500 mid-stream).
+ECHOED = ("instructions", "max_output_tokens", "prompt_cache_key", "safety_identifier", "service_tier", "temperature",
+          "text", "tool_choice", "tools", "top_p", "user", "metadata")
+
+
 def _response(request: Mapping[str, Any], *, rid: str, model: str, created: int, output: list[dict[str, Any]],
               usage: dict[str, Any] | None, finish: Any, service_tier: Any = None, started: bool = False) -> dict[str, Any]:
     """A Response object: the answer (or, `started`, the one in progress: no output, no usage),
