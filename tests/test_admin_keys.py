@@ -379,6 +379,28 @@ async def test_a_revoked_key_stops_its_streams_and_its_requests_under_way(upstre
     await client.close()
 
 
+async def test_a_revoked_key_stops_its_replay_of_a_stored_response(upstream, gateway):
+    """GET /v1/responses/{id}?stream=true went on to its end after its key was revoked (review
+    helper's repro): it ends with an error event at its next read, as the relay's streams do."""
+    up = await upstream("up", tokens=40, itl_ms=1)
+    up.responses.replay_itl_ms = 100  # 40 deltas: ~4 s of replay
+    gw = await gateway(_policy(up.url, None))
+    st, k = await _call("POST", f"{gw.url}/admin/keys", A, {"tenant": "acme", "name": "replayer"})
+    assert st == 201
+    h = {"Authorization": f"Bearer {k['key']}"}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/v1/responses", json={"model": "m", "input": "hi", "background": True}, headers=h) as r:
+            rid = (await r.json())["id"]
+        await asyncio.sleep(0.5)  # completed on the backend
+        async with http.get(gw.url + f"/v1/responses/{rid}?stream=true", headers=h) as r:
+            assert r.status == 200
+            buf = await r.content.readany()
+            assert (await _call("DELETE", f"{gw.url}/admin/keys/{k['id']}", A))[0] == 204
+            while chunk := await r.content.readany():
+                buf += chunk
+    assert b"response.completed" not in buf and b"event: error" in buf and b"revoked" in buf, buf[-300:]
+
+
 def test_key_changes_travel_as_data_and_garbage_is_refused():
     """What a worker sends its supervisor (admin/relayed.py): each op round-trips through JSON and
     applies alike; anything else is a 400, not a crash of the supervisor's handler."""

@@ -20,7 +20,7 @@ from yarl import URL
 
 from ..config.runtime import Runtime
 from ..errors import GatewayError, UpstreamError, UpstreamRejected, UpstreamTimeout
-from ..pipeline.call import Call, Finish, Timing
+from ..pipeline.call import Call, Finish, Timing, key_live, revoked
 from ..relay.attempt import MAX_BODY_BYTES
 from ..relay.report import report
 from ..routing.backends import Backend
@@ -32,6 +32,7 @@ from ..web.http_call import api_key, error_response, request_id
 from ..web.keys import METRICS, RELAY
 from ..web.sink import CLIENT_READ_S, client_bounded
 from ..wire.codec import Endpoint
+from .wire import error_event, last_sequence_number
 
 __all__ = ["BY_ID", "Found", "Read", "Passthrough"]
 
@@ -161,6 +162,8 @@ class Passthrough:
             async with asyncio.timeout(total_s):
                 data = await resp.read(max_bytes=MAX_BODY_BYTES)
             resp.release()
+            if not key_live(self.call):  # revoked while the backend answered: nothing of it goes out
+                raise revoked()
             if on_read is not None:
                 await on_read(data)
             if resp.status >= 500:  # the backend's own failure: its words go to the log only, as the relay's do
@@ -179,6 +182,7 @@ class Passthrough:
         """An event stream (a background response's events, replayed by its backend), as bytes."""
         out = web.StreamResponse(status=resp.status, headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await out.prepare(self.request)
+        last = b""  # the last piece written (its last event's sequence number numbers an error event)
         try:
             # The request's deadline bounds the whole replay, and a client that takes none of it
             # for CLIENT_READ_S is gone: a replay ran 14 s past a 1 s deadline (its concurrency
@@ -189,6 +193,13 @@ class Passthrough:
                         chunk = await resp.readany()
                     if not chunk:
                         break
+                    if not key_live(self.call):
+                        # Revoked mid-replay: it stops, as the relay's streams do (it went on to the end).
+                        seq = last_sequence_number(last)
+                        await client_bounded(out.write(error_event(revoked(), 0 if seq is None else seq + 1)), CLIENT_READ_S)
+                        self.call.out.finish, self.call.out.error = Finish.ERROR, revoked().message
+                        return out
+                    last = chunk
                     await client_bounded(out.write(chunk), CLIENT_READ_S)
         except (TimeoutError, UpstreamHTTPError) as exc:
             # Cut: the client sees the stream stop without response.completed, which is the truth.

@@ -236,7 +236,7 @@ def error_event(err: GatewayError, sequence_number: int) -> bytes:
 _SEQ = b'"sequence_number":'
 
 
-def _last_sequence_number(data: bytes) -> int | None:
+def last_sequence_number(data: bytes) -> int | None:
     at = data.rfind(_SEQ)
     if at < 0:
         return None
@@ -268,7 +268,7 @@ class ResponsesSink(SinkWrapper):
         if not self._inner.committed:
             await self._inner.fail(err)
             return
-        last = _last_sequence_number(self._last)
+        last = last_sequence_number(self._last)
         await self._inner.write(error_event(err, 0 if last is None else last + 1))
         await self._inner.end()
 
