@@ -96,3 +96,22 @@ def test_a_body_of_more_gzip_members_than_clients_send_is_refused_at_the_first_o
     with pytest.raises(BadRequest, match=f"more than {MAX_GZIP_MEMBERS} gzip members"):
         for i in range(0, len(flood), 65536):
             inf.feed(flood[i:i + 65536])
+
+
+def test_the_body_budget_refuses_only_an_owner_over_its_share_once_the_budget_is_spent() -> None:
+    from gateway.errors import Unavailable
+    from gateway.web.body import BodyBudget
+
+    b = BodyBudget(100)
+    b.take("mallory", 90)
+    b.take("alice", 30)  # over the budget, but alice holds less than her share (100 / 2)
+    with pytest.raises(Unavailable) as exc:
+        b.take("mallory", 1)  # 91 > 50
+    assert exc.value.code == "overloaded" and exc.value.status == 503
+    with pytest.raises(Unavailable):
+        b.take("bob", 40)  # a third owner: 40 > 100 / 3
+    b.give("mallory", 90)
+    b.take("bob", 40)  # under the budget again
+    b.give("alice", 30)
+    b.give("bob", 40)
+    assert b.total == 0 and b.held == {}

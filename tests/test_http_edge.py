@@ -546,3 +546,44 @@ async def test_a_body_its_handler_never_read_is_not_held_by_the_idle_connection(
         assert unread < 40 * 4096, f"{unread} bytes of unread bodies held by idle connections"
     finally:
         await runner.cleanup()
+
+
+async def test_bodies_still_arriving_are_held_within_the_budget_and_each_tenants_share(upstream, edge_gateway):
+    """Bodies are read after authentication, before any quota: a tenant of `concurrency: 1` held 64
+    bodies of 1 MiB trickling in over 64 connections (1,024 x 4 MiB per address by default; review
+    helper's repro). Past `server.body_read_budget_bytes`, a tenant holding more than its share is
+    refused (503 overloaded) while another tenant's body is still read and answered."""
+    up = await upstream("a")
+    policy = _policy(up, body_read_budget_bytes=8 << 20)
+    other = "sk-other-" + "x" * 16
+    policy["tenants"]["acme"]["quota"] = {"concurrency": 1}
+    policy["tenants"]["other"] = {"key_sha256": [hash_key(other)]}
+    port = await edge_gateway(policy)
+    size = 1 << 20
+    head = _post("/v1/chat/completions", b"", extra=f"Content-Length: {size}\r\n", length=False)
+
+    def flood() -> tuple[Answer, int]:
+        held = []
+        for _ in range(24):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall(head + b"x" * (size - 1))  # all but the last byte: the body never completes
+            held.append(s)
+        time.sleep(1.0)
+        # Another tenant's body, arriving in pieces too, is read and answered meanwhile.
+        body = CHAT + b" " * (size - len(CHAT))
+        answer = exchange(port, _post("/v1/chat/completions", b"", key=other, extra=f"Content-Length: {size}\r\n", length=False),
+                          pieces=[body[i:i + 65536] for i in range(0, size, 65536)])
+        refused = []
+        for s in held:
+            s.settimeout(0.2)
+            try:
+                got = s.recv(4096)
+            except TimeoutError:
+                got = b""
+            refused.append(b" 503 " in got.split(b"\r\n")[0])
+            s.close()
+        return answer, sum(refused)
+
+    answer, refused = await asyncio.to_thread(flood)
+    assert answer.status == 200, answer.raw[:300]
+    assert refused >= 24 - 9, refused  # at most its share of 8 MiB held, the rest refused

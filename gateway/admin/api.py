@@ -118,7 +118,7 @@ async def list_keys(request: web.Request) -> web.Response:
 
 @writes
 async def create_key(request: web.Request) -> web.Response:
-    body = _parsed(_Create, await read_bounded(request, _MAX_ADMIN_BODY))
+    body = _parsed(_Create, await read_bounded(request, _MAX_ADMIN_BODY, "admin"))
     tenants = request.app[LIVE].runtime.tenants
     tenant = tenants.tenant(body.tenant)
     if tenant is None:
@@ -136,7 +136,7 @@ async def create_key(request: web.Request) -> web.Response:
 
 @writes
 async def rotate_key(request: web.Request) -> web.Response:
-    body = _parsed(_Rotate, await read_bounded(request, _MAX_ADMIN_BODY))
+    body = _parsed(_Rotate, await read_bounded(request, _MAX_ADMIN_BODY, "admin"))
     made = await request.app[KEYBOOK].rotate(request.match_info["id"], body.grace_s)
     return json_response(made, status=201, headers={"Cache-Control": "no-store"})
 
@@ -267,7 +267,7 @@ async def check_policy(request: web.Request) -> web.Response:
     every request), one check at a time per process, within _CHECK_TIMEOUT_S."""
     # The body is read before the lock: a viewer sending slowly must not hold everyone's checks (for
     # up to the body timeout, 60 s, every other check was a 429).
-    raw = await read_bounded(request, _MAX_POLICY_BODY)
+    raw = await read_bounded(request, _MAX_POLICY_BODY, "admin")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

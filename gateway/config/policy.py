@@ -532,6 +532,10 @@ class ServerPolicy(_Section):
     header_timeout_ms: int = Field(10_000, gt=0)
     keepalive_timeout_ms: int = Field(75_000, gt=0)
     body_timeout_ms: int = Field(60_000, gt=0)  # the whole body, from when the handler starts reading it: else 408
+    # Bytes of request bodies still arriving that a process holds at once (read after authentication,
+    # before any quota): past it, a caller holding more than its share of them gets a 503 (a tenant
+    # whose `concurrency` is 1 held 1,024 connections x 4 MiB per address while they trickled in).
+    body_read_budget_bytes: int = Field(256 * 1024 * 1024, gt=0)
     max_header_bytes: int = Field(32_768, ge=1024)  # request line + headers; more: 431 (each line also <= 8190)
     # Open connections per client IP address and process; one more gets a 429 and is closed. Behind a
     # load balancer or proxy every connection has its address: raise this there, or 0 (no cap).

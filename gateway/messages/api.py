@@ -55,7 +55,7 @@ async def count_tokens(request: web.Request) -> web.Response:
 
 async def _count(request: web.Request, rt: Runtime, tenant: Tenant) -> int:
     """The body's estimated input tokens, after the checks /v1/messages makes."""
-    raw = await read_bounded(request, rt.server.max_body_bytes)
+    raw = await read_bounded(request, rt.server.max_body_bytes, tenant.name)
     body = json_object(raw)
     bounded_containers(raw, body)
     if "max_tokens" in body:

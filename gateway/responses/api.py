@@ -72,7 +72,7 @@ async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: 
     rid = _valid_id(request.match_info["id"], param)
     if "item_id" in request.match_info:
         suffix = suffix.replace("{item_id}", _valid_id(request.match_info["item_id"], "item_id"))
-    body = await read_bounded(request, rt.server.max_body_bytes) if method == "POST" else b""
+    body = await read_bounded(request, rt.server.max_body_bytes, owner) if method == "POST" else b""
     await by_id.take()  # counted before the map is read: refused calls cost the caller too
     backends, search = await holders_of(rid, owner, rt, param)
     adding = kind == "conversation" and suffix == "/items" and method == "POST"
@@ -204,7 +204,7 @@ async def create_conversation(request: web.Request) -> web.StreamResponse:
 
 async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.StreamResponse:
     tenant = await by_id.authenticate()
-    body, model, items = _creation_body(await read_bounded(request, rt.server.max_body_bytes))
+    body, model, items = _creation_body(await read_bounded(request, rt.server.max_body_bytes, tenant.name))
     await by_id.take()
     backend = _conversation_backend(rt, tenant, model, await _items_holder(rt, items, tenant.cache_namespace))
 

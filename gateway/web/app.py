@@ -44,9 +44,10 @@ from ..tenants.auth import is_loopback, open_mode_problem
 from ..tenants.quota import Quota
 from ..upstream.client import UpstreamPool
 from .api import backends_view, routes
+from .body import BodyBudget
 from .drain import Drain
 from .edge import handler_args
-from .keys import ADMISSION, DRAIN, ENCODER, EXPORTS, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, OVERVIEWS, PEERS, PIPELINE, POLICY_CHECK, RELAY, RELOADER, REQUEST_LOG, WORKER
+from .keys import ADMISSION, BODY_BUDGET, DRAIN, ENCODER, EXPORTS, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, OVERVIEWS, PEERS, PIPELINE, POLICY_CHECK, RELAY, RELOADER, REQUEST_LOG, WORKER
 
 __all__ = ["create_app"]
 
@@ -109,6 +110,7 @@ def create_app(
     app[KEYBOOK] = keybook
     app[REQUEST_LOG] = request_log
     app[OVERVIEWS] = Overviews()
+    app[BODY_BUDGET] = BodyBudget(loaded.server.body_read_budget_bytes)
     app[ENCODER] = encoder
     app[POLICY_CHECK] = asyncio.Lock()
     app[EXPORTS] = asyncio.Semaphore(EXPORTS_AT_ONCE)

@@ -17,7 +17,7 @@ import zlib
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from ..errors import BadRequest, GatewayError, PayloadTooLarge
+from ..errors import BadRequest, GatewayError, PayloadTooLarge, Unavailable
 
 __all__ = ["RequestTimeout", "UnsupportedEncoding", "read_body"]
 
@@ -114,13 +114,52 @@ class Inflater:
                              code="invalid_content_encoding")
 
 
-async def read_body(request: web.BaseRequest, limit: int, timeout_s: float) -> bytes:
+class BodyBudget:
+    """Bytes of request bodies still arriving that this process holds, per owner (a tenant): over
+    `limit` in all, an owner holding more than its share (limit / owners reading) is refused, so
+    one caller trickling bodies over many connections cannot hold the process's memory, nor lock
+    the others out. A body that came whole with its head is not counted (nothing waits on it)."""
+
+    __slots__ = ("limit", "total", "held")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.total = 0
+        self.held: dict[str, int] = {}
+
+    def take(self, owner: str, n: int) -> None:
+        """Count `n` more bytes for `owner`; Unavailable (503, Retry-After) when over budget and share."""
+        mine = self.held.get(owner, 0)
+        if self.total + n > self.limit:
+            share = self.limit // (len(self.held) + (mine == 0))
+            if mine + n > share:
+                raise Unavailable(f"the gateway holds {self.total} bytes of request bodies still arriving, its "
+                                  f"server.body_read_budget_bytes, and this caller more than its share: retry",
+                                  code="overloaded", retry_after_s=1)
+        self.held[owner] = mine + n
+        self.total += n
+
+    def give(self, owner: str, n: int) -> None:
+        """The body is read (or failed): its bytes leave the budget."""
+        if not n:
+            return
+        left = self.held.get(owner, 0) - n
+        if left > 0:
+            self.held[owner] = left
+        else:
+            self.held.pop(owner, None)
+        self.total -= n
+
+
+async def read_body(request: web.BaseRequest, limit: int, timeout_s: float, budget: BodyBudget | None = None,
+                    owner: str = "") -> bytes:
     """The request's body (inflated when it is gzip or deflate), at most `limit` bytes.
 
     PayloadTooLarge (413) before reading anything when Content-Length is over the limit, else as
     soon as the bytes read or inflated pass it; UnsupportedEncoding (415) for other encodings;
     BadRequest (400) for malformed compression or framing; RequestTimeout (408) when the body has
-    not all arrived within `timeout_s`. Read only after authentication."""
+    not all arrived within `timeout_s`; Unavailable (503) when `budget` refuses `owner` more while
+    it arrives. Read only after authentication."""
     encoding = _encoding(request.headers.get("Content-Encoding"))
     length = request.content_length
     if length is not None and length > limit:
@@ -136,21 +175,26 @@ async def read_body(request: web.BaseRequest, limit: int, timeout_s: float) -> b
         return body
     inflater = Inflater(encoding, limit) if encoding is not None else None
     chunks: list[bytes] = []
-    size = 0
+    size = held = 0
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.content.iter_any():
                 size += len(chunk)
                 if size > limit:
                     raise PayloadTooLarge(f"the request body exceeds the limit of {limit} bytes")
-                if inflater is None:
-                    chunks.append(chunk)
-                else:
-                    chunks.extend(inflater.feed(chunk))
+                pieces = [chunk] if inflater is None else inflater.feed(chunk)
+                if budget is not None:
+                    n = sum(map(len, pieces))
+                    budget.take(owner, n)
+                    held += n
+                chunks.extend(pieces)
     except TimeoutError:
         raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s ({size} bytes came)") from None
     except (web.RequestPayloadError, HttpProcessingError) as exc:  # framing the HTTP parser refused mid-body
         raise BadRequest(f"malformed request body: {str(exc)[:200]}", code="malformed_request") from None
+    finally:
+        if budget is not None:
+            budget.give(owner, held)
     if inflater is not None:
         inflater.end()
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)

@@ -22,7 +22,7 @@ from ..tenants.auth import Tenant
 from ..tenants.priority import Band
 from ..wire.codec import Endpoint
 from .body import read_body
-from .keys import DRAIN, LIVE, OBSERVER
+from .keys import BODY_BUDGET, DRAIN, LIVE, OBSERVER
 
 if TYPE_CHECKING:
     from ..config.runtime import Runtime
@@ -53,10 +53,14 @@ def api_key(request: web.Request) -> str | None:
     return request.headers.get("api-key") or request.headers.get("x-api-key") or None
 
 
-async def read_bounded(request: web.Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes as sent and as inflated, within `server.body_timeout_ms`
-    (body.read_body). Call it only once the caller is authenticated."""
-    return await read_body(request, limit, request.app[LIVE].runtime.server.body_timeout_ms / 1000)
+async def read_bounded(request: web.Request, limit: int, owner: str) -> bytes:
+    """The body, at most `limit` bytes as sent and as inflated, within `server.body_timeout_ms`,
+    counted against `owner`'s share of `server.body_read_budget_bytes` while it arrives
+    (body.read_body). Call it only once the caller is authenticated (`owner`: its tenant)."""
+    server = request.app[LIVE].runtime.server
+    budget = request.app[BODY_BUDGET]
+    budget.limit = server.body_read_budget_bytes  # the policy in force (a reload may have changed it)
+    return await read_body(request, limit, server.body_timeout_ms / 1000, budget, owner)
 
 
 async def body_if_authenticated(request: web.Request, rt: Runtime) -> tuple[bytes, Tenant | None]:
@@ -69,7 +73,7 @@ async def body_if_authenticated(request: web.Request, rt: Runtime) -> tuple[byte
         tenant = rt.tenants.authenticate(key)
     except Unauthorized:
         return b"", None
-    return await read_bounded(request, rt.server.max_body_bytes), tenant
+    return await read_bounded(request, rt.server.max_body_bytes, tenant.name), tenant
 
 
 def request_id(request: web.Request) -> str:

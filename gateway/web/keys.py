@@ -21,9 +21,10 @@ if TYPE_CHECKING:
     from ..process.peers import Peers
     from ..process.workers import WorkerInfo
     from ..relay.context import RelayContext
+    from .body import BodyBudget
     from .drain import Drain
 
-__all__ = ["ADMISSION", "DRAIN", "ENCODER", "EXPORTS", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "OVERVIEWS", "PEERS", "PIPELINE", "POLICY_CHECK",
+__all__ = ["ADMISSION", "BODY_BUDGET", "DRAIN", "ENCODER", "EXPORTS", "KEYBOOK", "LIVE", "LOOPBACK", "METRICS", "OBSERVER", "OVERVIEWS", "PEERS", "PIPELINE", "POLICY_CHECK",
            "RELAY", "RELOADER", "REQUEST_LOG", "WORKER"]
 
 LIVE: web.AppKey["Live"] = web.AppKey("live")
@@ -46,6 +47,8 @@ REQUEST_LOG: web.AppKey["RequestLog"] = web.AppKey("request_log")
 OVERVIEWS: web.AppKey["Overviews"] = web.AppKey("overviews")
 # The classifier cascade's encoder (classify/cascade.py): one per process, loaded in the background.
 ENCODER: web.AppKey["EncoderWorker"] = web.AppKey("encoder")
+# Bytes of request bodies still arriving, per tenant (web/body.py): one per process.
+BODY_BUDGET: web.AppKey["BodyBudget"] = web.AppKey("body_budget")
 # Held while a pasted policy is checked (POST /admin/policy/check, in a thread): one at a time.
 POLICY_CHECK: web.AppKey[asyncio.Lock] = web.AppKey("policy_check", asyncio.Lock)
 # Held by each request log export (GET /admin/requests/export): a few at a time.
