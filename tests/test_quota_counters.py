@@ -103,6 +103,22 @@ async def test_scopes_with_different_tpm_reserve_alike_and_each_settles_to_what_
             assert (u.window_tokens, u.day_tokens) == (24, 24), name
 
 
+def test_what_a_request_used_past_its_reservation_stays_in_the_window_a_whole_window():
+    """Into the take's bucket, a 59 s stream's overage left the window a second after it settled
+    (review of the change): it counts from the settle, for a whole window."""
+    clock = Clock()
+    q = MemoryQuota(clock=clock)
+    d = q.take("t", _ask(Scope("", tpm=100_000), tokens=100))
+    clock.now += 59.5
+    q.settle("t", Settle(("",), d.bucket, d.day, 50_000, 0, "x"))
+    clock.now += 2.0  # the take's bucket has left the window
+    assert q.usage("t", "").window_tokens == 50_000
+    clock.now += 57.0
+    assert q.usage("t", "").window_tokens == 50_000
+    clock.now += 3.0
+    assert q.usage("t", "").window_tokens == 0
+
+
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_request_longer_than_the_window_settles_what_it_used_past_its_reservation_now(kind):
     """Its reservation's bucket has left the window: a positive correction went to that bucket and

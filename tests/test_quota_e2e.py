@@ -757,3 +757,35 @@ async def test_shutdown_settles_a_request_that_began_before_a_reload(upstream, g
         held = sum([await r.zcard(k) for k in await r.keys("*{gwq:acme}*:c")])
         await r.aclose()
     assert held == 0, f"{held} concurrency lease(s) left held in Redis after shutdown"
+
+
+async def test_a_streamed_answers_stored_item_is_charged_its_whole_size_when_named(upstream, gateway):
+    """A stream's output items were recorded at `response.output_item.added`, still empty (~22
+    tokens), and never again: naming one later was charged that, not its size (review of the
+    change). The size is recorded again as the item grows."""
+    up = await upstream("c", tokens=3000, itl_ms=0)
+    gw = await gateway(_policy(up, {"tpm": 1_000_000}))
+    q = gw.app[LIVE].runtime.quota
+    hdr = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as http:
+        iid = None
+        async with http.post(gw.url + "/v1/responses", headers=hdr, json={"model": "gpt-test", "input": "tell me", "stream": True}) as r:
+            async for line in r.content:
+                if line.startswith(b"data: ") and b'"response.completed"' in line:
+                    iid = orjson.loads(line[6:])["response"]["output"][0]["id"]
+        assert iid is not None
+        size = await gw.app[LIVE].runtime.affinity.context(iid)
+        assert size > 3000, size  # 3,000 words: its size, not the empty item's
+        await q.drain()
+        before = (await q.usage("acme"))[""].window_tokens
+        up.set(itl_ms=5)  # the follow-up's client leaves long before its usage would come
+        body = {"model": "gpt-test", "stream": True, "input": [{"type": "item_reference", "id": iid}, {"role": "user", "content": "and?"}]}
+        async with http.post(gw.url + "/v1/responses", headers=hdr, json=body) as r:
+            assert r.status == 200, await r.text()
+            buf = b""
+            while b"output_text.delta" not in buf:
+                buf += await r.content.readany()
+            r.close()  # left: no usage comes back
+    await asyncio.sleep(0.2)
+    await q.drain()
+    assert (await q.usage("acme"))[""].window_tokens - before >= size

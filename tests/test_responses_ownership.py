@@ -157,9 +157,9 @@ async def test_another_tenants_records_evict_their_own_not_a_tenants(upstream, g
     status, _, _ = await _call(gw, "GET", f"/v1/conversations/{bobs[-1]}", B)
     assert status == 200
     held = gw.app[LIVE].runtime.affinity.store.owners()
-    # alice's 7 records all kept: two responses, their output items (each a message), their
-    # contexts' sizes (pinning: a follow-up's prompt estimate), a conversation
-    assert sum(held.values()) < 150 and sorted(held.values())[0] == 7, held
+    # alice's 9 records all kept: two responses, their output items (each a message) and those
+    # items' sizes, their contexts' sizes (pinning: a follow-up's prompt estimate), a conversation
+    assert sum(held.values()) < 150 and sorted(held.values())[0] == 9, held
 
 async def test_the_migration_mode_finds_an_unknown_id_and_it_becomes_the_askers(upstream, gateway):
     a = await upstream(_name("a"), tokens=3)

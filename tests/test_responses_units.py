@@ -247,3 +247,20 @@ def test_a_conversation_must_be_an_id_or_an_object_with_one(conversation: object
     assert exc.value.param == "conversation"
     for good in ("conv_1", {"id": "conv_1"}, None):
         parse_body(orjson.dumps({"model": "m", "input": "hi", "conversation": good}), ResponsesRequest)
+
+
+def test_a_replay_goes_on_in_whole_events_so_an_error_event_can_follow_the_last_one() -> None:
+    """A replay's pieces split events anywhere: an error event written after a piece that ended
+    inside an event was glued onto it, numbered from a cut sequence number (review of the change).
+    Pieces go on as whole events; the sequence number is the last whole event's."""
+    from gateway.responses.passthrough import _whole_events
+
+    pieces = [b'event: a\ndata: {"sequence_number":3}\n\nevent: b\ndata: {"sequence_number":4', b',"delta":"he', b'"}\n\nevent: c']
+    seq, partial, sent = -1, b"", b""
+    seqs = []
+    for p in pieces:
+        whole, partial, seq = _whole_events(partial, p, seq)
+        sent += whole
+        seqs.append(seq)
+    assert seqs == [3, 3, 4] and partial == b"event: c"
+    assert sent.endswith(b"\n\n") and sent.count(b"\n\n") == 2

@@ -62,8 +62,8 @@ class Ticket:
 
 class FairQueue:
     """Waiters by band, deficit round robin across tenants inside a band. O(1) push and pop
-    (cancelled waiters are skipped lazily); `position()` is O(waiters in the band), and only runs
-    when a request would have to wait."""
+    (cancelled waiters are skipped lazily); `position()` and `push_out()` are O(tenants waiting
+    in the band), and only run when a request would have to wait."""
 
     def __init__(self, starvation_share: float = 0.1) -> None:
         self.starvation_share = starvation_share
@@ -72,6 +72,7 @@ class FairQueue:
         self._deficit: dict[str, dict[str, float]] = {b: {} for b in BANDS}
         self.sizes: dict[str, int] = dict.fromkeys(BANDS, 0)  # live waiters per band
         self._live: dict[str, dict[str, int]] = {b: {} for b in BANDS}  # live waiters per band and tenant
+        self._weight: dict[str, dict[str, float]] = {b: {} for b in BANDS}  # each waiting tenant's (its newest's)
         self._since_lower = 0
 
     def __len__(self) -> int:
@@ -88,6 +89,7 @@ class FairQueue:
         self.sizes[t.band] += 1
         live = self._live[t.band]
         live[t.tenant] = live.get(t.tenant, 0) + 1
+        self._weight[t.band][t.tenant] = max(t.weight, 1e-9)
 
     def leave(self, t: Ticket) -> None:
         """`t` stops waiting (cancelled, timed out): it no longer counts, and is skipped later."""
@@ -102,7 +104,7 @@ class FairQueue:
         if n:
             live[t.tenant] = n
         else:
-            del live[t.tenant]
+            del live[t.tenant], self._weight[t.band][t.tenant]
 
     def next_band(self) -> str | None:
         """The band pop() would serve now (None when nobody waits)."""
@@ -149,17 +151,24 @@ class FairQueue:
 
     def _take_heaviest(self, band: str, above: float = -1.0) -> Ticket | None:
         """Take out the newest waiter of the tenant of `band` with the most waiting for its weight
-        (the later newest on a tie), if that share is over `above`; None otherwise."""
+        (the later newest on a tie), if that share is over `above`; None otherwise. The shares are
+        counts: only the heaviest tenants' queues are looked into (every tenant's, and at a full
+        queue's every arrival, cost ~6 ms with 4,096 tenants waiting)."""
+        live, weight = self._live[band], self._weight[band]
+        top = max((n / weight[t] for t, n in live.items()), default=None)
+        if top is None or top <= above:
+            return None
         queues = self._q[band]
-        best: tuple[float, float] | None = None
         victim: Ticket | None = None
-        for tenant, n in self._live[band].items():
-            newest = next(t for t in reversed(queues[tenant]) if not t.gone)  # pushed in order
-            rank = (n / max(newest.weight, 1e-9), newest.enqueued)
-            if rank[0] > above and (best is None or rank > best):
-                best, victim = rank, newest
-        if victim is not None:
-            self.leave(victim)
+        for tenant, n in live.items():
+            if n / weight[tenant] == top:
+                q = queues[tenant]
+                while q[-1].gone:  # skipped when popped anyway; a live one is behind them
+                    q.pop()
+                if victim is None or q[-1].enqueued > victim.enqueued:
+                    victim = q[-1]
+        assert victim is not None
+        self.leave(victim)
         return victim
 
     def waiting_at_or_above(self, band: str) -> bool:

@@ -57,6 +57,7 @@ class Reloader:
         metrics: Metrics,
         on_swap: Callable[[Runtime], Awaitable[None]] | None = None,
         source: str | None = None,
+        loaded: bytes | None = None,
     ) -> None:
         self.path = path
         self.source = source or str(path)  # what errors and logs call it (a worker reads the supervisor's copy)
@@ -65,7 +66,9 @@ class Reloader:
         self.metrics = metrics
         self.on_swap = on_swap
         self._lock = asyncio.Lock()
-        self._digest = _digest(path) if path else None
+        # The digest of the bytes the policy in force was read from (`loaded`), not of the file
+        # now: a save during the start is a change the watcher sees.
+        self._digest = hashlib.sha256(loaded).hexdigest() if loaded is not None else (_digest(path) if path else None)
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def reload(self, trigger: str) -> tuple[bool, str]:

@@ -65,10 +65,10 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
         if rt.uncertain(verdict, route) and not unread:
             verdict = await rt.cascade.decide(verdict, view, tenant.name)
         call.verdict = verdict if not unread else _unread(verdict, unread)
+    if route.prefixes is not None and call.endpoint.generates:
+        _prefix(call, route, tenant)  # may make it complex (sticky_class): the class is final after it
     if call.endpoint.client_prefill and call.endpoint.ends_in_prefill(call.body):
         route = route.prefilled(call.cls, call.endpoint.name)  # only backends that continue it
-    if route.prefixes is not None and call.endpoint.generates:
-        _prefix(call, route, tenant)
     pool = route.pool(call.cls, call.endpoint.name)  # an endpoint no candidate serves: a 400 now, no upstream call
     # A candidate reached through translation: what cannot be faithful is a 400 now too.
     validate_legs(pool.translating.get(call.endpoint.name, ()), call.body)
@@ -103,8 +103,9 @@ def _long(v: Verdict, tokens: int, limit: int | None) -> Verdict:
     tokens of tool-call arguments was simple and went to the small model: review helper's repro)."""
     if v.cls == "complex" or limit is None or tokens <= limit:
         return v
-    return replace(v, cls="complex", rule="prompt_tokens", stage=Stage.RULE,
-                   reasons=[*v.reasons, f"rule: long prompt ({tokens} tokens with its tool definitions and calls)"])
+    # The top terms the scorer named pushed toward simple: not this verdict's reasons.
+    return replace(v, cls="complex", rule="prompt_tokens", stage=Stage.RULE, terms=None,
+                   reasons=[*v.logged(), f"rule: long prompt ({tokens} tokens with its tool definitions and calls)"])
 
 
 def _unread(v: Verdict, unread: int) -> Verdict:

@@ -128,21 +128,20 @@ async def pin(call: Call, route: Route, rt: Runtime, owner: str) -> Pinned | Non
     # stored context a follow-up makes its backend read again, all at once.
     holders, sizes = await asyncio.gather(
         asyncio.gather(*(rt.affinity.lookup(rid) for _, rid in refs)),
-        asyncio.gather(*(rt.affinity.context(rid) for field, rid in refs if field != "input")),
+        asyncio.gather(*(rt.affinity.context(rid) for _, rid in refs)),
     )
-    items = 0
     for (field, rid), holder in zip(refs, holders, strict=True):
         if holder is None and rt.affinity.adopt_unknown:
             continue  # the migration mode: searched for below, and adopted by the answer (affinity.Learner)
         if holder is None or holder.owner != owner:
             raise not_yours(field, rid, endpoint.missing_code(field))
         held.append((field, rid, holder))
-        if field == "input":
-            items += holder.tokens
-    # Its prompt is the new input, that context and the stored items it names (the quota charges
-    # them when no usage comes back: a stream left early on a 100,000-token conversation cost its
-    # few new tokens, and one naming a 50,000-token stored item 33).
-    call.prompt_tokens += max(sizes, default=0) + items
+    # Its prompt is the new input, the context it builds on (a response's, or a conversation's,
+    # which includes the response's) and the stored items it names (the quota charges them when
+    # no usage comes back: a stream left early on a 100,000-token conversation cost its few new
+    # tokens, and one naming a 50,000-token stored item 33).
+    builds = [n for (field, _), n in zip(refs, sizes, strict=True) if field != "input"]
+    call.prompt_tokens += max(builds, default=0) + sum(n for (field, _), n in zip(refs, sizes, strict=True) if field == "input")
     if not held:
         field, rid = refs[0]
         return Pinned(field, rid, None, route, endpoint.missing_code(field))  # search: see the module docstring

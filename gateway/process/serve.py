@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -428,7 +429,8 @@ class _Supervisor:
     async def _watch_file(self) -> None:
         """Follow the policy file: a change reloads every worker, then the launched models
         (reload_all; the workers do not watch the file themselves)."""
-        last, digest = _stat(self.path), _digest(self.path)
+        # The digest of the policy in force, not of the file now: a save since the start is a change.
+        last, digest = _stat(self.path), hashlib.sha256(self.data).hexdigest()
         while True:
             await asyncio.sleep(self.policy.reload.interval_ms / 1000)
             if not self.policy.reload.watch:
@@ -437,8 +439,8 @@ class _Supervisor:
             if now == last:
                 continue
             last = now
-            if now is not None and (d := _digest(self.path)) != digest:
-                digest = d
+            if now is not None and (digest_now := _digest(self.path)) is not None and digest_now != digest:
+                digest = digest_now
                 await self.reload_all("file change")
 
 

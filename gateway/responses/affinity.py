@@ -68,27 +68,25 @@ class OwnerConflict(GatewayError):
 
 @dataclass(frozen=True, slots=True)
 class Holder:
-    """Where a response id lives, and whose it is; for a stored item, its size in tokens (what a
-    request naming it makes the backend read; 0: unknown)."""
+    """Where a response id lives, and whose it is."""
 
     backend: str
     owner: str
-    tokens: int = 0
 
 
-def _value(backend: str, owner: str, tokens: int = 0) -> bytes:
-    return f"{backend}\n{owner}\n{tokens}".encode() if tokens else f"{backend}\n{owner}".encode()
+def _value(backend: str, owner: str) -> bytes:
+    return f"{backend}\n{owner}".encode()
 
 
 def _holder(raw: bytes) -> Holder:
-    backend, owner, tokens = ([*raw.decode("utf-8", "replace").split("\n", 2), "", ""])[:3]
-    return Holder(backend, owner, int(tokens) if tokens.isdigit() and len(tokens) < 12 else 0)
+    backend, _, owner = raw.decode("utf-8", "replace").partition("\n")
+    return Holder(backend, owner)
 
 
 def owner_of(key: str, raw: bytes) -> str:
     """The owner a record (`raw`, under `key`) names: an in-memory map is shared fairly among
     owners by it (store.core.FairMemoryStore: one tenant's records cannot evict another's)."""
-    return raw.partition(b"\n")[2].partition(b"\n")[0].decode("utf-8", "replace")
+    return raw.partition(b"\n")[2].decode("utf-8", "replace")
 
 
 class Affinity:
@@ -122,19 +120,18 @@ class Affinity:
         self._on_event = on_event
         self._last_warn = -_WARN_EVERY_S
 
-    async def record(self, ids: Sequence[str] | Mapping[str, int], backend: str, owner: str, *, required: bool = True) -> None:
+    async def record(self, ids: Sequence[str], backend: str, owner: str, *, required: bool = True) -> None:
         """Record that `backend` holds `ids` for `owner` (written at once, not one after another);
-        an id already `owner`'s is refreshed (its TTL starts again). Stored items come as a map of
-        id -> size in tokens. Raises OwnerConflict when another owner holds one (that record
-        stays), and RecordFailed when the store did not take a write in `attempts` tries
-        (`required=False`: reported and logged only, for answers nobody can follow up)."""
-        sizes = ids if isinstance(ids, Mapping) else {}
+        an id already `owner`'s is refreshed (its TTL starts again). Raises OwnerConflict when
+        another owner holds one (that record stays), and RecordFailed when the store did not take a
+        write in `attempts` tries (`required=False`: reported and logged only, for answers nobody
+        can follow up)."""
+        value = _value(backend, owner)
         ids = [rid for rid in dict.fromkeys(ids) if rid and len(rid) <= MAX_ID_CHARS]
         # Not required: one try, so an answer nobody can follow is not held up by a slow store.
         tries = self.attempts if required else 1
         results = await asyncio.gather(
-            *(self._retrying(functools.partial(self._claim, rid, _value(backend, owner, sizes.get(rid, 0)), owner), tries)
-              for rid in ids), return_exceptions=True
+            *(self._retrying(functools.partial(self._claim, rid, value, owner), tries) for rid in ids), return_exceptions=True
         )
         for rid, result in zip(ids, results, strict=True):
             if isinstance(result, OwnerConflict):
@@ -221,14 +218,17 @@ class Affinity:
         except StoreError as exc:
             self._failed("forget", exc)
 
-    async def record_context(self, ids: Sequence[str], tokens: int, owner: str) -> None:
+    async def record_context(self, ids: Sequence[str] | Mapping[str, int], tokens: int, owner: str) -> None:
         """Record that a follow-up of each of `ids` makes its backend read `tokens` tokens of
-        stored context (a response's input and output, a conversation's latest). One try, a
-        failure logged: the estimate is then the new input alone."""
-        value = f"{tokens}\n{owner}".encode()  # the owner: an in-memory map's fair share (owner_of)
-        ids = [rid for rid in ids if rid and len(rid) <= MAX_ID_CHARS]
-        results = await asyncio.gather(*(self._retrying(functools.partial(self.store.set, _CONTEXT + rid, value, self.ttl_s), 1)
-                                         for rid in ids), return_exceptions=True)
+        stored context (a response's input and output, a conversation's latest), or, `ids` a map
+        of stored items to their sizes, that a request naming one makes it read that many. One
+        try, a failure logged: the estimate is then the new input alone. (Apart from the holder
+        records, whose format replicas of an earlier version read too.)"""
+        sizes = ids if isinstance(ids, Mapping) else dict.fromkeys(ids, tokens)
+        # The owner: an in-memory map's fair share (owner_of)
+        results = await asyncio.gather(
+            *(self._retrying(functools.partial(self.store.set, _CONTEXT + rid, f"{n}\n{owner}".encode(), self.ttl_s), 1)
+              for rid, n in sizes.items() if rid and len(rid) <= MAX_ID_CHARS), return_exceptions=True)
         for result in results:
             if isinstance(result, StoreError):
                 self._failed("learn", result)
@@ -270,6 +270,7 @@ class Learner:
     affinity: Affinity
     owner: str
     claimed: set[str] = field(default_factory=set)  # ids this request recorded already (a stream's events repeat them)
+    item_sizes: dict[str, int] = field(default_factory=dict)  # its stored items' sizes as recorded (they grow as a stream goes)
     followable: list[str] = field(default_factory=list)  # its response's and conversation's ids, once recorded
     sized: bool = False  # their context size was recorded (from the answer's usage)
 
@@ -301,11 +302,17 @@ class Learner:
         if self.affinity.adopt_unknown and isinstance(prev, str) and prev:
             held.append(prev)
         ids = [rid for rid in held if rid not in self.claimed]
-        items = {rid: n for rid, n in held_items(response).items() if rid not in self.claimed}
+        sizes = held_items(response)
+        items = [rid for rid in sizes if rid not in self.claimed]
+        # An item's size grows as a stream goes (recorded at output_item.added, whole at completed)
+        grown = {rid: n for rid, n in sizes.items() if n > self.item_sizes.get(rid, 0)}
         required = response.get("store") is not False or conversation_id(response) is not None
         writes = [self.affinity.record(ids, backend, self.owner, required=required)] if ids else []
         if items:
             writes.append(self.affinity.record(items, backend, self.owner, required=False))
+        if grown:
+            writes.append(self.affinity.record_context(grown, 0, self.owner))
+            self.item_sizes.update(grown)
         usage = usage_of(response)
         tokens = usage["total_tokens"] if usage is not None else 0
         if own and required:

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from ..config.runtime import Runtime
 from ..errors import BadRequest, GatewayError, NotFound, UpstreamError, shown
+from ..pipeline.call import key_live, revoked
 from ..pipeline.pinning import not_yours, serving, usable_or_raise
 from ..routing.backends import Backend
 from ..tenants.auth import Tenant
@@ -68,16 +69,18 @@ async def _forward(request: web.Request, method: str, kind: str = "response", su
 
 async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: str, kind: str, suffix: str) -> web.StreamResponse:
     param = f"{kind}_id"
-    owner = (await by_id.authenticate()).cache_namespace
+    tenant = await by_id.authenticate()
+    owner = tenant.cache_namespace
     rid = _valid_id(request.match_info["id"], param)
     if "item_id" in request.match_info:
         suffix = suffix.replace("{item_id}", _valid_id(request.match_info["item_id"], "item_id"))
-    body = await read_bounded(request, rt.server.max_body_bytes, owner) if method == "POST" else b""
+    body = await read_bounded(request, rt.server.max_body_bytes, tenant.name) if method == "POST" else b""
     await by_id.take()  # counted before the map is read: refused calls cost the caller too
     backends, search = await holders_of(rid, owner, rt, param)
     adding = kind == "conversation" and suffix == "/items" and method == "POST"
+    held_tokens = 0
     if adding:  # stored items the new ones name must be the caller's, on the conversation's backend
-        holder = await _items_holder(rt, json_object(body).get("items"), owner)
+        holder, held_tokens = await _items_holder(rt, json_object(body).get("items"), owner)
         if holder is not None and not search and holder != backends[0].name:
             raise BadRequest(f"items name stored items held by backend {holder!r}, and conversation {rid!r} is on "
                              f"{backends[0].name!r}: no backend holds both", param="items", code="response_backend_mismatch")
@@ -91,7 +94,8 @@ async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: 
         # items, a conversation's) are the caller's to name in a later `item_reference`.
         items = shown_items(data)
         if items:
-            await rt.affinity.record(items, backend.name, owner, required=False)
+            await asyncio.gather(rt.affinity.record(list(items), backend.name, owner, required=False),
+                                 rt.affinity.record_context(items, 0, owner))
 
     path = f"/{kind}s/{rid}{suffix}"
     for i, backend in enumerate(backends):
@@ -106,8 +110,8 @@ async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: 
         if adding and out.status == 200:
             # Its next turn makes the backend read them too: charged with that turn (pinning.pin),
             # as the items a conversation was made with are (added later, they were not).
-            await rt.affinity.record_context([rid], await rt.affinity.context(rid) + len(body) // 4, owner)
-        return out
+            await rt.affinity.record_context([rid], await rt.affinity.context(rid) + len(body) // 4 + held_tokens, owner)
+        return _unless_revoked(by_id, out)
     raise not_yours(param, rid, RESPONSES.missing_code(param))
 
 
@@ -124,10 +128,19 @@ def shown_items(data: bytes) -> dict[str, int]:
     return held_items(obj) if obj.get("object") == "response" else {}
 
 
-async def _items_holder(rt: Runtime, items: Any, owner: str) -> str | None:
-    """The backend holding the stored items `items` names (None: it names none). Each must be
-    `owner`'s, else a 404 sent nowhere, as on /v1/responses: a conversation made or extended with
-    another tenant's item id copied that item into it (review helper's repro)."""
+def _unless_revoked(by_id: Passthrough, out: web.StreamResponse) -> web.StreamResponse:
+    """A whole answer goes out only while the caller's key works (a revoke during the call: a 401,
+    after the map was kept up to date with what the backend did); a stream stops by itself."""
+    if isinstance(out, web.Response) and not key_live(by_id.call):
+        raise revoked()
+    return out
+
+
+async def _items_holder(rt: Runtime, items: Any, owner: str) -> tuple[str | None, int]:
+    """The backend holding the stored items `items` names (None: it names none), and their size in
+    tokens as recorded. Each must be `owner`'s, else a 404 sent nowhere, as on /v1/responses: a
+    conversation made or extended with another tenant's item id copied that item into it (review
+    helper's repro)."""
     refs = item_refs(items)
     if len(refs) > MAX_ITEM_REFS:
         raise BadRequest(f"at most {MAX_ITEM_REFS} distinct item references (item_reference) a request", param="items")
@@ -142,7 +155,8 @@ async def _items_holder(rt: Runtime, items: Any, owner: str) -> str | None:
     if len(found) > 1:
         raise BadRequest(f"items name stored items held by different backends ({', '.join(sorted(found))}): no backend holds them all",
                          param="items", code="response_backend_mismatch")
-    return next(iter(found), None)
+    sizes = await asyncio.gather(*(rt.affinity.context(r) for r in refs)) if refs else []
+    return next(iter(found), None), sum(sizes)
 
 
 def _conversation_backend(rt: Runtime, tenant: Tenant, model: str | None, holder: str | None = None) -> Backend:
@@ -206,7 +220,8 @@ async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.
     tenant = await by_id.authenticate()
     body, model, items = _creation_body(await read_bounded(request, rt.server.max_body_bytes, tenant.name))
     await by_id.take()
-    backend = _conversation_backend(rt, tenant, model, await _items_holder(rt, items, tenant.cache_namespace))
+    holder, held_tokens = await _items_holder(rt, items, tenant.cache_namespace)
+    backend = _conversation_backend(rt, tenant, model, holder)
 
     async def whole(backend: Backend, resp: UpstreamResponse) -> None:
         if "text/event-stream" in resp.headers.get("Content-Type", ""):
@@ -226,8 +241,8 @@ async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.
     # Not released unless recorded: an id without an owner would be nobody's (a 404 to all).
     await rt.affinity.record([cid], backend.name, tenant.cache_namespace)
     if b'"items"' in body:  # what its first turn makes the backend read: charged with that turn (pinning.pin)
-        await rt.affinity.record_context([cid], len(body) // 4, tenant.cache_namespace)
-    return out
+        await rt.affinity.record_context([cid], len(body) // 4 + held_tokens, tenant.cache_namespace)
+    return _unless_revoked(by_id, out)
 
 
 async def get_response(request: web.Request) -> web.StreamResponse:

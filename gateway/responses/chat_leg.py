@@ -34,9 +34,9 @@ class ResponsesViaChat(Endpoint):
         if not stateful_refs(body):  # a follow-up goes to the backend holding its state (pinning), as it is
             # Encoded too: orjson reads deeper nesting (a tool's schema) than it writes: a 400, not a 500
             encoded(responses_to_chat(body), "the request")
-            for key in ECHOED:  # and what the Response echoes, which chat is not sent
+            for key in ECHOED:  # and what the Response echoes, as deep as a stream's event holds it
                 if body.get(key) is not None:
-                    encoded(body[key], key)
+                    encoded({"event": {"response": {key: body[key]}}}, key)
 
     def upstream_body(self, body: Mapping[str, Any], upstream_model: str, cache_salt: str | None = None) -> bytes:
         return encoded(salted({**responses_to_chat(body), "model": upstream_model}, cache_salt), "the request")

@@ -162,8 +162,6 @@ class Passthrough:
             async with asyncio.timeout(total_s):
                 data = await resp.read(max_bytes=MAX_BODY_BYTES)
             resp.release()
-            if not key_live(self.call):  # revoked while the backend answered: nothing of it goes out
-                raise revoked()
             if on_read is not None:
                 await on_read(data)
             if resp.status >= 500:  # the backend's own failure: its words go to the log only, as the relay's do
@@ -182,7 +180,9 @@ class Passthrough:
         """An event stream (a background response's events, replayed by its backend), as bytes."""
         out = web.StreamResponse(status=resp.status, headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         await out.prepare(self.request)
-        last = b""  # the last piece written (its last event's sequence number numbers an error event)
+        # The events go on whole (the pieces read split them anywhere): an error event can follow
+        # the last one, numbered after it. `partial`: what came of the next event so far.
+        seq, partial, sent_partial = -1, b"", False
         try:
             # The request's deadline bounds the whole replay, and a client that takes none of it
             # for CLIENT_READ_S is gone: a replay ran 14 s past a 1 s deadline (its concurrency
@@ -194,13 +194,20 @@ class Passthrough:
                     if not chunk:
                         break
                     if not key_live(self.call):
-                        # Revoked mid-replay: it stops, as the relay's streams do (it went on to the end).
-                        seq = last_sequence_number(last)
-                        await client_bounded(out.write(error_event(revoked(), 0 if seq is None else seq + 1)), CLIENT_READ_S)
+                        # Revoked mid-replay: it stops, as the relay's streams do (it went on to the
+                        # end), with an error event after the last whole event the client got.
+                        end = b"\n\n" if sent_partial else b""
+                        await client_bounded(out.write(end + error_event(revoked(), seq + 1)), CLIENT_READ_S)
                         self.call.out.finish, self.call.out.error = Finish.ERROR, revoked().message
                         return out
-                    last = chunk
-                    await client_bounded(out.write(chunk), CLIENT_READ_S)
+                    whole, partial, seq = _whole_events(partial, chunk, seq)
+                    sent_partial = False
+                    if len(partial) > _PARTIAL_MAX:  # an event this big goes on as it comes
+                        whole, partial, sent_partial = whole + partial, b"", True
+                    if whole:
+                        await client_bounded(out.write(whole), CLIENT_READ_S)
+                if partial:
+                    await client_bounded(out.write(partial), CLIENT_READ_S)
         except (TimeoutError, UpstreamHTTPError) as exc:
             # Cut: the client sees the stream stop without response.completed, which is the truth.
             log.warning("request %s: replayed stream from a backend cut: %s", self.call.request_id, exc or "its deadline passed")
@@ -218,6 +225,20 @@ class Passthrough:
         metrics = self.request.app[METRICS]
         seconds = time.perf_counter() - self.call.timing.sent_at
         report(self.call, backend, metrics, metrics.for_backend(backend.name), kind, seconds, status=status, sample=False)
+
+
+_PARTIAL_MAX = 1 << 16  # of an event still arriving, what is kept to find its end
+
+
+def _whole_events(partial: bytes, chunk: bytes, seq: int) -> tuple[bytes, bytes, int]:
+    """After `chunk` of an event stream: its whole events (with what came before of the first),
+    the start of the next one, and the last whole event's sequence number (else `seq`)."""
+    data = partial + chunk if partial else chunk
+    cut = data.rfind(b"\n\n")
+    if cut < 0:
+        return b"", data, seq
+    n = last_sequence_number(data[:cut])
+    return data[: cut + 2], data[cut + 2:], seq if n is None else n
 
 
 def _lost(exc: UpstreamHTTPError, *, answered: bool) -> Kind:

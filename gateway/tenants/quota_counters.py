@@ -63,7 +63,7 @@ class Decision:
     limit: str | None = None
     scope: str = ""
     retry_after_s: float = 0.0
-    bucket: int = 0  # the second the tokens were reserved in: a settle corrects that bucket
+    bucket: int = 0  # the second the tokens were reserved in: a settle gives back what was not used there
     day: int = 0
     limit_requests: int = -1
     remaining_requests: int = -1
@@ -75,7 +75,8 @@ class Decision:
 
 @dataclass(frozen=True, slots=True)
 class Settle:
-    """Correct a reservation: `token_delta` (actual - reserved) into its bucket and day of every
+    """Correct a reservation: `token_delta` (actual - reserved) into its bucket (what it used beyond
+    it: into the current second's) and day of every
     scope (a take reserved the same number on each), `spend_micro` (actual - reserved) into its
     day, and release the lease."""
 
@@ -272,10 +273,10 @@ class MemoryQuota:
         for name in s.scopes:
             c = self._get(f"{tenant}\x00{name}")
             if s.token_delta:
-                if s.token_delta > 0 and s.bucket < sec - WINDOW_S:
-                    # A request longer than the window: its reservation has left it, so what it
-                    # used beyond that counts now (it was dropped: a 2-minute stream's tokens past
-                    # its reservation never reached the tpm).
+                if s.token_delta > 0:
+                    # What it used beyond its reservation counts now: in the take's bucket it left
+                    # the window with that bucket (a 2-minute stream's tokens past its reservation
+                    # never reached the tpm, nor a 59 s one's after a second).
                     c.tokens.add(c.tokens.second(sec), s.token_delta)
                 else:
                     c.tokens.correct(s.bucket, s.token_delta)

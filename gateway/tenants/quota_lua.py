@@ -156,15 +156,15 @@ return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(res
 
 # KEYS: 5 per scope, then the take's record. ARGV: bucket, day, token_delta, spend_delta (micro-USD:
 # actual - reserved), lease. One delta for every scope: TAKE reserved the same on each. A positive
-# delta whose bucket has left the window goes to the current second's.
+# delta goes to the current second's bucket, a negative one to the take's (while in the window).
 SETTLE = _COMMON + r"""
 local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local sec = math.floor(now_s())
 redis.call('DEL', KEYS[#KEYS])
 for k = 0, #KEYS - 2, 5 do
   if delta ~= 0 then
-    if delta > 0 and tonumber(b) < sec - 60 then
-      -- a request longer than the window: what it used past its reservation counts now
+    if delta > 0 then
+      -- what it used past its reservation counts now (in the take's bucket it would leave the window with it)
       redis.call('HINCRBY', KEYS[k + 2], sec, delta)
       redis.call('PEXPIRE', KEYS[k + 2], 62000)
     elseif redis.call('HEXISTS', KEYS[k + 2], b) == 1 then

@@ -22,7 +22,7 @@ from ..admin.overview import Overviews
 from ..admin.request_log import RequestLog
 from ..admission.gate import Admission
 from ..classify.cascade import EncoderWorker
-from ..config.policy import LaunchPolicy, Policy, StorePolicy, VirtualKeysPolicy, load_policy
+from ..config.policy import LaunchPolicy, Policy, StorePolicy, VirtualKeysPolicy, read_policy
 from ..config.reload import Live, Reloader
 from ..config.runtime import Runtime, build_runtime
 from ..observe.metrics import Metrics, refresh_gauges
@@ -70,7 +70,7 @@ def create_app(
     `access_log`: write the JSON access log even when the policy's `log.access` is off."""
     path = None if isinstance(policy, Policy) else Path(policy)
     source = worker.policy_source or None if worker is not None else None
-    loaded = load_policy(path, source) if path is not None else policy
+    loaded, data = read_policy(path, source) if path is not None else (policy, None)
     assert isinstance(loaded, Policy)
     # Bodies are read by body.read_body (bounded, inflated under the limit, after authentication);
     # client_max_size only backs that up for a stray request.read(). The parser never inflates.
@@ -114,7 +114,7 @@ def create_app(
     app[ENCODER] = encoder
     app[POLICY_CHECK] = asyncio.Lock()
     app[EXPORTS] = asyncio.Semaphore(EXPORTS_AT_ONCE)
-    app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap, source=source)
+    app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap, source=source, loaded=data)
     app.add_routes(routes())
     _lifecycle(app, children, live, snapshots, worker)
     return app

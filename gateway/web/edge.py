@@ -347,7 +347,8 @@ class _Connection(web.RequestHandler):
         else:
             err = _parser_error(exc, message)
             log.debug("refused a malformed request from %s: %s", request.remote, err.message)
-        resp = web.Response(body=err.to_body(), status=err.status, content_type="application/json", headers=err.headers())
+        body = at_path(request.path).error_body(err) if request.path.startswith("/v1/") else err.to_body()
+        resp = web.Response(body=body, status=err.status, content_type="application/json", headers=err.headers())
         resp.force_close()
         return resp
 
