@@ -36,6 +36,17 @@ def _policy(up, quota: dict, **extra) -> dict:
     return policy
 
 
+async def left_after_first_delta(http: aiohttp.ClientSession, url: str, body: dict, headers: dict[str, str]) -> bytes:
+    """A streamed /v1/responses whose client leaves at its first text delta (no usage comes back)."""
+    async with http.post(url + "/v1/responses", json=body, headers=headers) as r:
+        assert r.status == 200, await r.text()
+        buf = b""
+        while b"output_text.delta" not in buf:
+            buf += await r.content.readany()
+        r.close()
+        return buf
+
+
 async def _admin_tenants(gw) -> dict:
     async with aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/admin/tenants", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
@@ -611,13 +622,7 @@ async def test_a_follow_up_is_charged_the_context_even_when_no_usage_measured_it
     hdr = {"Authorization": f"Bearer {KEY}"}
 
     async def leave_after_first_delta(http: aiohttp.ClientSession, body: dict) -> bytes:
-        async with http.post(gw.url + "/v1/responses", json=body, headers=hdr) as r:
-            assert r.status == 200, await r.text()
-            buf = b""
-            while b"output_text.delta" not in buf:
-                buf += await r.content.readany()
-            r.close()
-            return buf
+        return await left_after_first_delta(http, gw.url, body, hdr)
 
     async def charged(work: Any) -> tuple[int, Any]:
         await q.drain()
@@ -780,12 +785,7 @@ async def test_a_streamed_answers_stored_item_is_charged_its_whole_size_when_nam
         before = (await q.usage("acme"))[""].window_tokens
         up.set(itl_ms=5)  # the follow-up's client leaves long before its usage would come
         body = {"model": "gpt-test", "stream": True, "input": [{"type": "item_reference", "id": iid}, {"role": "user", "content": "and?"}]}
-        async with http.post(gw.url + "/v1/responses", headers=hdr, json=body) as r:
-            assert r.status == 200, await r.text()
-            buf = b""
-            while b"output_text.delta" not in buf:
-                buf += await r.content.readany()
-            r.close()  # left: no usage comes back
+        await left_after_first_delta(http, gw.url, body, hdr)
     await asyncio.sleep(0.2)
     await q.drain()
     assert (await q.usage("acme"))[""].window_tokens - before >= size

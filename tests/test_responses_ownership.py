@@ -22,6 +22,7 @@ from gateway.web.keys import LIVE
 from tests.fake_upstream import FakeUpstream
 from tests.test_cache_flight import Delayed
 from tests.procs import shared_redis
+from tests.test_quota_e2e import left_after_first_delta
 
 REDIS_DB = 13
 A, B = "sk-alice", "sk-bob"
@@ -544,12 +545,7 @@ async def test_a_follow_up_left_mid_stream_is_charged_the_stored_context_it_made
     ref = {"previous_response_id": first.id} if conv is None else {"conversation": conv}
     async with aiohttp.ClientSession() as http:
         body = {"model": "gpt-test", "input": "and then?", "stream": True, **ref}
-        async with http.post(gw.url + "/v1/responses", json=body, headers={"Authorization": f"Bearer {A}"}) as r:
-            assert r.status == 200
-            buf = b""
-            while b"output_text.delta" not in buf:
-                buf += await r.content.readany()
-            r.close()  # left: no usage comes back
+        await left_after_first_delta(http, gw.url, body, {"Authorization": f"Bearer {A}"})  # no usage comes back
     await asyncio.sleep(0.1)
     await quota.drain()
     charged = (await quota.usage("alice"))[""].window_tokens - before
