@@ -9,6 +9,7 @@ backends it shares with the running one (health thresholds, slots) apply once, a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -338,20 +339,20 @@ class Runtime:
         """A pool of one backend (a follow-up pinned to the backend that holds its state)."""
         return self._pool(model, (backend,), "ordered")
 
-    def _prefilling(self, model: str, pool: Pool | None, strategy: str) -> Pool | None:
-        """`pool` when each of its backends continues a final assistant turn, else the ones that do."""
+    def _narrowed(self, model: str, pool: Pool | None, keep: Callable[[Backend], bool], strategy: str) -> Pool | None:
+        """`pool` when `keep` keeps each of its backends, else a pool of those it keeps (None: none)."""
         if pool is None:
             return None
-        names = tuple(b.name for b in pool.backends if b.prefill)
+        names = tuple(b.name for b in pool.backends if keep(b))
         return pool if len(names) == len(pool.backends) else (self._pool(model, names, strategy) if names else None)
+
+    def _prefilling(self, model: str, pool: Pool | None, strategy: str) -> Pool | None:
+        """The backends of `pool` that continue a final assistant turn."""
+        return self._narrowed(model, pool, lambda b: b.prefill, strategy)
 
     def _by_endpoint(self, model: str, pool: Pool, strategy: str) -> dict[str, Pool | None]:
         """Per endpoint: the pool itself when every backend serves it, else the ones that do."""
-        out: dict[str, Pool | None] = {}
-        for ep, codec in ENDPOINTS.items():
-            names = tuple(b.name for b in pool.backends if _serves(b, codec))
-            out[ep] = pool if len(names) == len(pool.backends) else (self._pool(model, names, strategy) if names else None)
-        return out
+        return {ep: self._narrowed(model, pool, functools.partial(_serves, codec=codec), strategy) for ep, codec in ENDPOINTS.items()}
 
     def _route(self, model: str, r: ModelRoute) -> Route:
         strategy = r.strategy or self.routing.strategy

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config.runtime import Route, Runtime
@@ -30,7 +31,7 @@ from ..routing.backends import Backend
 from ..wire.codec import Endpoint
 from .call import Call
 
-__all__ = ["Pinned", "pin", "not_yours", "serving", "usable_or_raise"]
+__all__ = ["Pinned", "owned", "pin", "not_yours", "serving", "usable_or_raise"]
 
 
 def _is_404(err: GatewayError) -> bool:
@@ -115,6 +116,26 @@ def usable_or_raise(backend: Backend, what: str, model: str | None = None) -> No
         )
 
 
+async def owned(rt: Runtime, refs: list[tuple[str, str]], owner: str,
+                code_of: Callable[[str], str]) -> tuple[list[tuple[str, str, Holder]], list[int]]:
+    """Each (field, id) reference's holder, which must be `owner`'s (else the 404 `not_yours`, with
+    `code_of(field)`; in the migration mode an id without a record passes, held by nobody yet: the
+    backends are searched, and the answer adopts it), and the stored context each makes its
+    backend read (a response's, a conversation's, an item's size; 0: unknown): looked up at once."""
+    holders, sizes = await asyncio.gather(
+        asyncio.gather(*(rt.affinity.lookup(rid) for _, rid in refs)),
+        asyncio.gather(*(rt.affinity.context(rid) for _, rid in refs)),
+    )
+    held: list[tuple[str, str, Holder]] = []
+    for (field, rid), holder in zip(refs, holders, strict=True):
+        if holder is None and rt.affinity.adopt_unknown:
+            continue
+        if holder is None or holder.owner != owner:
+            raise not_yours(field, rid, code_of(field))
+        held.append((field, rid, holder))
+    return held, list(sizes)
+
+
 async def pin(call: Call, route: Route, rt: Runtime, owner: str) -> Pinned | None:
     """Where a follow-up goes (None for a request that builds on nothing stored). Every stateful
     reference must be `owner`'s, and all must be held by one backend. Raises NotFound, BadRequest,
@@ -123,19 +144,7 @@ async def pin(call: Call, route: Route, rt: Runtime, owner: str) -> Pinned | Non
     refs = endpoint.stateful_refs(call.body)
     if not refs:
         return None
-    held: list[tuple[str, str, Holder]] = []
-    # Each reference's holder (up to MAX_ITEM_REFS + 2) and, for a response or a conversation, the
-    # stored context a follow-up makes its backend read again, all at once.
-    holders, sizes = await asyncio.gather(
-        asyncio.gather(*(rt.affinity.lookup(rid) for _, rid in refs)),
-        asyncio.gather(*(rt.affinity.context(rid) for _, rid in refs)),
-    )
-    for (field, rid), holder in zip(refs, holders, strict=True):
-        if holder is None and rt.affinity.adopt_unknown:
-            continue  # the migration mode: searched for below, and adopted by the answer (affinity.Learner)
-        if holder is None or holder.owner != owner:
-            raise not_yours(field, rid, endpoint.missing_code(field))
-        held.append((field, rid, holder))
+    held, sizes = await owned(rt, refs, owner, endpoint.missing_code)
     # Its prompt is the new input, the context it builds on (a response's, or a conversation's,
     # which includes the response's) and the stored items it names (the quota charges them when
     # no usage comes back: a stream left early on a 100,000-token conversation cost its few new

@@ -28,7 +28,7 @@ from aiohttp import web
 from ..config.runtime import Runtime
 from ..errors import BadRequest, GatewayError, NotFound, UpstreamError, shown
 from ..pipeline.call import key_live, revoked
-from ..pipeline.pinning import not_yours, serving, usable_or_raise
+from ..pipeline.pinning import not_yours, owned, serving, usable_or_raise
 from ..routing.backends import Backend
 from ..tenants.auth import Tenant
 from ..upstream.client import UpstreamResponse
@@ -144,18 +144,11 @@ async def _items_holder(rt: Runtime, items: Any, owner: str) -> tuple[str | None
     refs = item_refs(items)
     if len(refs) > MAX_ITEM_REFS:
         raise BadRequest(f"at most {MAX_ITEM_REFS} distinct item references (item_reference) a request", param="items")
-    holders = await asyncio.gather(*(rt.affinity.lookup(r) for r in refs))
-    found: set[str] = set()
-    for rid, holder in zip(refs, holders, strict=True):
-        if holder is None and rt.affinity.adopt_unknown:
-            continue  # the migration mode: the backend says whether it has it
-        if holder is None or holder.owner != owner:
-            raise not_yours("items", rid, RESPONSES.missing_code("input"))
-        found.add(holder.backend)
+    held, sizes = await owned(rt, [("items", r) for r in refs], owner, lambda _: RESPONSES.missing_code("input"))
+    found = {holder.backend for _, _, holder in held}
     if len(found) > 1:
         raise BadRequest(f"items name stored items held by different backends ({', '.join(sorted(found))}): no backend holds them all",
                          param="items", code="response_backend_mismatch")
-    sizes = await asyncio.gather(*(rt.affinity.context(r) for r in refs)) if refs else []
     return next(iter(found), None), sum(sizes)
 
 

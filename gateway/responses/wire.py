@@ -68,7 +68,7 @@ class ResponsesRequest(_Body):
     @field_validator("input")
     @classmethod
     def _bounded_refs(cls, value: Any) -> Any:
-        if isinstance(value, list) and len(_item_refs(value)) > MAX_ITEM_REFS:
+        if isinstance(value, list) and len(item_refs(value)) > MAX_ITEM_REFS:
             raise ValueError(f"at most {MAX_ITEM_REFS} distinct item references (item_reference) a request")
         return value
 
@@ -93,11 +93,6 @@ def is_item_reference(item: Any) -> bool:
 
 def item_refs(items: Any) -> list[str]:
     """The stored items a list of input items names (`item_reference`), each once, in order."""
-    return _item_refs(items)
-
-
-def _item_refs(items: Any) -> list[str]:
-    """The stored items an `input` list refers to (`item_reference`), each once, in order."""
     if not isinstance(items, list):
         return []
     refs = (item.get("id") for item in items if is_item_reference(item))
@@ -115,7 +110,7 @@ def stateful_refs(body: Mapping[str, Any]) -> list[tuple[str, str]]:
     conv = conversation_id(body)
     if conv:
         out.append(("conversation", conv))
-    out += [("input", rid) for rid in _item_refs(body.get("input"))]
+    out += [("input", rid) for rid in item_refs(body.get("input"))]
     return out
 
 

@@ -85,7 +85,8 @@ def create_app(
     # The classifier's encoder: loaded once per process, in its own thread, when a policy first
     # needs it (a route that classifies); its settings are read at start.
     encoder = EncoderWorker(loaded.classifier.encoder, observe=metrics.classifier_encoder_seconds.observe)
-    snapshots = _Snapshots(metrics, admission, host, worker, keybook, request_log, encoder)
+    bodies = BodyBudget(loaded.server.body_read_budget_bytes)  # one for the app's life: a reload sets its limit
+    snapshots = _Snapshots(metrics, admission, host, worker, keybook, request_log, encoder, bodies)
     live = Live(snapshots.build(loaded, 1 if worker is None else worker.generation), snapshots.activate)  # loads the encoder here, if needed
     snapshots.started = True
 
@@ -110,7 +111,7 @@ def create_app(
     app[KEYBOOK] = keybook
     app[REQUEST_LOG] = request_log
     app[OVERVIEWS] = Overviews()
-    app[BODY_BUDGET] = BodyBudget(loaded.server.body_read_budget_bytes)
+    app[BODY_BUDGET] = bodies
     app[ENCODER] = encoder
     app[POLICY_CHECK] = asyncio.Lock()
     app[EXPORTS] = asyncio.Semaphore(EXPORTS_AT_ONCE)
@@ -126,9 +127,10 @@ class _Snapshots:
     force (Runtime.activate), never while it is built."""
 
     def __init__(self, metrics: Metrics, admission: Admission, host: str | None, worker: WorkerInfo | None,
-                 keys: KeyBook, request_log: RequestLog, encoder: EncoderWorker) -> None:
+                 keys: KeyBook, request_log: RequestLog, encoder: EncoderWorker,
+                 bodies: BodyBudget) -> None:
         self.metrics, self.admission, self.host, self.worker = metrics, admission, host, worker
-        self.keys, self.request_log, self.encoder = keys, request_log, encoder
+        self.keys, self.request_log, self.encoder, self.bodies = keys, request_log, encoder, bodies
         self.started = False  # the first runtime is in force (later ones come from reloads)
         self.states: dict[str, BackendState] = {}
         self.stores: dict[StorePolicy, Store] = {}
@@ -164,6 +166,7 @@ class _Snapshots:
             self.quotas.add(rt.quota)
         a = rt.policy.admission
         self.admission.configure(a.max_inflight, a.max_queue, a.starvation_share, a.enabled, a.priority_reserve_pct, a.standing())
+        self.bodies.limit = rt.policy.server.body_read_budget_bytes
         self.metrics.zero_series(sorted({rt.tenants.metric_label(t) for t in rt.policy.tenants}))
         self.keys.policy = rt.policy.admin.keys if rt.policy.admin else VirtualKeysPolicy()
         self.request_log.configure(rt.policy.request_log)

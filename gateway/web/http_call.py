@@ -57,10 +57,8 @@ async def read_bounded(request: web.Request, limit: int, owner: str) -> bytes:
     """The body, at most `limit` bytes as sent and as inflated, within `server.body_timeout_ms`,
     counted against `owner`'s share of `server.body_read_budget_bytes` while it arrives
     (body.read_body). Call it only once the caller is authenticated (`owner`: its tenant)."""
-    server = request.app[LIVE].runtime.server
-    budget = request.app[BODY_BUDGET]
-    budget.limit = server.body_read_budget_bytes  # the policy in force (a reload may have changed it)
-    return await read_body(request, limit, server.body_timeout_ms / 1000, budget, owner)
+    app = request.app
+    return await read_body(request, limit, app[LIVE].runtime.server.body_timeout_ms / 1000, app[BODY_BUDGET], owner)
 
 
 async def body_if_authenticated(request: web.Request, rt: Runtime) -> tuple[bytes, Tenant | None]:
