@@ -62,3 +62,18 @@ async def test_a_prompt_long_in_its_tool_calls_is_complex(upstream, gateway):
     assert (why["class"], why["rule"], why["stage"]) == ("complex", "prompt_tokens", "rule"), why
     status, headers, _ = await _post(gw, "/v1/chat/completions", body)
     assert status == 200 and (headers["x-gateway-class"], headers["x-gateway-backend"]) == ("complex", "big")
+
+
+async def test_a_long_prompt_in_another_script_is_long(upstream, gateway):
+    """Characters / 4 read 2,000 Chinese characters (~2,000 tokens) as 500: past the long-prompt
+    rule's 1,500, it went simple to the small model and reserved a quarter of what it used."""
+    small, big = await upstream("small"), await upstream("big")
+    gw = await gateway(_policy(small, big))
+    body = {"model": "auto", "max_tokens": 5, "messages": [{"role": "user", "content": "你好，请问今天天气怎么样？" * 160}]}
+    status, _, raw = await _post(gw, "/v1/route/explain", body)
+    why = orjson.loads(raw)
+    assert status == 200 and why["prompt_tokens"] >= 1_900, why
+    assert (why["class"], why["rule"]) == ("complex", "prompt_tokens"), why
+    status, headers, _ = await _post(gw, "/v1/chat/completions", body)
+    assert status == 200 and (headers["x-gateway-class"], headers["x-gateway-backend"]) == ("complex", "big")
+    assert 1_000_000 - int(headers["x-ratelimit-remaining-tokens"]) >= 1_900

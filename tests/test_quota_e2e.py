@@ -386,6 +386,27 @@ async def test_a_request_reserves_for_every_answer_the_backend_generates(upstrea
     assert 20 * answers <= reserved < 20 * answers + 50, reserved  # and the prompt estimate
 
 
+CJK = "请详细解释量子纠缠的原理" * 200  # 2,400 characters: ~1 token each, 600 by characters / 4
+
+
+@pytest.mark.parametrize("kind", ["chat", "completions", "tools"])
+async def test_text_in_other_scripts_is_reserved_by_its_width(upstream, gateway, kind):
+    """A Chinese prompt was reserved characters / 4 (600 tokens for 2,400 characters a tokenizer
+    makes ~2,400 tokens of): a tenant writing Chinese ran 4x past its tpm before settling caught up.
+    The SDK sends UTF-8 (a body of \\u escapes is reserved more, never less)."""
+    up = await upstream("a")
+    gw = await gateway(_policy(up, {"tpm": 100_000}))
+    client = gw.client(key=KEY)
+    if kind == "completions":
+        r: Any = await client.completions.with_raw_response.create(model="gpt-test", prompt=CJK, max_tokens=20)
+    else:
+        tools = [{"type": "function", "function": {"name": "f", "description": CJK}}] if kind == "tools" else openai.NOT_GIVEN
+        r = await client.chat.completions.with_raw_response.create(
+            model="gpt-test", messages=[{"role": "user", "content": "hi" if kind == "tools" else CJK}], max_tokens=20, tools=tools)
+    reserved = 100_000 - int(r.headers["x-ratelimit-remaining-tokens"])
+    assert 2_400 + 20 <= reserved < 2_400 + 20 + 100, reserved
+
+
 @pytest.mark.parametrize(("path", "body"), [
     ("/v1/chat/completions", {"messages": MSG, "max_output_tokens": 0.5}),  # a Responses field: chat ignores it
     ("/v1/completions", {"prompt": "hi", "max_completion_tokens": 1}),  # a chat field: completions ignores it

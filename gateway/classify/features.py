@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.classify.cues import cue_counts
+from gateway.wire.tokens import text_tokens
 
 __all__ = ["Extracted", "MODEL_FEATURES", "extract", "hash_index", "request_text"]
 
@@ -193,25 +194,26 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def request_text(body: Mapping[str, Any]) -> tuple[str, list[str], list[str], str, int]:
+def request_text(body: Mapping[str, Any]) -> tuple[str, list[str], list[str], str, int, int]:
     """Split a chat or completions body into (final user text, earlier user texts, assistant
-    texts, system text, total characters)."""
+    texts, system text, total characters, its tokens as `wire.tokens` estimates them)."""
     messages = body.get("messages")
     if not isinstance(messages, list):
         prompt = body.get("prompt")
         if isinstance(prompt, list):
             prompt = "\n".join(p for p in prompt if isinstance(p, str))
         text = prompt if isinstance(prompt, str) else ""
-        return text, [], [], "", len(text)
+        return text, [], [], "", len(text), text_tokens(text)
     users: list[str] = []
     assistants: list[str] = []
     systems: list[str] = []
-    total = 0
+    total = tokens = 0
     for m in messages:
         if not isinstance(m, Mapping):
             continue
         text = _content_text(m.get("content"))
         total += len(text)
+        tokens += text_tokens(text)
         role = m.get("role")
         if role == "user":
             users.append(text)
@@ -222,7 +224,7 @@ def request_text(body: Mapping[str, Any]) -> tuple[str, list[str], list[str], st
         elif role == "tool":
             assistants.append(text)
     final = users[-1] if users else (assistants[-1] if assistants else "")
-    return final, users[:-1], assistants, "\n".join(systems), total
+    return final, users[:-1], assistants, "\n".join(systems), total, tokens
 
 
 def _window(text: str, head: int, tail: int) -> str:
@@ -264,8 +266,8 @@ def _clip(x: float, cap: float) -> float:
 def extract(body: Mapping[str, Any]) -> Extracted:
     """Compute every named feature of a request body, plus its n-gram terms. Never raises on a
     body of the right general shape; unknown shapes read as empty text."""
-    final, prior_users, assistants, system, total_chars = request_text(body)
-    prompt_tokens = (total_chars + 3) // 4
+    final, prior_users, assistants, system, total_chars, width_tokens = request_text(body)
+    prompt_tokens = (total_chars + 3) // 4  # the model's feature: characters, as it was trained on
     cue_text = _instruction(_window(final, CUE_HEAD_CHARS, CUE_TAIL_CHARS))
     scan = _window(final, SCAN_HEAD_CHARS, SCAN_TAIL_CHARS)
     lower = cue_text.lower()
@@ -391,6 +393,7 @@ def extract(body: Mapping[str, Any]) -> Extracted:
     f: dict[str, Any] = {
         # sizes and shape
         "prompt_tokens": prompt_tokens,
+        "text_tokens": width_tokens,  # explain only: non-ASCII text by its width (what quotas reserve)
         "log_tokens": math.log1p(prompt_tokens) / 8.0,
         "long_input": prompt_tokens > 1500,
         "final_words": n_words,

@@ -18,6 +18,7 @@ from ..tenants.auth import Tenant
 from ..tenants.priority import asked_band, cap
 from ..wire.codec import validate_legs
 from ..wire.openai_wire import parse_body
+from ..wire.tokens import bytes_tokens
 from .call import Call
 
 __all__ = ["intake", "parse", "verdict_view"]
@@ -53,11 +54,11 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     route = rt.route(call.model)
     # Cheap; the classifier's estimate replaces it when it runs. Token ids are counted one by one.
     unread = call.endpoint.unread_prompt(call.body)
-    call.prompt_tokens = max(len(call.raw) // 4, unread)
+    call.prompt_tokens = max(bytes_tokens(call.raw), unread)
     if call.endpoint.classifies:
         view = call.endpoint.classify_view(call.body)  # a translation for some endpoints: once
         verdict = rt.classify(view, route)
-        estimate = verdict.features.get("prompt_tokens")
+        estimate = verdict.features.get("text_tokens")
         if isinstance(estimate, int):
             read = estimate + _structured_tokens(view)  # what the text does not show is _unread's
             call.prompt_tokens = read + unread
@@ -81,8 +82,8 @@ _STRUCTURED = ("tools", "functions", "response_format")
 
 def _structured_tokens(view: Mapping[str, Any]) -> int:
     """Prompt tokens the classifier's estimate (the messages' text) leaves out: tool and function
-    definitions, a response schema, and the calls earlier turns made (their arguments), as
-    characters / 4 of their JSON. A prompt big in `tools` looked like a 20-token one: its
+    definitions, a response schema, and the calls earlier turns made (their arguments), as the
+    tokens of their JSON. A prompt big in `tools` looked like a 20-token one: its
     second-long prefill raised its backend's predicted TTFT for every prompt and moved the other
     tenants' traffic (review helper's repro). Images are not counted (their JSON is no measure)."""
     parts = [view[k] for k in _STRUCTURED if view.get(k)]
@@ -92,7 +93,7 @@ def _structured_tokens(view: Mapping[str, Any]) -> int:
     if not parts:
         return 0
     try:
-        return len(orjson.dumps(parts)) // 4
+        return bytes_tokens(orjson.dumps(parts))
     except orjson.JSONEncodeError:  # nested too deeply: the body cannot be sent on either (a 400 there)
         return 0
 

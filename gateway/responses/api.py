@@ -35,6 +35,7 @@ from ..upstream.client import UpstreamResponse
 from ..web.http_call import accounted, read_bounded
 from ..web.keys import LIVE
 from ..wire.openai_wire import json_object
+from ..wire.tokens import bytes_tokens
 from .codec import RESPONSES
 from .passthrough import Passthrough
 from .route import holders_of
@@ -110,7 +111,7 @@ async def _by_id(request: web.Request, rt: Runtime, by_id: Passthrough, method: 
         if adding and out.status == 200:
             # Its next turn makes the backend read them too: charged with that turn (pinning.pin),
             # as the items a conversation was made with are (added later, they were not).
-            await rt.affinity.record_context([rid], await rt.affinity.context(rid) + len(body) // 4 + held_tokens, owner)
+            await rt.affinity.record_context([rid], await rt.affinity.context(rid) + bytes_tokens(body) + held_tokens, owner)
         return _unless_revoked(by_id, out)
     raise not_yours(param, rid, RESPONSES.missing_code(param))
 
@@ -234,7 +235,7 @@ async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.
     # Not released unless recorded: an id without an owner would be nobody's (a 404 to all).
     await rt.affinity.record([cid], backend.name, tenant.cache_namespace)
     if b'"items"' in body:  # what its first turn makes the backend read: charged with that turn (pinning.pin)
-        await rt.affinity.record_context([cid], len(body) // 4 + held_tokens, tenant.cache_namespace)
+        await rt.affinity.record_context([cid], bytes_tokens(body) + held_tokens, tenant.cache_namespace)
     return _unless_revoked(by_id, out)
 
 

@@ -17,6 +17,7 @@ from pydantic import BeforeValidator, Field, field_validator
 from ..errors import GatewayError
 from ..web.sink import Sink, SinkWrapper
 from ..wire.openai_wire import SSE_HEARTBEAT, JsonInt, _Body
+from ..wire.tokens import bytes_tokens
 
 __all__ = [
     "ResponsesRequest",
@@ -206,7 +207,7 @@ def held_items(response: Mapping[str, Any]) -> dict[str, int]:
 
 def item_ids(items: Any) -> dict[str, int]:
     """The items of a list (a response's `output`, a listing's `data`): id -> its size in tokens
-    (characters of its JSON / 4: what a request naming it makes the backend read)."""
+    (the tokens of its JSON: what a request naming it makes the backend read)."""
     if not isinstance(items, list):
         return {}
     return {rid: _size(item) for item in items if isinstance(item, dict) and isinstance(rid := item.get("id"), str) and rid}
@@ -214,7 +215,7 @@ def item_ids(items: Any) -> dict[str, int]:
 
 def _size(item: Mapping[str, Any]) -> int:
     try:
-        return len(orjson.dumps(item)) // 4
+        return bytes_tokens(orjson.dumps(item))
     except orjson.JSONEncodeError:  # nested past what orjson writes: not an item anyone can send back
         return 0
 

@@ -17,6 +17,7 @@ from .chat_monitor import ChatMonitor
 from .codec import Endpoint, NotAnAnswer, Whole, count_field, token_ids
 from .monitor import Monitor, Rewrite
 from .openai_wire import ChatRequest, CompletionRequest, EmbeddingRequest, RequestBody
+from .tokens import text_tokens
 
 __all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "ChatEndpoint", "EmbeddingsEndpoint"]
 
@@ -52,7 +53,7 @@ class ChatEndpoint(Endpoint):
         if self._chat:
             return 0
         suffix = body.get("suffix")
-        return token_ids(body.get("prompt")) + (max(1, len(suffix) // 4) if isinstance(suffix, str) and suffix else 0)
+        return token_ids(body.get("prompt")) + (max(1, text_tokens(suffix)) if isinstance(suffix, str) and suffix else 0)
 
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """On completions, the body without a `messages` field (which the classifier would read
