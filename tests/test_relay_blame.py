@@ -19,6 +19,7 @@ import pytest
 from aiohttp import web
 
 from gateway.relay import continuation
+from gateway.relay.refusal import request_too_large
 from gateway.relay.continuation import Transcript
 from gateway.routing import probes
 from gateway.routing.backends import Backend, BackendState
@@ -258,3 +259,75 @@ async def test_a_whole_answer_its_client_does_not_read_is_let_go(upstream, gatew
     finally:
         s.close()
     assert (await _post(gw, {}))[0] == 200
+
+
+async def _provider_with_a_tpm(limit: int) -> tuple[Any, str, dict[str, int]]:
+    """A provider whose per-minute token limit refuses one request past it on its own (OpenAI's
+    429 "Request too large"), and is otherwise rate limited like OpenAI ("Rate limit reached")
+    once `seen["busy"]` is set."""
+    seen = {"too_large": 0, "ok": 0, "busy": 0, "limited": 0}
+
+    async def chat(request: web.Request) -> web.Response:
+        body = await request.json()
+        asked = body.get("max_tokens") or 0
+        if asked > limit:
+            seen["too_large"] += 1
+            msg = f"Request too large for m in organization org-x on tokens per min (TPM): Limit {limit}, Requested {asked}. " \
+                  "The input or output tokens must be reduced in order to run successfully."
+            return web.json_response({"error": {"message": msg, "type": "tokens", "param": None, "code": "rate_limit_exceeded"}},
+                                     status=429, headers={"Retry-After": "20"})
+        if seen["busy"]:
+            seen["limited"] += 1
+            msg = f"Rate limit reached for m in organization org-x on tokens per min (TPM): Limit {limit}, Used {limit - 10}, Requested 20."
+            return web.json_response({"error": {"message": msg, "type": "tokens", "param": None, "code": "rate_limit_exceeded"}},
+                                     status=429, headers={"Retry-After": "20"})
+        seen["ok"] += 1
+        return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m",
+                                  "choices": [{"index": 0, "message": {"role": "assistant", "content": "pong"}, "finish_reason": "stop"}],
+                                  "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    return runner, f"http://127.0.0.1:{port}/v1", seen
+
+
+async def test_a_request_too_large_for_the_providers_limit_cools_nothing_down(gateway):
+    """One tenant's `max_tokens: 200000` past a provider's per-minute limit is refused by it with a
+    429 and Retry-After 20: the backend was cooled down for every tenant for 20 s, and a failover
+    sent the same request on to cool the next one (review helper's repro). It is the request's
+    doing: passed back as the provider said it, no other backend asked, nobody paused. A 429 that
+    says the provider is busy still pauses it."""
+    (ra, url_a, a), (rb, url_b, b) = await _provider_with_a_tpm(30_000), await _provider_with_a_tpm(30_000)
+    try:
+        gw = await gateway({"backends": {"a": {"url": url_a, "models": ["gpt-test"]}, "b": {"url": url_b, "models": ["gpt-test"]}},
+                            "models": {"gpt-test": {"backends": ["a", "b"]}}, "cache": {"enabled": False}})
+        status, _, raw = await _post(gw, {"max_tokens": 200_000})
+        assert status == 429 and b"Request too large" in raw, raw
+        assert a["too_large"] + b["too_large"] == 1  # not sent on to the other backend
+        for _ in range(6):
+            status, _, raw = await _post(gw, {"max_tokens": 20})
+            assert status == 200, raw
+        seen = await _backends(gw)
+        assert a["ok"] >= 1 and b["ok"] >= 1 and {_model_health(seen, name) for name in ("a", "b")} == {("healthy", 0)}
+        a["busy"] = b["busy"] = 1  # now the provider is busy: a real rate limit cools both down
+        status, headers, _ = await _post(gw, {"max_tokens": 20})
+        assert status == 429 and headers.get("Retry-After") and a["limited"] == b["limited"] == 1
+        seen = await _backends(gw)
+        assert {_model_health(seen, name)[0] for name in ("a", "b")} == {"cooling"}
+    finally:
+        await ra.cleanup()
+        await rb.cleanup()
+
+
+@pytest.mark.parametrize(("status", "message", "expected"), [
+    (429, "Request too large for gpt-4o in organization org-x on tokens per min (TPM): Limit 30000, Requested 200010.", True),
+    (429, "Rate limit reached for gpt-4o on tokens per min (TPM): Limit 30000, Requested 200010.", True),  # past the limit alone
+    (429, "Rate limit reached for gpt-4o on tokens per min (TPM): Limit 30000, Used 29000, Requested 2000.", False),
+    (429, "Rate limit reached: Limit 30000, Requested 2000. Please try again in 2s.", False),
+    (429, "You exceeded your current quota, please check your plan and billing details.", False),
+    (400, "Request too large", False),  # a 4xx other than 429 is passed back anyway
+])
+def test_a_request_too_large_is_told_from_a_busy_provider(status: int, message: str, expected: bool) -> None:
+    assert request_too_large(status, orjson.dumps({"error": {"message": message, "type": "tokens"}})) is expected
+    assert not request_too_large(status, message.encode())  # not an error body: the status decides

@@ -28,7 +28,7 @@ from ..web.sink import Sink
 from ..wire.codec import NotAnAnswer, salted
 from .context import RelayContext
 from .continuation import Resume
-from .refusal import context_length, retry_after
+from .refusal import context_length, request_too_large, retry_after
 
 __all__ = [
     "Attempt", "AttemptFailed", "ClientGone", "Cut", "Lost", "Progress", "Requester", "MAX_BODY_BYTES",
@@ -224,6 +224,8 @@ class Attempt:
         except (TimeoutError, UpstreamHTTPError):
             pass
         snippet = raw[:_ERROR_SNIPPET].decode("utf-8", "replace")
+        if request_too_large(status, raw):  # the request's own doing: passed back, nobody cooled down
+            raise UpstreamRejected(status, raw, backend.name)
         if status in (429, 503, 529):  # 529: Anthropic's overloaded_error, usually without Retry-After
             asked = retry_after(resp.headers.get("Retry-After"))
             pause = asked if asked is not None else _DEFAULT_COOLDOWN_S
