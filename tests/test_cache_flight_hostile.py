@@ -8,9 +8,12 @@ each test tells a fixed answer from a cut, a 503/504 or a second upstream call, 
 from __future__ import annotations
 
 import asyncio
+import secrets
+import socket
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 
 from gateway.cache.core import SingleFlight, Terms
@@ -18,6 +21,7 @@ from gateway.store.core import MemoryStore
 from gateway.tenants.auth import hash_key
 from gateway.web.keys import LIVE, RELAY
 from tests.conftest import RunningGateway, simple_policy
+from tests.procs import redis_server
 from tests.test_cache_flight import Delayed
 
 H = {"Authorization": "Bearer sk-acme"}
@@ -304,3 +308,62 @@ async def test_followers_on_the_same_terms_go_upstream_at_once_when_their_leader
     for r in rest:
         assert r[0] == 200 and r[2].rstrip().endswith("data: [DONE]") and "w4" in r[2]
     assert up.stats.requests == 4
+
+
+# --- a leader whose client does not read ---------------------------------------------------------
+
+def _stalled_client(port: int, body: dict[str, Any]) -> socket.socket:
+    """Sends the request and never reads a byte of the answer (a tiny receive window)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    s.connect(("127.0.0.1", port))
+    raw = orjson.dumps(body)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-acme\r\n"
+              b"Content-Type: application/json\r\nContent-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    return s
+
+
+@pytest.mark.parametrize("stored", [True, False], ids=["stored", "too large to store"])
+async def test_a_leader_whose_client_does_not_read_holds_no_follower(upstream, gateway, stored):
+    """A whole answer (~4.5 MB, past what the sockets buffer) ready in 50 ms held its flight's
+    followers until the leader's client read it, up to the 60 s write bound: a follower with an
+    8 s deadline got a 504 (review helper's repro). The flight lands before the client is sent
+    the answer: a stored one is a hit for the follower, one too large to store lets it go on alone."""
+    up = await upstream(tokens=600_000, ttft_ms=50)
+    gw = await gateway(_policy(up, cache={"max_entry_bytes": 8 * 1024 * 1024 if stored else 256 * 1024}))
+    body = _chat("popular question")
+    attacker = _stalled_client(gw.port, body)
+    try:
+        await _until(lambda: up.stats.requests == 1)
+        await asyncio.sleep(0.3)  # answered upstream; the leader's client reads nothing
+        async with aiohttp.ClientSession() as s:
+            started = asyncio.get_running_loop().time()
+            status, cache, _ = await _post(s, gw.url, body, {"x-request-timeout-ms": "8000"})
+            took = asyncio.get_running_loop().time() - started
+    finally:
+        attacker.close()
+    assert status == 200 and took < 4, (status, took)
+    assert (cache, up.stats.requests) == (("hit", 1) if stored else ("miss", 2))
+
+
+async def test_a_leader_whose_client_does_not_read_holds_no_other_replica(upstream, gateway):
+    """The same across replicas: the leader's lock on the shared store was held until its client
+    had read the answer; a request on another replica waited for it (504 at its 8 s deadline)."""
+    up = await upstream(tokens=600_000, ttft_ms=50)
+    async with redis_server() as url:  # a redis-server of this test's own
+        policy = _policy(up, cache={"max_entry_bytes": 8 * 1024 * 1024})
+        policy["store"] = {"url": url, "timeout_ms": 500}
+        policy["reload"] = {"watch": False, "channel": "t-" + secrets.token_hex(4)}
+        a, b = await gateway(policy, "a.yaml"), await gateway(policy, "b.yaml")
+        body = _chat("popular question")
+        attacker = _stalled_client(a.port, body)
+        try:
+            await _until(lambda: up.stats.requests == 1)
+            await asyncio.sleep(0.3)
+            async with aiohttp.ClientSession() as s:
+                started = asyncio.get_running_loop().time()
+                status, cache, _ = await _post(s, b.url, body, {"x-request-timeout-ms": "8000"})
+                took = asyncio.get_running_loop().time() - started
+        finally:
+            attacker.close()
+    assert (status, cache, up.stats.requests) == (200, "hit", 1) and took < 4, (status, cache, took)

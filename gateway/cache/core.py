@@ -283,6 +283,13 @@ class Flight:
         """Hand `entry` to the followers (call it inside the `hold` block, leader only)."""
         self.entry = entry
 
+    def finish(self) -> None:
+        """The leader has all it will publish: its followers go on now, not when its block ends
+        (after its own client has read the answer). Later callers find the flight finished and
+        take its entry, or go on their own."""
+        if self._done is not None:
+            self._done.set()
+
 
 class SingleFlight:
     """Per process: concurrent identical misses make one upstream call.

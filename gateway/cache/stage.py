@@ -24,7 +24,7 @@ from ..relay.attempt import ClientGone
 from ..relay.context import RelayContext
 from ..tenants.auth import Tenant
 from ..tenants.priority import Band
-from ..web.sink import Sink
+from ..web.sink import Sink, SinkWrapper
 from . import shared_flight as cache_flight
 from .broadcast import TeeSink, follow, wants_usage
 from .core import Cache, Flight, Terms
@@ -115,6 +115,7 @@ class CacheStage:
                                                         take=plan.store)
             if entry is not None:
                 flight.publish(entry)
+                flight.finish()  # complete: its followers need not wait for this client to read it
                 await self._replay(call, entry, tee)
             else:
                 await self._lead_and_land(call, cache, plan, key, tee, produce, flight, token)
@@ -126,24 +127,24 @@ class CacheStage:
 
     async def _lead_and_land(self, call: Call, cache: Cache, plan: CachePlan, key: str, sink: Sink, produce: Produce,
                              flight: Flight, token: str | None) -> None:
-        """Answer as the flight's leader, then store the answer and give back the lock (`token`)."""
+        """Answer as the flight's leader, then store the answer and give back the lock (`token`).
+        A whole answer lands before its client is sent it (_Landing): a client that reads slowly,
+        or never, holds none of the flight's followers here or on other replicas."""
+        landing = _Landing(sink, call, cache, plan, key, flight, token)
         led = False
         try:
             self._count(call, sink, CacheResult.MISS)
             call.cache.capture = cache.max_entry_bytes
-            await self._lead(call, sink, produce)
+            await self._lead(call, sink if isinstance(sink, TeeSink) else landing, produce)
             led = True
         finally:
             # Also when _lead raised: a client that closes its connection as soon as it has
             # the last byte gets this handler cancelled (handler_cancellation) before the
             # store, and a lock let go without the answer stored sends the other replicas'
             # waiting requests upstream again.
-            # The process's own store never suspends, so nothing can stop _land part way there;
-            # a shared store's round trips are shielded (a task each, a few µs: misses only).
             if not led and isinstance(sink, TeeSink):
                 sink.detach()  # its client gets no more
-            landing = _land(cache, key, call.cache.entry if plan.store else None, plan.ttl_s, flight, token)
-            await (asyncio.shield(landing) if cache.store.shared else landing)
+            await landing.land()
 
     def _count(self, call: Call, sink: Sink, result: CacheResult) -> None:
         call.cache.result = result
@@ -212,6 +213,38 @@ async def _settle(call: Call, sink: TeeSink) -> None:
     await sink.settle()
     if sink.detached and call.out.finish is Finish.OK:
         call.out.finish = sink.lost or Finish.CLIENT_DISCONNECT
+
+
+class _Landing(SinkWrapper):
+    """A flight leader's sink for a whole answer: the answer is stored, handed to the followers
+    and the lock given back (`land`) before it is written to the client. A leader whose client
+    did not read its 4.5 MB answer held every identical request, here and on the other replicas,
+    for that client's 60 s write bound: they got 504s past their deadlines (review helper's repro)."""
+
+    __slots__ = ("_call", "_cache", "_plan", "_key", "_flight", "_token", "_landed")
+
+    def __init__(self, inner: Sink, call: Call, cache: Cache, plan: CachePlan, key: str, flight: Flight,
+                 token: str | None) -> None:
+        super().__init__(inner)
+        self._call, self._cache, self._plan, self._key, self._flight, self._token = call, cache, plan, key, flight, token
+        self._landed = False
+
+    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        await self.land()
+        await self._inner.send(status, body, content_type)
+
+    async def land(self) -> None:
+        """Once: store what the call answered (when it may be stored), release the flight's
+        followers and give back the lock. The process's own store never suspends, so nothing
+        can stop it part way; a shared store's round trips are shielded (a task each, a few µs:
+        misses only)."""
+        if self._landed:
+            return
+        self._landed = True
+        call, plan = self._call, self._plan
+        landing = _land(self._cache, self._key, call.cache.entry if plan.store else None, plan.ttl_s, self._flight, self._token)
+        await (asyncio.shield(landing) if self._cache.store.shared else landing)
+        self._flight.finish()
 
 
 async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, flight: Flight, token: str | None) -> None:
