@@ -114,6 +114,17 @@ async def test_a_no_store_caller_never_leads_a_flight_others_join() -> None:
     await alone
 
 
+async def test_a_stream_that_is_never_stored_is_joined_live_and_waited_for_by_nobody() -> None:
+    flight = SingleFlight()
+    async with flight.hold("k", wait_s=5, stream=True, terms=DEFAULT, publishes=False) as live:
+        assert live.leader and live.stream is not None and not live.publishes and len(flight) == 1
+        async with flight.hold("k", wait_s=5, stream=True, terms=DEFAULT) as joined:
+            assert not joined.leader and joined.stream is live.stream  # the live stream, shared
+        async with asyncio.timeout(1):
+            async with flight.hold("k", wait_s=5, terms=DEFAULT) as whole:  # at once, not after the stream
+                assert whole.leader and whole.beside and whole.publishes  # it stores: later callers follow it
+
+
 # --- the gateway -------------------------------------------------------------------------------
 
 

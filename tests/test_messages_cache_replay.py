@@ -82,3 +82,39 @@ def test_a_message_a_hit_could_not_replay_is_not_captured(stop: str) -> None:
 
     assert MESSAGES.whole(message("end_turn"), 1 << 20).entry is not None
     assert MESSAGES.whole(message(stop), 1 << 20).entry is None
+
+
+async def test_a_stream_that_is_never_stored_is_shared_live_and_waited_for_by_nobody(monkeypatch, gateway):
+    """A streamed Message is not stored (only a whole one is), yet it led a flight: an identical
+    whole request waited out its ~4 s stream, found nothing stored and then asked the backend
+    itself (7.5 s; review helper's repro). It goes on at once; an identical stream still shares
+    the live one (one upstream call for both), and the whole answer is stored for later."""
+    import asyncio
+    import time
+
+    from tests.fake_anthropic import FakeAnthropic
+
+    monkeypatch.setenv("TEST_ANTHROPIC_KEY", "sk-up")
+    an = await FakeAnthropic("an", key="sk-up", words=40, itl_ms=50, model="claude-fake-1").start()  # ~2 s a stream
+    try:
+        gw = await gateway({"backends": {"an": {"url": an.url, "kind": "anthropic", "api_key_env": "TEST_ANTHROPIC_KEY",
+                                                "models": {"a": "claude-fake-1"}}},
+                            "reload": {"watch": False}, "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}})
+        body = {"model": "a", "max_tokens": 100, "temperature": 0, "messages": [{"role": "user", "content": "hi there"}]}
+        headers = {"Authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"}
+        async with aiohttp.ClientSession() as http:
+            async def post(b: dict[str, Any]) -> tuple[int, str | None, float]:
+                started = time.monotonic()
+                async with http.post(f"{gw.url}/v1/messages", json=b, headers=headers) as r:
+                    await r.read()
+                    return r.status, r.headers.get("x-gateway-cache"), time.monotonic() - started
+            leader = asyncio.create_task(post({**body, "stream": True}))
+            await asyncio.sleep(0.3)
+            streamed, whole = await asyncio.gather(post({**body, "stream": True}), post(body))
+            led = await leader
+            again = await post(body)
+        assert led[:2] == (200, "miss") and streamed[:2] == (200, "hit")  # the live stream, shared
+        assert whole[:2] == (200, "miss") and whole[2] < led[2], (whole, led)  # not after the leader's stream
+        assert an.stats.requests == 2 and again[:2] == (200, "hit")
+    finally:
+        await an.stop()

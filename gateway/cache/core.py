@@ -267,15 +267,17 @@ class Flight:
     in this process (whose cross-process lock it must not wait on, shared_flight.py).
     """
 
-    __slots__ = ("leader", "entry", "stream", "terms", "beside", "abandoned", "_done")
+    __slots__ = ("leader", "entry", "stream", "terms", "beside", "publishes", "abandoned", "_done")
 
     def __init__(self, leader: bool, entry: Entry | None = None, stream: Broadcast | None = None,
-                 done: asyncio.Event | None = None, terms: Terms = ANY_TERMS, beside: bool = False) -> None:
+                 done: asyncio.Event | None = None, terms: Terms = ANY_TERMS, beside: bool = False,
+                 publishes: bool = True) -> None:
         self.leader = leader
         self.entry = entry
         self.stream = stream
         self.terms = terms  # a registered leader's: who may join it
         self.beside = beside
+        self.publishes = publishes  # a registered leader's: False when only its live stream is shared
         self.abandoned = False  # a registered leader's block ended by its cancellation (its client left)
         self._done = done  # set when a registered leader's block ends (only followers of one wait on it)
 
@@ -315,6 +317,9 @@ class SingleFlight:
     alone that covers the leader's terms (and stores its answer) takes the key over: later callers
     join it; the old flight ends for the followers it has. A caller that will not store its answer
     (`stores=False`: cache-control: no-store) never leads a flight others join; it may follow one.
+    A streamed leader whose stream is never stored (`publishes=False`: a Messages stream) shares
+    it live with the streamed callers that join it; any other caller goes on alone at once (it
+    would wait for the whole stream, then find nothing stored).
 
     At most `max_flights` keys are held at once (a client can send many distinct prompts): a miss
     beyond that leads a flight of its own that nobody can join (`overflows` counts them). The
@@ -333,22 +338,23 @@ class SingleFlight:
         return len(self._flights)
 
     def hold(self, key: str, *, wait_s: float, stream: bool = False, include_usage: bool = False,
-             terms: Terms = ANY_TERMS, stores: bool = True) -> _Hold:
+             terms: Terms = ANY_TERMS, stores: bool = True, publishes: bool = True) -> _Hold:
         """Lead the flight for `key`, or follow the one in progress (see the class docstring):
         `async with flight.hold(...) as f`."""
-        return _Hold(self, key, wait_s, stream, include_usage, terms, stores)
+        return _Hold(self, key, wait_s, stream, include_usage, terms, stores and publishes, stores)
 
 
 class _Hold:
     """`SingleFlight.hold`'s context manager: a class, not a generator (entered once per cache
     miss: a generator-based one costs a few µs more per request)."""
 
-    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_terms", "_stores", "_led", "_deadline")
+    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_terms", "_stores", "_shares", "_led", "_deadline")
 
     def __init__(self, sf: SingleFlight, key: str, wait_s: float, stream: bool, include_usage: bool, terms: Terms,
-                 stores: bool) -> None:
+                 stores: bool, shares: bool) -> None:
         self._sf, self._key, self._wait_s, self._stream, self._include_usage = sf, key, wait_s, stream, include_usage
-        self._terms, self._stores = terms, stores
+        self._terms, self._stores = terms, stores  # stores: it will publish an entry
+        self._shares = shares  # it may lead others: it stores, or its live stream is shared (no no-store)
         self._led: Flight | None = None  # the flight this caller registered and leads
         self._deadline: float | None = None  # the loop's time by which a follower stops waiting (set on its first wait)
 
@@ -377,7 +383,7 @@ class _Hold:
         flights = self._sf._flights
         current = flights.get(self._key)
         if current is None:
-            if not self._stores:
+            if not (self._stores or (self._shares and self._stream)):
                 return Flight(leader=True)  # it publishes nothing: nobody may wait on it
             if len(flights) >= self._sf.max_flights:
                 self._sf.overflows += 1
@@ -395,12 +401,16 @@ class _Hold:
             # It asked for a usage chunk that the leader's stream lacks (and its stored answer may
             # too): it goes upstream itself, alone, as when the flights are full.
             return Flight(leader=True, beside=True)
+        if not current.publishes:
+            # A live stream that is never stored (a streamed follower that could not join it is
+            # here too): nothing to wait for. Alone; leading later callers when it stores.
+            return self._register(beside=True) if self._stores else Flight(leader=True, beside=True)
         return None
 
     def _register(self, *, beside: bool) -> Flight:
         """Lead the flight for the key (over one in progress when `beside`: that one keeps its followers)."""
         bc = Broadcast(include_usage=self._include_usage, budget=self._sf.budget) if self._stream else None
-        flight = Flight(leader=True, stream=bc, done=asyncio.Event(), terms=self._terms, beside=beside)
+        flight = Flight(leader=True, stream=bc, done=asyncio.Event(), terms=self._terms, beside=beside, publishes=self._stores)
         self._led = self._sf._flights[self._key] = flight
         return flight
 

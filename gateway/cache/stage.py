@@ -77,7 +77,7 @@ class CacheStage:
             entry = None
             await cache.forget(plan.key)
         if entry is None:
-            entry = await self._miss(call, cache, plan, plan.key, rt.policy.cache.lock_ms / 1000, sink, produce)
+            entry = await self._miss(call, route, cache, plan, plan.key, rt.policy.cache.lock_ms / 1000, sink, produce)
         if entry is not None:
             await self._replay(call, entry, sink)
 
@@ -89,15 +89,17 @@ class CacheStage:
         return {"cache": call.cache.result, "cache_reason": plan.reason}
 
     async def _miss(
-        self, call: Call, cache: Cache, plan: CachePlan, key: str, lock_s: float, sink: Sink, produce: Produce
+        self, call: Call, route: Route, cache: Cache, plan: CachePlan, key: str, lock_s: float, sink: Sink, produce: Produce
     ) -> Entry | None:
         """Lead the flight for `key` or follow the one in progress. Returns an entry still to be
         replayed to the client, or None once the client has its answer."""
         if plan.store:
             call.ask_usage()  # what is stored has the usage a later hit may be asked for
         terms = _terms(call)
+        # A stream some candidate's leg does not store (a Messages stream): shared live, never waited for.
+        publishes = not call.stream or call.endpoint.name not in route.pool(call.cls, call.endpoint.name).unstored_streams
         async with self.ctx.flight.hold(key, wait_s=call.remaining_s(), stream=call.stream, include_usage=wants_usage(call),
-                                        terms=terms, stores=plan.store) as flight:
+                                        terms=terms, stores=plan.store, publishes=publishes) as flight:
             if not flight.leader:
                 if flight.stream is not None and await follow(flight.stream, call, sink):
                     self.ctx.metrics.lookup[CacheResult.HIT].inc()  # answered from its leader's live stream
@@ -112,7 +114,7 @@ class CacheStage:
             # leader beside a flight here: it would wait on that one's lock, on the terms it did not join.
             if flight.leader and not flight.beside and cache_flight.shared(cache):
                 token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s, terms=terms,
-                                                        take=plan.store)
+                                                        take=plan.store and publishes)
             if entry is not None:
                 flight.publish(entry)
                 flight.finish()  # complete: its followers need not wait for this client to read it

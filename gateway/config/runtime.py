@@ -101,6 +101,8 @@ class Pool:
     translating: dict[str, tuple[Endpoint, ...]] = field(default_factory=dict)
     # the endpoints whose streams may be continued on another backend: every backend's leg can
     continues: frozenset[str] = frozenset()
+    # the endpoints whose streams some backend's leg does not store (Endpoint.stores_streams)
+    unstored_streams: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,14 +314,17 @@ class Runtime:
         enabled = rp.prefix_affinity.enabled
         affinity = len(picked) >= 2 and (enabled if enabled is not None else True) and strategy == "latency"
         mixed = any(b.local for b in picked) and not all(b.local for b in picked)
-        translating, continues = {}, set()
+        translating, continues, unstored = {}, set(), set()
         for ep, codec in ENDPOINTS.items():
             legs = {leg for b in picked if (leg := codec.toward(b.kind, b.policy.endpoints)) is not None}
             if legs - {codec}:
                 translating[ep] = tuple(legs - {codec})
             if legs and all(leg.continues for leg in legs):
                 continues.add(ep)
-        return Pool(picked, cands, selector, affinity, mixed, frozenset(b.kind for b in picked), translating, frozenset(continues))
+            if not all(leg.stores_streams for leg in legs):
+                unstored.add(ep)
+        return Pool(picked, cands, selector, affinity, mixed, frozenset(b.kind for b in picked), translating, frozenset(continues),
+                    frozenset(unstored))
 
     def _health_for(self, b: Backend, model: str) -> Health:
         """`b.health_for(model)`, but while building without touching the live state: a model

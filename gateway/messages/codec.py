@@ -62,6 +62,7 @@ class MessagesEndpoint(Endpoint):
     asks_usage = False  # an Anthropic stream always reports usage; the chat leg asks for it itself
     prefill_trims = True  # Anthropic refuses a final assistant turn that ends in whitespace
     client_prefill = True
+    stores_streams = False  # a streamed Message is shared live, not stored (a whole one is: MessagesMonitor)
 
     def continuable(self, body: Mapping[str, Any]) -> bool:
         """Text a continuation can reproduce: no tools asked for, no extended thinking."""
@@ -154,6 +155,7 @@ class ChatViaMessages(Endpoint):
     name, path, request, upstream = "chat", "/chat/completions", ChatRequest, "messages"
     kinds = frozenset()
     prefill_trims = True  # Anthropic refuses a final assistant turn that ends in whitespace
+    stores_streams = False  # translated streams are not stored (AnthropicToChatMonitor)
 
     def __init__(self, default_max_tokens: int = 4096) -> None:
         super().__init__()

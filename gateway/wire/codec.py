@@ -159,6 +159,10 @@ class Endpoint:
     # backend when it breaks (relay/continuation.py: its monitor gives the transcript chat chunks,
     # its own or a translation of its events, and applies the continuation's rewrite to them).
     continues = True
+    # Whether a stream through this codec (natively, or as a leg) ends in a cache entry (its
+    # monitor's `entry`): a stream that does not is shared live with identical streams, but
+    # nothing waits for it to be stored (cache/stage.py).
+    stores_streams = True
 
     def ids(self, request_id: str) -> dict[str, str]:
         """The request id's response headers (`id_headers`), a fresh dict."""
