@@ -2,7 +2,8 @@
 
 Between steps it admits waiting requests (each prefilled alone into a free row of the KV cache,
 while the cache's byte budget holds them) and drops finished or cancelled ones, so concurrent
-requests share each forward pass. Every kernel computes each row on its own, so a request's
+requests share each forward pass. A long prompt that arrives while others decode is prefilled a
+chunk between two of their steps (`_Fill`), so their streams go on while it is read. Every kernel computes each row on its own, so a request's
 tokens do not depend on its batch-mates. A prompt that starts like one seen recently reuses
 that prefix's K/V from the prefix cache (llama/prefix.py) and computes only the rest, with the
 same tokens as a cold run. Tokens reach asyncio through ``loop.call_soon_threadsafe``; nothing
@@ -42,6 +43,25 @@ __all__ = ["Engine"]
 # and torch's attention give a row bits that depend on the pass's shape, so a warm run must repeat
 # the cold run's chunks, and a chunk much smaller than this costs the cold run passes.
 _TORCH_PREFIX_BLOCK_TOKENS = 128
+
+# A prompt prefilled while other sequences decode is computed this many tokens between two of their
+# decode steps (kernel modes; the torch modes' chunks are their prefix blocks): a chunk of SmolLM2
+# at 4,000 positions costs ~170 ms on 2 CPU cores, where a 7,000-token prompt in one pass stopped
+# every stream for ~26 s (review helper's repro).
+_FILL_CHUNK_TOKENS = 64
+# The kernel modes' passes of a prompt read alone: shorter passes keep the attention's working set
+# in cache (SmolLM2, 4,000 tokens, 2 cores: 8.8 s in one pass, 6.5 s in passes of 256, 6.7 s of 64).
+_PASS_TOKENS = 256
+
+
+@dataclass(eq=False)
+class _Fill:
+    """A prompt being prefilled a chunk at a time into the cache's last row, between decode steps."""
+
+    slot: _Slot
+    ids: torch.Tensor
+    bounds: list[int]  # where each chunk still to compute ends (the last: the prompt's length)
+    start: int  # positions of the row computed so far
 
 
 @dataclass(eq=False)
@@ -95,6 +115,7 @@ class Engine:
         self._cond = threading.Condition()
         self._waiting: deque[Sequence] = deque()
         self._active: list[_Slot] = []  # slot i owns cache row i
+        self._fill: _Fill | None = None  # owns the last row, after the active ones: decode steps leave it out
         if self.device.type == "cuda":  # a static cache, decode steps replayed as CUDA graphs
             self._cache = model.new_cache(max_batch, static=True)
             model.use_cuda_graphs(self._cache)
@@ -190,29 +211,38 @@ class Engine:
             self._start_thread_pools()
             while True:
                 with self._cond:
-                    while not self._closing and not self._active and not self._waiting:
+                    while not self._closing and not self._active and not self._waiting and self._fill is None:
                         self._cond.wait()
                     if self._closing:
                         break
-                    admitted = self._take_waiting()
+                    admitted = self._take_waiting() if self._fill is None else []
                 try:
+                    if self._fill is not None:
+                        self._fill_chunk(self._fill)
                     self._prefill(admitted)
                     self._drop_done()
                     if self._active:
                         self._decode_step()
                         self._drop_done()
                 except Exception as exc:  # a failed forward pass fails its batch, not the engine
-                    for slot in self._active:
+                    for slot in self._running():
                         if not slot.done:
                             self.stats.observe_finish("error")
                             slot.seq.deliver(exc)
-                    self._active = []
+                    self._active, self._fill = [], None
                     self._cache.clear()
-                self.stats.set_load(len(self._waiting), len(self._active))
-        for slot in self._active:
+                self.stats.set_load(len(self._waiting), self._batch())
+        for slot in self._running():
             slot.seq.deliver(EngineClosed("the engine stopped"))
-        self._active = []
+        self._active, self._fill = [], None
         self._cache.clear()
+
+    def _running(self) -> list[_Slot]:
+        """The admitted sequences: decoding, and the one being prefilled."""
+        return self._active if self._fill is None else [*self._active, self._fill.slot]
+
+    def _batch(self) -> int:
+        return len(self._active) + (self._fill is not None)
 
     def _limit(self, request: GenerationRequest) -> int:
         """The most positions a request's sequence may reach: its prompt and max_tokens, within the context."""
@@ -273,12 +303,16 @@ class Engine:
             try:
                 self._prefill_one(seq)
             except Exception as exc:
-                holding = {id(slot.seq) for slot in self._active}
+                holding = {id(slot.seq) for slot in self._running()}
                 for later in admitted[k:]:
                     if id(later) not in holding:
                         self.stats.observe_finish("error")
                         later.deliver(exc)
                 raise
+            if self._fill is not None:  # a long prompt is read between decode steps: the rest wait for it
+                with self._cond:
+                    self._waiting.extendleft(reversed(admitted[k + 1 :]))
+                return
 
     def _prefill_one(self, seq: Sequence) -> None:
         req = seq.request
@@ -299,7 +333,44 @@ class Engine:
         start = 0
         if self.prefix is not None:  # at least the last token is computed: its logits pick the first token
             start = self.prefix.load(self.prefix.match(prompt, len(prompt) - 1, req.cache_salt), self._cache, row)
-        logits = self._run_prefill(prompt, row, start)
+        bounds = self._bounds(len(prompt), start)
+        fill = _Fill(slot, torch.tensor(prompt, dtype=torch.long, device=self.device), bounds, start)
+        if self._active and len(prompt) - start > _FILL_CHUNK_TOKENS and self.device.type == "cpu":
+            # Others are decoding: a chunk between two of their steps. The kernel modes compute any
+            # split to the same bits; the torch modes' passes must stay their prefix blocks (the same
+            # whether others decode or not: a request's tokens never depend on its batch-mates).
+            if self.model.row_invariant:
+                fill.bounds = [*range(start + _FILL_CHUNK_TOKENS, len(prompt), _FILL_CHUNK_TOKENS), len(prompt)]
+            self._fill = fill
+            self._fill_chunk(fill)
+            return
+        while not self._fill_chunk(fill):
+            pass
+
+    def _fill_chunk(self, fill: _Fill) -> bool:
+        """Compute the next chunk of ``fill``'s prompt; after its last, the sequence joins the batch
+        with its first token. True once it has (or it was cancelled meanwhile, and left)."""
+        slot = fill.slot
+        row = len(self._active)
+        if slot.seq.cancelled:
+            self._fill = None
+            self.stats.observe_finish("cancelled")
+            self._cache.remove(row)  # the last row
+            return True
+        end = fill.bounds.pop(0)
+        with self._timed(("prefill", (end - fill.start).bit_length()), end - fill.start):
+            logits = self.model.prefill(fill.ids[:end], self._cache, row, fill.start)
+        fill.start = end
+        if fill.bounds:
+            return False
+        self._fill = None
+        self._first_token(slot, logits, row)
+        return True
+
+    def _first_token(self, slot: _Slot, logits: torch.Tensor, row: int) -> None:
+        """A prefilled sequence joins the batch (cache row ``row``) with the token its logits pick."""
+        seq, req = slot.seq, slot.seq.request
+        prompt = req.prompt_ids
         self._active.append(slot)
         token = choose_tokens(logits[None], [req.sampling], [slot.generator])[0]
         if isinstance(token, Exception):
@@ -312,21 +383,26 @@ class Engine:
             self.prefix.store(prompt, len(prompt), self._cache, row, salt=req.cache_salt)
             slot.prompt_stored = True
 
-    def _run_prefill(self, ids: list[int], row: int, start: int) -> torch.Tensor:
-        """Compute ``ids[start:]`` into ``row`` (which holds the K/V of ``ids[:start]``); the last logits.
+    def _bounds(self, n: int, start: int) -> list[int]:
+        """Where the passes of a prefill of ``n`` tokens from ``start`` end.
 
-        The kernel modes compute any split of a prompt to the same bits, so it is one pass. The torch
-        modes' passes give bits that depend on their shape, so their prefill runs in chunks that end
-        on prefix-block boundaries: a warm run (starting at a cached block) then repeats exactly the
-        chunks a cold run computed, and the blocks it stores are those chunks.
+        The kernel modes compute any split of a prompt to the same bits: passes of `_PASS_TOKENS`. The
+        torch modes' passes give bits that depend on their shape, so their prefill runs in chunks that
+        end on prefix-block boundaries: a warm run (starting at a cached block) then repeats exactly
+        the chunks a cold run computed, and the blocks it stores are those chunks.
         """
-        tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
-        bounds = [len(ids)]
-        if self.prefix is not None and not self.model.row_invariant:
+        if self.model.row_invariant:
+            return [*range(start + _PASS_TOKENS, n, _PASS_TOKENS), n]
+        if self.prefix is not None:
             b = self.prefix.block_tokens
-            bounds = [*range((start // b + 1) * b, len(ids), b), len(ids)]
+            return [*range((start // b + 1) * b, n, b), n]
+        return [n]
+
+    def _run_prefill(self, ids: list[int], row: int, start: int) -> torch.Tensor:
+        """Compute ``ids[start:]`` into ``row`` (which holds the K/V of ``ids[:start]``); the last logits."""
+        tensor = torch.tensor(ids, dtype=torch.long, device=self.device)
         logits = None
-        for end in bounds:
+        for end in self._bounds(len(ids), start):
             with self._timed(("prefill", (end - start).bit_length()), end - start):
                 logits = self.model.prefill(tensor[:end], self._cache, row, start)
             start = end
@@ -415,7 +491,7 @@ class Engine:
                 self.stats.observe_finish("cancelled")
             if slot.done:
                 self._keep_conversation(slot, i)
-                self._cache.remove(i)
+                self._cache.remove(i, keep_last=self._fill is not None)
                 self._active[i] = self._active[-1]
                 self._active.pop()
                 removed = True
@@ -435,7 +511,7 @@ class Engine:
     def snapshot(self) -> dict[str, Any]:
         """Queue depth, batch size and the KV cache's use right now (any thread)."""
         with self._cond:
-            waiting, running = len(self._waiting), len(self._active)
+            waiting, running = len(self._waiting), self._batch()
         cache = self._cache
         return {
             "queue_depth": waiting,

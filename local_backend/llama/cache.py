@@ -178,20 +178,30 @@ class KVCache:
         self.limits.append(max(length, limit or 0))
         return row
 
-    def remove(self, row: int) -> None:
-        """Free ``row``: the last row moves into its place (the caller reorders its own list the same way)."""
+    def remove(self, row: int, *, keep_last: bool = False) -> None:
+        """Free ``row``: the last row moves into its place (the caller reorders its own list the same
+        way). ``keep_last``: the last row stays last (a prompt still being prefilled, which decode
+        steps leave out): the one before it moves into ``row``, and it moves down one."""
         last = self.rows - 1
-        if row != last:
-            n = self.lengths[last]
-            for store in (self.keys, self.values):
-                for t in store:
-                    t[row, :, :n] = t[last, :, :n]
-            self.bias[row] = self.bias[last]
-            self.positions[row] = self.positions[last]
-            self.lengths[row] = n
-            self.limits[row] = self.limits[last]
+        if keep_last:
+            self._move(last - 1, row)
+            self._move(last, last - 1)
+        else:
+            self._move(last, row)
         self.lengths.pop()
         self.limits.pop()
+
+    def _move(self, src: int, dst: int) -> None:
+        if src == dst:
+            return
+        n = self.lengths[src]
+        for store in (self.keys, self.values):
+            for t in store:
+                t[dst, :, :n] = t[src, :, :n]
+        self.bias[dst] = self.bias[src]
+        self.positions[dst] = self.positions[src]
+        self.lengths[dst] = n
+        self.limits[dst] = self.limits[src]
 
     def read(self, row: int, start: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Views of ``row``'s K and V at positions start..end-1, per layer ([kv_heads, end - start, head_dim] each)."""
@@ -217,21 +227,25 @@ class KVCache:
         self.lengths = []
         self.limits = []
 
-    def begin_step(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Open a decode step over every row: (row index [B], write positions [B], attended width).
+    def begin_step(self, b: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Open a decode step over the first ``b`` rows (default: every row): (row index [B], write
+        positions [B], attended width). A row after them (a prompt still being prefilled) is left alone.
 
         The step itself unmasks each row's position, writes K/V there and advances ``positions``
         (tensor ops only, so a CUDA graph can replay them); ``end_step`` updates the lengths.
         """
-        width = max(self.lengths) + 1
+        b = self.rows if b is None else b
+        width = max(self.lengths[:b]) + 1
         self.reserve(width)
-        b = self.rows
         return self._rows_index[:b], self.positions[:b], width
 
-    def end_step(self) -> None:
-        """Every row gained the token the step wrote."""
-        self.lengths = [n + 1 for n in self.lengths]
-        self.limits = [max(n, limit) for n, limit in zip(self.lengths, self.limits, strict=True)]
+    def end_step(self, b: int | None = None) -> None:
+        """The first ``b`` rows (default: every row) gained the token the step wrote."""
+        b = self.rows if b is None else b
+        for i in range(b):
+            n = self.lengths[i] = self.lengths[i] + 1
+            if n > self.limits[i]:
+                self.limits[i] = n
 
     def reset(self) -> None:
         """Free every row and forget what any step wrote (after CUDA-graph capture ran steps on nothing)."""

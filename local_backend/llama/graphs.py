@@ -50,5 +50,5 @@ class CudaGraphs:
         graph, static_tokens, logits = self._graphs[int(tokens.shape[0])]
         static_tokens.copy_(tokens)
         graph.replay()
-        cache.end_step()
+        cache.end_step(int(tokens.shape[0]))
         return logits

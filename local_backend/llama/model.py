@@ -259,12 +259,14 @@ class LeanLlama:
         return out
 
     def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """One token per cache row (``tokens`` [B], B = cache.rows); return logits [B, vocab]."""
+        """One token for each of the cache's first B rows (``tokens`` [B]: every row but a prompt
+        still being prefilled, which is the last); return logits [B, vocab]."""
         if self.graphs is not None:
             return self.graphs.replay(tokens, cache)
-        rows, pos, width = cache.begin_step()
+        b = int(tokens.shape[0])
+        rows, pos, width = cache.begin_step(b)
         logits = self.decode_tensors(tokens, cache, rows, pos, width)
-        cache.end_step()
+        cache.end_step(b)
         return logits
 
     def decode_tensors(self, tokens: torch.Tensor, cache: KVCache, rows: torch.Tensor, pos: torch.Tensor, width: int) -> torch.Tensor:

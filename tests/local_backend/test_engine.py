@@ -340,3 +340,67 @@ async def test_the_end_of_turn_token_has_no_logprob(tiny: LoadedModel, make_engi
     deltas, _ = await _run(engine, GenerationRequest(ids, max_tokens=5, sampling=SamplingParams(logprobs=0, logit_bias=((eot, 100.0),))))
     assert deltas[-1].finish_reason == "stop" and deltas[-1].token_ids == (eot,)
     assert [e for d in deltas for e in d.logprobs] == []
+
+
+@pytest.mark.parametrize("mode", ["none", "int8"])
+async def test_a_long_prompt_is_read_between_the_decode_steps_of_running_streams(tiny: LoadedModel, make_engine, mode: str) -> None:
+    """A 7,000-token prompt was prefilled in one pass: every running stream stopped for ~26 s of
+    SmolLM2 on CPU (review helper's repro). Arriving while others decode, it is read a chunk
+    between two of their steps, and every request's tokens are the ones it gets alone."""
+    short = GenerationRequest(chat_ids(tiny, "Hi"), max_tokens=400, ignore_eos=True)
+    long = GenerationRequest(chat_ids(tiny, "word " * 1500), max_tokens=8)
+    assert len(long.prompt_ids) > 1400
+    first = make_engine(quantize=mode, max_batch=4)  # another engine: this one's prefix cache would hold the prompt
+
+    async def tokens(request: GenerationRequest) -> tuple[int, ...]:
+        return [d async for d in first.submit(request).deltas()][-1].token_ids
+
+    alone = (await tokens(short), await tokens(long))
+    engine = make_engine(quantize=mode, max_batch=4)
+    events: list[str] = []
+
+    async def stream(request: GenerationRequest, name: str) -> tuple[int, ...]:
+        last = None
+        async for d in engine.submit(request).deltas():
+            events.append(name)
+            last = d
+        assert last is not None
+        return last.token_ids
+
+    running = asyncio.create_task(stream(short, "short"))
+    assert await _eventually(lambda: len(events) >= 3)
+    events.append("long submitted")
+    reading = asyncio.create_task(stream(long, "long"))
+    together = (await running, await reading)
+    assert together == alone
+    between = events[events.index("long submitted"):events.index("long")]
+    assert 8 <= between.count("short") < 300, between  # ~11 chunks of 128 tokens, a decode step after each
+    assert await _eventually(lambda: engine.snapshot()["batch_size"] == 0 and engine._cache.rows == 0)
+
+
+async def test_batch_mates_finishing_or_leaving_while_a_long_prompt_is_read_leave_it_whole(tiny: LoadedModel, make_engine) -> None:
+    """Rows freed while a prompt is read a chunk at a time (it holds the cache's last row) leave it
+    last and whole; one cancelled while it is read frees its row; requests that arrive meanwhile
+    wait for it, then join."""
+    prompts = {"brief": (chat_ids(tiny, "2+2?"), 3), "long": (chat_ids(tiny, "word " * 1500), 8),
+               "steady": (chat_ids(tiny, "Hi"), 60), "later": (chat_ids(tiny, "List three prime numbers."), 5)}
+    first = make_engine(quantize="int8", max_batch=4)
+    alone = {name: [d async for d in first.submit(GenerationRequest(ids, max_tokens=n)).deltas()][-1].token_ids
+             for name, (ids, n) in prompts.items()}
+    engine = make_engine(quantize="int8", max_batch=4)
+
+    async def tokens(name: str) -> tuple[int, ...]:
+        ids, n = prompts[name]
+        return [d async for d in engine.submit(GenerationRequest(ids, max_tokens=n)).deltas()][-1].token_ids
+
+    steady = asyncio.create_task(tokens("steady"))
+    await asyncio.sleep(0.05)
+    brief = asyncio.create_task(tokens("brief"))  # finishes while the long prompt is read
+    leaving = engine.submit(GenerationRequest(chat_ids(tiny, "word " * 1400), max_tokens=8))
+    long = asyncio.create_task(tokens("long"))
+    later = asyncio.create_task(tokens("later"))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    got = {"steady": await steady, "brief": await brief, "long": await long, "later": await later}
+    assert got == alone
+    assert await _eventually(lambda: engine.snapshot()["batch_size"] == 0 and engine._cache.rows == 0)
