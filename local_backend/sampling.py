@@ -13,9 +13,11 @@ __all__ = ["choose_tokens", "logprobs_of", "make_generator"]
 
 # What OpenAI reports for a token the model gives no chance (JSON has no -inf).
 _LOGPROB_FLOOR = -9999.0
-# Candidates read first for top_p (then 8 times as many, until their mass reaches top_p): the
-# nucleus of a real model's distribution is mostly a few to a few hundred tokens.
+# Candidates read first for top_p: the nucleus of a real model's distribution is mostly a few to a
+# few hundred tokens. A wider one is found by the probabilities' magnitudes (_wide_nucleus).
 _NUCLEUS_K = 256
+_BUCKETS_PER_OCTAVE = 8  # _wide_nucleus's classes of probability: [2^-(i+1)/8, 2^-i/8)
+_BUCKETS = 150 * _BUCKETS_PER_OCTAVE  # down to float32's smallest: every probability has one
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -49,27 +51,45 @@ def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.G
         return _argmax_finite(logits)
     if params.top_p < 1.0:
         weights, ids = _nucleus(probs, params.top_p)
-        return int(ids[_draw(weights, generator)].item())
+        drawn = _draw(weights, generator)
+        return drawn if ids is None else int(ids[drawn].item())
     return _draw(probs, generator)
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The smallest set of likeliest tokens whose mass reaches `top_p`: (their probabilities, the
-    others zeroed; their ids). Read from the top `_NUCLEUS_K` first, more only when those hold too
-    little: sorting a whole vocabulary per row per step cost 15 ms (49k tokens), a top-k 0.2 ms."""
-    vocab = probs.shape[-1]
-    k = min(_NUCLEUS_K, vocab)
-    while True:
-        values, ids = torch.topk(probs, k)  # in descending order
-        mass = torch.cumsum(values, dim=-1)
-        if k == vocab or float(mass[-1]) >= top_p:
-            break
-        k = min(vocab, k * 8)
+    others zeroed; their ids, None when the weights are the whole vocabulary's). Read from the top
+    `_NUCLEUS_K` first (a top-k: 0.1 ms over 49k tokens), then by `_wide_nucleus`. Masses are summed
+    in float64: float32's rounding over thousands of small probabilities moved the cut."""
+    values, ids = torch.topk(probs, min(_NUCLEUS_K, probs.shape[-1]))  # in descending order
+    mass = torch.cumsum(values, dim=-1, dtype=torch.float64)
+    if float(mass[-1]) < top_p and values.shape[-1] < probs.shape[-1]:
+        return _wide_nucleus(probs, top_p), None
     # Keep the smallest prefix whose mass reaches top_p. The first token always stays: a top_p
     # under float32's smallest step is 0 there, which would drop every token.
     drop = mass - values >= top_p
     drop[0] = False
     return values.masked_fill(drop, 0.0), ids
+
+
+def _wide_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_nucleus` over a whole vocabulary, without sorting it: the probabilities' masses by class
+    of magnitude (1/8 of an octave each) say which classes are kept whole and in which one the
+    cut falls; only that class is sorted. Widening the top-k to a full sort cost 5.8 ms a row
+    (49k tokens): one request of n=8 at temperature 2 and top_p 0.9999 made every batch-mate's
+    tokens ~5x slower (review helper's repro); this costs ~0.3 ms. The weights, in token order."""
+    level = torch.log2(probs).mul_(-_BUCKETS_PER_OCTAVE).floor_().clamp_(0, _BUCKETS - 1).long()  # 0: the likeliest
+    mass = torch.zeros(_BUCKETS, dtype=torch.float64, device=probs.device).index_add_(0, level, probs.double())
+    running = torch.cumsum(mass, dim=0)
+    cut = min(int(torch.searchsorted(running, torch.tensor(top_p, dtype=torch.float64, device=probs.device)).item()), _BUCKETS - 1)
+    weights = torch.where(level < cut, probs, 0.0)
+    members = torch.nonzero(level == cut).squeeze(1)
+    values, order = torch.sort(probs[members], descending=True)
+    before = (float(running[cut - 1]) if cut > 0 else 0.0) + torch.cumsum(values, dim=0, dtype=torch.float64) - values
+    take = int((before < top_p).sum())  # before grows along the sorted class: a prefix of it
+    kept = members[order[:take]]
+    weights[kept] = probs[kept]
+    return weights
 
 
 def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:

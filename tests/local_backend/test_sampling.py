@@ -126,10 +126,25 @@ def test_the_nucleus_is_what_a_full_sort_gives(scale: float) -> None:
     probs = torch.softmax(torch.randn(5000, generator=torch.Generator().manual_seed(11)) * scale, dim=-1)
     for top_p in (0.5, 0.9, 0.99):
         weights, ids = _nucleus(probs, top_p)
-        kept = set(ids[weights > 0].tolist())
+        kept = set((torch.nonzero(weights > 0).squeeze(1) if ids is None else ids[weights > 0]).tolist())  # None: token order
         assert kept == _reference_nucleus(probs, top_p), top_p
         assert float(weights.sum()) >= top_p - 1e-6
     assert len(_reference_nucleus(probs, 0.9)) > _NUCLEUS_K or scale > 1  # the flat case needs more than the first read
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_wide_nucleus_is_the_full_sorts_without_sorting_the_vocabulary(seed: int) -> None:
+    """A flat distribution over SmolLM2's 49,152 tokens (temperature 2) at top_p near 1: the set a
+    full sort keeps (its running mass in float64), ties aside."""
+    from local_backend.sampling import _wide_nucleus
+
+    probs = torch.softmax(torch.randn(49_152, generator=torch.Generator().manual_seed(seed)) * 1.5, dim=-1)
+    values, order = torch.sort(probs, descending=True)
+    for top_p in (0.9, 0.999, 0.9999, 0.999999):
+        keep = torch.cumsum(values, dim=-1, dtype=torch.float64) - values < top_p
+        weights = _wide_nucleus(probs, top_p)
+        assert set(torch.nonzero(weights > 0).squeeze(1).tolist()) == set(order[keep].tolist()), top_p
+        assert torch.equal(weights[weights > 0], probs[weights > 0])
 
 
 def test_sampled_tokens_follow_the_distribution_and_never_a_token_without_mass() -> None:
