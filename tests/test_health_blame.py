@@ -288,3 +288,49 @@ async def test_a_long_whole_answer_without_a_limit_teaches_no_one_a_slow_ttft(up
     for name in "ab":
         tracker = rt.backends[name].tracker
         assert tracker.predict_ttft(5) < 0.05 and tracker.error_ewma < 0.01, (name, tracker.predict_ttft(5), tracker.error_ewma)
+
+
+async def _slow_for_images(slow_s: float) -> tuple[web.AppRunner, int]:
+    """A streaming chat backend whose first token takes `slow_s` for a prompt with an image (its
+    provider fetches it from the caller's slow server), 5 ms otherwise."""
+    async def chat(request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(slow_s if b"image_url" in raw else 0.005)
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+            return b"data: " + orjson.dumps({"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + b"\n\n"
+        await resp.write(chunk({"role": "assistant", "content": "po"}) + chunk({"content": "ng"}) + chunk({}, "stop") + b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    return await serve_app(app)
+
+
+async def test_one_tenants_slow_first_tokens_move_the_predicted_ttft_only_so_far(gateway):
+    """A short prompt whose first token is slow for a reason its size does not show raised every
+    backend it failed over to from ~7 ms to 1-2 s and moved every tenant's traffic (review
+    helper's repro). One tenant's spikes raise a backend's estimate at most twice over; another
+    tenant's agreeing one counts in full."""
+    runner, port = await _slow_for_images(1.0)
+    try:
+        gw = await gateway({
+            "backends": {"a": {"url": f"http://127.0.0.1:{port}/v1", "models": ["m"]}},
+            "models": {"m": {"backends": ["a"]}}, "cache": {"enabled": False}, "reload": {"watch": False},
+            "tenants": {n: {"key_sha256": [hash_key(k)]} for n, k in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))},
+        })
+        tracker = gw.app[LIVE].runtime.backends["a"].tracker
+        for i in range(20):
+            await _streamed(gw, ALICE, f"hello {i}")
+        before = tracker.predict_ttft(20)
+        image = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": {"url": "https://slow.example/x.png"}}]
+        for _ in range(3):
+            await _streamed(gw, MALLORY, image)  # type: ignore[arg-type]
+        assert before is not None and tracker.predict_ttft(20) <= 2 * before, (before, tracker.predict_ttft(20))
+        await _streamed(gw, BOB, image)  # type: ignore[arg-type]
+        assert tracker.predict_ttft(20) > 0.3
+    finally:
+        await runner.cleanup()

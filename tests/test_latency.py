@@ -94,6 +94,53 @@ def test_prediction_reacts_at_once_to_a_slow_spike():
     assert tr.predict_ttft() > 0.75
 
 
+def _steady(clock: Clock, tr: Tracker, seconds: float = 0.05, n: int = 50, tenant: str = "alice") -> None:
+    for _ in range(n):
+        clock.t += 0.1
+        tr.observe_ttft(seconds, tenant=tenant)
+
+
+def test_one_tenants_spikes_raise_the_level_at_most_twice_until_another_tenants_agree():
+    """One tenant's slow first tokens (an image its provider fetches slowly) raised a backend's
+    predicted TTFT from 7 ms to 1-2 s and moved every tenant's traffic (review helper's repro)."""
+    clock = Clock()
+    tr = Tracker(clock=clock)
+    tr.corroborate = True
+    _steady(clock, tr)
+    for _ in range(5):  # however many of one tenant's, timeouts included
+        clock.t += 0.1
+        tr.observe_ttft(4.0, tenant="mallory")
+        tr.observe_done(2.0, ok=False, timeout=True, tenant="mallory")
+        assert tr.predict_ttft() <= 0.1 + 1e-9
+    clock.t += 0.1
+    tr.observe_ttft(1.0, tenant="bob")  # another tenant's agrees: in full
+    assert tr.predict_ttft() > 0.3
+    clock.t += 0.1
+    tr.observe_ttft(1.0, tenant="bob")
+    assert tr.predict_ttft() > 0.6
+
+
+def test_spikes_count_in_full_from_the_gateway_itself_after_the_window_or_when_not_corroborating():
+    for corroborate, tenant, gap in ((False, "mallory", 0.1), (True, None, 0.1)):
+        clock = Clock()
+        tr = Tracker(clock=clock)
+        tr.corroborate = corroborate
+        _steady(clock, tr)
+        clock.t += gap
+        tr.observe_ttft(1.0, tenant=tenant)
+        assert tr.predict_ttft() == pytest.approx(0.525), (corroborate, tenant)
+    clock = Clock()
+    tr = Tracker(clock=clock)
+    tr.corroborate = True
+    _steady(clock, tr)
+    tr.observe_ttft(1.0, tenant="mallory")
+    level = tr.predict_ttft()
+    assert level is not None and level <= 0.1 + 1e-9
+    clock.t += 31  # the window passed: bob's spike starts a run of its own, capped at twice the level now
+    tr.observe_ttft(1.0, tenant="bob")
+    assert tr.predict_ttft() <= 2 * level
+
+
 def test_a_prompt_far_beyond_the_usual_sizes_does_not_teach_the_level_or_the_error_rate():
     # One tenant's 75,000-token prompts, timing out or slow to answer, moved a backend's predicted
     # TTFT for 20-token prompts from 7 ms to ~1 s; a prompt of the usual size still does.

@@ -253,6 +253,8 @@ class Runtime:
                 h.max_eject_s = hp.max_eject_ms / 1000
                 # The probes decide; with one tenant (or none) there is nobody else to protect.
                 h.corroborate = hp.corroborate and hp.recovery_probe_interval_ms > 0 and self.policy.shared
+            # One tenant's slow first tokens move its predicted TTFT only so far (latency.py).
+            backend.tracker.corroborate = hp.corroborate and self.policy.shared
             slots = backend.slots
             slots.limit = self.slot_limits[name]
             slots.reserve = reserve_slots(slots.limit, ap.priority_reserve_pct)

@@ -289,7 +289,8 @@ class Attempt:
             tracker.observe_itl(now - last)
         else:
             call = self.call
-            tracker.observe_ttft(now - self.started, prompt_tokens=call.prompt_tokens)
+            tracker.observe_ttft(now - self.started, prompt_tokens=call.prompt_tokens,
+                                 tenant=None if call.tenant is None else call.tenant.name)
             if client:
                 call.timing.ttft_s = now - call.timing.t0
                 m.ttft.observe(call.timing.ttft_s)

@@ -51,6 +51,7 @@ def report(
             streamed=call.stream,
             timeout=timeout,
             open_ended=timeout and _open_ended(call),
+            tenant=None if call.tenant is None else call.tenant.name,
         )
     health = backend.health_for(call.model) if call.model else backend.health
     if kind is Kind.OK:

@@ -10,6 +10,13 @@ Two views of the same measurements:
   ~`decay_s` seconds of fast ones. Nothing decays while a backend is idle: an idle backend keeps the
   last estimate it earned (decaying it is what keeps sending traffic back to a degraded backend).
 
+One tenant cannot slow a backend down for the others (`corroborate`): a sample far above the level
+(more than twice it) raises it at most to twice what it was before that tenant's run of such
+samples, until a sample of another tenant's agrees within `_SPIKE_WINDOW_S`; then it rises in full.
+A caller's own prompt can make its first token slow (an image its provider fetches from a slow
+server, a schema that takes seconds to compile): one such request raised every backend it failed
+over to from ~8 ms to 1-2 s and moved every tenant's traffic (review helper's repro).
+
 State stays in process (per replica): a shared, stale view makes replicas herd onto one backend.
 """
 
@@ -23,6 +30,7 @@ from collections.abc import Callable, Sequence
 __all__ = ["Tracker", "Window", "quantile"]
 
 _SORT_EVERY_S = 0.25  # hot-path quantile reads may be this stale; sorting 512 floats costs ~15 us
+_SPIKE_WINDOW_S = 30.0  # how long one tenant's spike waits for another's to agree
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float | None:
@@ -116,15 +124,22 @@ class Tracker:
         self._streamed = False  # a stream's first token was ever timed here
         self._err_keep = 1.0 - 1.0 / error_memory
         self.error_ewma = 0.0  # share of recent attempts that failed (count-decayed)
+        # One tenant's spikes raise the level at most 2x until another's agree (see the module's
+        # note). The runtime turns it on for policies with several tenants.
+        self.corroborate = False
+        self._spike_tenant: str | None = None  # whose uncorroborated spikes are capped now
+        self._spike_base = 0.0  # the level before them
+        self._spike_at = -math.inf
 
     # -- reports from the relay ------------------------------------------------------------------
 
-    def observe_ttft(self, seconds: float, prompt_tokens: int | None = None) -> None:
-        """A streamed request's first content token arrived `seconds` after it was sent."""
+    def observe_ttft(self, seconds: float, prompt_tokens: int | None = None, tenant: str | None = None) -> None:
+        """A streamed request's first content token arrived `seconds` after it was sent (`tenant`:
+        whose request it was; None: the gateway's own)."""
         self._streamed = True
         now = self.clock()
         self.ttft.add(now, seconds)
-        self._learn(now, seconds, prompt_tokens, fit=True)
+        self._learn(now, seconds, prompt_tokens, fit=True, tenant=tenant)
 
     def observe_itl(self, seconds: float) -> None:
         """The gap between two content tokens of a stream."""
@@ -142,6 +157,7 @@ class Tracker:
         streamed: bool = True,
         timeout: bool = False,
         open_ended: bool = False,
+        tenant: str | None = None,
     ) -> None:
         """An attempt ended after `seconds`: answered (ok) or failed.
 
@@ -171,7 +187,7 @@ class Tracker:
         if timeout:
             self.total_timeouts += 1
             if not outsized:
-                self._learn(now, seconds, prompt_tokens, fit=False)
+                self._learn(now, seconds, prompt_tokens, fit=False, tenant=tenant)
         elif ok and not streamed:
             self.whole.add(now, seconds)
             itl = self._itl_ewma
@@ -183,11 +199,11 @@ class Tracker:
                 ttft = seconds
             else:  # streams taught it real TTFTs: a duration of unknown decode time would read as a spike
                 return
-            self._learn(now, ttft, prompt_tokens, fit=True)
+            self._learn(now, ttft, prompt_tokens, fit=True, tenant=tenant)
 
     # -- prediction ----------------------------------------------------------------------------
 
-    def _learn(self, now: float, ttft: float, prompt_tokens: int | None, *, fit: bool) -> None:
+    def _learn(self, now: float, ttft: float, prompt_tokens: int | None, *, fit: bool, tenant: str | None = None) -> None:
         x = self._mean_x() if prompt_tokens is None else float(prompt_tokens)
         if not self._fitted and prompt_tokens is not None and self.outsized(prompt_tokens):
             # Before the slope is fitted the level holds whole TTFTs: one far larger prompt's
@@ -197,6 +213,13 @@ class Tracker:
             return
         residual = ttft - self._slope * x
         level = self._level
+        if level is not None and self.corroborate and residual > 2.0 * level > 0.0:
+            capped = self._spike(now, residual, level, tenant)
+            if capped is not None:  # one tenant's, not (yet) another's: a bounded rise, nothing fitted
+                if capped > level:
+                    self._level = level + self.rise * (capped - level)
+                self.last_sample_at = now
+                return
         if level is None:
             self._level = residual
         elif residual > level:
@@ -212,6 +235,18 @@ class Tracker:
         self.last_sample_at = now
         if fit and prompt_tokens is not None:
             self._fit(x, ttft)
+
+    def _spike(self, now: float, residual: float, level: float, tenant: str | None) -> float | None:
+        """A sample more than twice the level: what it may raise the level to (None: in full). The
+        gateway's own (tenant None) and a second tenant's within `_SPIKE_WINDOW_S` count in full."""
+        fresh = now - self._spike_at <= _SPIKE_WINDOW_S
+        if tenant is None or (fresh and self._spike_tenant is not None and tenant != self._spike_tenant):
+            self._spike_tenant = None  # agreed: what follows starts a new run
+            return None
+        if not (fresh and tenant == self._spike_tenant):
+            self._spike_tenant, self._spike_base = tenant, level
+        self._spike_at = now
+        return min(residual, 2.0 * self._spike_base)
 
     def _fit(self, x: float, y: float) -> None:
         k = self._keep
