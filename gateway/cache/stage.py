@@ -24,7 +24,7 @@ from ..relay.attempt import ClientGone
 from ..relay.context import RelayContext
 from ..tenants.auth import Tenant
 from ..tenants.priority import Band
-from ..web.sink import Sink, SinkWrapper
+from ..web.sink import Sink
 from . import shared_flight as cache_flight
 from .broadcast import TeeSink, follow, wants_usage
 from .core import Cache, Flight, Terms
@@ -132,12 +132,14 @@ class CacheStage:
         """Answer as the flight's leader, then store the answer and give back the lock (`token`).
         A whole answer lands before its client is sent it (_Landing): a client that reads slowly,
         or never, holds none of the flight's followers here or on other replicas."""
-        landing = _Landing(sink, call, cache, plan, key, flight, token)
+        landing = _Landing(call, cache, plan, key, flight, token)
         led = False
         try:
             self._count(call, sink, CacheResult.MISS)
             call.cache.capture = cache.max_entry_bytes
-            await self._lead(call, sink if isinstance(sink, TeeSink) else landing, produce)
+            if not isinstance(sink, TeeSink):  # a stream's followers read it as it comes (TeeSink)
+                call.cache.land = landing.land
+            await self._lead(call, sink, produce)
             led = True
         finally:
             # Also when _lead raised: a client that closes its connection as soon as it has
@@ -217,23 +219,18 @@ async def _settle(call: Call, sink: TeeSink) -> None:
         call.out.finish = sink.lost or Finish.CLIENT_DISCONNECT
 
 
-class _Landing(SinkWrapper):
-    """A flight leader's sink for a whole answer: the answer is stored, handed to the followers
-    and the lock given back (`land`) before it is written to the client. A leader whose client
-    did not read its 4.5 MB answer held every identical request, here and on the other replicas,
-    for that client's 60 s write bound: they got 504s past their deadlines (review helper's repro)."""
+class _Landing:
+    """A flight leader's last step (`land`), run once: at the end of its block, or for a whole
+    answer before it is written to the client (Caching.land, Attempt.deliver). A leader whose
+    client did not read its 4.5 MB answer held every identical request, here and on the other
+    replicas, for that client's 60 s write bound: they got 504s past their deadlines (review
+    helper's repro)."""
 
     __slots__ = ("_call", "_cache", "_plan", "_key", "_flight", "_token", "_landed")
 
-    def __init__(self, inner: Sink, call: Call, cache: Cache, plan: CachePlan, key: str, flight: Flight,
-                 token: str | None) -> None:
-        super().__init__(inner)
+    def __init__(self, call: Call, cache: Cache, plan: CachePlan, key: str, flight: Flight, token: str | None) -> None:
         self._call, self._cache, self._plan, self._key, self._flight, self._token = call, cache, plan, key, flight, token
         self._landed = False
-
-    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
-        await self.land()
-        await self._inner.send(status, body, content_type)
 
     async def land(self) -> None:
         """Once: store what the call answered (when it may be stored), release the flight's
@@ -244,6 +241,7 @@ class _Landing(SinkWrapper):
             return
         self._landed = True
         call, plan = self._call, self._plan
+        call.cache.land = None
         landing = _land(self._cache, self._key, call.cache.entry if plan.store else None, plan.ttl_s, self._flight, self._token)
         await (asyncio.shield(landing) if self._cache.store.shared else landing)
         self._flight.finish()

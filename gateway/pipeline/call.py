@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,9 @@ class Caching:
     result: CacheResult = CacheResult.BYPASS
     capture: int = 0  # > 0: keep the complete answer (up to this many bytes) in `entry`
     entry: Entry | None = None
+    # A flight leader's landing (store `entry`, release the followers and the lock): run before a
+    # whole answer is written to its client, so a client that reads slowly holds nobody else.
+    land: Callable[[], Awaitable[None]] | None = None
     handed_off: bool = False  # its client lost the stream (a revoked key), which goes on for the flight's followers
 
 

@@ -261,6 +261,8 @@ class Attempt:
         if whole.usage is not None:
             call.out.usage = whole.usage
         call.out.finish = Finish.OK
+        if call.cache.land is not None:  # a flight's leader: its followers have it before its client does
+            await call.cache.land()
         await client_write(self.sink.send(200, raw if whole.body is None else whole.body))
         return Kind.OK
 
