@@ -99,6 +99,13 @@ def _word(i: int) -> str:
     return f"w{i} "
 
 
+def _text_of(content: Any) -> str:
+    """A message's text: a string, or its text parts joined."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text") or "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    return str(content or "")
+
+
 class FakeUpstream(Served):
     """One fake backend. `url` is its OpenAI base URL (…/v1) once started."""
 
@@ -306,12 +313,14 @@ class FakeUpstream(Served):
             return web.Response(status=status, body=orjson.dumps(err), content_type="application/json", headers=headers)
         msgs = body.get("messages") if chat else None
         start = 0  # words of the answer the request already has (an assistant prefill)
+        lead = ""  # a prefill that ends in a word: the next one starts with a space, as a model's would
         if msgs and isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant":
             if not b.prefill:
                 err = {"error": {"message": "this model does not support assistant prefill", "type": "invalid_request_error",
                                  "param": "messages", "code": "prefill_unsupported"}}
                 return web.Response(status=400, body=orjson.dumps(err), content_type="application/json")
-            start = len(str(msgs[-1].get("content") or "").split())
+            had = _text_of(msgs[-1].get("content"))
+            start, lead = len(had.split()), " " if had and not had[-1].isspace() else ""
         if mode == "hang":
             await asyncio.sleep(3600)
         if mode in ("reset", "close"):
@@ -337,7 +346,7 @@ class FakeUpstream(Served):
                 await asyncio.sleep((ttft + b.itl_ms * n) / 1000)
             if mode == "garbage":
                 return web.Response(body=b"<html>oops</html>", content_type="text/html")
-            text = "".join(_word(i) for i in range(start, n))
+            text = lead + "".join(_word(i) for i in range(start, n)) if start < n else ""
             usage = {"prompt_tokens": size // 4, "completion_tokens": n - start, "total_tokens": size // 4 + n - start}
             if chat:
                 choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop", "logprobs": None}
@@ -382,7 +391,8 @@ class FakeUpstream(Served):
                     return resp
                 if mode == "malformed":
                     await resp.write(b"data: {not json\n\n")
-            await resp.write(chunk({"content": _word(i)}, _word(i), None))
+            word = lead + _word(i) if i == start else _word(i)
+            await resp.write(chunk({"content": word}, word, None))
         await resp.write(chunk({}, "", "stop"))
         opts = body.get("stream_options") or {}
         if opts.get("include_usage"):

@@ -433,3 +433,23 @@ async def test_a_prefill_continuation_gets_what_is_left_of_the_answers_limit(cla
             text = "".join(c["delta"].get("content") or "" for _, d in sse(raw) if d != "[DONE]" for c in d["choices"])
     assert b.stats.last_body["max_tokens"] == 2  # 5, of which 3 were delivered
     assert len(text.split()) == 5, text
+
+
+async def test_a_clients_own_prefill_cut_on_an_openai_backend_goes_on_as_one_assistant_turn(upstream, gateway):
+    """A Messages request ending in the client's own prefill, answered as chat by OpenAI backends
+    that continue one, cut mid-answer: the delivered text went in a second assistant turn after
+    the client's (the fake repeated words at the seam; review helper's repro). It extends it."""
+    o = await upstream("o", tokens=12, mode="cut", fail_after=5, fault_count=1)
+    s = await upstream("s", tokens=12)
+    policy = _policy(o, s, prefill=True)
+    policy["backends"]["o"]["prefill"] = True
+    gw = await gateway(policy)
+    client = anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0, timeout=10)
+    try:
+        async with client.messages.stream(model="m", max_tokens=64, messages=[*HELLO, {"role": "assistant", "content": "w0 w1"}]) as stream:
+            final = await stream.get_final_message()
+    finally:
+        await client.close()
+    assert final.content[0].text.split() == [f"w{i}" for i in range(2, 12)]  # type: ignore[union-attr]
+    sent = s.stats.last_body["messages"]
+    assert [m["role"] for m in sent] == ["user", "assistant"] and sent[-1]["content"].startswith("w0 w1 w2")

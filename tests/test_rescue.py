@@ -366,3 +366,20 @@ async def test_a_continued_stream_keeps_the_identity_of_the_backend_the_client_s
     assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == "".join(f"w{i} " for i in range(8))
     (backends,) = [e["x_gateway"]["backends"] for e in events if e.get("x_gateway")]
     assert backends[0] == "s" and len(backends) == 2  # s's answer, continued on another: p never reached the client first
+
+
+@pytest.mark.parametrize("prefix", ["w0 w1 ", [{"type": "text", "text": "w0 "}, {"type": "text", "text": "w1 "}]], ids=["text", "parts"])
+async def test_a_clients_own_prefill_is_continued_as_one_assistant_turn(upstream, gateway, prefix):
+    """A chat request ending in the client's own assistant turn (its prefill), cut mid-answer:
+    the continuation put the delivered text in a second assistant turn after the client's, which
+    a backend reads as a closed turn (the fake repeated "w3 w4" at the seam; review helper's
+    repro). The delivered text extends the client's turn: the answer is the unfaulted one's."""
+    p = await upstream("p", tokens=N, mode="cut", fail_after=5, fault_count=1)
+    s = await upstream("s", tokens=N)
+    gw = await gateway(_policy(p, s, Row("x", {}, "p", 1, 1)))
+    messages = [*MSG, {"role": "assistant", "content": prefix}]
+    raw = await gw.client().chat.completions.create(model="m", messages=messages, stream=True)  # type: ignore[arg-type]
+    text = "".join([c.choices[0].delta.content or "" async for c in raw if c.choices])
+    assert text == "".join(f"w{i} " for i in range(2, N))
+    sent = s.stats.last_body["messages"]
+    assert len(sent) == 2 and sent[-1]["role"] == "assistant"  # one turn: the client's, extended

@@ -30,7 +30,7 @@ from ..errors import GatewayError
 from ..relay.continuation import Transcript
 from ..web.sink import Sink, SinkWrapper
 from ..wire.chat_monitor import ChatMonitor, OverChat
-from ..wire.codec import Endpoint, NotAnAnswer, Whole, salted
+from ..wire.codec import Endpoint, NotAnAnswer, Whole, continue_final_turn, salted
 from ..wire.monitor import Monitor, Rewrite, Verdict
 from .stream import BadArguments, ChatToMessagesStream, MalformedChunk, StreamOrderError
 from ..wire.openai_wire import ChatRequest
@@ -123,7 +123,7 @@ class MessagesViaChat(Endpoint):
         return messages_to_chat(dict(body), prefill=True)
 
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
-        return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
+        return continue_final_turn(body, text)  # the chat request's: its last turn may be the client's prefill
 
     def validate(self, body: Mapping[str, Any]) -> None:
         encoded(messages_to_chat(dict(body), prefill=True), "the request")  # raises Untranslatable / TranslationError (400s)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from pydantic_core import PydanticCustomError
 
 from ..errors import GatewayError, UpstreamRejected
+from ..wire.codec import continue_final_turn
 from ..wire.openai_wire import JsonFloat, JsonInt, RequestBody, parse_body
 
 __all__ = [
@@ -218,22 +219,9 @@ def parse_messages(raw: bytes) -> tuple[MessagesRequest, dict[str, Any]]:
 
 
 def continue_message(body: Mapping[str, Any], text: str) -> dict[str, Any]:
-    """A Messages request that asks for the rest of an answer that began with `text`: the text as
-    the trailing assistant turn (Anthropic's prefill), after the request's own prefill if it ends
-    with one (the answer went on from that)."""
-    messages = list(body.get("messages") or [])
-    last = messages[-1] if messages else None
-    if not (isinstance(last, dict) and last.get("role") == "assistant"):
-        return {**body, "messages": [*messages, {"role": "assistant", "content": text}]}
-    content = last.get("content")
-    if isinstance(content, list) and content and isinstance(content[-1], dict) and content[-1].get("type") == "text":
-        content = [*content[:-1], {**content[-1], "text": str(content[-1].get("text") or "") + text}]
-    elif isinstance(content, list):
-        content = [*content, {"type": "text", "text": text}]
-    else:
-        content = str(content or "") + text
-    messages[-1] = {**last, "content": content}
-    return {**body, "messages": messages}
+    """A Messages request that asks for the rest of an answer that began with `text` (Anthropic's
+    prefill), after the request's own prefill if it ends with one: wire.codec.continue_final_turn."""
+    return continue_final_turn(body, text)
 
 
 def error_type(status: int) -> str:

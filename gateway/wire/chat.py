@@ -14,7 +14,7 @@ import orjson
 
 from ..cache.entry import Entry, is_complete, replay_json, replay_sse
 from .chat_monitor import ChatMonitor
-from .codec import Endpoint, NotAnAnswer, Whole, count_field, token_ids
+from .codec import Endpoint, NotAnAnswer, Whole, continue_final_turn, count_field, token_ids
 from .monitor import Monitor, Rewrite
 from .openai_wire import ChatRequest, CompletionRequest, EmbeddingRequest, RequestBody
 from .tokens import text_tokens
@@ -75,7 +75,7 @@ class ChatEndpoint(Endpoint):
 
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
         if self._chat:
-            return {**body, "messages": [*body.get("messages", []), {"role": "assistant", "content": text}]}
+            return continue_final_turn(body, text)
         return {**body, "prompt": str(body.get("prompt", "")) + text}
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,

@@ -21,13 +21,35 @@ from ..web.sink import Sink
 from .monitor import Monitor, Rewrite
 from .openai_wire import RequestBody
 
-__all__ = ["Endpoint", "NotAnAnswer", "Whole", "count_field", "salted", "validate_legs"]
+__all__ = ["Endpoint", "NotAnAnswer", "Whole", "continue_final_turn", "count_field", "salted", "validate_legs"]
 
 
 def count_field(v: Any) -> int | None:
     """A validated count or token limit (`n`, `max_tokens`, ...) as the integer it is (a whole
     float passes validation as one); None when absent or not a positive number."""
     return int(v) if isinstance(v, int | float) and not isinstance(v, bool) and v >= 1 else None
+
+
+def continue_final_turn(body: Mapping[str, Any], text: str) -> dict[str, Any]:
+    """A chat or Messages request that asks for the rest of an answer that began with `text`: the
+    text as the trailing assistant turn, appended to the request's own final assistant turn when it
+    ends with one (the client's prefill: the answer went on from that; a second assistant turn
+    after it was read as a closed turn, and the fake backend's answer came back twice at the seam:
+    review helper's repro). Its content may be a string or a list of parts; text goes on the last
+    text part."""
+    messages = list(body.get("messages") or [])
+    last = messages[-1] if messages else None
+    if not (isinstance(last, dict) and last.get("role") == "assistant"):
+        return {**body, "messages": [*messages, {"role": "assistant", "content": text}]}
+    content = last.get("content")
+    if isinstance(content, list) and content and isinstance(content[-1], dict) and content[-1].get("type") == "text":
+        content = [*content[:-1], {**content[-1], "text": str(content[-1].get("text") or "") + text}]
+    elif isinstance(content, list):
+        content = [*content, {"type": "text", "text": text}]
+    else:
+        content = str(content or "") + text
+    messages[-1] = {**last, "content": content}
+    return {**body, "messages": messages}
 
 
 def token_ids(value: Any) -> int:
