@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 __all__ = ["main"]
 
@@ -35,11 +36,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     for line in [*env_warnings(policy), *key_warnings(policy)]:
         print(f"{args.file}: warning: {line}", file=sys.stderr)
     from .classify.classifier import Classifier
+    from .config.runtime import cascade_for
 
     try:
-        Classifier.load(policy.classifier.weights_file)
+        classifier = Classifier.load(policy.classifier.weights_file)
     except ValueError as exc:
         print(f"{args.file}: classifier.weights_file: {exc}", file=sys.stderr)
+        return 1
+    try:
+        cascade_for(policy, classifier, None)  # the encoder's folder, read as `serve` reads it
+    except ValueError as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
         return 1
     print(
         f"{args.file}: ok ({len(policy.backends)} backends, {len(policy.public_models())} models, "
@@ -119,14 +126,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return supervise_workers(policy, args.host, args.port, args.workers, args.access_log)
 
 
+def _int_in(low: int, high: int | None) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high` (None: no upper bound). argparse's own
+    `int` took `--port 70000` (bound as 70000 mod 65536) and `--workers -3` (one worker)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is not from {low} to {high}" if high is not None else f"{value} is below {low}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gateway", description="Latency-aware OpenAI-compatible LLM gateway")
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the gateway")
     serve.add_argument("--policy", help="policy YAML (default: $GATEWAY_POLICY)")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8080)
-    serve.add_argument("--workers", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
+    serve.add_argument("--port", type=_int_in(1, 65535), default=8080)
+    serve.add_argument("--workers", type=_int_in(1, None), default=1, help="processes sharing the port (SO_REUSEPORT)")
     serve.add_argument("--access-log", action="store_true", help="write the JSON access log (one line per request on stdout), as the policy's log.access does")
     serve.set_defaults(func=cmd_serve)
     check = sub.add_parser("check", help="validate a policy file; exit 1 on error")

@@ -263,3 +263,35 @@ def test_a_worker_lifts_its_open_file_limit_to_the_hard_limit():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
     soft, hard = (int(x) for x in out.split())
     assert soft == (1 << 20 if hard == resource.RLIM_INFINITY else hard)
+
+
+def test_check_refuses_what_serve_refuses_naming_the_field(tmp_path):
+    """A port out of range (a backend's, the store's) and a missing encoder folder: `check` said
+    ok where `serve` refused with a line that named no field."""
+    cases = {
+        "backends: {a: {url: 'http://127.0.0.1:99999/v1', models: [m]}}\n": "backends.a.url: the port must be a number from 1 to 65535",
+        "backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\nstore: {url: 'redis://127.0.0.1:70000/0'}\n":
+            "store.url: the port must be a number from 1 to 65535",
+        "backends: {a: {url: 'http://127.0.0.1:9/v1', models: [m]}}\nmodels: {auto: {simple: [a], complex: [a]}}\n"
+        f"classifier: {{encoder: {{weights_dir: '{tmp_path / 'missing'}'}}}}\n": "classifier.encoder.weights_dir: encoder weights",
+    }
+    for i, (text, says) in enumerate(cases.items()):
+        p = tmp_path / f"p{i}.yaml"
+        p.write_text(text + "reload: {watch: false}\n")
+        r = _gateway("check", str(p))
+        assert r.returncode == 1 and f"{p}: {says}" in r.stderr, r.stderr
+        r = _gateway("serve", "--policy", str(p), "--port", str(_free_port()), timeout=30)
+        assert r.returncode == 1 and says in r.stderr, r.stderr
+
+
+def test_serve_refuses_a_port_or_worker_count_out_of_range(tmp_path):
+    """argparse's `int` bound `--port 70000` as 70000 mod 65536 and made `--workers -3` one worker."""
+    p = _unreachable_policy(tmp_path)
+    for args, says in ((["--port", "70000"], "argument --port: 70000 is not from 1 to 65535"),
+                       (["--port", "0"], "argument --port: 0 is not from 1 to 65535"),
+                       (["--workers", "-3"], "argument --workers: -3 is below 1"),
+                       (["--workers", "0"], "argument --workers: 0 is below 1"),
+                       (["--workers", "two"], "argument --workers: 'two' is not a whole number")):
+        r = _gateway("serve", "--policy", str(p), *args, timeout=30)
+        assert r.returncode == 2 and says in r.stderr, (args, r.stderr)
+        assert "serving on" not in r.stderr

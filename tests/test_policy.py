@@ -205,13 +205,14 @@ def test_shipped_policies_are_safe_to_copy():
 
 def test_tenant_quotas_are_validated_with_their_cross_references():
     tenant = "tenants: {t: {key_sha256: ['%s'], quota: %s}}\n"
-    p = parse_policy(GOOD + tenant % ("c" * 64, "{rpm: 5, tpm: 100, models: {gpt-4o-mini: {rpm: 1}}}"))
+    base = GOOD.split("tenants:")[0]  # without GOOD's own `tenants:`: a second one is refused as a duplicate key
+    p = parse_policy(base + tenant % ("c" * 64, "{rpm: 5, tpm: 100, models: {gpt-4o-mini: {rpm: 1}}}"))
     q = p.tenants["t"].quota
     assert q is not None and q.rpm == 5 and q.models["gpt-4o-mini"].rpm == 1 and q.default_max_tokens == 1024
-    assert any("quota.rpm" in x for x in _problems(GOOD + tenant % ("c" * 64, "{rpm: 0}")))
-    assert any("quota.concurency: unknown field; did you mean `concurrency`" in x for x in _problems(GOOD + tenant % ("c" * 64, "{concurency: 5}")))
-    assert any("quota.models.nope: unknown model" in x for x in _problems(GOOD + tenant % ("c" * 64, "{models: {nope: {rpm: 1}}}")))
-    assert any("needs a `price` on every backend" in x for x in _problems(GOOD + tenant % ("c" * 64, "{spend_per_day_usd: 5}")))
+    assert any("quota.rpm" in x for x in _problems(base + tenant % ("c" * 64, "{rpm: 0}")))
+    assert any("quota.concurency: unknown field; did you mean `concurrency`" in x for x in _problems(base + tenant % ("c" * 64, "{concurency: 5}")))
+    assert any("quota.models.nope: unknown model" in x for x in _problems(base + tenant % ("c" * 64, "{models: {nope: {rpm: 1}}}")))
+    assert any("needs a `price` on every backend" in x for x in _problems(base + tenant % ("c" * 64, "{spend_per_day_usd: 5}")))
 
 
 def test_each_backend_has_a_default_temperature_for_the_cache():

@@ -234,3 +234,28 @@ async def test_a_worker_that_does_not_answer_a_reload_is_no_verdict_on_the_polic
                          ({}, [rejected])):
         err = reload_failure(sup, workers, "backends.b.url: bad")
         assert (err.status, err.code) == (400, "invalid_policy")
+
+
+async def test_a_reload_that_turns_watching_off_stops_the_watcher(upstream, gateway):
+    """The single process reads the policy in force's `reload` section each poll, as the
+    supervisor of `--workers N` does: `watch: false` put in force by a reload is obeyed."""
+    a, b = await upstream("a"), await upstream("b")
+    gw = await gateway(simple_policy(a, b, reload={"interval_ms": 50}))
+    gw.write_policy(simple_policy(a, b, reload={"watch": False, "interval_ms": 50}))
+    await _wait_generation(gw, 2)
+    gw.write_policy(simple_policy(b, a, reload={"watch": False, "interval_ms": 50}))
+    await asyncio.sleep(1.0)  # 20 polls of the old pace
+    assert gw.app[LIVE].runtime.generation == 2 and await _backend_of(gw) == "a"
+    os.kill(os.getpid(), signal.SIGHUP)  # an explicit reload still works
+    await _wait_generation(gw, 3)
+    assert await _backend_of(gw) == "b"
+
+
+async def test_a_reload_that_slows_the_watcher_sets_its_pace(upstream, gateway):
+    a, b = await upstream("a"), await upstream("b")
+    gw = await gateway(simple_policy(a, b, reload={"interval_ms": 50}))
+    gw.write_policy(simple_policy(a, b, reload={"interval_ms": 600_000}))
+    await _wait_generation(gw, 2)
+    gw.write_policy(simple_policy(b, a, reload={"interval_ms": 600_000}))
+    await asyncio.sleep(1.0)
+    assert gw.app[LIVE].runtime.generation == 2 and await _backend_of(gw) == "a"

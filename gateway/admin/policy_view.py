@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..config.policy import Policy, PolicyError, parse_policy
+from ..config.policy import Policy, PolicyError, parse_policy, secret_problem
 from ..store.target import hide_password
 from ..tenants.auth import key_warnings
 
@@ -43,11 +43,18 @@ def _digests(v: Any) -> Any:
 
 
 def env_warnings(policy: Policy) -> list[str]:
-    """The environment variables the policy names that are not set here."""
-    out = [f"backends.{name}.api_key_env: environment variable {b.api_key_env} is not set here"
-           for name, b in policy.backends.items() if b.api_key_env and not os.environ.get(b.api_key_env)]
-    out += [f"backends.{name}.headers_env.{header}: environment variable {env} is not set here"
-            for name, b in policy.backends.items() for header, env in b.headers_env.items() if not os.environ.get(env)]
+    """The environment variables the policy names that are not set here, and backends' secrets
+    set here that `gateway serve` refuses (a key with a line break: secret_problem)."""
+    secrets = [(f"backends.{name}.api_key_env", b.api_key_env) for name, b in policy.backends.items() if b.api_key_env]
+    secrets += [(f"backends.{name}.headers_env.{header}", env) for name, b in policy.backends.items()
+                for header, env in b.headers_env.items()]
+    out: list[str] = []
+    for path, env in secrets:
+        value = os.environ.get(env)
+        if not value:
+            out.append(f"{path}: environment variable {env} is not set here")
+        elif (problem := secret_problem(env, value)) is not None:
+            out.append(f"{path}: {problem} (`gateway serve` refuses it)")
     holders = [(f"tenants.{n}", t.key_sha256_env) for n, t in policy.tenants.items()]
     if policy.admin is not None:
         holders += [("admin", policy.admin.key_sha256_env), ("admin.viewer", policy.admin.viewer_key_sha256_env)]

@@ -38,8 +38,27 @@ Endpoint = Literal["chat", "completions", "embeddings", "responses", "messages"]
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
 
 
+# The longest duration any setting may name: 10 years. Durations reach Redis as milliseconds
+# (SET PX), which refuses an expiry past 2**63 ms from now; and `.inf` (YAML's infinity) cannot be
+# rounded to milliseconds at all.
+MAX_DURATION_S = 10 * 365 * 86400
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No `.inf` or `.nan` anywhere: every number of the policy is a finite amount.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _bounded_duration(cls, v: Any, info: ValidationInfo) -> Any:
+        """A duration (a field named `*_s` or `*_ms`) of at most MAX_DURATION_S."""
+        name = info.field_name or ""
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and name.endswith(("_s", "_ms")):
+            unit = "ms" if name.endswith("_ms") else "s"
+            top = MAX_DURATION_S * (1000 if unit == "ms" else 1)
+            if v > top:
+                raise ValueError(f"must be at most {top:,} {unit} (10 years)")
+        return v
 
 
 class TimeoutsPolicy(_Section):
@@ -117,6 +136,19 @@ def header_value_ok(value: str) -> bool:
     return len(value) <= 4096 and not any(c in value for c in "\r\n\0")
 
 
+def secret_problem(env: str, value: str) -> str | None:
+    """What keeps the value of the environment variable `env` (a backend's key, a header's
+    secret) from being sent in a header, or None. A line break gets its own words: a Secret made
+    from a file (`kubectl create secret --from-file`, `echo KEY > file`) ends in one, and aiohttp
+    refuses it on every request. Not stripped: a key is sent as it is, or not at all."""
+    if "\n" in value or "\r" in value:
+        return (f"the value of {env} holds a line break (a Secret made from a file that ends in a newline?); "
+                "store it without one (`printf %s KEY`, `kubectl create secret generic ... --from-literal`)")
+    if not header_value_ok(value):
+        return f"the value of {env} must be one line of at most 4,096 characters"
+    return None
+
+
 class BackendPolicy(_Section):
     url: str
     # The API it speaks: OpenAI's (chat, completions, embeddings, responses) or Anthropic's Messages
@@ -188,11 +220,27 @@ class BackendPolicy(_Section):
 
     @field_validator("url", "metrics_url")
     @classmethod
-    def _http_url(cls, v: str | None) -> str | None:
+    def _http_url(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None:
             return None
         if not re.match(r"^https?://[^/\s]+", v):
             raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        if info.field_name == "url" and any(c in v for c in "?#"):
+            # The endpoint's path is appended to `url` (`{url}/chat/completions`): after a query
+            # it would land in the query's value, and every request would miss its path.
+            raise ValueError(
+                f"must not hold a query (?) or fragment (#), got {v!r}: the gateway appends each endpoint's path "
+                "to it; send what a provider wants besides the path in `headers` (a secret: `headers_env`), or "
+                "its model name in `models`"
+            )
+        if "#" in v:
+            raise ValueError(f"must not hold a fragment (#...), got {v!r}: it is never sent")
+        try:
+            port = urlsplit(v).port
+        except ValueError:  # not a number, or past 65535
+            port = 0
+        if port == 0:
+            raise ValueError(f"the port must be a number from 1 to 65535, got {v!r}")
         return v.rstrip("/")
 
     @field_validator("api_key_env")
@@ -680,9 +728,9 @@ class BandDeadlines(_Section):
     """Default deadline per priority band when a request sends no x-request-timeout-ms (null:
     server.request_timeout_ms)."""
 
-    priority: int | None = Field(None, gt=0)
-    default: int | None = Field(None, gt=0)
-    flex: int | None = Field(None, gt=0)
+    priority: int | None = Field(None, gt=0, le=MAX_DURATION_S * 1000)
+    default: int | None = Field(None, gt=0, le=MAX_DURATION_S * 1000)
+    flex: int | None = Field(None, gt=0, le=MAX_DURATION_S * 1000)
 
 
 class AdmissionPolicy(_Section):
@@ -932,11 +980,7 @@ def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
             continue
         port = _launch_port(url)
         if port is None:
-            problems.append((
-                ("backends", bname, "url"),
-                "a launched backend needs an explicit loopback host:port URL (http://127.0.0.1:PORT/v1, or localhost, "
-                "[::1]; no user, query or fragment)",
-            ))  # fmt: skip
+            problems.append((("backends", bname, "url"), _LAUNCH_URL))
             continue
         # By port, not URL: every loopback name is this machine, so two children would collide.
         if port in ports:
@@ -945,6 +989,10 @@ def _cross_check(data: dict[str, Any]) -> list[tuple[tuple[Any, ...], str]]:
     if _as_dict(data.get("server")).get("open_access") is True and tenants:
         problems.append((("server", "open_access"), "a policy with tenants is never open; remove `open_access`"))
     return problems
+
+
+_LAUNCH_URL = ("a launched backend needs an explicit loopback host:port URL (http://127.0.0.1:PORT/v1, or localhost, "
+               "[::1]; no user, query or fragment)")
 
 
 def _launch_port(url: str) -> int | None:
@@ -1033,17 +1081,53 @@ def expanded_nodes(root: yaml.Node, limit: int) -> int:
     return size[id(root)]
 
 
-def _read_yaml(text: str, source: str, max_nodes: int) -> tuple[yaml.Node | None, Any]:
-    """The composed YAML (for line numbers) and its data, parsed once (LibYAML's parser when
-    PyYAML has it). Refused past `max_nodes` with aliases expanded: a few hundred bytes of
-    nested aliases ("billion laughs") would otherwise make validation run for hours."""
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def duplicate_keys(root: yaml.Node | None) -> list[Problem]:
+    """A problem for each key a YAML mapping holds twice: PyYAML keeps the last one, so a second
+    `team-a:` (or a second `tenants:`) would drop the first without a word. Each node is visited
+    once (an alias's target is reported at its first path)."""
+    out: list[Problem] = []
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, tuple[Any, ...]]] = [(root, ())] if root is not None else []
+    while stack:
+        node, loc = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            stack.extend((child, (*loc, i)) for i, child in enumerate(node.value))
+        elif isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == _MERGE:  # `<<: *base` merges, then keys override
+                    stack.append((value, loc))
+                    continue
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in first:
+                    out.append(Problem(_path((*loc, key.value))[0], f"defined again (first at line "
+                                       f"{first[key.tag, key.value]}): YAML keeps only the last one; remove or merge one", line))
+                else:
+                    first[key.tag, key.value] = line
+                stack.append((value, (*loc, key.value)))
+    return sorted(out, key=lambda p: p.line or 0)
+
+
+def _read_yaml(text: str, source: str, max_nodes: int) -> tuple[yaml.Node | None, Any, list[Problem]]:
+    """The composed YAML (for line numbers), its data, parsed once (LibYAML's parser when PyYAML
+    has it), and its duplicate keys (duplicate_keys). Refused past `max_nodes` with aliases
+    expanded: a few hundred bytes of nested aliases ("billion laughs") would otherwise make
+    validation run for hours."""
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)(text)
     try:
         root = loader.get_single_node()
         if root is not None and expanded_nodes(root, max_nodes) > max_nodes:
             raise PolicyError(source, [Problem("", f"the YAML holds more than {max_nodes:,} values with its aliases "
                                                    "expanded (or an alias inside itself)")])
-        return root, None if root is None else loader.construct_document(root)
+        # Before the construction, which writes the keys of a merge (`<<: *base`) into the mapping.
+        duplicates = duplicate_keys(root)
+        return root, None if root is None else loader.construct_document(root), duplicates
     finally:
         loader.dispose()
 
@@ -1054,7 +1138,7 @@ def parse_policy(text: str, source: str = "<policy>", *, max_nodes: int = MAX_PO
     Schema errors and cross-reference errors are reported together, in one pass. `max_nodes`:
     the most values the YAML may hold, aliases expanded."""
     try:
-        root, data = _read_yaml(text, source, max_nodes)
+        root, data, duplicates = _read_yaml(text, source, max_nodes)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
@@ -1078,11 +1162,16 @@ def parse_policy(text: str, source: str = "<policy>", *, max_nodes: int = MAX_PO
             if err["type"] == "extra_forbidden":
                 msg = _unknown_field(loc)
             problems.append(Problem(text_path, msg, _line_of(root, parts)))
+    cross = [(*_path(loc), msg) for loc, msg in _cross_check(data)]
+    # One complaint per place: the schema's, but for a launched backend's URL the cross-check's
+    # (it says all that such a URL must be, where the schema names one thing wrong with it).
+    launch_urls = {text_path for text_path, _, msg in cross if msg == _LAUNCH_URL}
+    problems = [p for p in problems if p.path not in launch_urls]
     schema_paths = {p.path for p in problems}
-    for loc, msg in _cross_check(data):
-        text_path, parts = _path(loc)
-        if text_path not in schema_paths:  # one complaint per place
+    for text_path, parts, msg in cross:
+        if text_path not in schema_paths:
             problems.append(Problem(text_path, msg, _line_of(root, parts)))
+    problems = duplicates + problems  # first: a duplicate may explain the others (its first half is gone)
     if problems or policy is None:
         # A union (list-or-map) reports once per branch; keep each message once.
         raise PolicyError(source, list(dict.fromkeys(problems)))

@@ -93,12 +93,20 @@ class Reloader:
                 await self.on_swap(runtime)
             return True, ""
 
-    async def watch(self, interval_s: float) -> None:
-        """Poll the file (cheap: a stat, and a hash only when the stat changed) until cancelled."""
+    async def watch(self, interval_s: float | None = None) -> None:
+        """Poll the file (cheap: a stat, and a hash only when the stat changed) until cancelled.
+
+        The policy in force decides each poll (as the supervisor of `--workers N` does): a reload
+        that sets `reload.watch: false` stops the reloads on a change, one that sets a new
+        `reload.interval_ms` sets the pace. `interval_s`: the first wait (None: the policy's)."""
         assert self.path is not None
         last = _stat(self.path)
+        wait = interval_s
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(self.live.runtime.policy.reload.interval_ms / 1000 if wait is None else wait)
+            wait = None
+            if not self.live.runtime.policy.reload.watch:
+                continue  # until a reload by SIGHUP or /admin/reload puts `watch: true` back in force
             now = _stat(self.path)
             if now == last:
                 continue

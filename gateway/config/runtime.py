@@ -48,7 +48,7 @@ from .policy import (
     StorePolicy,
 )
 
-__all__ = ["Runtime", "Route", "Pool", "HedgeBudget", "CachePlan", "build_runtime", "open_store"]
+__all__ = ["Runtime", "Route", "Pool", "HedgeBudget", "CachePlan", "build_runtime", "cascade_for", "open_store"]
 
 
 log = logging.getLogger("gateway.runtime")
@@ -412,19 +412,23 @@ class Runtime:
         return route
 
 
-def _cascade(policy: Policy, lexical: Classifier, encoder: EncoderWorker | None) -> Cascade:
+def cascade_for(policy: Policy, lexical: Classifier, encoder: EncoderWorker | None) -> Cascade:
     """The cascade for `policy`: the band encoder.json gives for its recall target, when the
     encoder is on and some route classifies. None (the lexical scorer alone) under an explicit
     `classifier.threshold`, or lexical weights other than those the band was calibrated on.
-    Raises ValueError for an encoder folder whose encoder.json is unreadable or malformed."""
+    Raises ValueError naming `classifier.encoder.weights_dir` for an encoder folder whose
+    encoder.json is missing, unreadable or malformed (`gateway check` asks this too)."""
     cp = policy.classifier
     ep = cp.encoder
     classifies = cp.classify_all or any(r.backends is None for r in policy.models.values())
     if ep.enabled is False or not classifies or cp.threshold is not None:
         return LEXICAL_ONLY
     folder = Path(ep.weights_dir) if ep.weights_dir else None
-    meta = meta_of(folder)
-    band = band_for(meta, cp.complex_recall_target)
+    try:
+        meta = meta_of(folder)
+        band = band_for(meta, cp.complex_recall_target)
+    except ValueError as exc:
+        raise ValueError(f"classifier.encoder.weights_dir: {exc}") from None
     if meta.get("lexical_sha256") != lexical.sha256:
         log.warning("classifier: the encoder's band was calibrated on other lexical weights than %s: "
                     "the lexical scorer decides alone", cp.weights_file or DEFAULT_WEIGHTS)
@@ -511,7 +515,7 @@ def build_runtime(
         backends[name] = Backend(name, bp, state)
     # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
     classifier = Classifier.load(policy.classifier.weights_file)
-    cascade = _cascade(policy, classifier, encoder)
+    cascade = cascade_for(policy, classifier, encoder)
     registry: Mapping[StorePolicy, Store] = stores if stores is not None else {}
     used: dict[StorePolicy, Store] = {}
 

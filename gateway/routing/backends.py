@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from yarl import URL
 
 from ..admission.gate import Gate
-from ..config.policy import BackendPolicy, header_value_ok
+from ..config.policy import BackendPolicy, secret_problem
 from ..wire.endpoints import ENDPOINTS
 from .health import Health
 from .latency import Tracker
@@ -92,7 +92,7 @@ class Backend:
                 headers["x-api-key"] = key
             else:
                 headers["Authorization"] = f"Bearer {key}"
-        secret = {h: _secret(f"backends.{name}.headers_env.{h}", env, header=True) for h, env in policy.headers_env.items()}
+        secret = {h: _secret(f"backends.{name}.headers_env.{h}", env) for h, env in policy.headers_env.items()}
         self.headers = {**policy.headers, **secret, **headers}
         # The client's beta headers this backend's API reads (FORWARDED): passed on, after its own.
         self.forwards = FORWARDED[policy.kind]
@@ -132,14 +132,15 @@ class Backend:
         return f"Backend({self.name!r}, {self.base_url!r})"
 
 
-def _secret(where: str, env: str, *, header: bool = False) -> str:
+def _secret(where: str, env: str) -> str:
     """A backend's secret from the environment variable `env` (its key, a header's value): a
-    ValueError naming `where` when it is unset, or (`header`) is not one header line."""
+    ValueError naming `where` when it is unset or cannot be sent in a header (secret_problem):
+    refused at start and on reload, not a 500 on every request to the backend."""
     value = os.environ.get(env)
     if not value:
         raise ValueError(f"{where}: environment variable {env} is not set")
-    if header and not header_value_ok(value):
-        raise ValueError(f"{where}: the value of {env} must be one line of at most 4,096 characters")
+    if (problem := secret_problem(env, value)) is not None:
+        raise ValueError(f"{where}: {problem}")
     return value
 
 

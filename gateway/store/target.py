@@ -7,7 +7,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass
-from urllib.parse import parse_qs, unquote
+from urllib.parse import parse_qs, unquote, urlsplit
 
 __all__ = ["Topology", "Target", "parse_target", "hide_password"]
 
@@ -55,6 +55,13 @@ def parse_target(url: str) -> Target:
             # bound and the calls' deadlines.
             raise ValueError(f"{', '.join(owned)} in the URL: the policy's `store` section sets those "
                              f"(max_connections, timeout_ms, quota_timeout_ms), not the URL")
+        if not url.startswith("unix://"):
+            try:
+                port = urlsplit(url).port
+            except ValueError:  # not a number, or past 65535: redis-py refuses it when it connects
+                port = 0
+            if port == 0:
+                raise ValueError(f"the port must be a number from 1 to 65535 in {hide_password(url)!r}")
         return Target(Topology.SINGLE, url, tls=url.startswith("rediss://"))
     m = _MULTI.match(url)
     if m is None:
@@ -89,7 +96,10 @@ def _host(text: str, default_port: int, url: str) -> tuple[str, int]:
         host, port = text.strip(), str(default_port)
     if not host:
         raise ValueError(f"empty host in {hide_password(url)!r}")
-    return host.strip("[]"), _int(port, "port", url)
+    number = _int(port, "port", url)
+    if not 1 <= number <= 65535:
+        raise ValueError(f"port {port!r} is not from 1 to 65535 in {hide_password(url)!r}")
+    return host.strip("[]"), number
 
 
 def _int(text: str, what: str, url: str) -> int:

@@ -147,6 +147,19 @@ def env_digests(digests: tuple[str, ...], env: str | None, path: str) -> tuple[s
     return digests + extra
 
 
+def _shared_key(policy: Policy, first: str, second: str, digest: str) -> str:
+    """Why a key digest given to two tenants is refused, naming where it came from: the variable
+    (`key_sha256_env`) of the tenant that got it there, the later one's when both did. The policy's
+    check compares the inline lists only; a variable's digests are known at start or reload."""
+    holder = second if digest not in policy.tenants[second].key_sha256 else first
+    other = first if holder == second else second
+    env = policy.tenants[holder].key_sha256_env
+    from_env = env is not None and digest not in policy.tenants[holder].key_sha256
+    where = f"tenants.{holder}.key_sha256_env: {env}" if from_env else f"tenants.{holder}.key_sha256"
+    return (f"{where} holds a key digest that also belongs to tenant {other!r}: one of them would answer "
+            "as the other; give each tenant its own keys")
+
+
 class IssuedKey(Protocol):
     """A virtual key as authentication reads it (admin/keys.py's VirtualKey)."""
 
@@ -198,7 +211,9 @@ class Tenants:
             )
             self._by_name[name] = tenant
             for digest in env_digests(tp.key_sha256, tp.key_sha256_env, f"tenants.{name}"):
-                self._by_digest[digest] = tenant
+                other = self._by_digest.setdefault(digest, tenant)
+                if other is not tenant:
+                    raise ValueError(_shared_key(policy, other.name, name, digest))
         a = policy.admin
         self._admin = set(env_digests(a.key_sha256, a.key_sha256_env, "admin")) if a else set()
         self._viewer = set(env_digests(a.viewer_key_sha256, a.viewer_key_sha256_env, "admin.viewer")) if a and (
