@@ -76,6 +76,29 @@ def test_prefill_sends_the_delivered_text_as_an_assistant_turn_and_rewrites_the_
     assert usage is not None and usage["usage"] == {"prompt_tokens": 12, "completion_tokens": 7, "total_tokens": 19}
 
 
+def test_a_prefill_counts_events_of_several_tokens_by_their_text():
+    """One event may carry several tokens (Anthropic's text deltas): 12 tokens in 4 events left a
+    limit of 20 with 16 to go (review helper's repro). The text's estimate counts when it says more."""
+    t = _delivered(*["word word word word " * 3] * 4)  # 240 characters: ~60 tokens in 4 events
+    body = orjson.loads(Resume(t, "prefill", "s", "cut").body({"model": "m", "messages": [], "max_tokens": 100}, "m", CHAT.prefill))
+    assert body["max_tokens"] == 40
+
+
+def test_a_prefill_whose_limit_was_used_up_ends_at_its_limit_with_nothing_more():
+    """Cut after its last token, before its finish: the continuation was asked for one more token,
+    and the client got max_tokens + 1 (review helper's repro). It gets the finish, `length`, and
+    usage of what it has."""
+    t = _delivered("t0 ", "t1 ", "t2 ")
+    r = Resume(t, "prefill", "s", "cut")
+    body = orjson.loads(r.body({"model": "m", "messages": [], "max_tokens": 3}, "m", CHAT.prefill))
+    assert body["max_tokens"] == 1  # the backend is asked for something it may answer
+    assert r.rewrite(_chunk("u0 ")) is None
+    fin = r.rewrite(_chunk(finish="stop"))
+    assert fin is not None and fin["choices"][0]["finish_reason"] == "length" and fin["choices"][0]["delta"].get("content", "") == ""
+    usage = r.rewrite(_chunk(usage={"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}))
+    assert usage is not None and usage["usage"] == {"prompt_tokens": 9, "completion_tokens": 3, "total_tokens": 12}
+
+
 def test_completions_prefill_appends_the_text_to_the_prompt():
     t = Transcript()
     t.note({"id": "x", "choices": [{"index": 0, "text": "Once upon"}]}, "p")

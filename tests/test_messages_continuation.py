@@ -385,8 +385,8 @@ def test_a_chat_request_continued_on_anthropic_is_sent_as_messages_with_the_pref
             "stream_options": {"include_usage": True}}
     body = orjson.loads(Resume(t, "prefill", "b", "cut").body(CHAT_VIA_MESSAGES.upstream_request(chat), "claude-1",
                                                               CHAT_VIA_MESSAGES.prefill, trim=True))
-    # the translation's default limit (4096), less the one content event delivered
-    assert body["system"] == "Be brief." and body["max_tokens"] == 4095 and body["stream"] is True
+    # the translation's default limit (4096), less what was delivered: one event, two tokens by its text
+    assert body["system"] == "Be brief." and body["max_tokens"] == 4094 and body["stream"] is True
     assert "stream_options" not in body and body["messages"] == [*HELLO, {"role": "assistant", "content": "w0 w1"}]
 
 

@@ -30,6 +30,8 @@ from typing import Any
 
 import orjson
 
+from ..wire.tokens import text_tokens
+
 __all__ = ["Transcript", "Resume", "Mismatch", "Prefill"]
 
 Prefill = Callable[[Mapping[str, Any], str], dict[str, Any]]  # codec.Endpoint.prefill
@@ -119,7 +121,7 @@ _LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 class Resume:
     """One continuation attempt: the body to send, and how its events become the client's."""
 
-    __slots__ = ("transcript", "mode", "backend", "reason", "_pending", "_loose", "_delivered_tokens")
+    __slots__ = ("transcript", "mode", "backend", "reason", "_pending", "_loose", "_delivered_tokens", "_spent")
 
     def __init__(self, transcript: Transcript, mode: str, backend: str, reason: str) -> None:
         assert mode in ("prefill", "restart")
@@ -129,7 +131,12 @@ class Resume:
         self.reason = reason  # why the original stream broke (for x_gateway and logs)
         self._pending = transcript.text if mode == "restart" else ""  # delivered text not yet matched
         self._loose = ""  # a prefill's trailing whitespace held back: skipped where the continuation repeats it
-        self._delivered_tokens = transcript.tokens
+        # Content events are tokens for most backends, but one event may carry several (Anthropic's
+        # text deltas, a busy vLLM's): the text's estimate when it says more (12 tokens in 4 events
+        # left a limit of 20 with 16 to go, and the answer ran to 28; review helper's repro).
+        text = transcript.text if transcript.continuable else ""
+        self._delivered_tokens = max(transcript.tokens, text_tokens(text))
+        self._spent = False  # a prefill's limit was used up before the cut: only its finish is wanted
 
     def body(self, body: dict[str, Any], upstream_model: str, prefill: Prefill, *, trim: bool = False) -> bytes:
         """The request to send: the original, for `upstream_model`, plus the prefill if any
@@ -149,6 +156,10 @@ class Resume:
                 limit = out.get(name)
                 if type(limit) is int and limit > 0:
                     out[name] = max(1, limit - self._delivered_tokens)
+                    # Used up (the cut came after the last token, before its finish): the backend
+                    # is asked for one token, which the client does not get; the answer ends at
+                    # its limit ("length"), as it would have (it got one token past it).
+                    self._spent = self._spent or limit <= self._delivered_tokens
         return orjson.dumps(out)
 
     def rewrite(self, obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -160,6 +171,10 @@ class Resume:
             if not isinstance(choice, dict):
                 continue
             text = _text_of(choice)
+            if text and self._spent:
+                _set_text(choice, "")
+                choice.pop("logprobs", None)
+                text = ""
             if text:
                 kept = self._skip(text)
                 _set_text(choice, kept)
@@ -176,11 +191,13 @@ class Resume:
                 delta.pop("reasoning", None)
             if choice.get("finish_reason"):
                 finished = True
+                if self._spent:
+                    choice["finish_reason"] = "length"
                 if self._pending:
                     raise Mismatch(f"the restarted answer ended {len(self._pending)} characters before the delivered text did")
         usage = obj.get("usage")
         if isinstance(usage, dict) and self.mode == "prefill":
-            usage = obj["usage"] = _plus_completion(usage, self._delivered_tokens)
+            usage = obj["usage"] = _plus_completion(usage, self._delivered_tokens, none_kept=self._spent)
         if not (has_text or finished or isinstance(usage, dict)):
             return None  # role-only or empty events, and everything within the skipped prefix
         obj["id"], obj["model"], obj["created"] = t.id, t.model, t.created
@@ -238,12 +255,14 @@ def _set_text(choice: dict[str, Any], text: str) -> None:
         choice["text"] = text
 
 
-def _plus_completion(usage: dict[str, Any], delivered: int) -> dict[str, Any]:
+def _plus_completion(usage: dict[str, Any], delivered: int, *, none_kept: bool = False) -> dict[str, Any]:
     """Usage of the whole answer: the continuation's completion plus the tokens delivered before
-    it (prompt_tokens stay as the continuing backend counted them, the prefill included)."""
+    it (prompt_tokens stay as the continuing backend counted them, the prefill included);
+    `none_kept`: the client got none of the continuation's tokens."""
     out = dict(usage)
     c = out.get("completion_tokens")
     if isinstance(c, int):
+        c = 0 if none_kept else c
         out["completion_tokens"] = c + delivered
         p = out.get("prompt_tokens")
         if isinstance(p, int):
