@@ -162,6 +162,24 @@ async def test_a_follower_keeps_waiting_through_slow_lock_reads(inner: Store) ->
     assert theirs is None and entry is not None and entry.answer()["id"] == "chatcmpl-1"
 
 
+async def test_a_lock_whose_set_timed_out_here_but_ran_there_is_given_back(inner: Store) -> None:
+    """The SET of the lock timed out on the client after Redis ran it: the lock was left for the
+    other replicas to wait on until its TTL (30 s) when the answer was not stored (review
+    helper's finding). It is ours, and given back like any."""
+
+    class LateAdd(Delayed):
+        async def add(self, key: str, value: bytes, ttl_s: float, *, replicas: int = 0) -> bool:
+            await self.inner.add(key, value, ttl_s)
+            raise StoreError(f"add of {key!r}: timed out after {self.timeout_s} s")
+
+    cache = _cache(LateAdd(inner))
+    token, entry = await cache_flight.claim(cache, "k", wait_s=5, lock_s=30)
+    assert token is not None and entry is None
+    assert await inner.get(LOCK + "k") == token.encode()
+    await cache_flight.release(cache, "k", token)  # nothing stored: the others go upstream now
+    assert await inner.get(LOCK + "k") is None
+
+
 async def test_a_follower_stops_waiting_when_the_store_keeps_failing() -> None:
     store = Delayed(MemoryStore(), timeout_s=0.01)
     cache = _cache(store)

@@ -69,7 +69,10 @@ async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float, terms: 
         elif await cache.store.get(_LOCK + key) is None:
             return None, None  # nobody is answering it elsewhere
     except StoreError:
-        return None, None
+        # A SET that timed out here may still have run there: the lock is then ours, and given
+        # back at the end like any (release deletes it only while it holds our token), not left
+        # for the other replicas to wait on until its TTL when our answer is not stored.
+        return (token if take else None), None
     deadline = time.monotonic() + min(wait_s, lock_s)
     failures = 0
     while time.monotonic() < deadline:
