@@ -722,6 +722,10 @@ class CachePolicy(_Section):
     # Also serve and store sampled answers (temperature > 0 without a seed): callers asking for
     # variety would get the same text again. Off: only temperature 0 or seeded requests (n = 1).
     include_sampled: bool = False
+    # The cache's own store (null: `store`): a Redis that may evict its least recently used keys
+    # (maxmemory with allkeys-lru), next to a `store` that must not (quota counters and Responses
+    # records have TTLs too, and went with the cache's entries under volatile-lru).
+    store: StorePolicy | None = None
 
 
 class BandDeadlines(_Section):

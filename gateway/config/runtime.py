@@ -531,7 +531,8 @@ def build_runtime(
         t.cache and t.cache.enabled for t in policy.tenants.values()
     ):
         # In memory, shared fairly among namespaces (a shared store is itself: Redis's own LRU).
-        cache = Cache(store_of(policy.store).own("cache", key_owner), ttl_s=policy.cache.ttl_s,
+        cache_store = store_of(policy.store) if policy.cache.store is None else store_of(policy.cache.store, "cache")
+        cache = Cache(cache_store.own("cache", key_owner), ttl_s=policy.cache.ttl_s,
                       max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error)
     quota = None
     if any(t.quota is not None and t.quota.any() for t in policy.tenants.values()):
@@ -559,4 +560,4 @@ def open_store(sp: StorePolicy, role: str = "store") -> Store:
     if sp.url is None:
         return MemoryStore(max_bytes=sp.memory_max_bytes)
     return RedisStore(sp.url, timeout_ms=sp.timeout_ms, max_connections=sp.max_connections, quota_timeout_ms=sp.quota_timeout_ms,
-                      tls=sp.tls, role=role, quotas=role != "records")
+                      tls=sp.tls, role=role, quotas=role not in ("records", "cache"))

@@ -30,7 +30,7 @@ from .target import Topology, parse_target
 
 log = logging.getLogger("gateway.store")
 
-__all__ = ["FAILURES", "connect", "close_client", "relearn", "write_acked", "budget", "budget_warning", "warn_over_budget", "ADMIN_CONNECTIONS"]
+__all__ = ["FAILURES", "connect", "close_client", "relearn", "write_acked", "budget", "budget_warning", "store_warnings", "warn_over_budget", "ADMIN_CONNECTIONS"]
 
 # What a Redis call can fail with: a Cluster's client also raises RedisClusterException (no
 # RedisError), for one when no node answers while it re-reads the topology.
@@ -165,18 +165,30 @@ async def budget_warning(sp: StorePolicy, workers: int) -> str | None:
     """What is wrong with the connection budget, asked of the server: `store.replicas` replicas
     of `workers` processes each against its `maxclients` (INFO clients, which managed services
     allow where CONFIG GET is refused). None when it fits or the server cannot say."""
+    return (await store_warnings(sp, workers, evicts=True))[0] if sp.url is not None else None
+
+
+async def store_warnings(sp: StorePolicy, workers: int, *, evicts: bool = False) -> list[str | None]:
+    """[the connection budget's problem, the eviction's problem] of the Redis `sp` names (each
+    None when there is none, or the server cannot say). `evicts`: the store may evict (a cache's
+    own), so eviction is no problem."""
     assert sp.url is not None
     client = connect(sp.url, sp.tls, timeout_s=2.0, max_connections=1, name=f"gw-check-{os.getpid()}", retries=0)
     try:
         async with asyncio.timeout(3.0):
             if isinstance(client, RedisCluster):  # every node, by name: the tightest counts
                 infos = list((await client.info("clients", target_nodes=RedisCluster.ALL_NODES)).values())
+                memory = list((await client.info("memory", target_nodes=RedisCluster.ALL_NODES)).values())
             else:
-                infos = [await client.info("clients")]
+                infos, memory = [await client.info("clients")], [await client.info("memory")]
     except Exception:  # noqa: BLE001 - the store is down or refuses INFO: the calls will say so
-        return None
+        return [None, None]
     finally:
         await close_client(client)
+    return [_over_budget(sp, workers, infos), None if evicts else _evicting(memory)]
+
+
+def _over_budget(sp: StorePolicy, workers: int, infos: list[Any]) -> str | None:
     tightest = min(infos, key=lambda i: int(i.get("maxclients", 0) or 0))
     maxclients, connected = int(tightest.get("maxclients", 0) or 0), int(tightest.get("connected_clients", 0) or 0)
     need = sp.replicas * budget(sp, workers)
@@ -188,10 +200,28 @@ async def budget_warning(sp: StorePolicy, workers: int) -> str | None:
             "maxclients, or callers past it are refused by Redis (docs/operations.md, connection budget)")
 
 
+def _evicting(memory: list[Any]) -> str | None:
+    """Whether a node evicts keys past its maxmemory: the quota counters and Responses records
+    have TTLs and go with the cache's least recently used entries (an idle tenant's day of tokens
+    and spend started again under volatile-lru: review helper's repro); allkeys-lru takes the
+    virtual keys too."""
+    for info in memory:
+        policy = str(info.get("maxmemory_policy") or "noeviction")
+        if int(info.get("maxmemory", 0) or 0) and policy != "noeviction":
+            return (f"store: Redis evicts keys past its maxmemory ({policy}): quota counters, Responses records"
+                    f"{' and virtual keys' if policy.startswith('allkeys') else ''} may go with the cache's entries "
+                    "(a tenant's daily limits start again); run it with noeviction and give the cache a Redis of "
+                    "its own that may evict (cache.store.url; docs/operations.md)")
+    return None
+
+
 async def warn_over_budget(sp: StorePolicy, workers: int) -> None:
-    """Log budget_warning's finding, if any (at start, in the background: it waits on Redis)."""
-    if sp.url is not None and (problem := await budget_warning(sp, workers)) is not None:
-        log.warning("%s", problem)
+    """Log what is wrong with the store (`store_warnings`: its connection budget, and eviction,
+    which it must not do), if anything (at start, in the background: it waits on Redis)."""
+    if sp.url is not None:
+        for problem in await store_warnings(sp, workers):
+            if problem is not None:
+                log.warning("%s", problem)
 
 
 ADMIN_CONNECTIONS = 2  # the pool of each admin-plane client (keys, request log, reload channel)
