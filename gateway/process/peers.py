@@ -32,6 +32,12 @@ log = logging.getLogger("gateway.peers")
 _ANSWER_WAIT_S = 3.0  # how long an announcement waits for the other replicas' results
 _RESULT_TTL_S = 60
 _RETRY_S = 1.0
+# A subscription that has heard nothing this long is pinged; one that then hears nothing for as
+# long again is taken for dead and made anew. A Redis host that is gone without a reset (a frozen
+# Sentinel master) kept the subscriber on it while every announcement went to the promoted one:
+# 11 reloads missed over 28 s (review helper's repro).
+_PING_S = 2.0
+_CALL_S = 2.0  # one answer's write to Redis (a single server's client has no timeout of its own)
 
 
 class Peers:
@@ -79,14 +85,16 @@ class Peers:
             return []
         rid = os.urandom(8).hex()
         key = f"{self.channel}:{rid}"
+        got: list[bytes] = []
         try:
-            receivers = await self._redis.publish(self.channel, orjson.dumps({"id": rid, "node": self.node}))
-            expected = max(0, int(receivers) - (1 if self._subscribed.is_set() else 0))
-            deadline = time.monotonic() + _ANSWER_WAIT_S
-            got: list[bytes] = []
-            while len(got) < expected and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
-                got = await self._redis.lrange(key, 0, -1)
+            # Bounded: a stalled single Redis held /admin/reload for as long as it stalled.
+            async with asyncio.timeout(_ANSWER_WAIT_S + _CALL_S):
+                receivers = await self._redis.publish(self.channel, orjson.dumps({"id": rid, "node": self.node}))
+                expected = max(0, int(receivers) - (1 if self._subscribed.is_set() else 0))
+                deadline = time.monotonic() + _ANSWER_WAIT_S
+                while len(got) < expected and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                    got = await self._redis.lrange(key, 0, -1)
         except FAILURES as exc:
             log.warning("reload announcement on %s failed: %s", self.channel, exc)
             return [{"ok": False, "error": f"could not announce the reload on Redis: {exc}"}]
@@ -96,18 +104,22 @@ class Peers:
         return out
 
     async def _listen(self) -> None:
+        lost = False  # a subscription was lost: announcements may have gone by meanwhile
         while True:
             pubsub = self._redis.pubsub()
             try:
                 # A Cluster's client learns its slots on its first command: before it, it cannot
                 # tell which node a subscription goes to.
-                await self._redis.ping()
-                await pubsub.subscribe(self.channel)
+                async with asyncio.timeout(_CALL_S):
+                    await self._redis.ping()
+                    await pubsub.subscribe(self.channel)
                 self._subscribed.set()
-                async for msg in pubsub.listen():
-                    if msg.get("type") == "message":
-                        await self._answer(msg["data"])
+                if lost:  # the file is read again: what a missed announcement would have done
+                    lost = False
+                    await self._on_reload("the reload channel came back")
+                await self._hear(pubsub)
             except Exception as exc:  # noqa: BLE001 - a listener that died would miss every reload after
+                lost = True
                 self._subscribed.clear()
                 log.warning("reload channel %s: %s: %s; resubscribing in %.0f s", self.channel, type(exc).__name__, exc, _RETRY_S)
                 await asyncio.sleep(_RETRY_S)
@@ -116,6 +128,25 @@ class Peers:
             finally:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
+
+    async def _hear(self, pubsub: Any) -> None:
+        """Answer the announcements on `pubsub` until it fails; a quiet one is pinged, and one
+        silent after its ping raises TimeoutError."""
+        heard = time.monotonic()
+        pinged = False
+        while True:
+            msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=_PING_S / 4)
+            now = time.monotonic()
+            if msg is not None:
+                heard, pinged = now, False
+                if msg.get("type") == "message":
+                    await self._answer(msg["data"])
+            elif now - heard >= 2 * _PING_S and pinged:
+                raise TimeoutError(f"no answer to a ping in {_PING_S:.0f} s")
+            elif now - heard >= _PING_S and not pinged:
+                async with asyncio.timeout(_CALL_S):
+                    await pubsub.ping()
+                pinged = True
 
     async def _answer(self, data: bytes) -> None:
         try:
@@ -130,4 +161,5 @@ class Peers:
         pipe = self._redis.pipeline()
         pipe.rpush(key, orjson.dumps({"node": self.node, **result}))
         pipe.expire(key, _RESULT_TTL_S)
-        await pipe.execute()
+        async with asyncio.timeout(_CALL_S):
+            await pipe.execute()
