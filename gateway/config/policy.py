@@ -458,7 +458,7 @@ class _Keys(_Section):
 def _digests(v: tuple[str, ...]) -> tuple[str, ...]:
     for digest in v:
         if not re.fullmatch(r"[0-9a-f]{64}", digest):
-            raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key KEY`)")
+            raise ValueError("each entry must be a lowercase hex sha256 of a key (`gateway hash-key --new`, or `gateway hash-key` with the key on stdin)")
     return v
 
 
