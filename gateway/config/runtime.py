@@ -33,7 +33,7 @@ from ..routing.selector import Candidate, Selector
 from ..store.core import FairMemoryStore, MemoryStore, Store
 from ..store.redis_store import RedisStore
 from ..tenants.auth import Tenant, Tenants
-from ..tenants.quota import Quota
+from ..tenants.quota import Quota, reported
 from ..wire.codec import Endpoint
 from ..wire.endpoints import ENDPOINTS
 from .policy import (
@@ -267,15 +267,16 @@ class Runtime:
         pa = self.routing.prefix_affinity
         self.prefixes.configure(pa.max_entries, pa.prefix_ttl_s)
 
-    def spend_usd(self, call: Call) -> float:
-        """What the answer cost at its backend's `price` (0 without a price, a usage or a backend,
-        and for a cache hit)."""
+    def spend_usd(self, call: Call, estimate: tuple[int, int] | None = None) -> float:
+        """What the answer cost at its backend's `price`: its usage's prompt and completion tokens
+        (a usage with a figure that is not a whole number from 0 to 2**40 is none: tenants/quota.py `reported`),
+        else `estimate`, the (input, output) tokens a quota charged in their place (none: 0). 0
+        without a price or a backend, and for a cache hit."""
         backend = self.backends.get(call.out.backend or "")
-        usage = call.out.usage
-        if backend is None or backend.policy.price is None or not usage or call.cache.result is CacheResult.HIT:
+        if backend is None or backend.policy.price is None or call.cache.result is CacheResult.HIT:
             return 0.0
-        p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-        return backend.policy.price.usd(p if isinstance(p, int) else 0, c if isinstance(c, int) else 0)
+        tokens = reported(call.out.usage) or estimate
+        return 0.0 if tokens is None else backend.policy.price.usd(*tokens)
 
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.

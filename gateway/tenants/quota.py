@@ -9,30 +9,35 @@ estimate when none came (see `_tokens_used`). A reservation whose replica died s
 its estimate and leaves the window with it.
 
 While the shared store fails, each replica limits on its own counters (the in-memory store),
-logs once a minute and counts `gateway_quota_degraded_total`: never a 5xx. It uses the shared
-store again as soon as it answers.
+logs once a minute and counts `gateway_quota_degraded_total`: never a 5xx. It applies there the
+daily limits the shared store said are spent (`_DayOut`), uses the shared store again as soon as
+it answers, and then adds to it what was used on its own counters meanwhile (`_replay_now`). A
+script that fails on Redis is a bug, not an outage: the request is refused (503), not admitted
+on this process's counters (`_script_failed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from redis.exceptions import ResponseError
 
 from ..config.policy import LimitsPolicy, Policy, QuotaPolicy
-from ..errors import RateLimited
+from ..errors import RateLimited, Unavailable
 from ..pipeline.call import CacheResult, Call, Finish
 from ..pipeline.ids import fresh_id
 from ..store.core import Store, StoreError
 from ..web.sink import Sink
 from .auth import Tenant
-from .quota_counters import Ask, Decision, Scope, Settle, Usage
+from .quota_counters import DAY_S, Ask, Decision, Scope, Settle, Usage
 
-__all__ = ["Quota", "Hold", "QuotaExceeded", "TOKEN_LIMITS"]
+__all__ = ["Quota", "Hold", "QuotaExceeded", "TOKEN_LIMITS", "reported"]
 
 log = logging.getLogger("gateway.quota")
 
@@ -43,6 +48,12 @@ _UNDO_PAUSES_S = (0.25, 0.5, 1.0, 2.0, 4.0)  # a timed-out take is reversed afte
 _MAX_UNDOS = 1_000  # reversals waiting at once (a store that is down would otherwise pile them up)
 # Limits that need the real token count of every answer (so streams ask for usage).
 TOKEN_LIMITS = ("tpm", "tokens_per_day", "spend_per_day_usd")
+# The most tokens a usage figure may say, and a reservation hold (a tenant without tpm reserves
+# max_tokens whole): beyond, Lua formats a number as "1.8e+19", which HINCRBY refuses mid-script
+# (a take admitted on the local counters, a settle that never released its lease). Lua prints
+# integers whole below 1e17 and Redis's counters are int64: 2**40 leaves room for 2**23 at once.
+_MAX_TOKENS = 1 << 40
+_MAX_MICRO = 1 << 50  # the most micro-USD one request is charged (~$1.1e9), for the same reason
 
 
 class QuotaExceeded(RateLimited):
@@ -87,6 +98,19 @@ class _Out:
     set_at: float
     decision: Decision
     scopes: tuple[Scope, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _DayOut:
+    """A daily limit of one scope the shared store refused by, applied until the UTC day ends
+    while that store fails (this process's own counters start the day at 0: a tenant refused for
+    the day was admitted again during a stall of Redis, $4 spent under $2.5). `need`: the
+    smallest reservation it refused (tokens for `tokens_per_day`, micro-USD for spend: a smaller
+    one may still fit); 0: every request (spend spent)."""
+
+    until: float  # this process's clock
+    need: int
+    decision: Decision
 
 
 @dataclass(slots=True)
@@ -148,6 +172,12 @@ class Quota:
         self._undoing: set[asyncio.Task[None]] = set()  # reversals of takes that timed out (_undo_later), owned here
         self._draining = False  # shutting down: a failed settle is not tried again (drain would wait ~9 s on a dead store)
         self._out: dict[str, _Out] = {}  # tenants of the policy refused by their rpm, until it frees up
+        self._shared = store.shared and store is not fallback  # a store other processes count on too
+        self._day_out: dict[tuple[str, str, str], _DayOut] = {}  # (tenant, scope, limit): the shared store's daily refusals
+        # (tenant, scopes, day) -> [tokens, micro-USD] used on this process's counters while the
+        # shared store failed: added to it once it answers again (_replay_now).
+        self._replay: dict[tuple[str, tuple[str, ...], int], list[int]] = {}
+        self._last_bug: float | None = None
         self.plans: dict[str, _Plan] = {}
         for name, tp in policy.tenants.items():
             q = tp.quota
@@ -172,7 +202,9 @@ class Quota:
         if plan is None:
             return None
         limits = plan.per_model.get(call.model, plan.any_model)
-        reserved = call.prompt_tokens + self._completion_estimate(call, plan)  # before _fit writes a limit
+        # Before _fit writes a limit. Bounded (_MAX_TOKENS): a tenant without tpm reserved
+        # max_tokens 2**64-1 whole, which the take script could not add.
+        reserved = min(call.prompt_tokens + self._completion_estimate(call, plan), _MAX_TOKENS)
         if plan.counts_tokens:
             _fit(call, limits, ceiling)
             if call.endpoint.answers_later(call.body):
@@ -180,13 +212,15 @@ class Quota:
                 # what it may generate, its limit as now bounded (without one, what a reservation
                 # holds: the tpm), not an estimate (5 background requests were charged 5,190
                 # tokens and generated 100,060).
-                reserved = call.prompt_tokens + self._completion_estimate(call, plan, _room(call, limits))
+                reserved = min(call.prompt_tokens + self._completion_estimate(call, plan, _room(call, limits)), _MAX_TOKENS)
         held = min(reserved, limits.cap)  # what the counters take (they cap it there too)
         spend = _spend_reserve(limits.spend_cap, cost, call.prompt_tokens, held - call.prompt_tokens) if limits.spend_cap else 0
         ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS, spend)
         store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
         if decision is None:
             store, decision = await self._take(tenant.name, ask, limits.names, held)
+            if store is self.store and (self._day_out or not decision.ok):
+                self._note_day(tenant.name, decision, limits.scopes, ask, held)
         _headers(sink.set_header, decision)
         if not decision.ok:
             assert decision.limit is not None
@@ -210,7 +244,7 @@ class Quota:
         scopes = (Scope(t.name, rpm=t.rpm, concurrency=t.concurrency),)
         lease = fresh_id(64)
         ask = Ask(scopes, 0, lease, int(timeout_s * 1000) + _LEASE_MARGIN_MS)
-        store, decision = await self._take(tenant.name, ask, (t.name,), 0)
+        store, decision = await self._take(tenant.name, ask, (t.name,), 0)  # no daily limit: no _DayOut
         _headers(set_header, decision)
         if not decision.ok:
             raise self._refused(tenant.name, decision, scopes)
@@ -244,6 +278,46 @@ class Quota:
             self._out[tenant] = _Out(now + min(d.retry_after_s, _EARLY_S), now, d, scopes)
         return _exceeded(tenant, d, scopes, reserved)
 
+    def _note_day(self, tenant: str, d: Decision, scopes: tuple[Scope, ...], ask: Ask, held: int) -> None:
+        """Keep the shared store's word on the daily limits for while it fails (`_DayOut`): a
+        refusal by one is remembered until the day ends, with the reservation it refused (spend
+        refused while requests in flight hold it may free up as they settle: while the store
+        fails, its `need` still refuses, on the side of the limit); an admission forgets the
+        refusals it proves wrong (those of at most what it reserved)."""
+        if d.ok:
+            for s in scopes:
+                for limit, took in (("tokens_per_day", held), ("spend_per_day_usd", ask.spend_micro)):
+                    out = self._day_out.get((tenant, s.name, limit))
+                    if out is not None and took >= out.need:
+                        del self._day_out[(tenant, s.name, limit)]
+            return
+        if d.limit == "tokens_per_day":
+            need = held
+        elif d.limit == "spend_per_day_usd":
+            need = 0 if d.retry_after_s > 1.0 else ask.spend_micro  # spent for the day: every request
+        else:
+            return
+        key = (tenant, d.scope, d.limit)
+        if (old := self._day_out.get(key)) is not None:
+            need = min(need, old.need)
+        until = self._clock() + (d.day + 1) * DAY_S - time.time()  # the store's day end, on this process's clock
+        self._day_out[key] = _DayOut(until, need, d)
+
+    def _still_out(self, tenant: str, ask: Ask, held: int) -> Decision | None:
+        """While the shared store fails: the refusal a daily limit it refused by still gives this
+        ask (None: none applies), its figures left out of the headers (they may have moved)."""
+        now = self._clock()
+        for s in ask.scopes:
+            for limit, has, took in (("tokens_per_day", s.tokens_per_day, held), ("spend_per_day_usd", s.spend_per_day_micro, ask.spend_micro)):
+                out = self._day_out.get((tenant, s.name, limit))
+                if out is None:
+                    continue
+                if now >= out.until:
+                    del self._day_out[(tenant, s.name, limit)]
+                elif has and took >= out.need:
+                    return replace(out.decision, retry_after_s=out.until - now, limit_requests=-1, limit_tokens=-1)
+        return None
+
     async def _take(self, tenant: str, ask: Ask, scopes: tuple[str, ...], reserved: int) -> tuple[Store, Decision]:
         """The shared store's decision, or this process's own while the shared one fails.
 
@@ -251,7 +325,7 @@ class Quota:
         whether the script ran; the take finishes in a task of its own and what it took is given
         back at once (`scopes` and `reserved` as the Hold would say), instead of holding a
         concurrency slot and the reservation until the lease's deadline + 10 s."""
-        task = asyncio.get_running_loop().create_task(self._take_any(tenant, ask))
+        task = asyncio.get_running_loop().create_task(self._take_any(tenant, ask, reserved))
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -260,13 +334,25 @@ class Quota:
             task.add_done_callback(self._settling.discard)
             raise
 
-    async def _take_any(self, tenant: str, ask: Ask) -> tuple[Store, Decision]:
+    async def _take_any(self, tenant: str, ask: Ask, held: int) -> tuple[Store, Decision]:
         try:
-            return self.store, await self.store.quota_take(tenant, ask)
+            decision = await self.store.quota_take(tenant, ask)
         except StoreError as exc:
+            if _script_failed(exc):
+                # Redis answered: the script failed part-way (what it took before the error
+                # stays taken), and this process's counters would admit the request with no
+                # lease on Redis (3 at once under concurrency 1 across two replicas). A bug to
+                # fix, not an outage: refused, loudly, rather than past the limits.
+                self._bug(f"quota take for tenant {tenant!r} failed on the store, request refused: {exc}")
+                raise Unavailable(f"the quota store could not check tenant {tenant!r}'s limits (a failed script); see the gateway's log") from exc
             self._degraded(exc)
             self._undo_later(tenant, ask)
+            if self._day_out and (out := self._still_out(tenant, ask, held)) is not None:
+                return self.fallback, out
             return self.fallback, await self.fallback.quota_take(tenant, ask)
+        if self._replay:
+            self._replay_now()  # it answers again: what was used on this process's counters meanwhile goes to it
+        return self.store, decision
 
     def _undo_later(self, tenant: str, ask: Ask) -> None:
         """A take that failed on the shared store may still have run there (a timeout on a
@@ -286,9 +372,11 @@ class Quota:
             await asyncio.sleep(pause)
             try:
                 await self.store.quota_undo(tenant, ask)
-                return
             except StoreError:
                 continue
+            if self._replay:
+                self._replay_now()
+            return
 
     def _give_back(self, task: asyncio.Task[tuple[Store, Decision]], tenant: str, scopes: tuple[str, ...], reserved: int,
                    lease: str, spend: int) -> None:
@@ -303,22 +391,35 @@ class Quota:
         """Settle a `reserve_request` hold: the request stays counted, its lease goes back."""
         self._finish(hold, 0, 0.0)
 
-    def settle(self, hold: Hold | None, call: Call, spend_usd: float) -> None:
-        """Replace the reservation with what was used and release the lease (every path, once).
+    def settle(self, hold: Hold, call: Call, spend_of: Callable[[tuple[int, int] | None], float]) -> float:
+        """Replace the reservation with what was used and release the lease (every path, once);
+        returns the spend (USD). `spend_of(tokens)`: what the answer cost at its backend's price,
+        from its usage, else from `tokens`, the (input, output) estimate charged in its place.
 
         On a shared store in a task of its own: the answer is not held up by the round trip, and
         a cancelled handler (the client went away) still gives its lease back. `drain()` awaits
-        them. On this process's own counters at once."""
-        if hold is not None:
-            self._finish(hold, _tokens_used(call, hold.reserved), spend_usd)
+        them. On this process's own counters at once. Settled even when the figures fail (the
+        reservation then stands): a lease left behind held a `concurrency: 1` tenant for 10 minutes."""
+        used, spend = hold.reserved, hold.spend_reserved / 1e6
+        try:
+            used, estimate = _tokens_used(call, hold.reserved)
+            spend = spend_of(estimate)
+        finally:
+            self._finish(hold, used, spend)
+        return spend
 
     def _finish(self, hold: Hold | None, used: int, spend_usd: float) -> None:
         if hold is None or hold.settled:
             return
         hold.settled = True
         d = hold.decision
-        settle = Settle(hold.scopes, d.bucket, d.day, used - hold.reserved, round(spend_usd * 1e6) - hold.spend_reserved, hold.lease)
+        # Bounded as a usage figure is (_MAX_TOKENS, _MAX_MICRO): a delta the scripts cannot add
+        # failed the settle after it had deleted the take's record, and its lease never went back.
+        used, spend = min(max(used, 0), _MAX_TOKENS), _micro(spend_usd)
+        settle = Settle(hold.scopes, d.bucket, d.day, used - hold.reserved, spend - hold.spend_reserved, hold.lease)
         if hold.store.settle_now(hold.tenant, settle):
+            if hold.store is self.fallback and self._shared and (used or spend):
+                self._replay_add(hold.tenant, hold.scopes, d.day, used, spend)
             return  # this process's counters: no round trip, so no task (a task costs µs per request)
         task = asyncio.get_running_loop().create_task(self._settle(hold, settle))
         self._settling.add(task)
@@ -333,9 +434,49 @@ class Quota:
                 await hold.store.quota_settle(hold.tenant, settle)
                 return
             except StoreError as exc:
+                if _script_failed(exc):  # the same again would fail the same way
+                    self._bug(f"quota settle for tenant {hold.tenant!r} failed on the store: {exc}")
+                    return
                 self._degraded(exc)  # the lease expires by itself; the estimate stays counted
             if self._draining:
                 return
+
+    def _replay_add(self, tenant: str, scopes: tuple[str, ...], day: int, used: int, spend: int) -> None:
+        """Keep what a request used on this process's counters while the shared store failed, for
+        `_replay_now` (at most _MAX_UNDOS tenants' scopes and days at once; beyond, it is lost)."""
+        key = (tenant, scopes, day)
+        acc = self._replay.get(key)
+        if acc is None:
+            if len(self._replay) >= _MAX_UNDOS:
+                return
+            acc = self._replay[key] = [0, 0]
+        acc[0] = min(acc[0] + used, _MAX_TOKENS)
+        acc[1] = min(acc[1] + spend, _MAX_MICRO)
+
+    def _replay_now(self) -> None:
+        """The shared store answers again: add to its daily counters (tokens, spend) what was used
+        on this process's counters while it failed, so the day's totals there hold it (a tenant
+        spent $2 on a replica's own counters during a stall, which Redis never heard of). As a
+        settle without a lease, day counters only (bucket -1): the 60-second windows of the
+        outage are not replayed. Kept for the next try while the store fails."""
+        batch, self._replay = self._replay, {}
+        task = asyncio.get_running_loop().create_task(self._send_replay(batch))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _send_replay(self, batch: dict[tuple[str, tuple[str, ...], int], list[int]]) -> None:
+        for (tenant, scopes, day), (used, spend) in list(batch.items()):
+            try:
+                await self.store.quota_settle(tenant, Settle(scopes, -1, day, used, spend, ""))
+            except StoreError as exc:
+                if _script_failed(exc):
+                    self._bug(f"quota replay for tenant {tenant!r} failed on the store: {exc}")
+                    del batch[(tenant, scopes, day)]
+                    continue
+                for (t, sc, dy), (u, sp) in batch.items():  # the rest waits for the next answer
+                    self._replay_add(t, sc, dy, u, sp)
+                return
+            del batch[(tenant, scopes, day)]
 
     async def drain(self) -> None:
         """Wait for the settles in flight (each bounded by the store's timeout); the reversals of
@@ -374,6 +515,13 @@ class Quota:
             limit = plan.default_max_tokens if unset is None else unset
         return limit * call.answers()
 
+    def _bug(self, message: str) -> None:
+        """A script failed on the store: an error in the log (once a minute: every request may hit it)."""
+        now = self._clock()
+        if self._last_bug is None or now - self._last_bug >= _WARN_EVERY_S:
+            self._last_bug = now
+            log.error("%s (a bug: report it, with this line)", message)
+
     def _degraded(self, exc: StoreError) -> None:
         if self._on_degraded is not None:
             self._on_degraded()
@@ -384,6 +532,26 @@ class Quota:
 
 
 _NO_CAP = 1 << 62  # no scope has a tpm
+
+
+def _script_failed(exc: StoreError) -> bool:
+    """Whether the store ran a quota script and it failed at one of its lines (Redis names it
+    `@user_script`): an argument or a counter the script cannot handle, not a store that is down,
+    slow, or refusing for a reason of its own (BUSY, READONLY, OOM, MOVED: other types, or no
+    line). The Redis store raises its StoreError inside the `except` (`from None` keeps
+    `__context__`)."""
+    ctx = exc.__context__
+    return type(ctx) is ResponseError and "@user_script" in str(ctx)
+
+
+def _micro(usd: float) -> int:
+    """A cost in whole micro-USD, a positive one rounded up (to at most _MAX_MICRO): rounded to
+    the nearest, a request at $0.02/Mtok (0.4 micro-USD) cost 0, and 30 passed a 2 micro-USD
+    limit. The relative slack keeps float noise (1.0000000000000002) from adding one."""
+    if usd <= 0:
+        return 0
+    x = usd * 1e6
+    return min(math.ceil(x - x * 1e-12), _MAX_MICRO)
 
 
 def _cap(scopes: tuple[Scope, ...]) -> int:
@@ -424,9 +592,38 @@ def _room(call: Call, limits: _Limits) -> int | None:
     return None if limits.cap >= _NO_CAP else max(1, limits.cap // call.answers())
 
 
-def _tokens_used(call: Call, reserved: int) -> int:
-    """What the request consumed, `reserved` being what its hold took: the backend's usage; else
-    an estimate, since a backend that reports none (or was left mid-way) still did the work:
+def _figures(usage: dict[str, Any] | None) -> tuple[int | None, int | None, int | None] | None:
+    """A backend's usage as (prompt, completion, total) tokens, each None when absent; None when
+    it has none, or when a figure it gives is not a whole number from 0 to _MAX_TOKENS (a bool,
+    a float, a negative or a huge number: total_tokens -1e9 wiped a tenant's day, 2**64-1 failed
+    the Redis settle): the estimate applies then, as without usage (the other figures of a usage
+    that lies about one are not believed either)."""
+    if not usage:
+        return None
+    p, c, t = usage.get("prompt_tokens"), usage.get("completion_tokens"), usage.get("total_tokens")
+    for v in (p, c, t):
+        if v is not None and not (type(v) is int and 0 <= v <= _MAX_TOKENS):
+            return None
+    return p, c, t
+
+
+def reported(usage: dict[str, Any] | None) -> tuple[int, int] | None:
+    """The (prompt, completion) tokens a backend's usage reports (one absent: 0); None when it
+    reports neither, or is not believed (`_figures`)."""
+    f = _figures(usage)
+    if f is None or (f[0] is None and f[1] is None):
+        return None
+    return f[0] or 0, f[1] or 0
+
+
+def _tokens_used(call: Call, reserved: int) -> tuple[int, tuple[int, int] | None]:
+    """What the request consumed, `reserved` being what its hold took: the tokens the counters
+    settle with and, when the backend's usage does not say (`reported` is None), the (input,
+    output) split of them that its spend is priced at (input: the prompt estimate of every
+    read; without it a backend that reports no usage was charged $0 under a spend limit).
+
+    The tokens: the backend's usage (`total_tokens`, else prompt + completion); else an
+    estimate, since a backend that reports none (or was left mid-way) still did the work:
 
     - a stream: the prompt estimate plus one token per content event delivered (a client that
       left is charged what it got);
@@ -444,25 +641,31 @@ def _tokens_used(call: Call, reserved: int) -> int:
     `call.out.read_prompts`): the answer's usage counts only its own backend's reading.
     """
     if call.cache.result is CacheResult.HIT:
-        return 0
+        return 0, None
+    prompt = call.prompt_tokens
     reads = call.out.read_prompts
-    others = (reads - 1) * call.prompt_tokens if reads > 1 else 0
-    usage = call.out.usage or {}
-    total = usage.get("total_tokens")
-    if isinstance(total, int):
-        return total + others
-    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    if isinstance(p, int) or isinstance(c, int):
-        return (p if isinstance(p, int) else 0) + (c if isinstance(c, int) else 0) + others
+    others = (reads - 1) * prompt if reads > 1 else 0
+    f = _figures(call.out.usage)
+    if f is not None:
+        p, c, total = f
+        if total is not None:
+            if p is not None or c is not None:
+                return total + others, None
+            inp = min(total, prompt)  # priced as the estimate splits it
+            return total + others, (inp, total - inp)
+        if p is not None or c is not None:
+            return (p or 0) + (c or 0) + others, None
     if not call.timing.sent_at:  # set as an attempt starts sending: no backend was asked
-        return 0
+        return 0, (0, 0)
     if call.endpoint.answers_later(call.body):  # the backend runs on, whoever left: what it may generate
-        return max(reserved, call.prompt_tokens) + others
-    if call.out.streamed_tokens:
-        return call.prompt_tokens + call.out.streamed_tokens + others
-    if call.out.finish is Finish.OK and not call.stream:
-        return max(reserved, call.prompt_tokens) + others
-    return call.prompt_tokens + others
+        out = max(reserved, prompt) - prompt
+    elif call.out.streamed_tokens:
+        out = call.out.streamed_tokens
+    elif call.out.finish is Finish.OK and not call.stream:
+        out = max(reserved, prompt) - prompt
+    else:
+        out = 0
+    return prompt + out + others, (prompt + others, out)
 
 
 def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
@@ -483,7 +686,7 @@ def _spend_reserve(cap: int, cost: Callable[[int, int], float] | None, prompt: i
     admitted under a limit one of them spent, and spent 20x it (review helper's repro)."""
     if cost is None:
         return 0
-    return min(round(cost(prompt, max(0, completion)) * 1e6), cap)
+    return min(_micro(cost(prompt, max(0, completion))), cap)
 
 
 def _exceeded(tenant: str, d: Decision, scopes: tuple[Scope, ...], reserved: int = 0) -> QuotaExceeded:

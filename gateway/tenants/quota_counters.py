@@ -78,7 +78,8 @@ class Settle:
     """Correct a reservation: `token_delta` (actual - reserved) into its bucket (what it used beyond
     it: into the current second's) and day of every
     scope (a take reserved the same number on each), `spend_micro` (actual - reserved) into its
-    day, and release the lease."""
+    day, and release the lease. `bucket` -1: into the day only (a replay of what a replica
+    counted on its own while the shared store failed: its seconds have passed)."""
 
     scopes: tuple[str, ...]
     bucket: int
@@ -273,7 +274,9 @@ class MemoryQuota:
         for name in s.scopes:
             c = self._get(f"{tenant}\x00{name}")
             if s.token_delta:
-                if s.token_delta > 0:
+                if s.bucket < 0:
+                    pass  # a replay: the day's only
+                elif s.token_delta > 0:
                     # What it used beyond its reservation counts now: in the take's bucket it left
                     # the window with that bucket (a 2-minute stream's tokens past its reservation
                     # never reached the tpm, nor a 59 s one's after a second).

@@ -156,14 +156,21 @@ return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(res
 
 # KEYS: 5 per scope, then the take's record. ARGV: bucket, day, token_delta, spend_delta (micro-USD:
 # actual - reserved), lease. One delta for every scope: TAKE reserved the same on each. A positive
-# delta goes to the current second's bucket, a negative one to the take's (while in the window).
+# delta goes to the current second's bucket, a negative one to the take's (while in the window);
+# bucket -1 (a replay of what a replica counted on its own while Redis failed): the day's only.
 SETTLE = _COMMON + r"""
 local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local sec = math.floor(now_s())
 redis.call('DEL', KEYS[#KEYS])
+-- the leases first: a script that fails later (an error leaves what ran before it) still gives them back
+for k = 0, #KEYS - 2, 5 do
+  redis.call('ZREM', KEYS[k + 3], lease)
+end
 for k = 0, #KEYS - 2, 5 do
   if delta ~= 0 then
-    if delta > 0 then
+    if b == '-1' then
+      -- a replay: its seconds are gone, its day is not
+    elseif delta > 0 then
       -- what it used past its reservation counts now (in the take's bucket it would leave the window with it)
       redis.call('HINCRBY', KEYS[k + 2], sec, delta)
       redis.call('PEXPIRE', KEYS[k + 2], 62000)
@@ -180,7 +187,6 @@ for k = 0, #KEYS - 2, 5 do
     if m < 0 then redis.call('HSET', KEYS[k + 5], day, 0) end
     redis.call('PEXPIRE', KEYS[k + 5], 2 * 86400 * 1000)
   end
-  redis.call('ZREM', KEYS[k + 3], lease)
 end
 return 1
 """

@@ -108,7 +108,7 @@ class QuotaHold:
         hold, rt = self.hold, self.rt
         if hold is None or rt.quota is None:
             return
-        spend = rt.spend_usd(self.call)
-        if spend:
+        call = self.call
+        spend = rt.quota.settle(hold, call, lambda estimate: rt.spend_usd(call, estimate))
+        if spend > 0:  # a Counter raises on a negative amount
             self.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
-        rt.quota.settle(hold, self.call, spend)
