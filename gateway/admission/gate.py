@@ -18,13 +18,16 @@ global gate is the pipeline's admission stage (`Admission`); each backend's slot
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-__all__ = ["BANDS", "MAX_COST", "Ticket", "FairQueue", "Gate", "Admission", "Shed", "reserve_slots"]
+__all__ = ["BANDS", "MAX_COST", "MAX_RETRY_AFTER_S", "Ticket", "FairQueue", "Gate", "Admission", "Shed", "reserve_slots"]
+
+log = logging.getLogger("gateway.admission")
 
 BANDS = ("priority", "default", "flex")
 _AT_OR_ABOVE = {b: BANDS[: i + 1] for i, b in enumerate(BANDS)}  # asked on every admission: no slicing then
@@ -36,6 +39,13 @@ MAX_COST = 1 << 40
 # its first token): later arrivals of higher bands and quieter tenants overtake it, so the real
 # wait of a lower band runs longer than predicted, and a standing queue only adds latency.
 MAX_WAIT_SHARE = 0.6
+# The longest Retry-After a shed advertises: a predicted wait or a service time past a minute says
+# "overloaded", not when to come back (a measured 600 s hold once told clients to wait 10 minutes).
+MAX_RETRY_AFTER_S = 60.0
+# The admission gate's service time is the median hold of the last _HOLDS admitted requests; once
+# that window is full it is sorted again at most every _RESORT_S (every waiting arrival reads it).
+_HOLDS = 64
+_RESORT_S = 0.5
 
 
 class Shed(Exception):
@@ -49,7 +59,9 @@ class Shed(Exception):
 
 @dataclass(slots=True)
 class Ticket:
-    """A place in a FairQueue: who waits, in which band, for how many tokens."""
+    """Who would wait, in which band, for how many tokens: a request's (call.ticket), and a place
+    in a FairQueue. Gate.acquire queues a copy of the caller's, so a request's own ticket is never
+    in a queue and may wait at one gate after another."""
 
     band: str = "default"
     tenant: str = ""
@@ -62,11 +74,13 @@ class Ticket:
 
 class FairQueue:
     """Waiters by band, deficit round robin across tenants inside a band. O(1) push and pop
-    (cancelled waiters are skipped lazily); `position()` and `push_out()` are O(tenants waiting
-    in the band), and only run when a request would have to wait."""
+    (cancelled waiters are skipped lazily, and swept out of a tenant's queue once they outnumber
+    its live ones); `position()` and `push_out()` are O(tenants waiting in the band), and only
+    run when a request would have to wait. `name` says whose queue it is in the log."""
 
-    def __init__(self, starvation_share: float = 0.1) -> None:
+    def __init__(self, starvation_share: float = 0.1, name: str = "queue") -> None:
         self.starvation_share = starvation_share
+        self.name = name
         self._q: dict[str, dict[str, deque[Ticket]]] = {b: {} for b in BANDS}
         self._rr: dict[str, deque[str]] = {b: deque() for b in BANDS}
         self._deficit: dict[str, dict[str, float]] = {b: {} for b in BANDS}
@@ -92,15 +106,43 @@ class FairQueue:
         self._weight[t.band][t.tenant] = max(t.weight, 1e-9)
 
     def leave(self, t: Ticket) -> None:
-        """`t` stops waiting (cancelled, timed out): it no longer counts, and is skipped later."""
-        if not t.gone:
-            t.gone = True
-            self._uncount(t)
+        """`t` stops waiting (cancelled, timed out, pushed out): it no longer counts. A head that
+        leaves is dropped at once with the credit it banked; one behind a live head is skipped
+        later, or swept out with the others once the departed outnumber the live."""
+        if t.gone:
+            return
+        t.gone = True
+        self._uncount(t)
+        q = self._q[t.band].get(t.tenant)
+        if not q:
+            return
+        if q[0] is t:
+            # The credit a tenant banked while its head was unaffordable was for that head: kept,
+            # its cheap requests behind went 100 in a row ahead of everyone (a MAX_COST head parked,
+            # then cancelled). DRR resets a queue that empties; one whose head leaves keeps at most
+            # the quantum of one visit. (A head is never a departed ticket: they are dropped here.)
+            while q and q[0].gone:
+                q.popleft()
+            deficit = self._deficit[t.band]
+            deficit[t.tenant] = min(deficit[t.tenant], _QUANTUM * q[0].weight) if q else 0.0
+        if len(q) > 3 * self._live[t.band].get(t.tenant, 0) + 16:
+            # More than twice as many departed as live behind a live head (one parked head kept
+            # 50,000 cancelled waiters, 14.5 MB): sweep them out. Amortized O(1) a departure; the
+            # head stays, so the credit, the counts and the order of the live ones do too.
+            keep = [w for w in q if not w.gone]
+            q.clear()
+            q.extend(keep)
 
     def _uncount(self, t: Ticket) -> None:
-        self.sizes[t.band] -= 1
-        live = self._live[t.band]
-        n = live[t.tenant] - 1
+        sizes, live = self.sizes, self._live[t.band]
+        n = live.get(t.tenant, 0) - 1
+        if n < 0 or sizes[t.band] <= 0:
+            # A safety net, never meant to catch: a waiter counted out twice drove a band's size to
+            # -1 (its waiters then got 503 for good) and raised KeyError out of another's release().
+            log.error("%s: a %s waiter of tenant %r was counted out again (one ticket queued twice?); its counts stay at zero",
+                      self.name, t.band, t.tenant)
+            return
+        sizes[t.band] -= 1
         if n:
             live[t.tenant] = n
         else:
@@ -283,12 +325,13 @@ class Gate:
     RESERVE_ACTIVE_S = 10.0
 
     def __init__(
-        self, limit: int, counter: _Counter | None = None, *, starvation_share: float = 0.1, reserve: int = 0
+        self, limit: int, counter: _Counter | None = None, *, starvation_share: float = 0.1, reserve: int = 0,
+        name: str = "a backend's slots",
     ) -> None:
         self.limit = limit
         self.reserve = reserve
         self.counter: _Counter = counter if counter is not None else _Count()
-        self.queue = FairQueue(starvation_share)
+        self.queue = FairQueue(starvation_share, name)
         self._priority_at = -1e18  # when a priority request last took a slot
         self.priority_held = 0  # slots held by the priority band (the reserve is theirs)
         # Standing-queue control (CoDel-style): while every waiter dispatched for `standing_interval_s`
@@ -334,28 +377,34 @@ class Gate:
             self._priority_at = time.monotonic()
 
     async def acquire(self, timeout_s: float, ticket: Ticket | None = None) -> bool:
-        """Wait up to timeout_s for a slot, in `ticket`'s place; False when none came in time."""
-        t = ticket if ticket is not None else Ticket()
-        if self.try_acquire(t.band):
+        """Wait up to timeout_s for a slot as a waiter like `ticket` (its band, tenant, cost and
+        weight); False when none came in time.
+
+        The queue holds a ticket of its own for each wait, never the caller's: one request waits
+        at several gates in turn (admission then a backend, context fallbacks one after another),
+        and a ticket that left one queue stays in it, marked gone, until skipped there. Queued
+        again at the next gate, the same object came back to life at the first: counted out
+        twice, and a phantom waiter at the second (both backends 503 until a restart)."""
+        band = ticket.band if ticket is not None else BANDS[1]
+        if self.try_acquire(band):
             return True
-        t.fut = asyncio.get_running_loop().create_future()
-        t.enqueued = time.monotonic()
-        t.gone = False
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        t = Ticket(band, ticket.tenant, ticket.cost, ticket.weight, fut) if ticket is not None else Ticket(fut=fut)
         self.queue.push(t)
         try:
             async with asyncio.timeout(max(0.0, timeout_s)):
-                await t.fut
+                await fut
             return True  # release() handed its slot over to us
         except TimeoutError:
             # Granted in the same loop iteration as the timeout: the slot is ours.
-            return _granted(t.fut)
+            return _granted(fut)
         except BaseException:
-            if _granted(t.fut):
-                self.release(t.band)  # granted, then cancelled before we ran: pass the slot on
+            if _granted(fut):
+                self.release(band)  # granted, then cancelled before we ran: pass the slot on
             raise
         finally:
-            if not t.fut.done():
-                t.fut.cancel()
+            if not fut.done():
+                fut.cancel()
             self.queue.leave(t)
 
     def release(self, band: str = "default") -> None:
@@ -444,11 +493,14 @@ class Admission:
         starvation_share: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.gate = Gate(max_inflight, starvation_share=starvation_share)
+        self.gate = Gate(max_inflight, starvation_share=starvation_share, name="the admission gate")
         self.max_queue = max_queue
         self.enabled = True  # False (admission.enabled: false): relay without the gate or shedding
         self._clock = clock
-        self._service_s: float | None = None  # EWMA of how long an admitted request holds its place
+        self._holds: deque[float] = deque(maxlen=_HOLDS)  # how long the last admitted requests held their place
+        self._service_s: float | None = None  # their median, as of `_sorted_at`
+        self._stale = False  # holds came since
+        self._sorted_at = -1e18
 
     def configure(
         self,
@@ -469,6 +521,16 @@ class Admission:
         self.gate.queue.starvation_share = starvation_share
 
     def service_s(self) -> float:
+        """How long an admitted request holds its place: the median of the last _HOLDS holds (1 s
+        before the first). A median, not a moving average: the average of every hold let one
+        tenant's two 5 s answers raise it 15 ms -> 965 ms, and other tenants' requests with short
+        deadlines were shed whenever anyone queued. Sorted again at most every _RESORT_S once
+        the window is full: every arrival that would wait reads it."""
+        if self._stale:
+            holds, now = self._holds, self._clock()
+            if len(holds) < _HOLDS or now - self._sorted_at >= _RESORT_S:
+                self._service_s = sorted(holds)[(len(holds) - 1) // 2]
+                self._stale, self._sorted_at = False, now
         return self._service_s if self._service_s is not None else 1.0
 
     def predicted_wait_s(self, ticket: Ticket) -> float:
@@ -500,17 +562,18 @@ class Admission:
                 "deadline",
                 f"overloaded: the predicted wait of {wait * 1000:.0f} ms and first token of {first_token_s * 1000:.0f} ms "
                 f"exceed the {remaining_s * 1000:.0f} ms left of the request's deadline",
-                min(wait, 60.0),
+                min(wait, MAX_RETRY_AFTER_S),
             )
         if self.gate.try_acquire(ticket.band):
             return 0.0
         if len(queue) >= self.max_queue:
             victim = queue.push_out(ticket.band, ticket.tenant, ticket.weight)
+            retry_s = min(self.service_s(), MAX_RETRY_AFTER_S)
             if victim is None:
-                raise Shed("queue_full", f"the admission queue is full ({self.max_queue} waiting)", self.service_s())
+                raise Shed("queue_full", f"the admission queue is full ({self.max_queue} waiting)", retry_s)
             # Its place goes to a request of a higher band, or of a tenant holding less of the queue.
             refuse_waiter(victim, Shed("queue_full", f"the admission queue is full ({self.max_queue} waiting): its place went to "
-                              "a request of a higher priority or of a tenant with fewer waiting", self.service_s()))
+                              "a request of a higher priority or of a tenant with fewer waiting", retry_s))
         started = self._clock()
         if not await self.gate.acquire(remaining_s - first_token_s, ticket):
             raise TimeoutError
@@ -518,6 +581,6 @@ class Admission:
 
     def leave(self, held_s: float, band: str = "default") -> None:
         """Give the place back after holding it `held_s` (teaches the service time)."""
-        s = self._service_s
-        self._service_s = held_s if s is None else s + 0.1 * (held_s - s)
+        self._holds.append(held_s)
+        self._stale = True
         self.gate.release(band)

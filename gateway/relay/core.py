@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any
 
-from ..admission.gate import MAX_WAIT_SHARE
+from ..admission.gate import MAX_RETRY_AFTER_S, MAX_WAIT_SHARE
 from ..admission.stage import service_s
 from ..config.runtime import Route
 from ..errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
@@ -131,7 +131,8 @@ class Relay(Rescue, Hedging):
             self.ctx.metrics.shed.labels("deadline", ticket.band).inc()
             msg = (f"overloaded: predicted wait {wait * 1000:.0f} ms + first token {ttft * 1000:.0f} ms "
                    f"exceeds the {remaining * 1000:.0f} ms left of the deadline")
-            raise Unavailable(f"{msg} (backend {backend.name!r} is full)", code="overloaded", retry_after_s=max(1.0, wait))
+            raise Unavailable(f"{msg} (backend {backend.name!r} is full)", code="overloaded",
+                              retry_after_s=min(max(1.0, wait), MAX_RETRY_AFTER_S))
         budget = remaining - ttft if shed else remaining  # shedding: never hold a slot it cannot use
         by_deadline = budget <= backend.timeouts.first_token_ms / 1000
         self.tries.count += 1

@@ -42,6 +42,7 @@ class Rescue(RelayBase):
             self.tries.last_kind, self.tries.last_label = Kind.CONTEXT_LENGTH, Kind.CONTEXT_LENGTH.label()
             try:
                 wait_s = min(call.remaining_s(), fb.timeouts.first_token_ms / 1000)
+                # One ticket for every fallback's wait: each gate queues a copy of its own (Gate.acquire).
                 answered = await self.attempt(fb, live=None, wait_s=wait_s, queue=call.ticket)
             except UpstreamRejected as again:
                 if not again.context_length:
