@@ -148,7 +148,8 @@ class CacheStage:
             # waiting requests upstream again.
             if not led and isinstance(sink, TeeSink):
                 sink.detach()  # its client gets no more
-            await landing.land()
+            if not landing.landed:
+                await landing.land()
 
     def _count(self, call: Call, sink: Sink, result: CacheResult) -> None:
         call.cache.result = result
@@ -226,25 +227,29 @@ class _Landing:
     replicas, for that client's 60 s write bound: they got 504s past their deadlines (review
     helper's repro)."""
 
-    __slots__ = ("_call", "_cache", "_plan", "_key", "_flight", "_token", "_landed")
+    __slots__ = ("_call", "_cache", "_plan", "_key", "_flight", "_token", "landed")
 
     def __init__(self, call: Call, cache: Cache, plan: CachePlan, key: str, flight: Flight, token: str | None) -> None:
         self._call, self._cache, self._plan, self._key, self._flight, self._token = call, cache, plan, key, flight, token
-        self._landed = False
+        self.landed = False
 
     async def land(self) -> None:
         """Once: store what the call answered (when it may be stored), release the flight's
         followers and give back the lock. The process's own store never suspends, so nothing
         can stop it part way; a shared store's round trips are shielded (a task each, a few µs:
         misses only)."""
-        if self._landed:
+        if self.landed:
             return
-        self._landed = True
-        call, plan = self._call, self._plan
+        self.landed = True
+        call, plan, cache, flight = self._call, self._plan, self._cache, self._flight
         call.cache.land = None
-        landing = _land(self._cache, self._key, call.cache.entry if plan.store else None, plan.ttl_s, self._flight, self._token)
-        await (asyncio.shield(landing) if self._cache.store.shared else landing)
-        self._flight.finish()
+        entry = call.cache.entry if plan.store else None
+        if cache.store.shared:
+            await asyncio.shield(_land(cache, self._key, entry, plan.ttl_s, flight, self._token))
+        elif entry is not None:  # inline (a coroutine less a miss): this store holds no lock
+            await cache.save(self._key, entry, ttl_s=plan.ttl_s)
+            flight.publish(entry)
+        flight.finish()
 
 
 async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, flight: Flight, token: str | None) -> None:

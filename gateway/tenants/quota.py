@@ -391,9 +391,9 @@ class Quota:
         """Settle a `reserve_request` hold: the request stays counted, its lease goes back."""
         self._finish(hold, 0, 0.0)
 
-    def settle(self, hold: Hold, call: Call, spend_of: Callable[[tuple[int, int] | None], float]) -> float:
+    def settle(self, hold: Hold, call: Call, spend_of: Callable[[Call, tuple[int, int] | None], float]) -> float:
         """Replace the reservation with what was used and release the lease (every path, once);
-        returns the spend (USD). `spend_of(tokens)`: what the answer cost at its backend's price,
+        returns the spend (USD). `spend_of(call, tokens)`: what the answer cost at its backend's price,
         from its usage, else from `tokens`, the (input, output) estimate charged in its place.
 
         On a shared store in a task of its own: the answer is not held up by the round trip, and
@@ -403,7 +403,7 @@ class Quota:
         used, spend = hold.reserved, hold.spend_reserved / 1e6
         try:
             used, estimate = _tokens_used(call, hold.reserved)
-            spend = spend_of(estimate)
+            spend = spend_of(call, estimate)
         finally:
             self._finish(hold, used, spend)
         return spend
