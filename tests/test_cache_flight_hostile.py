@@ -334,6 +334,22 @@ def _stalled_client(port: int, body: dict[str, Any]) -> socket.socket:
     return s
 
 
+async def _behind_a_leader_that_does_not_read(up: Any, leader_port: int, url: str) -> tuple[int, str | None, float]:
+    """A leader on `leader_port` whose client reads nothing of its answer, then the same request
+    on `url` with an 8 s deadline: (status, x-gateway-cache, seconds it took)."""
+    body = _chat("popular question")
+    attacker = _stalled_client(leader_port, body)
+    try:
+        await _until(lambda: up.stats.requests == 1)
+        await asyncio.sleep(0.3)  # answered upstream; the leader's client reads nothing
+        async with aiohttp.ClientSession() as s:
+            started = asyncio.get_running_loop().time()
+            status, cache, _ = await _post(s, url, body, {"x-request-timeout-ms": "8000"})
+            return status, cache, asyncio.get_running_loop().time() - started
+    finally:
+        attacker.close()
+
+
 @pytest.mark.parametrize("stored", [True, False], ids=["stored", "too large to store"])
 async def test_a_leader_whose_client_does_not_read_holds_no_follower(upstream, gateway, stored):
     """A whole answer (~4.5 MB, past what the sockets buffer) ready in 50 ms held its flight's
@@ -342,17 +358,7 @@ async def test_a_leader_whose_client_does_not_read_holds_no_follower(upstream, g
     the answer: a stored one is a hit for the follower, one too large to store lets it go on alone."""
     up = await upstream(tokens=600_000, ttft_ms=50)
     gw = await gateway(_policy(up, cache={"max_entry_bytes": 8 * 1024 * 1024 if stored else 256 * 1024}))
-    body = _chat("popular question")
-    attacker = _stalled_client(gw.port, body)
-    try:
-        await _until(lambda: up.stats.requests == 1)
-        await asyncio.sleep(0.3)  # answered upstream; the leader's client reads nothing
-        async with aiohttp.ClientSession() as s:
-            started = asyncio.get_running_loop().time()
-            status, cache, _ = await _post(s, gw.url, body, {"x-request-timeout-ms": "8000"})
-            took = asyncio.get_running_loop().time() - started
-    finally:
-        attacker.close()
+    status, cache, took = await _behind_a_leader_that_does_not_read(up, gw.port, gw.url)
     assert status == 200 and took < 4, (status, took)
     assert (cache, up.stats.requests) == (("hit", 1) if stored else ("miss", 2))
 
@@ -366,15 +372,5 @@ async def test_a_leader_whose_client_does_not_read_holds_no_other_replica(upstre
         policy["store"] = {"url": url, "timeout_ms": 500}
         policy["reload"] = {"watch": False, "channel": "t-" + secrets.token_hex(4)}
         a, b = await gateway(policy, "a.yaml"), await gateway(policy, "b.yaml")
-        body = _chat("popular question")
-        attacker = _stalled_client(a.port, body)
-        try:
-            await _until(lambda: up.stats.requests == 1)
-            await asyncio.sleep(0.3)
-            async with aiohttp.ClientSession() as s:
-                started = asyncio.get_running_loop().time()
-                status, cache, _ = await _post(s, b.url, body, {"x-request-timeout-ms": "8000"})
-                took = asyncio.get_running_loop().time() - started
-        finally:
-            attacker.close()
+        status, cache, took = await _behind_a_leader_that_does_not_read(up, a.port, b.url)
     assert (status, cache, up.stats.requests) == (200, "hit", 1) and took < 4, (status, cache, took)
