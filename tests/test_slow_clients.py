@@ -160,3 +160,42 @@ async def test_a_thousand_slow_or_idle_connections_do_not_delay_a_normal_request
     async with aiohttp.ClientSession() as http:
         async with http.get(gw.url + "/admin/backends", headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as r:
             assert (await r.json())["backends"]["a"]["inflight"] == 0
+
+
+async def test_a_client_that_pipelines_requests_and_reads_no_answer_is_let_go(upstream, gateway, monkeypatch):
+    """Requests sent back to back on one connection whose client reads none of the answers: once
+    its buffer was full, aiohttp's write of each next answer waited with no bound, and the
+    connection held its answers and buffers until the client closed (10 connections still held
+    at 45 s; review helper's repro). Bounded as a stream's write is (CLIENT_READ_S, 1 s here)."""
+    import orjson
+
+    from gateway.web import sink as web_sink
+    from tests.conftest import simple_policy
+
+    monkeypatch.setattr(web_sink, "CLIENT_READ_S", 1.0)
+    key = "sk-acme-" + secrets.token_hex(16)
+    up = await upstream("a", tokens=2000)  # ~11 KB answers: each under the size a sink bounds itself
+    gw = await gateway(simple_policy(up, tenants={"acme": {"key_sha256": [hash_key(key)]}}, cache={"enabled": False}))
+    raw = orjson.dumps({"model": "gpt-test", "messages": [{"role": "user", "content": "hi"}]})
+    one = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+           + f"Authorization: Bearer {key}\r\nContent-Length: {len(raw)}\r\n\r\n".encode() + raw)
+    loop = asyncio.get_running_loop()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setblocking(False)
+    try:
+        await loop.sock_connect(s, ("127.0.0.1", gw.port))
+        await loop.sock_sendall(s, one * 800)
+
+        def held() -> int:
+            return len([p for p in gw.runner.server.connections if p.transport])
+
+        async with asyncio.timeout(10):  # answers pile up on it
+            while not (held() and up.stats.requests >= 100):
+                await asyncio.sleep(0.05)
+        async with asyncio.timeout(8):  # then the gateway lets it go
+            while held():
+                await asyncio.sleep(0.1)
+        assert up.stats.requests < 800
+    finally:
+        s.close()

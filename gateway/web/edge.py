@@ -47,6 +47,7 @@ from ..errors import BadRequest, Forbidden, GatewayError, InternalError, Payload
 from ..wire.endpoints import at_path
 from .body import RequestTimeout
 from .http_call import api_key
+from . import sink
 from .keys import LIVE, LOOPBACK
 
 if TYPE_CHECKING:
@@ -358,7 +359,22 @@ class _Connection(web.RequestHandler):
         if isinstance(resp, web.HTTPException) and resp.status >= 400 and resp.content_type != "application/json":
             resp = _as_json(resp, request.path)
         try:
-            return await super().finish_response(request, resp, start_time)
+            transport = self.transport
+            if transport is None or not transport.get_write_buffer_size():
+                return await super().finish_response(request, resp, start_time)
+            # Answers already wait on this connection (a client that pipelines requests and reads
+            # none of the answers): aiohttp's write of this one waits for the buffer to drain, with
+            # no bound. 10 such connections held their answers and buffers until the client closed
+            # (review helper's repro). Bounded as a stream's write is (sink.CLIENT_READ_S).
+            try:
+                async with asyncio.timeout(sink.CLIENT_READ_S):
+                    return await super().finish_response(request, resp, start_time)
+            except TimeoutError:
+                log.info("closing a connection from %s: its client took none of its answers for %g s",
+                         self._address, sink.CLIENT_READ_S)
+                self.force_close()
+                transport.abort()
+                return resp, True
         finally:
             self._answered += 1
             _discard_unread(request)
