@@ -126,6 +126,15 @@ async def test_spend_limit_holds_for_a_backend_that_reports_no_usage(scripted, g
     use = await _use(gw)
     assert st.count(200) == 1 and scripted.requests == 1, st
     assert 1.0 <= use["spend_today_usd"] <= 1.01, use
+    # The request log says what was charged (it priced usage alone: $0 for an answer without one).
+    async with aiohttp.ClientSession() as http:
+        for _ in range(50):  # the log's writer batches
+            async with http.get(gw.url + "/admin/requests", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+                answered = [e for e in (await r.json())["data"] if e.get("status") == 200]
+            if answered:
+                break
+            await asyncio.sleep(0.1)
+    assert answered and 1.0 <= answered[0]["cost_usd"] <= 1.01, answered
 
 
 async def test_stream_left_mid_way_is_charged_what_it_was_sent(scripted, gateway):

@@ -153,7 +153,9 @@ class Observer:
         # Refused before authentication: in the metrics and the access log, not in the shared request log
         # (an anonymous caller must not push the tenants' entries out of it).
         if self.request_log is not None and call.tenant is not None and rt.policy.request_log.enabled:
-            self.request_log.add(call, rt, end, rt.spend_usd(call))
+            # What the quota charged (an answer without usage: its estimate's cost), else its usage's.
+            spend = call.out.spend_usd
+            self.request_log.add(call, rt, end, rt.spend_usd(call) if spend is None else spend)
         if self.force_access_log or rt.policy.log.access:
             access = self._access or self._start_access_log()  # a reload may have turned it on
             access.write(_line(call, rt, st, end))

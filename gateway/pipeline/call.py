@@ -94,6 +94,7 @@ class Outcome:
     error: str | None = None
     finish: Finish | None = None
     affinity: Decision | None = None  # what prefix affinity did (routing/affinity.py), where it applied
+    spend_usd: float | None = None  # what its tenant's quota charged (its usage's cost, else its estimate's)
 
 
 @dataclass(slots=True)

@@ -109,6 +109,6 @@ class QuotaHold:
         if hold is None or rt.quota is None:
             return
         call = self.call
-        spend = rt.quota.settle(hold, call, rt.spend_usd)
+        spend = call.out.spend_usd = rt.quota.settle(hold, call, rt.spend_usd)
         if spend > 0:  # a Counter raises on a negative amount
             self.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
