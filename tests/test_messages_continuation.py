@@ -17,7 +17,7 @@ from gateway.messages.as_chat import AnthropicToChatMonitor, ResumedMessageMonit
 from gateway.messages.codec import CHAT_VIA_MESSAGES, MESSAGES
 from gateway.messages.monitor import AnthropicMonitor
 from gateway.messages.stream import ChatToMessagesStream
-from gateway.messages.wire import continue_message
+from gateway.wire.codec import continue_final_turn as continue_message
 from gateway.relay.continuation import Mismatch, Resume, Transcript
 from gateway.tenants.auth import hash_key
 from gateway.wire.monitor import Verdict

@@ -15,7 +15,7 @@ Every leg's stream can be continued on another backend when it breaks (relay/con
 its monitor shows the transcript chat chunks and applies the continuation's rewrite to them, and a
 Messages client's stream translator is kept in the transcript (`carry`) across the answer's
 attempts, whichever legs they take (monitor.py, as_chat.py, ChatToMessagesMonitor). A prefill is
-Anthropic's own: the delivered text as the trailing assistant turn (wire.continue_message).
+Anthropic's own: the delivered text as the trailing assistant turn (wire.codec.continue_final_turn).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from .translate import (
     message_to_chat_completion,
     messages_to_chat,
 )
-from .wire import MessagesRequest, continue_message, error_event, error_type, gateway_error, sse_event
+from .wire import MessagesRequest, error_event, error_type, gateway_error, sse_event
 
 __all__ = ["CHAT_VIA_MESSAGES", "MESSAGES", "MESSAGES_VIA_CHAT", "ChatViaMessages", "MessagesEndpoint", "MessagesSink",
            "MessagesViaChat", "message_events"]
@@ -70,7 +70,7 @@ class MessagesEndpoint(Endpoint):
         return not body.get("tools") and not (isinstance(thinking, dict) and thinking.get("type") == "enabled")
 
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
-        return continue_message(body, text)
+        return continue_final_turn(body, text)
 
     def ends_in_prefill(self, body: Mapping[str, Any]) -> bool:
         turns = body.get("messages")
@@ -173,7 +173,7 @@ class ChatViaMessages(Endpoint):
         return chat_to_messages(body, self.default_max_tokens)
 
     def prefill(self, body: Mapping[str, Any], text: str) -> dict[str, Any]:
-        return continue_message(body, text)
+        return continue_final_turn(body, text)
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:

@@ -1,5 +1,5 @@
 """Anthropic's Messages API (`POST /v1/messages`) on the wire: the request fields the gateway reads,
-a continuation's prefill (`continue_message`), and errors in Anthropic's shape.
+and errors in Anthropic's shape (a continuation's prefill: wire.codec.continue_final_turn).
 
 The request model checks what the gateway and the translation to chat (translate.py) rely on and
 lets every other field through (extra="allow"): the official SDK sends new top-level fields
@@ -26,7 +26,6 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 from pydantic_core import PydanticCustomError
 
 from ..errors import GatewayError, UpstreamRejected
-from ..wire.codec import continue_final_turn
 from ..wire.openai_wire import JsonFloat, JsonInt, RequestBody, parse_body
 
 __all__ = [
@@ -38,7 +37,6 @@ __all__ = [
     "SystemBlock",
     "ToolChoice",
     "ToolParam",
-    "continue_message",
     "error_body",
     "error_event",
     "error_type",
@@ -216,12 +214,6 @@ def parse_messages(raw: bytes) -> tuple[MessagesRequest, dict[str, Any]]:
     Raises BadRequest naming the field ("invalid field 'messages[0].content[1]': a tool_use
     block needs ..."); gateway_error() turns it into Anthropic's shape."""
     return parse_body(raw, MessagesRequest)
-
-
-def continue_message(body: Mapping[str, Any], text: str) -> dict[str, Any]:
-    """A Messages request that asks for the rest of an answer that began with `text` (Anthropic's
-    prefill), after the request's own prefill if it ends with one: wire.codec.continue_final_turn."""
-    return continue_final_turn(body, text)
 
 
 def error_type(status: int) -> str:

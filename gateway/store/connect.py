@@ -30,7 +30,7 @@ from .target import Topology, parse_target
 
 log = logging.getLogger("gateway.store")
 
-__all__ = ["FAILURES", "connect", "close_client", "relearn", "write_acked", "budget", "budget_warning", "store_warnings", "warn_over_budget", "ADMIN_CONNECTIONS"]
+__all__ = ["FAILURES", "connect", "close_client", "relearn", "write_acked", "budget", "store_warnings", "warn_over_budget", "ADMIN_CONNECTIONS"]
 
 # What a Redis call can fail with: a Cluster's client also raises RedisClusterException (no
 # RedisError), for one when no node answers while it re-reads the topology.
@@ -159,13 +159,6 @@ def budget(sp: StorePolicy, workers: int) -> int:
     extra = 1 if sp.url is not None and parse_target(sp.url).topology is Topology.CLUSTER else 0
     per_process = 3 * (sp.max_connections + extra) + 2 * (ADMIN_CONNECTIONS + extra)
     return workers * per_process + ADMIN_CONNECTIONS + extra + 1  # + the subscription's own connection
-
-
-async def budget_warning(sp: StorePolicy, workers: int) -> str | None:
-    """What is wrong with the connection budget, asked of the server: `store.replicas` replicas
-    of `workers` processes each against its `maxclients` (INFO clients, which managed services
-    allow where CONFIG GET is refused). None when it fits or the server cannot say."""
-    return (await store_warnings(sp, workers, evicts=True))[0] if sp.url is not None else None
 
 
 async def store_warnings(sp: StorePolicy, workers: int, *, evicts: bool = False) -> list[str | None]:

@@ -19,16 +19,18 @@ _HIGH = bytes(range(0x80, 0x100))  # the bytes of non-ASCII characters in UTF-8
 
 def bytes_tokens(data: bytes) -> int:
     """Tokens in UTF-8 text or JSON (rounded down; 0 for nothing)."""
-    if data.isascii():
-        return len(data) // 4
-    high = len(data) - len(data.translate(None, _HIGH))
-    return (len(data) + high // 3) // 4
+    return len(data) // 4 if data.isascii() else _weight(data) // 4
 
 
 def text_tokens(text: str) -> int:
     """Tokens in a text (rounded up, as the classifier's characters / 4 is: 1 for a character)."""
     if text.isascii():
         return (len(text) + 3) // 4
-    data = text.encode("utf-8", "surrogatepass")  # a lone surrogate from JSON's \\ud800 is 3 bytes
+    # A lone surrogate from JSON's \\ud800 encodes to 3 bytes, as a CJK character does.
+    return (_weight(text.encode("utf-8", "surrogatepass")) + 3) // 4
+
+
+def _weight(data: bytes) -> int:
+    """Four times the tokens of non-ASCII UTF-8: its bytes, and a third more for the high ones."""
     high = len(data) - len(data.translate(None, _HIGH))
-    return (len(data) + high // 3 + 3) // 4
+    return len(data) + high // 3
