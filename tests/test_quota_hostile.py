@@ -290,6 +290,31 @@ async def test_a_failing_take_script_refuses_rather_than_admits(scripted, gatewa
         assert any("quota take for tenant 'acme' failed" in rec.getMessage() for rec in caplog.records)
 
 
+async def test_a_take_script_refused_for_want_of_replicas_is_an_outage_not_a_bug(scripted, gateway, caplog):
+    """A write a script makes while Redis cannot take writes fails inside the script, and Redis
+    names the script's line (`NOREPLICAS ... on @user_script:N`, as during a failover): that is
+    an outage, ridden out on this replica's own counters (200), not the "failed script" 503."""
+    import redis.asyncio as aioredis
+
+    from tests.procs import redis_server
+
+    async with redis_server() as url:
+        gw = await gateway(_policy(scripted, {"concurrency": 1, "rpm": 100}, store={"url": url}))
+        r = aioredis.from_url(url)
+        try:
+            async with aiohttp.ClientSession() as http:
+                assert await _post(http, gw, max_tokens=50, metadata={"words": "3"}) == 200
+                await r.config_set("min-replicas-to-write", 1)  # no replica: every write refused
+                with caplog.at_level(logging.WARNING, logger="gateway.quota"):
+                    st = [await _post(http, gw, max_tokens=50, metadata={"words": "3"}) for _ in range(2)]
+        finally:
+            await r.aclose()
+        assert st == [200, 200] and scripted.requests == 3, st
+        messages = [rec.getMessage() for rec in caplog.records]
+        assert any("NOREPLICAS" in m and "own counters" in m for m in messages), messages
+        assert not any("failed on the store" in m for m in messages), messages
+
+
 @contextlib.asynccontextmanager
 async def _stalled(proc: asyncio.subprocess.Process) -> AsyncIterator[None]:
     """Our own redis-server stopped (SIGSTOP) for the block: every call past the quota timeout."""

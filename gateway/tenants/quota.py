@@ -538,10 +538,24 @@ def _script_failed(exc: StoreError) -> bool:
     """Whether the store ran a quota script and it failed at one of its lines (Redis names it
     `@user_script`): an argument or a counter the script cannot handle, not a store that is down,
     slow, or refusing for a reason of its own (BUSY, READONLY, OOM, MOVED: other types, or no
-    line). The Redis store raises its StoreError inside the `except` (`from None` keeps
+    line). A command a script calls during a failover, under memory pressure or while Redis
+    is busy fails inside the script too, and Redis names the line then as well
+    (`NOREPLICAS ... on @user_script:12`; redis-py leaves codes it does not know as a plain
+    ResponseError): those are an outage to ride out on this process's counters, not a bug.
+    The Redis store raises its StoreError inside the `except` (`from None` keeps
     `__context__`)."""
     ctx = exc.__context__
-    return type(ctx) is ResponseError and "@user_script" in str(ctx)
+    if type(ctx) is not ResponseError or "@user_script" not in (text := str(ctx)):
+        return False
+    return text.split(" ", 1)[0] not in _TRANSIENT_CODES
+
+
+# Error codes Redis answers with while it cannot serve a write for now (redis-py gives most of
+# them types of their own; the rest arrive as a ResponseError that starts with the code).
+_TRANSIENT_CODES = frozenset({
+    "BUSY", "NOREPLICAS", "MISCONF", "READONLY", "OOM", "LOADING", "MASTERDOWN",
+    "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "UNKILLABLE",
+})
 
 
 def _micro(usd: float) -> int:
