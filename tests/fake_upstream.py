@@ -73,6 +73,7 @@ class Behaviour:
     flap_ms: float = 0.0  # > 0: alternate `ok` / the mode every flap_ms, starting with `ok`
     endpoints: tuple[str, ...] | None = None  # OpenAI paths served (chat, completions, embeddings, responses, models); None: all
     prefill: bool = True  # continues a trailing assistant message; False: such a request gets a 400
+    ignore_usage: bool = False  # streams never carry the usage chunk, even when asked (stream_options.include_usage)
 
 
 @dataclass
@@ -395,7 +396,7 @@ class FakeUpstream(Served):
             await resp.write(chunk({"content": word}, word, None))
         await resp.write(chunk({}, "", "stop"))
         opts = body.get("stream_options") or {}
-        if opts.get("include_usage"):
+        if opts.get("include_usage") and not b.ignore_usage:
             usage = {"prompt_tokens": size // 4, "completion_tokens": n - start, "total_tokens": size // 4 + n - start}
             await resp.write(b"data: " + orjson.dumps({"id": rid, "object": obj_name, "created": created, "model": model, "choices": [], "usage": usage}) + b"\n\n")
         if mode != "no_done":
@@ -421,6 +422,7 @@ _HELP = {
     "flap_ms": "alternate ok and the mode every this many ms, starting ok (0: no flapping)",
     "endpoints": "comma-separated OpenAI paths served (chat,completions,embeddings,responses,models); others 404",
     "prefill": "true: continue a trailing assistant message after its words; false: answer such a request 400",
+    "ignore_usage": "true: streams carry no usage chunk even when the request asks for one",
 }
 
 
@@ -440,7 +442,7 @@ def main() -> None:
             kind = float
         if f.name == "endpoints":
             kind = lambda v: tuple(x for x in v.split(",") if x)  # noqa: E731  --endpoints chat,completions
-        if f.name == "prefill":
+        if f.name in ("prefill", "ignore_usage"):
             kind = lambda v: v.lower() in ("1", "true", "yes")  # noqa: E731  --prefill false
         parser.add_argument(
             "--" + f.name.replace("_", "-"), type=kind, default=f.default, help=f"{_HELP[f.name]} (default: %(default)s)"

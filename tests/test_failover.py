@@ -192,6 +192,27 @@ async def test_a_stream_with_its_finish_reason_but_no_done_is_completed_at_once(
     assert time.perf_counter() - t0 < 1.0
 
 
+@pytest.mark.parametrize("mode", ["no_done", "ok"])
+async def test_a_stream_without_the_usage_its_client_asked_for_ends_with_the_gateways_estimate(upstream, gateway, mode):
+    """Cut after its finish reason (no_done), or from a backend that ignores stream_options: the
+    client that asked for usage still gets its usage chunk (the figures the quota charges), the
+    last before [DONE]; a client that did not ask gets none."""
+    up = await upstream("a", mode=mode, tokens=3, ignore_usage=True)
+    gw = await gateway(simple_policy(up))
+    client = gw.client()
+    s = await client.chat.completions.create(model="gpt-test", messages=MSG, stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in s]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "w0 w1 w2 "
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None, last
+    assert last.usage.completion_tokens == 3 and last.usage.prompt_tokens > 0
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 3
+    assert {c.id for c in chunks} == {chunks[0].id} and last.model == chunks[0].model
+    assert [c for c in chunks[:-1] if c.usage is not None] == []
+    plain = await client.chat.completions.create(model="gpt-test", messages=MSG, stream=True)
+    assert [c async for c in plain if c.usage is not None or not c.choices] == []
+
+
 async def test_malformed_chunks_are_dropped_and_counted(upstream, gateway):
     up = await upstream("a", mode="malformed", fail_after=1, tokens=4)
     gw = await gateway(simple_policy(up))

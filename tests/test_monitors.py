@@ -182,3 +182,32 @@ def test_a_completed_replayable_response_is_the_cache_entry():
     odd = ResponsesMonitor(capture=1 << 20)
     odd.feed(_event("response.completed", response=_response(status="incomplete")))
     assert odd.entry() is None
+
+
+def test_a_chat_stream_without_the_usage_its_client_asked_for_gets_the_estimate_once_finished():
+    events = [_chunk({"role": "assistant", "content": ""}), _chunk({"content": "Hi"}), _chunk({}, "stop")]
+    mon = ChatMonitor(client_usage=True)
+    _feed(mon, events[:2])
+    assert mon.estimated_usage(7, 1) == b""  # not finished: the relay cuts it, no usage to make up
+    _feed(mon, events[2:])
+    ev = mon.estimated_usage(7, 1)
+    assert orjson.loads(ev.removeprefix(b"data: ")) == {
+        "id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8},
+    }
+    assert ev.endswith(b"\n\n")
+    # The backend's own usage; a client that did not ask (the gateway did, for its quota): none made up.
+    sent = ChatMonitor(client_usage=True)
+    _feed(sent, [*events, _chunk(None, usage=USAGE)])
+    assert sent.estimated_usage(7, 1) == b"" and sent.usage == USAGE
+    for mon in (ChatMonitor(), ChatMonitor(client_usage=True, strip_usage=True)):
+        _feed(mon, events)
+        assert mon.estimated_usage(7, 1) == b""
+
+
+def test_the_chat_endpoint_monitor_knows_whether_the_client_asked_for_usage():
+    asked = {"stream": True, "stream_options": {"include_usage": True}}
+    for body, want in ((asked, True), ({"stream": True}, False), ({"stream": True, "stream_options": {"include_usage": "yes"}}, False)):
+        mon = CHAT.monitor(capture=0, strip_usage=False, rewrite=None, body=body)
+        _feed(mon, [_chunk({"content": "Hi"}, "stop")])
+        assert bool(mon.estimated_usage(1, 1)) is want, body

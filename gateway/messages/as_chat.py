@@ -114,6 +114,9 @@ class OverAnthropic:
     def entry(self) -> Entry | None:
         return None  # translated streams are not kept for the cache
 
+    def estimated_usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return b""  # `ending` makes the usage chunk from the Anthropic stream's own usage
+
 
 class AnthropicToChatMonitor(OverAnthropic):
     """An Anthropic stream given to a chat client as chat chunks (the first attempt's, or a

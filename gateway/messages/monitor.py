@@ -152,6 +152,9 @@ class AnthropicMonitor(AnthropicEvents):
     def entry(self) -> Entry | None:
         return None  # a streamed Message is not kept for the cache (a whole one is)
 
+    def estimated_usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return b""  # message_start and message_delta carry the usage
+
 
 def other_output(obj: Mapping[str, Any]) -> bool:
     """An output event other than text (a tool's input, thinking, citations): what a

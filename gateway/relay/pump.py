@@ -289,8 +289,10 @@ class Pump:
         # with an event dropped as malformed: what that event carried is missing from it.
         call.cache.entry = None if self.malformed else mon.entry()
         call.out.finish = Finish.OK
-        if mon.ending:
-            await client_write(att.sink.write(mon.ending))
+        # The figures the quota charges an answer without usage (tenants/quota.py `_used`).
+        tail = mon.estimated_usage(call.prompt_tokens, call.out.streamed_tokens) + mon.ending
+        if tail:
+            await client_write(att.sink.write(tail))
         await client_write(att.sink.end())
         return Kind.OK
 

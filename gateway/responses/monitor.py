@@ -35,6 +35,9 @@ class ResponsesMonitor:
     out = None  # events pass as the backend sent them
     event = None  # no transcript: a Responses answer is not continued elsewhere
 
+    def estimated_usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return b""  # response.completed carries the usage
+
     def __init__(self, *, capture: int = 0) -> None:
         self.created: dict[str, Any] | None = None  # the `response` of response.created
         self.final: dict[str, Any] | None = None  # the `response` of response.completed / .incomplete

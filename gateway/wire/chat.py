@@ -80,7 +80,9 @@ class ChatEndpoint(Endpoint):
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:
-        return ChatMonitor(capture=capture, strip_usage=strip_usage, rewrite=rewrite)
+        opts = body.get("stream_options") if body is not None else None
+        client_usage = isinstance(opts, dict) and opts.get("include_usage") is True
+        return ChatMonitor(capture=capture, strip_usage=strip_usage, rewrite=rewrite, client_usage=client_usage)
 
     def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         obj = _answer(raw)

@@ -3,7 +3,8 @@
 A stream is `data: {chunk}` events ending with `data: [DONE]`. A chunk with text, a tool call, a
 function call, a refusal or reasoning text in a choice is output; one with a `finish_reason` finishes the answer
 (its usage chunk and [DONE] may follow); one with an `error` is the backend's failure. The usage
-chunk (empty choices) the gateway asked for itself (`strip_usage`) is dropped. A continuation's
+chunk (empty choices) the gateway asked for itself (`strip_usage`) is dropped; one the client asked
+for and the backend did not send is the gateway's estimate, before [DONE] (`estimated_usage`). A continuation's
 chunks are rewritten by its `rewrite` hook (continuation.Resume.rewrite) before anything else
 reads them. With `capture`, the answer is assembled for the cache (cache_entry.StreamAssembler).
 """
@@ -16,7 +17,7 @@ import orjson
 
 from ..cache.entry import Entry, StreamAssembler
 from .monitor import Rewrite, Verdict
-from .openai_wire import SSE_DONE
+from .openai_wire import SSE_DONE, sse_event
 
 __all__ = ["ChatMonitor", "OverChat", "has_content"]
 
@@ -28,7 +29,8 @@ _DONE, _DROP, _MALFORMED, _HELD, _CONTENT, _FAILED = (
 class ChatMonitor:
     """Monitors one chat or completions stream (monitor.Monitor)."""
 
-    __slots__ = ("finished", "failure", "usage", "timed", "out", "event", "_assembler", "_strip_usage", "_rewrite", "_open", "_closed")
+    __slots__ = ("finished", "failure", "usage", "timed", "out", "event", "_assembler", "_strip_usage", "_rewrite", "_open", "_closed",
+                 "_client_usage", "_head")
 
     first = "first token"
     unfinished = "backend {backend!r} ended its stream before its finish reason"
@@ -36,7 +38,8 @@ class ChatMonitor:
     ending = SSE_DONE
     record = None  # chat answers hold no state on a backend
 
-    def __init__(self, *, capture: int = 0, strip_usage: bool = False, rewrite: Rewrite | None = None) -> None:
+    def __init__(self, *, capture: int = 0, strip_usage: bool = False, rewrite: Rewrite | None = None,
+                 client_usage: bool = False) -> None:
         self.finished = False
         self.failure: str | None = None
         self.usage: dict[str, Any] | None = None
@@ -48,6 +51,8 @@ class ChatMonitor:
         self._rewrite = rewrite
         self._open: set[Any] = set()  # the choices (indexes) seen that have not finished yet
         self._closed: set[Any] = set()  # and those that have
+        self._client_usage = client_usage and not strip_usage  # the client asked for the usage chunk
+        self._head: dict[str, Any] | None = None  # id, object, created, model of the first chunk, as the client got it
 
     def feed(self, data: bytes) -> Verdict:
         self.timed = False
@@ -71,6 +76,8 @@ class ChatMonitor:
                 return _DROP
             self.out = b"data: " + orjson.dumps(obj) + b"\n\n"
             content = content and has_content(obj)
+        if self._head is None:
+            self._head = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
         choices = obj.get("choices")
         if choices:
             self._track(choices)
@@ -102,6 +109,13 @@ class ChatMonitor:
 
     def entry(self) -> Entry | None:
         return self._assembler.entry() if self._assembler is not None else None
+
+    def estimated_usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        if not self._client_usage or self.usage is not None or not self.finished or self._head is None:
+            return b""
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        return sse_event({**self._head, "choices": [], "usage": usage})
 
 
 class OverChat:
@@ -135,6 +149,9 @@ class OverChat:
     @property
     def timed(self) -> bool:
         return self._chat.timed
+
+    def estimated_usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        return b""  # the client's format carries usage in its finish event (what the translator makes of the chat stream's)
 
 
 def has_content(obj: dict[str, Any]) -> bool:

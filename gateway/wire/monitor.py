@@ -89,5 +89,11 @@ class Monitor(Protocol):
     def feed(self, data: bytes) -> Verdict:
         """Take one event's `data` (the SSE data lines, joined)."""
 
+    def estimated_usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+        """What a finished stream carries before `ending` when its client asked for usage and
+        the backend sent none (it ignores the option, or the stream was cut after its finish):
+        the usage event with the gateway's estimate (the figures its quota charged). b"" where
+        the format's finish event carries the usage itself."""
+
     def entry(self) -> Entry | None:
         """The complete answer as a cache entry, when it was captured and may be cached."""
