@@ -95,6 +95,16 @@ async def test_a_cancelled_waiter_never_leaks_a_slot():
     assert s.used == 0 and s.try_acquire()
 
 
+def test_a_backends_slots_name_it_in_the_queues_safety_net_log(caplog):
+    from gateway.admission.gate import Ticket
+
+    with caplog.at_level("ERROR", logger="gateway"):
+        Slots(1, backend="gpu-a").queue._uncount(Ticket())  # a waiter counted out that was never counted
+        Slots(1).queue._uncount(Ticket())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("backend 'gpu-a''s slots: ") and lines[1].startswith("a backend's slots: "), lines
+
+
 def test_health_ejects_after_consecutive_failures_and_recovers():
     clock = Clock()
     h = Health(failures_to_eject=2, eject_s=10, clock=clock)

@@ -512,7 +512,7 @@ def build_runtime(
         state = states.get(name)
         if state is None:
             tracker = Tracker()
-            state = BackendState(tracker, Health(), Slots(bp.max_concurrency, tracker))
+            state = BackendState(tracker, Health(), Slots(bp.max_concurrency, tracker, name))
         backends[name] = Backend(name, bp, state)
     # Loaded on every build (~5 ms), so an edited weights file takes effect on reload.
     classifier = Classifier.load(policy.classifier.weights_file)

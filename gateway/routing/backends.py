@@ -37,8 +37,10 @@ class Slots(Gate):
     selector and /admin all read. Whoever acquires a slot releases it in the same `try/finally`
     (see relay_base.RelayBase.attempt), so a task cancelled at any await point gives its slot back."""
 
-    def __init__(self, limit: int, tracker: Tracker | None = None) -> None:
-        super().__init__(limit, tracker if tracker is not None else Tracker())
+    def __init__(self, limit: int, tracker: Tracker | None = None, backend: str = "") -> None:
+        # Named in the queue's log lines: which backend's slots a miscounted waiter was in.
+        name = f"backend {backend!r}'s slots" if backend else "a backend's slots"
+        super().__init__(limit, tracker if tracker is not None else Tracker(), name=name)
 
 
 @dataclass
