@@ -265,9 +265,9 @@ async def test_huge_max_tokens_keeps_concurrency_across_replicas(scripted, gatew
         assert sorted(st) == [200, 429, 429] and scripted.requests == 1, st
 
 
-async def test_a_failing_take_script_refuses_rather_than_admits(scripted, gateway, caplog):
-    """A script that fails on Redis (here a counter of the wrong type) is a bug, not an outage: a
-    503 and an error in the log, never the request admitted on this replica's own counters."""
+async def _break_then_post(scripted, gateway, breaks) -> list[int]:
+    """On a redis-server of the test's own: one request of tenant acme admitted, then `breaks(r)`
+    done to that Redis (`r`: a client of it), then two more requests; their statuses."""
     import redis.asyncio as aioredis
 
     from tests.procs import redis_server
@@ -278,41 +278,42 @@ async def test_a_failing_take_script_refuses_rather_than_admits(scripted, gatewa
         try:
             async with aiohttp.ClientSession() as http:
                 assert await _post(http, gw, max_tokens=50, metadata={"words": "3"}) == 200
-                keys = [k async for k in r.scan_iter(match="*{gwq:acme}*:r")]
-                assert keys, "no request counter of the tenant in Redis"
-                await r.delete(*keys)
-                await r.set(keys[0], "not a hash")
-                with caplog.at_level(logging.ERROR, logger="gateway.quota"):
-                    st = [await _post(http, gw, max_tokens=50, metadata={"words": "3"}) for _ in range(2)]
+                await breaks(r)
+                return [await _post(http, gw, max_tokens=50, metadata={"words": "3"}) for _ in range(2)]
         finally:
             await r.aclose()
-        assert st == [503, 503] and scripted.requests == 1, st
-        assert any("quota take for tenant 'acme' failed" in rec.getMessage() for rec in caplog.records)
+
+
+async def test_a_failing_take_script_refuses_rather_than_admits(scripted, gateway, caplog):
+    """A script that fails on Redis (here a counter of the wrong type) is a bug, not an outage: a
+    503 and an error in the log, never the request admitted on this replica's own counters."""
+
+    async def wrong_type(r) -> None:
+        keys = [k async for k in r.scan_iter(match="*{gwq:acme}*:r")]
+        assert keys, "no request counter of the tenant in Redis"
+        await r.delete(*keys)
+        await r.set(keys[0], "not a hash")
+
+    with caplog.at_level(logging.ERROR, logger="gateway.quota"):
+        st = await _break_then_post(scripted, gateway, wrong_type)
+    assert st == [503, 503] and scripted.requests == 1, st
+    assert any("quota take for tenant 'acme' failed" in rec.getMessage() for rec in caplog.records)
 
 
 async def test_a_take_script_refused_for_want_of_replicas_is_an_outage_not_a_bug(scripted, gateway, caplog):
     """A write a script makes while Redis cannot take writes fails inside the script, and Redis
     names the script's line (`NOREPLICAS ... on @user_script:N`, as during a failover): that is
     an outage, ridden out on this replica's own counters (200), not the "failed script" 503."""
-    import redis.asyncio as aioredis
 
-    from tests.procs import redis_server
+    async def no_replica(r) -> None:
+        await r.config_set("min-replicas-to-write", 1)  # no replica attached: every write refused
 
-    async with redis_server() as url:
-        gw = await gateway(_policy(scripted, {"concurrency": 1, "rpm": 100}, store={"url": url}))
-        r = aioredis.from_url(url)
-        try:
-            async with aiohttp.ClientSession() as http:
-                assert await _post(http, gw, max_tokens=50, metadata={"words": "3"}) == 200
-                await r.config_set("min-replicas-to-write", 1)  # no replica: every write refused
-                with caplog.at_level(logging.WARNING, logger="gateway.quota"):
-                    st = [await _post(http, gw, max_tokens=50, metadata={"words": "3"}) for _ in range(2)]
-        finally:
-            await r.aclose()
-        assert st == [200, 200] and scripted.requests == 3, st
-        messages = [rec.getMessage() for rec in caplog.records]
-        assert any("NOREPLICAS" in m and "own counters" in m for m in messages), messages
-        assert not any("failed on the store" in m for m in messages), messages
+    with caplog.at_level(logging.WARNING, logger="gateway.quota"):
+        st = await _break_then_post(scripted, gateway, no_replica)
+    assert st == [200, 200] and scripted.requests == 3, st
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert any("NOREPLICAS" in m and "own counters" in m for m in messages), messages
+    assert not any("failed on the store" in m for m in messages), messages
 
 
 @contextlib.asynccontextmanager
