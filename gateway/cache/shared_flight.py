@@ -30,10 +30,12 @@ from ..store.core import StoreError
 from .core import ANY_TERMS, Cache, Terms
 from .entry import Entry
 
-__all__ = ["claim", "release", "shared"]
+__all__ = ["claim", "release", "release_later", "shared"]
 
 _LOCK = "gwlock:"
 _POLL_S = 0.05
+# A release that failed, tried again over ~4 s (a store failing over answers again within that).
+_RELEASE_PAUSES_S = (0.1, 0.4, 1.0, 2.5)
 _READ_FAILURES = 3  # failed lock reads in a row that make a follower stop waiting (the store is down)
 
 
@@ -93,6 +95,12 @@ async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float, terms: 
         if lock is None:
             # The leader may have stored the answer and let go between our two reads.
             return None, await cache.lookup(key)
+        if take and lock == token.encode():
+            # Our own SET NX: it ran, but its reply was lost with its connection and redis-py sent
+            # it again, which found the key taken (by us). Nobody else answers it or lets it go:
+            # we lead (the lookup above missed while we held it), instead of waiting for ourselves
+            # until lock_s (30 s by default; a Cluster failover's reconnects lose such replies).
+            return token, None
         if not _terms_of(lock).covers(terms):
             return None, None  # its deadline or band is not ours to wait on
     return None, None
@@ -112,10 +120,23 @@ async def _recheck(cache: Cache, key: str, token: str) -> tuple[str | None, Entr
     return None, entry
 
 
-async def release(cache: Cache, key: str, token: str) -> None:
+async def release(cache: Cache, key: str, token: str) -> bool:
     """Give the lock back (after the answer was stored, or not), if it is still ours: one held
-    past its TTL may have been taken by another leader since, whose lock it now is."""
+    past its TTL may have been taken by another leader since, whose lock it now is. False when
+    the store failed (`release_later`)."""
     try:
         await cache.store.delete_if(_LOCK + key, token.encode())
     except StoreError:
-        pass  # its TTL frees it
+        return False
+    return True
+
+
+async def release_later(cache: Cache, key: str, token: str) -> None:
+    """A release that failed, tried again a few times while the store recovers (in a task of its
+    own: the answer does not wait for it). Left to its TTL, the lock kept every request for the
+    same answer, here and on the other replicas, waiting on an answer nobody stores (the leader's
+    save failed too) until `cache.lock_ms` (30 s by default) or their own deadline."""
+    for pause in _RELEASE_PAUSES_S:
+        await asyncio.sleep(pause)
+        if await release(cache, key, token):
+            return

@@ -132,7 +132,7 @@ class CacheStage:
         """Answer as the flight's leader, then store the answer and give back the lock (`token`).
         A whole answer lands before its client is sent it (_Landing): a client that reads slowly,
         or never, holds none of the flight's followers here or on other replicas."""
-        landing = _Landing(call, cache, plan, key, flight, token)
+        landing = _Landing(call, cache, plan, key, flight, token, self.ctx.carried)
         led = False
         try:
             self._count(call, sink, CacheResult.MISS)
@@ -227,10 +227,12 @@ class _Landing:
     replicas, for that client's 60 s write bound: they got 504s past their deadlines (review
     helper's repro)."""
 
-    __slots__ = ("_call", "_cache", "_plan", "_key", "_flight", "_token", "landed")
+    __slots__ = ("_call", "_cache", "_plan", "_key", "_flight", "_token", "_carried", "landed")
 
-    def __init__(self, call: Call, cache: Cache, plan: CachePlan, key: str, flight: Flight, token: str | None) -> None:
+    def __init__(self, call: Call, cache: Cache, plan: CachePlan, key: str, flight: Flight, token: str | None,
+                 carried: set[asyncio.Task[None]]) -> None:
         self._call, self._cache, self._plan, self._key, self._flight, self._token = call, cache, plan, key, flight, token
+        self._carried = carried  # RelayContext.carried: a failed release's retries (a shutdown cancels them)
         self.landed = False
 
     async def land(self) -> None:
@@ -245,14 +247,15 @@ class _Landing:
         call.cache.land = None
         entry = call.cache.entry if plan.store else None
         if cache.store.shared:
-            await asyncio.shield(_land(cache, self._key, entry, plan.ttl_s, flight, self._token))
+            await asyncio.shield(_land(cache, self._key, entry, plan.ttl_s, flight, self._token, self._carried))
         elif entry is not None:  # inline (a coroutine less a miss): this store holds no lock
             await cache.save(self._key, entry, ttl_s=plan.ttl_s)
             flight.publish(entry)
         flight.finish()
 
 
-async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, flight: Flight, token: str | None) -> None:
+async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, flight: Flight, token: str | None,
+                carried: set[asyncio.Task[None]]) -> None:
     """A flight leader's last step: store its complete answer (`entry`, None when there is none or
     it may not be stored), hand it to this process's followers, and only then give back the
     cross-process lock (`token`: ours, when we hold it), so a follower elsewhere that sees the
@@ -262,5 +265,7 @@ async def _land(cache: Cache, key: str, entry: Entry | None, ttl_s: float, fligh
             await cache.save(key, entry, ttl_s=ttl_s)
             flight.publish(entry)
     finally:
-        if token is not None:
-            await cache_flight.release(cache, key, token)
+        if token is not None and not await cache_flight.release(cache, key, token):
+            task = asyncio.get_running_loop().create_task(cache_flight.release_later(cache, key, token))
+            carried.add(task)
+            task.add_done_callback(carried.discard)
