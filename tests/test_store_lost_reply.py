@@ -91,7 +91,7 @@ async def _losing_store() -> AsyncIterator[tuple[RedisStore, _LosingProxy]]:
     async with redis_server() as url:
         proxy = _LosingProxy(int(url.rsplit(":", 1)[1].split("/")[0]))
         # A generous budget: the point is the lost reply, not the latency of a busy machine.
-        store = RedisStore(await proxy.start(), timeout_ms=1000, max_connections=4, quotas=False)
+        store = RedisStore(await proxy.start(), timeout_ms=1000, max_connections=4, quota_timeout_ms=1000)
         try:
             yield store, proxy
         finally:
@@ -167,3 +167,24 @@ async def test_a_lock_whose_release_failed_is_given_back_once_the_store_answers_
     assert time.monotonic() - started < 1.5 and store.failures == 0
     await asyncio.gather(*carried)
     assert not carried and await store.get("gwlock:k") is None
+
+
+async def test_a_quota_take_sent_again_after_its_reply_was_lost_is_taken_once() -> None:
+    """The take script ran, its reply was lost, redis-py sent it again: one request counted, one
+    lease, one reservation (it counted twice: a tenant at rpm 10 was refused after 5 such)."""
+    from gateway.tenants.quota_counters import Ask, Scope, Settle
+
+    async with _losing_store() as (store, proxy):
+        scopes = (Scope("", rpm=10, tpm=1000, concurrency=2),)
+        await store.quota_take("warm", Ask(scopes, 1, "warm", 30_000))  # the script loaded: the next EVALSHA runs at once
+        lease = secrets.token_hex(8)
+        ask = Ask(scopes, 100, lease, 30_000)
+        proxy.lose(lease.encode())
+        d = await store.quota_take("acme", ask)
+        assert proxy.lost == 1 and d.ok
+        used = await store.quota_usage("acme", "")
+        assert (used.window_requests, used.window_tokens, used.inflight, used.day_tokens) == (1, 100, 1, 100), used
+        # Settled with the bucket and day it was taken in: the reservation comes off exactly.
+        await store.quota_settle("acme", Settle(("",), d.bucket, d.day, -60, 0, lease))
+        used = await store.quota_usage("acme", "")
+        assert (used.window_requests, used.window_tokens, used.inflight, used.day_tokens) == (1, 40, 0, 40), used

@@ -71,9 +71,17 @@ local day = math.floor(now / 86400)
 local ask, lease, ttl, cost = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local n = (#ARGV - 4) / 6
 local rec = KEYS[n * 5 + 1]
-if redis.call('GET', rec) == 'undone' then
+local prev = redis.call('GET', rec)
+if prev == 'undone' then
   -- UNDO ran first (the caller gave up waiting for this answer): it takes nothing
   return {0, 'undone', '', '0', b, day, -1, -1, '0', -1, -1, '0'}
+end
+if prev then
+  -- This take ran already: its reply was lost with its connection and the client sent it again
+  -- (a failover's reconnects). Taken once, with the bucket and day it was taken in (the settle's);
+  -- no figures for the headers this time.
+  local pb, pday = string.match(prev, '^(%S+) (%S+)')
+  return {1, '', '', '0', tonumber(pb), tonumber(pday), -1, -1, '0', -1, -1, '0'}
 end
 local ok, limit, scope_name, retry = 1, '', '', 0
 local lreq, rreq, reset_req, ltok, rtok, reset_tok = -1, -1, 0, -1, -1, 0
