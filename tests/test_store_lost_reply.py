@@ -169,14 +169,17 @@ async def test_a_lock_whose_release_failed_is_given_back_once_the_store_answers_
     assert not carried and await store.get("gwlock:k") is None
 
 
-async def test_a_quota_take_sent_again_after_its_reply_was_lost_is_taken_once() -> None:
+async def test_a_quota_take_and_settle_sent_again_after_their_replies_were_lost_count_once() -> None:
     """The take script ran, its reply was lost, redis-py sent it again: one request counted, one
-    lease, one reservation (it counted twice: a tenant at rpm 10 was refused after 5 such)."""
+    lease, one reservation (it counted twice: a tenant at rpm 10 was refused after 5 such); and
+    the same for its settle."""
     from gateway.tenants.quota_counters import Ask, Scope, Settle
 
     async with _losing_store() as (store, proxy):
         scopes = (Scope("", rpm=10, tpm=1000, concurrency=2),)
-        await store.quota_take("warm", Ask(scopes, 1, "warm", 30_000))  # the script loaded: the next EVALSHA runs at once
+        # The scripts loaded: an EVALSHA runs at once, not after a NOSCRIPT and a load.
+        w = await store.quota_take("warm", Ask(scopes, 1, "warm", 30_000))
+        await store.quota_settle("warm", Settle(("",), w.bucket, w.day, 0, 0, "warm"))
         lease = secrets.token_hex(8)
         ask = Ask(scopes, 100, lease, 30_000)
         proxy.lose(lease.encode())
@@ -184,7 +187,10 @@ async def test_a_quota_take_sent_again_after_its_reply_was_lost_is_taken_once() 
         assert proxy.lost == 1 and d.ok
         used = await store.quota_usage("acme", "")
         assert (used.window_requests, used.window_tokens, used.inflight, used.day_tokens) == (1, 100, 1, 100), used
-        # Settled with the bucket and day it was taken in: the reservation comes off exactly.
+        # Settled with the bucket and day it was taken in, once though its reply is lost too: the
+        # reservation comes off exactly (a second -60 came off a resent settle).
+        proxy.lose(lease.encode())
         await store.quota_settle("acme", Settle(("",), d.bucket, d.day, -60, 0, lease))
+        assert proxy.lost == 2
         used = await store.quota_usage("acme", "")
         assert (used.window_requests, used.window_tokens, used.inflight, used.day_tokens) == (1, 40, 0, 40), used

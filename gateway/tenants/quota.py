@@ -467,7 +467,8 @@ class Quota:
     async def _send_replay(self, batch: dict[tuple[str, tuple[str, ...], int], list[int]]) -> None:
         for (tenant, scopes, day), (used, spend) in list(batch.items()):
             try:
-                await self.store.quota_settle(tenant, Settle(scopes, -1, day, used, spend, ""))
+                # A lease of its own: its record is what makes the settle count once if sent again.
+                await self.store.quota_settle(tenant, Settle(scopes, -1, day, used, spend, fresh_id(64)))
             except StoreError as exc:
                 if _script_failed(exc):
                     self._bug(f"quota replay for tenant {tenant!r} failed on the store: {exc}")

@@ -76,11 +76,11 @@ if prev == 'undone' then
   -- UNDO ran first (the caller gave up waiting for this answer): it takes nothing
   return {0, 'undone', '', '0', b, day, -1, -1, '0', -1, -1, '0'}
 end
-if prev then
+local pb, pday = string.match(prev or '', '^(%d+) (%d+) ')
+if pb then
   -- This take ran already: its reply was lost with its connection and the client sent it again
   -- (a failover's reconnects). Taken once, with the bucket and day it was taken in (the settle's);
   -- no figures for the headers this time.
-  local pb, pday = string.match(prev, '^(%S+) (%S+)')
   return {1, '', '', '0', tonumber(pb), tonumber(pday), -1, -1, '0', -1, -1, '0'}
 end
 local ok, limit, scope_name, retry = 1, '', '', 0
@@ -166,10 +166,13 @@ return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(res
 # actual - reserved), lease. One delta for every scope: TAKE reserved the same on each. A positive
 # delta goes to the current second's bucket, a negative one to the take's (while in the window);
 # bucket -1 (a replay of what a replica counted on its own while Redis failed): the day's only.
+# The record is left saying `settled` for a minute: the same settle sent again (its reply was lost
+# with its connection, and the client resends) changes nothing a second time.
 SETTLE = _COMMON + r"""
 local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local sec = math.floor(now_s())
-redis.call('DEL', KEYS[#KEYS])
+if redis.call('GET', KEYS[#KEYS]) == 'settled' then return 1 end
+redis.call('SET', KEYS[#KEYS], 'settled', 'PX', 60000)
 -- the leases first: a script that fails later (an error leaves what ran before it) still gives them back
 for k = 0, #KEYS - 2, 5 do
   redis.call('ZREM', KEYS[k + 3], lease)
@@ -207,7 +210,7 @@ UNDO = r"""
 local rec, lease, ttl = KEYS[#KEYS], ARGV[1], tonumber(ARGV[2])
 local held = redis.call('GET', rec)
 redis.call('SET', rec, 'undone', 'PX', ttl)
-if not held or held == 'undone' then return 0 end
+if not held or not string.match(held, '^%d+ %d+ ') then return 0 end  -- none, undone, or settled
 local b, day, tokens, cost = string.match(held, '(%S+) (%S+) (%S+) (%S+)')
 tokens, cost = tonumber(tokens), tonumber(cost)
 for k = 0, #KEYS - 2, 5 do
