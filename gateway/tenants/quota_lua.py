@@ -166,13 +166,14 @@ return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(res
 # actual - reserved), lease. One delta for every scope: TAKE reserved the same on each. A positive
 # delta goes to the current second's bucket, a negative one to the take's (while in the window);
 # bucket -1 (a replay of what a replica counted on its own while Redis failed): the day's only.
-# The record is left saying `settled` for a minute: the same settle sent again (its reply was lost
-# with its connection, and the client resends) changes nothing a second time.
+# The record is left saying `settled` for 20 s (past the ~8 s a settle is retried over, and a resend's
+# round trip): the same settle sent again (its reply was lost with its connection, and the client
+# resends; a retry after a timeout it had run through) changes nothing a second time.
 SETTLE = _COMMON + r"""
 local b, day, delta, spend, lease = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
 local sec = math.floor(now_s())
 if redis.call('GET', KEYS[#KEYS]) == 'settled' then return 1 end
-redis.call('SET', KEYS[#KEYS], 'settled', 'PX', 60000)
+redis.call('SET', KEYS[#KEYS], 'settled', 'PX', 20000)
 -- the leases first: a script that fails later (an error leaves what ran before it) still gives them back
 for k = 0, #KEYS - 2, 5 do
   redis.call('ZREM', KEYS[k + 3], lease)
