@@ -398,3 +398,39 @@ async def test_a_replay_settle_adds_to_the_day_not_to_the_window(kind):
         await settle(Settle(("",), -1, day, 500, 7, ""))
         u = await usage()
         assert (u.window_tokens, u.day_tokens, u.day_spend_micro) == (0, 500, 7), u
+
+
+async def _degraded(gw: Any) -> float:
+    async with aiohttp.ClientSession() as http, http.get(gw.url + "/metrics") as r:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in (await r.text()).splitlines()
+                   if line.startswith("gateway_quota_degraded_total "))
+
+
+async def test_a_stalled_redis_costs_a_few_requests_its_timeout_not_every_one(scripted, gateway):
+    """Each request during a stall waited the whole quota timeout (250 ms here) before the replica's
+    own counters decided: after a few failures in a row the store is skipped for a moment (then
+    one request tries it), and once Redis answers again it decides again within ~2 s."""
+    from tests.procs import redis_process
+
+    async with redis_process() as (url, proc):
+        gw = await gateway(_policy(scripted, {"rpm": 1000}, store={"url": url, "quota_timeout_ms": 250}))
+        async with aiohttp.ClientSession() as http:
+            assert await _post(http, gw) == 200
+            took: list[float] = []
+            async with _stalled(proc):
+                for _ in range(20):
+                    t = time.monotonic()
+                    assert await _post(http, gw) == 200
+                    took.append(time.monotonic() - t)
+            slow = [round(s, 2) for s in took if s >= 0.2]
+            # 5 in a row open it; within the ~2.5 s that takes, at most a probe or two more.
+            assert 5 <= len(slow) <= 8, took
+            end = time.monotonic() + 5.0
+            while True:  # Redis answers: decided there again (the degraded count stops growing)
+                before = await _degraded(gw)
+                statuses = [await _post(http, gw) for _ in range(3)]
+                if await _degraded(gw) == before:
+                    break
+                assert time.monotonic() < end, "still skipping Redis 5 s after it answers again"
+                await asyncio.sleep(0.2)
+            assert statuses == [200, 200, 200]

@@ -35,6 +35,7 @@ from ..pipeline.ids import fresh_id
 from ..store.core import Store, StoreError
 from ..web.sink import Sink
 from .auth import Tenant
+from .breaker import Breaker
 from .quota_counters import DAY_S, Ask, Decision, Scope, Settle, Usage
 
 __all__ = ["Quota", "Hold", "QuotaExceeded", "TOKEN_LIMITS", "reported"]
@@ -178,6 +179,9 @@ class Quota:
         # shared store failed: added to it once it answers again (_replay_now).
         self._replay: dict[tuple[str, tuple[str, ...], int], list[int]] = {}
         self._last_bug: float | None = None
+        # Skips a shared store that keeps failing for a moment (a stalled Redis cost every request
+        # quota_timeout_ms); this process's own counters never fail.
+        self._breaker = Breaker(clock=clock)
         self.plans: dict[str, _Plan] = {}
         for name, tp in policy.tenants.items():
             q = tp.quota
@@ -324,7 +328,13 @@ class Quota:
         Shielded: a caller cancelled during the round trip (its client went away) cannot know
         whether the script ran; the take finishes in a task of its own and what it took is given
         back at once (`scopes` and `reserved` as the Hold would say), instead of holding a
-        concurrency slot and the reservation until the lease's deadline + 10 s."""
+        concurrency slot and the reservation until the lease's deadline + 10 s.
+
+        While the shared store's breaker is open (it failed `Breaker` times in a row), this
+        process's own counters at once: no round trip to wait out, nothing to reverse there."""
+        if not self._breaker.allows():
+            self._degraded(None)
+            return await self._local(tenant, ask, reserved)
         task = asyncio.get_running_loop().create_task(self._take_any(tenant, ask, reserved))
         try:
             return await asyncio.shield(task)
@@ -339,20 +349,27 @@ class Quota:
             decision = await self.store.quota_take(tenant, ask)
         except StoreError as exc:
             if _script_failed(exc):
+                self._breaker.succeeded()  # it answered
                 # Redis answered: the script failed part-way (what it took before the error
                 # stays taken), and this process's counters would admit the request with no
                 # lease on Redis (3 at once under concurrency 1 across two replicas). A bug to
                 # fix, not an outage: refused, loudly, rather than past the limits.
                 self._bug(f"quota take for tenant {tenant!r} failed on the store, request refused: {exc}")
                 raise Unavailable(f"the quota store could not check tenant {tenant!r}'s limits (a failed script); see the gateway's log") from exc
+            self._breaker.failed()
             self._degraded(exc)
             self._undo_later(tenant, ask)
-            if self._day_out and (out := self._still_out(tenant, ask, held)) is not None:
-                return self.fallback, out
-            return self.fallback, await self.fallback.quota_take(tenant, ask)
+            return await self._local(tenant, ask, held)
+        self._breaker.succeeded()
         if self._replay:
             self._replay_now()  # it answers again: what was used on this process's counters meanwhile goes to it
         return self.store, decision
+
+    async def _local(self, tenant: str, ask: Ask, held: int) -> tuple[Store, Decision]:
+        """This process's own decision while the shared store fails (its daily refusals kept)."""
+        if self._day_out and (out := self._still_out(tenant, ask, held)) is not None:
+            return self.fallback, out
+        return self.fallback, await self.fallback.quota_take(tenant, ask)
 
     def _undo_later(self, tenant: str, ask: Ask) -> None:
         """A take that failed on the shared store may still have run there (a timeout on a
@@ -523,13 +540,16 @@ class Quota:
             self._last_bug = now
             log.error("%s (a bug: report it, with this line)", message)
 
-    def _degraded(self, exc: StoreError) -> None:
+    def _degraded(self, exc: StoreError | None) -> None:
+        """One decision made on this process's counters: `exc`, the store's failure (None: the
+        store was skipped, its breaker open)."""
         if self._on_degraded is not None:
             self._on_degraded()
         now = self._clock()
         if self._last_warn is None or now - self._last_warn >= _WARN_EVERY_S:
             self._last_warn = now
-            log.warning("quota store failed, limiting on this replica's own counters: %s", exc)
+            why = exc if exc is not None else "it failed several times in a row; skipped for a moment, then tried again"
+            log.warning("quota store failed, limiting on this replica's own counters: %s", why)
 
 
 _NO_CAP = 1 << 62  # no scope has a tpm
