@@ -195,3 +195,49 @@ async def test_a_backend_streaming_broken_tool_json_fails_over_and_one_caught_la
     finally:
         await early.cleanup()
         await late.cleanup()
+
+
+async def test_a_broken_tool_call_is_reported_without_quoting_the_models_output(gateway, caplog):
+    """A tenant without `log_payloads`: the arguments the model wrote (cut JSON here) are its
+    output, which reaches neither the request log (every viewer key reads it) nor the process log."""
+    import aiohttp
+
+    secret = "PATIENT Jane Roe SSN 123-45-6789"
+    args = '{"q": "' + secret + '"'
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        if not (await request.json()).get("stream"):
+            return web.json_response({"id": "c", "object": "chat.completion", "created": 1, "model": "m", "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [call]}, "finish_reason": "tool_calls"}]})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for c in (_chunk({"index": 0, "delta": {"role": "assistant", "tool_calls": [{"index": 0, **call}]}}), _finish("tool_calls")):
+            await resp.write(b"data: " + c + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    viewer = "sk-viewer-of-the-log"
+    try:
+        gw = await gateway({"backends": {"up": {"url": f"http://127.0.0.1:{port}/v1", "models": ["m"]}},
+                            "reload": {"watch": False}, "cache": {"enabled": False},
+                            "tenants": {"t": {"key_sha256": [hash_key(KEY)]}},
+                            "admin": {"key_sha256": [hash_key("sk-admin-x")], "viewer_key_sha256": [hash_key(viewer)]}})
+        async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0, timeout=10) as c:
+            with pytest.raises(anthropic.APIStatusError):
+                await c.messages.create(model="m", max_tokens=8, tools=_TOOLS, messages=[{"role": "user", "content": "hi"}])
+            with pytest.raises(anthropic.APIStatusError):
+                async with c.messages.stream(model="m", max_tokens=8, tools=_TOOLS, messages=[{"role": "user", "content": "hi"}]) as s:
+                    await s.get_final_message()
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/admin/requests",
+                                                             headers={"Authorization": f"Bearer {viewer}"}) as r:
+            entries = (await r.json())["data"]
+    finally:
+        await runner.cleanup()
+    errors = [e.get("error") or "" for e in entries]
+    assert len(entries) == 2 and all("not a JSON object" in e or "arguments are not JSON" in e for e in errors), errors
+    assert not [e for e in errors if "PATIENT" in e], errors
+    assert not [rec.getMessage() for rec in caplog.records if "PATIENT" in rec.getMessage()]

@@ -123,7 +123,8 @@ def _check_whole(call: _Call) -> None:
 
 
 def _bad(call: _Call, text: str, why: str) -> BadArguments:
-    return BadArguments(f"tool call {call.name[:100]!r}: arguments are {why}: {text[:200]!r}")
+    # Not quoted: the model's output belongs in the request log only for a tenant that logs payloads.
+    return BadArguments(f"tool call {call.name[:100]!r}: arguments are {why} ({len(text)} characters)")
 
 
 class ChatToMessagesStream:
@@ -161,13 +162,13 @@ class ChatToMessagesStream:
             self._gateway = chunk["x_gateway"]
         choices = chunk.get("choices") or []
         if not isinstance(choices, list):
-            raise MalformedChunk(f"'choices' is not a list: {str(choices)[:100]!r}")
+            raise MalformedChunk(f"'choices' is not a list but {type(choices).__name__}")  # not quoted: it may hold output
         for choice in choices:
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
             delta = choice.get("delta") or {}
             if not isinstance(delta, dict):
-                raise MalformedChunk(f"'delta' is not an object: {str(delta)[:100]!r}")
+                raise MalformedChunk(f"'delta' is not an object but {type(delta).__name__}")
             if not isinstance(delta.get("tool_calls") or [], list):
                 raise MalformedChunk("'delta.tool_calls' is not a list")
             for key in ("content", "refusal"):

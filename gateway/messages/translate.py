@@ -179,7 +179,9 @@ def parse_arguments(arguments: Any) -> dict[str, Any]:
     except orjson.JSONDecodeError:
         parsed = None
     if not isinstance(parsed, dict):
-        raise BadAnswer(f"tool call arguments are not a JSON object: {str(arguments)[:200]!r}")
+        # Not quoted: the model's output belongs in the request log only for a tenant that logs payloads.
+        size = f"{len(arguments)} characters" if isinstance(arguments, str | bytes) else type(arguments).__name__
+        raise BadAnswer(f"tool call arguments are not a JSON object ({size})")
     return parsed
 
 

@@ -69,6 +69,7 @@ class Rescue(RelayBase):
         err = original.err
         if notes:
             err = type(err)(f"{err.message}; the answer could not be continued ({'; '.join(notes)})")
+        call.out.error = err.message  # the request log's word on why its stream was cut
         log.warning("request %s: stream ended with an error after content was sent: %s", call.request_id, err.message)
         await client_write(self.sink.fail(err))
 
