@@ -140,6 +140,14 @@ async def test_backends_view_shows_no_credentials(keyed):
     assert body["backends"]["fake"]["url"].startswith("http://<redacted>@127.0.0.1:")
 
 
+async def test_no_cache_keeps_what_the_admin_plane_answers(keyed):
+    for path in ("/admin/backends", "/admin/policy", "/admin/requests", "/admin/keys", "/admin/tenants", "/admin/overview"):
+        status, _, headers = await _call("GET", keyed.url + path, V)
+        assert status == 200 and headers.get("Cache-Control") == "no-store", (path, status, headers.get("Cache-Control"))
+    async with aiohttp.ClientSession() as http, http.get(keyed.url + "/admin/requests/export", headers=V) as r:
+        assert r.status == 200 and r.headers.get("Cache-Control") == "no-store"
+
+
 @pytest.mark.parametrize(("query", "paths"), [
     ("before=%C2%B2", ["/admin/requests"]), ("limit=%C2%B9", ["/admin/requests"]), ("limit=%D9%A3", ["/admin/requests"]),
     ("status=%C2%B2%C2%B2%C2%B2", ["/admin/requests", "/admin/requests/export"]),
@@ -229,6 +237,21 @@ async def test_a_password_in_the_store_urls_query_is_not_shown(keyed):
     text = text.replace("redis://127.0.0.1:1/15", "redis://:hunter2@tail@127.0.0.1:1/15")  # redis-py: password "hunter2@tail"
     shown = redacted(parse_policy(text, "<test>"))["store"]["url"]
     assert shown.startswith("redis://<redacted>@127.0.0.1:1/15?") and "tail" not in shown
+    # Other URLs a policy holds may carry a token or a key in their query, as a Redis URL may an ssl_password.
+    text = ("version: 1\nbackends: {b: {url: 'http://127.0.0.1:9/v1', models: [m],"
+            " metrics_url: 'http://127.0.0.1:9/metrics?token=T0K&api_key=K3Y&format=prom'}}\n"
+            "store: {url: 'rediss://127.0.0.1:1/0?ssl_password=P4SS'}\n")
+    view = redacted(parse_policy(text, "<test>"))
+    assert view["backends"]["b"]["metrics_url"] == "http://127.0.0.1:9/metrics?token=<redacted>&api_key=<redacted>&format=prom"
+    assert view["store"]["url"] == "rediss://127.0.0.1:1/0?ssl_password=<redacted>"
+
+
+def test_a_name_with_a_trailing_line_break_is_refused():
+    from gateway.config.policy import PolicyError, parse_policy
+
+    # `$` matched before a final newline: a tenant "acme\n" broke the Redis request log's lines.
+    with pytest.raises(PolicyError, match="bad name"):
+        parse_policy('backends: {b: {url: "http://127.0.0.1:9/v1", models: [m]}}\ntenants: {"acme\\n": {}}\n', "<test>")
 
 
 @pytest.mark.parametrize("method,path", [

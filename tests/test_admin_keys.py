@@ -299,6 +299,18 @@ async def test_a_rotation_ends_every_secret_but_the_one_it_replaces_and_now_ends
     assert next(k for k in (await book.page(None)).data if k["id"] == s0["id"])["previous_secret_until"] is None
 
 
+async def test_an_expired_key_is_not_rotated_into_a_secret_that_never_works():
+    """Rotating an expired key answered 201 with a fresh secret that got 401 (the expiry stays):
+    a 409, as for a revoked key (review helper's repro)."""
+    now = [1_000_000.0]
+    book = KeyBook(MemoryKeyStore(), VirtualKeysPolicy(), clock=lambda: now[0])
+    k = await book.create("acme", "short", 0.5, None)
+    assert (await book.rotate(k["id"], 0))["key"]  # live: rotated
+    now[0] += 1.0
+    with pytest.raises(Conflict, match="expired"):
+        await book.rotate(k["id"], 0)
+
+
 async def test_a_store_that_comes_back_empty_never_gives_a_replica_the_version_it_loaded_before():
     """Redis restarted without persistence (as the shipped compose and Kubernetes Redis run): the
     version counted from 1 again, the first change made it the number a replica had loaded, and

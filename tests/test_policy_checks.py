@@ -115,6 +115,14 @@ def test_no_infinity_or_nan_anywhere(field):
     assert any(p.startswith("backends.a.") and "finite number" in p for p in problems), problems
 
 
+@pytest.mark.parametrize("value", ['!!int "x"', "9" * 5000, "2001-13-45"])
+def test_a_value_yaml_cannot_build_is_a_policy_problem_not_a_crash(value):
+    """PyYAML's constructor raises ValueError for these, not a YAMLError: `gateway check` printed
+    a traceback and /admin/policy/check answered 503 "try again" (review helper's repro)."""
+    problems = _problems(BACKEND + f"server: {{max_body_bytes: {value}}}\n")
+    assert any("not valid YAML: a value cannot be read" in p for p in problems), problems
+
+
 async def test_the_longest_ttl_is_stored_in_redis(upstream, gateway):
     """The bound is one Redis takes: an answer cached for 10 years is a hit the second time."""
     up = await upstream("a", tokens=2)

@@ -54,7 +54,11 @@ def _guard(need: Role) -> Callable[[Handler], Handler]:
                 return error_response(Forbidden("a viewer key reads; this needs an admin key (policy `admin.key_sha256`)",
                                                 code="admin_key_required"))
             try:
-                return await handler(request)
+                resp = await handler(request)
+                # What the admin plane answers (keys, the request log, the policy) is no cache's to keep.
+                if not resp.prepared and "Cache-Control" not in resp.headers:
+                    resp.headers["Cache-Control"] = "no-store"
+                return resp
             except GatewayError as err:
                 return error_response(err)
             except StoreError as exc:
@@ -211,7 +215,7 @@ async def _export(request: web.Request, f: Filter) -> web.StreamResponse:
     await rlog.flush()
     entries = scan(rlog.store, f)
     first = await anext(entries, None)  # a store that does not answer is a 503 while one can be sent
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson",
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store",
                                        "Content-Disposition": 'attachment; filename="requests.jsonl"'})
     await resp.prepare(request)
     lines: list[bytes] = [] if first is None else [orjson.dumps(first)]

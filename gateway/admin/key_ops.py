@@ -63,8 +63,8 @@ def apply(op: KeyOp, records: dict[str, dict[str, Any]]) -> tuple[Writes, Any]:
         writes[op.rec["id"]] = op.rec
         return writes, None
     if isinstance(op, Rotate):
-        rec = _live_record(records, op.kid)
         now = op.now
+        rec = _live_record(records, op.kid, now)
         # Only the secret being replaced may keep working (for `grace_s`): every earlier one, still
         # in its own grace, ends now. A rotation "now" after a leak stopped the newest secret only,
         # and graced rotations piled up live secrets (21 after 20 rotations), none of them listed.
@@ -96,12 +96,16 @@ def from_json(data: Any) -> KeyOp:
         raise BadRequest(f"not a change to the keys: {exc}") from None
 
 
-def _live_record(records: dict[str, dict[str, Any]], kid: str) -> dict[str, Any]:
+def _live_record(records: dict[str, dict[str, Any]], kid: str, now: float) -> dict[str, Any]:
     rec = records.get(kid)
     if rec is None:
         raise NotFound(f"no key {kid!r}")
     if rec.get("revoked"):
         raise Conflict(f"key {kid!r} is revoked: make a new one")
+    expires = rec.get("expires_at")
+    if isinstance(expires, int | float) and expires <= now:
+        # A new secret for it would never work (the expiry stays): answered 201 with a dead key.
+        raise Conflict(f"key {kid!r} has expired: make a new one")
     return rec
 
 

@@ -35,7 +35,7 @@ __all__ = [
 
 Priority = Literal["priority", "default", "flex"]
 Endpoint = Literal["chat", "completions", "embeddings", "responses", "messages"]
-_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$"
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]*\Z"  # \Z: `$` also matched before a trailing newline
 
 
 # The longest duration any setting may name: 10 years. Durations reach Redis as milliseconds
@@ -1147,6 +1147,10 @@ def parse_policy(text: str, source: str = "<policy>", *, max_nodes: int = MAX_PO
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
         raise PolicyError(source, [Problem("", f"not valid YAML: {getattr(exc, 'problem', exc)}", line)]) from None
+    except (ValueError, OverflowError) as exc:
+        # A scalar its tag cannot build (`!!int "x"`, a date 2001-13-45, a number past what int()
+        # takes): PyYAML raises these from the constructor, not as a YAMLError.
+        raise PolicyError(source, [Problem("", f"not valid YAML: a value cannot be read: {str(exc)[:200]}")]) from None
     if not isinstance(data, dict):
         raise PolicyError(source, [Problem("", "the policy must be a YAML mapping")])
     problems: list[Problem] = []

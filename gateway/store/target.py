@@ -35,8 +35,11 @@ class Target:
 _MULTI = re.compile(r"^(redis|rediss)\+(sentinel|cluster)://(?:(?P<auth>[^@/]*)@)?(?P<hosts>[^/?#]+)(?P<path>/[^?#]*)?(?:\?(?P<query>[^#]*))?$")
 # Up to the authority's last '@': yarl, aiohttp and redis-py split a password holding a raw '@' there.
 _USERINFO = re.compile(r"^([a-z][a-z0-9+.-]*://)[^/?#]*@", re.I)
-# redis-py also reads the credentials from the query (`?password=...&username=...`).
-_SECRET_PARAM = re.compile(r"([?&](?:password|username)=)[^&#]*", re.I)
+# redis-py also reads the credentials from the query (`?password=...&username=...`); other URLs a
+# policy holds (a metrics_url, an OTLP endpoint) may carry a token or key there.
+_SECRET_PARAM = re.compile(
+    r"([?&](?:[a-z0-9_.-]*(?:password|passwd|secret|token|key|auth|signature|credential)[a-z0-9_.-]*|username|user|sig)=)[^&#]*",
+    re.I)
 _OWNED = {"max_connections", "socket_timeout", "socket_connect_timeout", "timeout", "retry_on_timeout", "retry_on_error",
           "client_name", "health_check_interval"}
 _DEFAULT_PORT = {Topology.SENTINEL: 26379, Topology.CLUSTER: 6379}
