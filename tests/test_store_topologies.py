@@ -119,11 +119,11 @@ async def _exercise(url: str) -> None:
         assert await store.add("lock", b"me", 5) and not await store.add("lock", b"you", 5)
         assert not await store.delete_if("lock", b"you") and await store.delete_if("lock", b"me")
 
-        ask = Ask((Scope("", rpm=3), Scope("m", rpm=10)), tokens=5, lease="l1", lease_ttl_ms=5000)
-        decisions = [await store.quota_take("acme", ask) for _ in range(4)]
+        scopes = (Scope("", rpm=3), Scope("m", rpm=10))  # a lease each: one lease's take again is a resend, taken once
+        decisions = [await store.quota_take("acme", Ask(scopes, tokens=5, lease=f"l{i}", lease_ttl_ms=5000)) for i in range(1, 5)]
         assert [d.ok for d in decisions] == [True, True, True, False] and decisions[3].limit == "rpm"
         d = decisions[0]
-        await store.quota_settle("acme", Settle(("", "m"), d.bucket, d.day, token_delta=2, spend_micro=7, lease="l1"))
+        await store.quota_settle("acme", Settle(("", "m"), d.bucket, d.day, token_delta=2, spend_micro=7, lease="l1"))  # the first's
         usage = await store.quota_usage("acme", "m")
         assert (usage.window_requests, usage.window_tokens) == (3, 17)
 
