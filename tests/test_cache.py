@@ -321,6 +321,19 @@ def test_a_tool_call_without_an_id_is_not_rebuilt() -> None:
     assert assemble(events) is None
 
 
+@pytest.mark.parametrize("stop", ["END", 128001], ids=["sequence", "token"])
+def test_a_streams_stop_reason_is_kept_and_replayed(stop: str | int) -> None:
+    # vLLM's choice-level stop_reason (the stop string or token that ended the answer) comes on the
+    # finish chunk: a stream-captured entry dropped it, and a Messages hit said end_turn, not stop_sequence.
+    answer = {**CHAT, "choices": [{**CHAT["choices"][0], "stop_reason": stop}]}
+    events = chat_stream(answer)
+    events[-2]["choices"][0]["stop_reason"] = stop  # the finish chunk (the last is usage)
+    entry = assemble(events)
+    assert entry is not None and entry.answer() == answer
+    again = assemble(sse_json(replay_sse(entry, include_usage=True)))
+    assert again is not None and again.answer() == answer
+
+
 # --- replay, read back by the openai SDK ---
 
 

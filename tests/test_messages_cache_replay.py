@@ -1,9 +1,11 @@
 """A native Anthropic backend's whole Message is cached only when a stream hit can replay every
 block as it was (message_events: text and tool_use): one with thinking, a server tool or citations
-is asked of the backend again, while a plain text answer is still a hit."""
+is asked of the backend again, while a plain text answer is still a hit. A chat backend's answer is
+stored as the Message a hit gives back (its stop sequence kept), and only one a lookup accepts."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import aiohttp
@@ -118,3 +120,90 @@ async def test_a_stream_that_is_never_stored_is_shared_live_and_waited_for_by_no
         assert an.stats.requests == 2 and again[:2] == (200, "hit")
     finally:
         await an.stop()
+
+
+# ---- answers from a chat backend, stored as Messages -----------------------------------------
+
+
+async def _chat_backend(message: dict[str, Any], finish: str, **choice: Any) -> tuple[web.AppRunner, str, list[dict[str, Any]]]:
+    """A chat backend giving one answer, whole or streamed (`choice`: extra fields of its choice,
+    on the finish chunk of a stream, as vLLM sends its `stop_reason`): (runner, url, bodies asked)."""
+    asked: list[dict[str, Any]] = []
+    usage = {"prompt_tokens": 11, "completion_tokens": 3, "total_tokens": 14}
+    head = {"id": "chatcmpl-1", "created": 1, "model": "up"}
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        asked.append(body)
+        if not body.get("stream"):
+            return web.json_response({**head, "object": "chat.completion", "usage": usage,
+                                      "choices": [{"index": 0, "message": message, "finish_reason": finish, **choice}]})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        deltas = [{"role": "assistant", "content": ""}, {k: v for k, v in message.items() if k != "role" and v}]
+        chunks = [{"choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+        chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": finish, **choice}]}, {"choices": [], "usage": usage}]
+        for c in chunks:
+            await resp.write(b"data: " + orjson.dumps({**head, "object": "chat.completion.chunk", **c}) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner, port = await serve_app(app)
+    return runner, f"http://127.0.0.1:{port}/v1", asked
+
+
+def _over_chat(url: str) -> dict[str, Any]:
+    return {"backends": {"c": {"url": url, "models": ["m"]}}, "reload": {"watch": False}, "cache": {"enabled": True},
+            "tenants": {"t": {"key_sha256": [hash_key(KEY)]}}}
+
+
+async def test_a_hit_keeps_the_stop_sequence_a_streamed_answer_matched(gateway):
+    # vLLM names the matched stop string in the choice's `stop_reason`; the entry captured from a
+    # stream dropped it, and a hit said end_turn / stop_sequence null (review helper's repro).
+    import anthropic
+
+    runner, url, asked = await _chat_backend({"role": "assistant", "content": "one two"}, "stop", stop_reason="END")
+    try:
+        gw = await gateway(_over_chat(url))
+        ask: dict[str, Any] = {"model": "m", "max_tokens": 32, "stop_sequences": ["END"], "extra_body": {"temperature": 0},
+                               "messages": [{"role": "user", "content": "count"}]}
+        async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0) as c:
+            async with c.messages.stream(**ask) as s:
+                live = await s.get_final_message()
+            raw = await c.messages.with_raw_response.create(**ask)
+            hit = await raw.parse()
+        assert raw.headers["x-gateway-cache"] == "hit" and len(asked) == 1
+        assert (live.stop_reason, live.stop_sequence) == (hit.stop_reason, hit.stop_sequence) == ("stop_sequence", "END")
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_refusal_from_a_chat_backend_is_not_stored_to_be_read_back_as_corrupt(gateway, caplog, stream):
+    # A refusal (message.refusal, finish "stop") was stored as a Message with stop_reason refusal,
+    # which a lookup rejects: deleted as corrupt, warned and counted at every request.
+    import anthropic
+
+    runner, url, asked = await _chat_backend({"role": "assistant", "content": None, "refusal": "I can't help."}, "stop")
+    try:
+        gw = await gateway(_over_chat(url))
+        caplog.set_level(logging.WARNING, logger="gateway.cache")
+        ask: dict[str, Any] = {"model": "m", "max_tokens": 32, "extra_body": {"temperature": 0},  # this SDK takes no temperature
+                               "messages": [{"role": "user", "content": "x"}]}
+        async with anthropic.AsyncAnthropic(base_url=gw.url, api_key=KEY, max_retries=0) as c:
+            for _ in range(3):
+                if stream:
+                    async with c.messages.stream(**ask) as s:
+                        msg = await s.get_final_message()
+                else:
+                    msg = await c.messages.create(**ask)
+                assert msg.stop_reason == "refusal"
+        async with aiohttp.ClientSession() as http, http.get(gw.url + "/metrics") as r:
+            corrupt = [line for line in (await r.text()).splitlines() if line.startswith('gateway_cache_errors_total{op="corrupt"}')]
+        assert len(asked) == 3  # never stored, never a hit
+        assert not [rec.getMessage() for rec in caplog.records if "corrupt" in rec.getMessage()]
+        assert all(float(line.split()[-1]) == 0 for line in corrupt), corrupt
+    finally:
+        await runner.cleanup()

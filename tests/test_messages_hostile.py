@@ -40,6 +40,26 @@ BAD = [
     (orjson.dumps({**OK, "tool_choice": {"type": "tool", "name": "f"}}), "tool_choice: 'tool' needs tools"),
     (orjson.dumps({**OK, "messages": [{"role": "user", "content": []}]}), "messages[0].content: empty"),
     (orjson.dumps({**OK, "messages": [{"role": "user", "content": ""}]}), "messages[0].content: empty"),
+    # What Anthropic refuses and translation would have sent on
+    (orjson.dumps({**OK, "messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}),
+     "messages[0].content[0]': a text block's 'text' is empty"),
+    # pasted into a data URL: "image/png;base64,AAAA#" made another URL of it
+    (orjson.dumps({**OK, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png;base64,AAAA#", "data": "x"}}]}]}),
+     "messages[0].content[0]': a base64 image source's 'media_type' is one of"),
+    # "no" read as true: an "Error: " prefix
+    (orjson.dumps({**OK, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x", "is_error": "no"}]}]}),
+     "messages[2].content[0]': a tool_result's 'is_error' is a boolean"),
+    # a backend following it answered arguments no Message holds: a 502 charged to that backend (ejected after 3)
+    (orjson.dumps({**OK, "tools": [{"name": "f", "input_schema": {"type": "string"}}]}),
+     "tools[0].input_schema': a custom tool's input_schema has type 'object'"),
+    (orjson.dumps({**OK, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}] * 2},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]}),
+     "messages[1].content[1].id: tool_use id 't1' is used twice"),
 ]
 
 

@@ -283,6 +283,16 @@ def test_unknown_block_types_pass_the_wire_model():
         ({"tool_choice": {"type": "tool"}}, "tool_choice", "needs the tool's 'name'"),
         ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type", "'auto'"),
         ({"tools": [{"name": "f"}]}, "tools[0]", "input_schema"),
+        # Anthropic's own refusals, which translation would have sent on
+        ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "tools[0].input_schema", "has type 'object'"),
+        ({"tools": [{"name": "f", "type": "custom", "input_schema": {"type": ["object", "null"]}}]}, "tools[0].input_schema",
+         "has type 'object'"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}]}]}, "messages[0].content[0]", "'text' is empty"),
+        ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/svg+xml",
+                                                                                  "data": "x"}}]}]},
+         "messages[0].content[0]", "'media_type' is one of image/jpeg, image/png, image/gif, image/webp, not 'image/svg+xml'"),
+        ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "is_error": 1}]}]},
+         "messages[0].content[0]", "'is_error' is a boolean"),
         ({"stop_sequences": "x"}, "stop_sequences", "valid list"),
         ({"model": ""}, "model", "at least 1 character"),
     ],
@@ -1235,6 +1245,27 @@ def test_nesting_orjson_cannot_write_back_is_a_translation_error_naming_the_fiel
     tools = [{"name": "f", "input_schema": {"x": deep}}]
     with pytest.raises(TranslationError, match=r"tools\[0\]\.input_schema: nested too deeply"):
         tr.messages_to_chat({"model": "m", "max_tokens": 5, "messages": turns[:1], "tools": tools})
+
+
+def test_a_tool_use_id_used_twice_is_refused_naming_the_second():
+    # A chat backend took both calls of one id, the single tool_result answering them both.
+    call = {"type": "tool_use", "id": "t1", "name": "f", "input": {}}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}
+    twice_in_a_turn = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [call, call]}, result]
+    with pytest.raises(TranslationError, match=r"messages\[1\]\.content\[1\]\.id: tool_use id 't1' is used twice"):
+        tr.messages_to_chat({**BASE, "messages": twice_in_a_turn})
+    twice_in_the_conversation = [*twice_in_a_turn[:1], {"role": "assistant", "content": [call]}, result,
+                                 {"role": "assistant", "content": [call]}, result]
+    with pytest.raises(TranslationError, match=r"messages\[3\]\.content\[0\]\.id: tool_use id 't1' is used twice"):
+        tr.messages_to_chat({**BASE, "messages": twice_in_the_conversation})
+
+
+def test_a_schema_without_a_type_is_sent_as_the_object_it_is():
+    # Anthropic's tool input is an object: a schema-following backend must not be free to answer another type.
+    chat = tr.messages_to_chat({**BASE, "tools": [{"name": "f", "input_schema": {"properties": {"a": {"type": "string"}}}},
+                                                  {"name": "g", "input_schema": {}}]})
+    params = [t["function"]["parameters"] for t in chat["tools"]]
+    assert params == [{"type": "object", "properties": {"a": {"type": "string"}}}, {"type": "object"}]
 
 
 def test_token_counts_of_an_unexpected_type_read_as_zero_not_as_a_crash():

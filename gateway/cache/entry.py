@@ -86,7 +86,7 @@ class StreamAssembler:
     Tool calls are rebuilt as the openai SDK does (by index; name and arguments concatenated).
     """
 
-    __slots__ = ("_max", "_size", "_head", "_chat", "_role", "_texts", "_tools", "_finish", "_usage", "_broken")
+    __slots__ = ("_max", "_size", "_head", "_chat", "_role", "_texts", "_tools", "_finish", "_stop", "_usage", "_broken")
 
     def __init__(self, max_bytes: int) -> None:
         self._max = max_bytes
@@ -97,6 +97,7 @@ class StreamAssembler:
         self._texts: dict[str, list[str]] = {}  # "content", "refusal", "reasoning_content"... or "text"
         self._tools: list[dict[str, Any]] = []
         self._finish: str | None = None
+        self._stop: str | int | None = None  # vLLM's choice-level stop_reason: the stop string (or token) matched
         self._usage: dict[str, Any] | None = None
         self._broken = False
 
@@ -133,6 +134,9 @@ class StreamAssembler:
                 self._add_text("text", choice["text"])
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
+            stop = choice.get("stop_reason")
+            if isinstance(stop, str | int) and not isinstance(stop, bool):
+                self._stop = stop
             if self._broken:
                 return
         if self._size > self._max:
@@ -155,6 +159,8 @@ class StreamAssembler:
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": self._finish}
         else:
             choice = {"index": 0, "text": joined.get("text", ""), "logprobs": None, "finish_reason": self._finish}
+        if self._stop is not None:  # kept as a whole answer has it (a Message's stop_sequence is read from it)
+            choice["stop_reason"] = self._stop
         obj = {
             "id": head.get("id", ""),
             "object": "chat.completion" if self._chat else "text_completion",
@@ -226,6 +232,8 @@ def replay_sse(entry: Entry, *, include_usage: bool, chunk_chars: int = 64) -> l
     prefix = b"data: " + orjson.dumps(head)[:-1] + (b',"choices":[{"index":0,"delta":' if chat else b',"choices":[{"index":0,"text":')
     open_suffix = b',"logprobs":null,"finish_reason":null}]}\n\n'
     finish = orjson.dumps(choice.get("finish_reason"))
+    if choice.get("stop_reason") is not None:  # vLLM's matched stop string (or token), on its finish chunk
+        finish += b',"stop_reason":' + orjson.dumps(choice["stop_reason"])
     out: list[bytes] = []
     if chat:
         message = choice["message"]

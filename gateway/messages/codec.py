@@ -98,9 +98,7 @@ class MessagesEndpoint(Endpoint):
         msg = _json(raw)
         if msg is None or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
             raise NotAnAnswer("the backend answered 200 with a body that is not a Message")
-        # Only what a hit can replay (is_complete: a refusal or pause_turn read back as corrupt).
-        keep = capture and len(raw) <= capture and is_complete(msg) and all(map(_replayable, msg["content"]))
-        entry = Entry(raw) if keep else None
+        entry = Entry(raw) if capture and len(raw) <= capture and _storable(msg) else None
         return Whole(_usage_of(msg), entry)
 
     def replay(self, entry: Entry, *, stream: bool, include_usage: bool) -> bytes:
@@ -140,10 +138,14 @@ class MessagesViaChat(Endpoint):
         if obj is None or not isinstance(obj.get("choices"), list) or not obj["choices"]:
             raise NotAnAnswer("the backend answered 200 with a body that is not a chat completion")
         try:
-            body = orjson.dumps(_message(obj))
+            msg = _message(obj)
+            body = orjson.dumps(msg)
         except (ValueError, TypeError) as exc:  # TypeError: orjson's, for nesting it cannot write back
             raise NotAnAnswer(f"the backend's answer cannot be read as a Message: {exc}") from None
-        entry = Entry(body) if capture and len(body) <= capture and is_complete(obj) else None
+        # The chat answer finished as the cache stores (stop, length), and the Message made of it is
+        # one a lookup accepts: a refusal (finish "stop" with message.refusal) read back as corrupt.
+        keep = capture and len(body) <= capture and is_complete(obj) and _storable(msg)
+        entry = Entry(body) if keep else None
         usage = obj.get("usage")
         return Whole(usage if isinstance(usage, dict) else None, entry, body=body)
 
@@ -263,6 +265,12 @@ def _message(chat: dict[str, Any], *, cut_input: bool = True) -> dict[str, Any]:
                                       cut_input=cut_input)
 
 
+def _storable(msg: Mapping[str, Any]) -> bool:
+    """Whether a Message may be stored: a lookup accepts it (is_complete: a refusal or pause_turn
+    read back as corrupt, deleted and counted at every lookup) and a hit replays it as it was."""
+    return is_complete(msg) and all(map(_replayable, msg["content"]))
+
+
 def _replayable(block: Any) -> bool:
     """Whether message_events replays a block as it was: plain text and tool_use. Any other block
     (thinking and its signature, server tools, text with citations) would come back as an empty
@@ -349,10 +357,16 @@ class ChatToMessagesMonitor(OverChat):
     def entry(self) -> Entry | None:
         """The assembled chat answer, kept as the Message (what a Messages hit replays)."""
         chat = self._chat.entry()
-        try:
-            return None if chat is None else Entry(orjson.dumps(_message(orjson.loads(chat.body), cut_input=False)))
-        except ValueError:  # a tool call cut by max_tokens: a hit could not replay the partial input the client got
+        if chat is None:
             return None
+        try:
+            msg = _message(orjson.loads(chat.body), cut_input=False)
+            body = orjson.dumps(msg)
+        # ValueError: a tool call cut by max_tokens (a hit could not replay the partial input the client
+        # got); TypeError: orjson's, for tool input nested deeper than it writes back.
+        except (ValueError, TypeError):
+            return None
+        return Entry(body) if _storable(msg) else None  # as whole(): only what a lookup accepts (not a refusal)
 
 
 class MessagesSink(SinkWrapper):

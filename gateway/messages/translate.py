@@ -16,9 +16,9 @@ Messages -> chat (messages_to_chat)
     base64 or url source (image_url parts, user turns only); tool_use blocks (assistant tool_calls,
     arguments the JSON of input); tool_result blocks (`role: tool` messages before the turn's other
     blocks; content a string or text blocks; is_error as an "Error: " prefix, chat having no flag);
-    tools (function tools: input_schema -> parameters, strict kept); tool_choice auto | any | tool |
-    none (auto | required | the named function | none) and disable_parallel_tool_use
-    (parallel_tool_calls false); stop_sequences (stop); max_tokens; temperature; top_p; stream (with
+    tools (function tools: input_schema -> parameters, typed "object" where it names no type; strict
+    kept); tool_choice auto | any | tool | none (auto | required | the named function | none) and
+    disable_parallel_tool_use (parallel_tool_calls false); stop_sequences (stop); max_tokens; temperature; top_p; stream (with
     stream_options.include_usage); metadata.user_id (user); service_tier auto | standard_only (auto |
     default); output_config.format json_schema (response_format json_schema, strict); a final
     assistant turn only where the backend continues one (prefill=True).
@@ -235,7 +235,7 @@ def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     else:
         raise TranslationError(f"{where}.content: a string or a list of content blocks")
     out: Any
-    if block.get("is_error"):
+    if block.get("is_error") is True:  # a boolean (wire.Block): "no" is no error
         out = "Error: " + "\n".join(texts)
     elif len(texts) == 1:
         out = texts[0]
@@ -312,7 +312,9 @@ def _tools_to_chat(tools: Any) -> list[dict[str, Any]]:
         for key, value in tool.items():
             if key not in _TOOL_KEYS and value is not None:
                 raise _refuse(f"tools[{i}].{key}")
-        schema = tool.get("input_schema") or {"type": "object"}
+        schema = tool.get("input_schema") or {}
+        if isinstance(schema, dict) and "type" not in schema:
+            schema = {"type": "object", **schema}  # Anthropic's input is an object: so a schema-following backend's must be
         _json(schema, f"tools[{i}].input_schema")  # sent re-encoded: refused now if orjson cannot write it
         out.append(function_tool(tool.get("name"), schema, tool))
     return out
@@ -537,7 +539,19 @@ def _blocks_of(turn: Any, kind: str, field: str) -> set[str]:
 def _check_tool_results(turns: list[Any]) -> None:
     """Anthropic's rule, which it checks and an OpenAI backend may not: each tool_use is answered
     by a tool_result in the very next (user) turn, and a tool_result answers a tool_use of the
-    turn just before it."""
+    turn just before it; tool_use ids are unique (a chat backend would take two calls of one id,
+    and the tool_result answering one of them answers both)."""
+    seen: set[str] = set()
+    for i, turn in enumerate(turns):
+        content = turn.get("content") if isinstance(turn, dict) else None
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            if isinstance(block, dict) and block.get("type") == "tool_use":
+                ident = str(block.get("id"))
+                if ident in seen:
+                    where = f"messages[{i}].content[{j}].id"
+                    raise TranslationError(f"{where}: tool_use id {ident[:100]!r} is used twice (tool_use ids are unique)",
+                                           param=where)
+                seen.add(ident)
     pending: set[str] = set()
     for i, turn in enumerate(turns):
         results = _blocks_of(turn, "tool_result", "tool_use_id")

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..errors import GatewayError, UpstreamRejected
@@ -31,6 +31,7 @@ from ..wire.openai_wire import JsonFloat, JsonInt, RequestBody, parse_body
 __all__ = [
     "Block",
     "ERROR_TYPES",
+    "IMAGE_TYPES",
     "MessageParam",
     "MessagesRequest",
     "Metadata",
@@ -74,6 +75,10 @@ def _bad(message: str) -> PydanticCustomError:
     return PydanticCustomError("messages_wire", message)
 
 
+# The media types Anthropic takes for a base64 image.
+IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+
+
 class Block(BaseModel):
     """One content block. The known types are checked for the fields translation reads; any other
     type (document, thinking, server tool blocks, ...) passes as it is."""
@@ -88,12 +93,18 @@ class Block(BaseModel):
         t = self.type
         if t == "text" and not isinstance(x.get("text"), str):
             raise _bad("a text block needs 'text', a string")
+        if t == "text" and not x["text"]:
+            raise _bad("a text block's 'text' is empty (Anthropic refuses empty text blocks)")
         if t == "image":
             src = x.get("source")
             if not isinstance(src, dict) or src.get("type") not in ("base64", "url", "file"):
                 raise _bad("an image block needs a 'source' object of type base64, url or file")
             if src["type"] == "base64" and not (isinstance(src.get("data"), str) and isinstance(src.get("media_type"), str)):
                 raise _bad("a base64 image source needs 'media_type' and 'data', strings")
+            # Anthropic's four; translation pastes it into a data URL, where any other text could reshape the URL.
+            if src["type"] == "base64" and src["media_type"] not in IMAGE_TYPES:
+                raise _bad(f"a base64 image source's 'media_type' is one of {', '.join(IMAGE_TYPES)}, "
+                           f"not {src['media_type'][:40]!r}")
             if src["type"] == "url" and not isinstance(src.get("url"), str):
                 raise _bad("a url image source needs 'url', a string")
         if t == "tool_use" and not (
@@ -104,6 +115,9 @@ class Block(BaseModel):
             content = x.get("content")
             if not isinstance(x.get("tool_use_id"), str):
                 raise _bad("a tool_result block needs 'tool_use_id', a string")
+            # strict: "no" would read as true (translation's "Error: " prefix), unlike Anthropic's own reading
+            if x.get("is_error") is not None and not isinstance(x["is_error"], bool):
+                raise _bad("a tool_result's 'is_error' is a boolean (true or false)")
             if content is not None and not isinstance(content, str | list):
                 raise _bad("a tool_result's 'content' is a string or a list of content blocks")
             if isinstance(content, list) and not all(isinstance(b, dict) and isinstance(b.get("type"), str) for b in content):
@@ -155,6 +169,17 @@ class ToolParam(BaseModel):
     type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, schema: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
+        # Anthropic's rule: a tool's input is an object. Forwarded to a chat backend, {"type": "string"}
+        # had a schema-following backend answer arguments no Message can hold: a 502 charged to that
+        # backend, which three such requests ejected. (Without a `type`, translation says "object".)
+        if schema is not None and info.data.get("type") in (None, "custom") and schema.get("type", "object") != "object":
+            raise _bad(f"a custom tool's input_schema has type 'object' (a tool's input is an object), "
+                       f"not {str(schema['type'])[:40]!r}")
+        return schema
 
     @model_validator(mode="after")
     def _custom_has_schema(self) -> ToolParam:
