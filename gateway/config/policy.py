@@ -189,6 +189,11 @@ class BackendPolicy(_Section):
     # Whether this is a local model (cost first for the `simple` class, routing.simple): None means
     # true for a `launch:` backend and false otherwise.
     local: bool | None = None
+    # Whether requests carry the tenant's `cache_salt` (vLLM's per-request prefix-cache isolation,
+    # which our local model server honours too): a prefix cached for one tenant then answers no
+    # other tenant's prompt faster (a timing leak of what others asked). None: true for a `launch:`
+    # backend and false otherwise (set it for a shared vLLM or a local_backend run on its own).
+    cache_salt: bool | None = None
     # Headers sent with every request to it (an `anthropic-beta`, OpenRouter's `HTTP-Referer`, a
     # routing header of a provider's proxy, an `api-key` of its own). Not the ones the gateway
     # sets itself (its key, the body's type and length). Their values are never shown on the

@@ -154,10 +154,11 @@ class Attempt:
         leg = self.leg
         upstream_model = backend.upstream_model(call.model)
         url = backend.urls[leg.upstream]
-        # A launched local model's prefix cache is shared by every caller: salted per tenant
-        # namespace, a caller cannot time another tenant's cached prompt (open mode: one caller).
+        # A model server's prefix cache is shared by every caller: salted per tenant namespace (a
+        # launched model, or `cache_salt: true`), a caller cannot time another tenant's cached
+        # prompt (open mode: one caller).
         tenant = call.tenant
-        salt = tenant.cache_namespace if backend.policy.launch is not None and tenant not in (None, OPEN_TENANT) else None
+        salt = tenant.cache_namespace if backend.salts and tenant not in (None, OPEN_TENANT) else None
         if self.resume is not None:  # the request in the backend's format, plus what was delivered
             request = salted(leg.upstream_request(call.body), salt)
             body = self.resume.body(request, upstream_model, leg.prefill, trim=leg.prefill_trims)

@@ -100,6 +100,7 @@ class Backend:
         self.forwards = FORWARDED[policy.kind]
         self.metrics_url = policy.metrics_url or (_sibling_metrics(self.base_url) if policy.launch else None)
         self.local = policy.local if policy.local is not None else policy.launch is not None
+        self.salts = policy.cache_salt if policy.cache_salt is not None else policy.launch is not None
 
     def upstream_model(self, public: str) -> str:
         """The name this backend knows a public model by (its default model for `auto`-style routes)."""
