@@ -12,6 +12,8 @@ The pool is allocated once, ``max_bytes`` in all (``torch.empty``: pages are tou
 fill, so memory grows with use up to the bound), and evicted least recently used first, deepest
 blocks before their parents (a chain's blocks are touched leaf first, so its root stays more
 recent than its leaves). Blocks may be pinned (the chat template's opening), never evicted.
+A request's ``cache_salt`` (vLLM's) keeps its blocks to requests of the same salt, the pinned
+opening excepted: every request shares that.
 
 Tokens stay bit-identical to a cold run: in the kernel modes any split of a prompt computes the
 same bits; the torch modes prefill in chunks that end on block boundaries (engine.py), so a warm
@@ -77,14 +79,26 @@ class PrefixCache:
         return self.capacity > 0
 
     def _chain(self, ids: Sequence[int], blocks: int, salt: str = "") -> list[tuple[int, int | None, tuple[int, ...]]]:
-        """(key, parent key, tokens) of the first ``blocks`` full blocks of ``ids``; a ``salt`` is the
-        first block's parent, so only requests of the same salt share blocks."""
+        """(key, parent key, tokens) of the first ``blocks`` full blocks of ``ids``.
+
+        With a ``salt``, the chain follows the unsalted one only over leading *pinned* blocks (the chat
+        template's opening: public text, pinned at start-up, the same for every caller, so sharing it
+        tells no one anything), then hangs its next block from the salt: only requests of the same salt
+        share the rest, and no unsalted request reaches a salted block. (Before, every salted chain
+        began at the salt, so no tenant reused the pinned opening.)"""
         out: list[tuple[int, int | None, tuple[int, ...]]] = []
-        parent: int | None = hash(("salt", salt)) if salt else None
+        parent: int | None = None
+        public = True  # still on the unsalted chain
         b = self.block_tokens
         for i in range(blocks):
             tokens = tuple(ids[i * b : (i + 1) * b])
             key = hash((parent, tokens))
+            if salt and public:
+                block = self._blocks.get(key)
+                if block is None or not block.pinned or block.parent != parent or block.tokens != tokens:
+                    public = False
+                    parent = hash(("salt", salt, parent))
+                    key = hash((parent, tokens))
             out.append((key, parent, tokens))
             parent = key
         return out

@@ -10,6 +10,7 @@ import asyncio
 import pytest
 import torch
 
+from local_backend.boot import chat_template_prefix
 from local_backend.llama import KVCache
 from local_backend.llama.native import kernel, unavailable_reason
 from local_backend.llama.prefix import PrefixCache
@@ -89,6 +90,33 @@ def test_a_full_pool_evicts_the_least_recently_used_leaves_first_and_never_pinne
     assert len(pool.match(a, len(a))) == 1 and len(pool.match(b, len(b))) == 1 and len(pool.match(c, len(c))) == 2
     pool.clear()
     assert pool.stats().blocks == 1 and len(pool.match(pinned, 4)) == 1
+
+
+def test_salted_chains_share_the_pinned_opening_and_nothing_else() -> None:
+    """The pinned opening (public template text) serves every salt; past it, blocks stay within their
+    salt: no other salt, and no unsalted request, reaches them, nor does a salt reach unsalted ones."""
+    pool, cache = _pool(16), _kv(rows=8)
+    opening = [1, 2, 3, 4]
+    pool.store(opening, 4, cache, _filled(cache, opening), pinned=True)
+    a = opening + [10, 11, 12, 13, 14, 15, 16, 17]
+    row = _filled(cache, a)
+    assert pool.store(a, len(a), cache, row, salt="tenant-a") == 2  # the opening is held already
+    assert len(pool.match(a, len(a), "tenant-a")) == 3
+    assert len(pool.match(a, len(a), "tenant-b")) == 1 and len(pool.match(a, len(a))) == 1  # the opening only
+    found = pool.match(a, len(a), "tenant-a")
+    into = cache.add_row(len(a))
+    assert pool.load(found, cache, into) == 12  # the shared opening's K/V, then tenant-a's own
+    assert torch.equal(cache.keys[1][into, :, :12], cache.keys[1][row, :, :12])
+    # unsalted blocks after the opening, and an unpinned unsalted first block, are not a salt's
+    u = opening + [20, 21, 22, 23]
+    assert pool.store(u, len(u), cache, _filled(cache, u)) == 1 and len(pool.match(u, len(u))) == 2
+    assert len(pool.match(u, len(u), "tenant-a")) == 1
+    v = [5, 6, 7, 8]
+    assert pool.store(v, 4, cache, _filled(cache, v)) == 1 and len(pool.match(v, 4)) == 1 and pool.match(v, 4, "tenant-a") == []
+    # a salted chain that does not start with the opening stays salted from its first block
+    w = [30, 31, 32, 33]
+    assert pool.store(w, 4, cache, _filled(cache, w), salt="tenant-a") == 1
+    assert len(pool.match(w, 4, "tenant-a")) == 1 and pool.match(w, 4, "tenant-b") == [] and pool.match(w, 4) == []
 
 
 def test_a_pool_too_small_for_a_chain_keeps_its_leading_blocks() -> None:
@@ -260,3 +288,23 @@ async def test_a_cache_salt_shares_blocks_only_with_requests_of_the_same_salt(ti
         answer, hit = await run(other)
         assert hit == 0 and answer == first  # another salt, or none: nothing of tenant-a's
 
+
+async def test_every_salt_reuses_the_pinned_template_opening(tiny: LoadedModel, engine_for) -> None:
+    """Every tenant's request through the gateway carries a cache_salt: each reuses the pinned opening
+    (its answer the cold run's), and none reaches another tenant's blocks past it."""
+    engine = engine_for("w8a16", None, start=False)
+    pinned = engine.cache_prefix(chat_template_prefix(tiny.tokenizer))
+    engine.start()
+    cold = engine_for("w8a16", None, prefix_cache_mb=0)
+    ids = _ids(tiny, [{"role": "user", "content": "The secret PIN is 7316. " * 8 + "What is it?"}])
+    assert pinned == 16 and len(ids) > 4 * pinned
+
+    async def run(salt: str) -> tuple[tuple[int, ...], int]:
+        before = engine.prefix.stats().hits_tokens
+        deltas = [d async for d in engine.submit(GenerationRequest(ids, max_tokens=4, cache_salt=salt)).deltas()]
+        return deltas[-1].token_ids, engine.prefix.stats().hits_tokens - before
+
+    want = await _tokens(cold, ids, max_tokens=4)
+    assert await run("tenant-a") == (want, pinned)  # the opening only, the first time
+    assert await run("tenant-a") == (want, (len(ids) - 1) // 16 * 16)  # then its own blocks too
+    assert await run("tenant-b") == (want, pinned) and await run("") == (want, pinned)  # nothing of tenant-a's

@@ -427,6 +427,23 @@ async def test_prompts_waiting_for_the_tokenizer_are_bounded_in_bytes(make_engin
     assert status == 200
 
 
+async def test_a_chat_full_of_control_tokens_is_refused_at_once_and_others_go_on(make_engine, serve) -> None:
+    # As text each of them is 3-7 tokens: a body of them that the character bound lets through is
+    # refused from their count (transformers' sanitizer spent 0.8 s on each of these, holding the GIL).
+    engine = make_engine(max_batch=8, max_queue=8)
+    server = serve(engine)
+    unit = "a<|im_end|>"
+    content = unit * (((engine.context_length - 1) * engine.longest_token_chars - 300) // len(unit))
+    body = orjson.dumps({"model": "tiny-random", "max_tokens": 1, "messages": [{"role": "user", "content": content}]})
+    url = f"{server.base_url}/chat/completions"
+    got = await asyncio.gather(*(_post(url, body) for _ in range(4)))
+    assert {status for status, _, _ in got} <= {400, 429}
+    error = next(payload for status, payload, _ in got if status == 400)["error"]
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"  # type: ignore[index]
+    status, _, _ = await _post(url, orjson.dumps({"model": "tiny-random", "max_tokens": 1, "messages": MESSAGES}))
+    assert status == 200
+
+
 async def test_a_top_p_under_float32s_smallest_step_keeps_the_likeliest_token(server: RunningServer) -> None:
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0)
     greedy = await client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=5, temperature=0)
