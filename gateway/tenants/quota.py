@@ -330,8 +330,8 @@ class Quota:
         back at once (`scopes` and `reserved` as the Hold would say), instead of holding a
         concurrency slot and the reservation until the lease's deadline + 10 s.
 
-        While the shared store's breaker is open (it failed `Breaker` times in a row), this
-        process's own counters at once: no round trip to wait out, nothing to reverse there."""
+        While the shared store's breaker is open (a run of failures in a row: tenants/breaker.py),
+        this process's own counters at once: no round trip to wait out, nothing to reverse there."""
         if not self._breaker.allows():
             self._degraded(None)
             return await self._local(tenant, ask, reserved)
