@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -12,10 +13,29 @@ import pytest
 from gateway.web.keys import LIVE
 
 
+_RESERVED: list[socket.socket] = []
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a launched model, kept reserved until the test ends: bound with SO_REUSEADDR and
+    never listening, so the launcher's look finds nothing there and the model server binds and
+    listens on it all the same, while no other process's ephemeral port (a bind to port 0, an
+    outgoing connection) can land on it meanwhile. A port merely found free was anyone's until the
+    child bound it (its interpreter's start, seconds on a loaded machine); a server of the parallel
+    suite that took it would answer the launcher's /healthz in the child's place (one bound there
+    on purpose: "healthy after 0.2 s", then the child could not listen and the requests got 503s)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    _RESERVED.append(s)
+    return s.getsockname()[1]
+
+
+@pytest.fixture(autouse=True)
+def _release_reserved_ports() -> Iterator[None]:
+    yield
+    while _RESERVED:
+        _RESERVED.pop().close()
 
 
 def _policy(port: int, model: str, served: str) -> dict:
