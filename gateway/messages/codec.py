@@ -356,11 +356,10 @@ class ChatToMessagesMonitor(OverChat):
 
     def entry(self) -> Entry | None:
         """The assembled chat answer, kept as the Message (what a Messages hit replays)."""
-        chat = self._chat.entry()
-        if chat is None:
+        if (chat := self.assembled()) is None:
             return None
         try:
-            msg = _message(orjson.loads(chat.body), cut_input=False)
+            msg = _message(chat, cut_input=False)
             body = orjson.dumps(msg)
         # ValueError: a tool call cut by max_tokens (a hit could not replay the partial input the client
         # got); TypeError: orjson's, for tool input nested deeper than it writes back.

@@ -101,10 +101,9 @@ class ChatToResponsesMonitor(OverChat):
 
     def entry(self) -> Entry | None:
         """The assembled chat answer, kept as the Response (what a Responses hit replays)."""
-        chat = self._chat.entry()
-        if chat is None:
+        if (chat := self.assembled()) is None:
             return None
-        response = chat_completion_to_response(orjson.loads(chat.body), self._request)
+        response = chat_completion_to_response(chat, self._request)
         return Entry(orjson.dumps(response)) if replayable(response) else None
 
 

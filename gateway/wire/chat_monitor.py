@@ -153,6 +153,12 @@ class OverChat:
     def estimated_usage(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         return b""  # the client's format carries usage in its finish event (what the translator makes of the chat stream's)
 
+    def assembled(self) -> dict[str, Any] | None:
+        """The chat answer the stream made, as a whole chat completion (None: not captured, or not
+        one that may be stored), for the translating monitor's cache entry in its own format."""
+        chat = self._chat.entry()
+        return None if chat is None else orjson.loads(chat.body)
+
 
 def has_content(obj: dict[str, Any]) -> bool:
     """Whether a chunk carries output: text, a tool or function call, a refusal, or a reasoning
