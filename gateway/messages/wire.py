@@ -31,7 +31,6 @@ from ..wire.openai_wire import JsonFloat, JsonInt, RequestBody, parse_body
 __all__ = [
     "Block",
     "ERROR_TYPES",
-    "IMAGE_TYPES",
     "MessageParam",
     "MessagesRequest",
     "Metadata",
@@ -76,7 +75,7 @@ def _bad(message: str) -> PydanticCustomError:
 
 
 # The media types Anthropic takes for a base64 image.
-IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
+_IMAGE_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 class Block(BaseModel):
@@ -102,8 +101,8 @@ class Block(BaseModel):
             if src["type"] == "base64" and not (isinstance(src.get("data"), str) and isinstance(src.get("media_type"), str)):
                 raise _bad("a base64 image source needs 'media_type' and 'data', strings")
             # Anthropic's four; translation pastes it into a data URL, where any other text could reshape the URL.
-            if src["type"] == "base64" and src["media_type"] not in IMAGE_TYPES:
-                raise _bad(f"a base64 image source's 'media_type' is one of {', '.join(IMAGE_TYPES)}, "
+            if src["type"] == "base64" and src["media_type"] not in _IMAGE_TYPES:
+                raise _bad(f"a base64 image source's 'media_type' is one of {', '.join(_IMAGE_TYPES)}, "
                            f"not {src['media_type'][:40]!r}")
             if src["type"] == "url" and not isinstance(src.get("url"), str):
                 raise _bad("a url image source needs 'url', a string")
