@@ -100,7 +100,8 @@ async def route_explain(request: web.Request) -> web.Response:
     rt = request.app[LIVE].runtime
     try:
         raw, tenant = await body_if_authenticated(request, rt)
-        call = new_call(request, _explained(raw), raw, rt.server.request_timeout_ms, tenant=tenant)
+        call = new_call(request, _explained(request.query.get("endpoint"), raw), raw, rt.server.request_timeout_ms,
+                        tenant=tenant)
         return json_response(await request.app[PIPELINE].explain(call, rt), headers={"x-request-id": call.request_id})
     except GatewayError as err:
         return error_response(err, {"x-request-id": request_id(request)})
@@ -110,8 +111,15 @@ async def route_explain(request: web.Request) -> web.Response:
         return error_response(InternalError(f"internal error in the gateway (request id {rid})"), {"x-request-id": rid})
 
 
-def _explained(raw: bytes) -> Endpoint:
-    """Which endpoint's body /v1/route/explain was given (endpoints.explained), else chat's."""
+def _explained(named: str | None, raw: bytes) -> Endpoint:
+    """Which endpoint's body /v1/route/explain was given: the one its `?endpoint=` names (an
+    embeddings body and a Responses one look alike), else the one that recognises the body
+    (endpoints.explained), else chat's."""
+    if named is not None:
+        if named not in ENDPOINTS:
+            raise BadRequest(f"endpoint {named[:64]!r} is not one of the gateway's: {', '.join(sorted(ENDPOINTS))}",
+                             param="endpoint")
+        return ENDPOINTS[named]
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError:
