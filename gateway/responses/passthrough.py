@@ -27,7 +27,7 @@ from ..routing.backends import Backend
 from ..routing.health import Kind
 from ..tenants.auth import Tenant
 from ..tenants.quota import Hold, QuotaExceeded
-from ..upstream.client import UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse
+from ..upstream.client import UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse, UpstreamTooLarge
 from ..web.http_call import api_key, error_response, request_id
 from ..web.keys import METRICS, RELAY
 from ..web.sink import CLIENT_READ_S, client_bounded
@@ -243,6 +243,8 @@ def _whole_events(partial: bytes, chunk: bytes, seq: int) -> tuple[bytes, bytes,
 
 def _lost(exc: UpstreamHTTPError, *, answered: bool) -> Kind:
     """How a by-id call's connection failed, as the relay's attempts say it (relay/attempt.py)."""
+    if isinstance(exc, UpstreamTooLarge):  # past our cap: what was asked for (a long listing), not the backend's fault
+        return Kind.TOO_LARGE
     if answered:
         return Kind.DISCONNECT
     return Kind.RESET_BEFORE_HEADERS if isinstance(exc, UpstreamMaybeSent) else Kind.CONNECT

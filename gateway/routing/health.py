@@ -200,7 +200,12 @@ class Health:
     # request probes are off (nothing would decide) and where a policy has fewer than two tenants.
     corroborate: bool = True
     run_tenant: str | None = None  # the tenant every failure of the current run came from, if one
-    run_mixed: bool = False  # the run has failures of several tenants, or of the backend's own kinds
+    run_mixed: bool = False  # the run has failures of several tenants
+    # Failures of the run no caller can be blamed for (the backend's own kinds, a probe's). Fewer
+    # than failures_to_eject of them leave a run of one tenant's requests that tenant's: one such
+    # failure, or one misread, could otherwise take the probe's verification from a run a caller
+    # made (a by-id call's oversized answer read as a disconnect did: review helper's repro).
+    run_unblamed: int = 0
     # The tenant whose requests alone caused the current ejection, while a probe has not confirmed
     # or undone it (None: nothing waits for a probe).
     suspect: str | None = None
@@ -251,7 +256,7 @@ class Health:
         return self.suspect is not None
 
     def _end_run(self) -> None:
-        self.run_tenant, self.run_mixed = None, False
+        self.run_tenant, self.run_mixed, self.run_unblamed = None, False, 0
 
     def _failure(self, *, trial: bool, tenant: str | None = None) -> None:
         now = self.clock()
@@ -260,17 +265,20 @@ class Health:
         if tenant is not None and tenant == self.forgiven and now < self.forgiven_until:
             return  # a probe showed this tenant's failures to be its requests' doing, not long ago
         self.consecutive_failures += 1
+        if self.consecutive_failures == 1:
+            self._end_run()
         if tenant is None:  # the backend's own kind of failure (or a probe's): no caller to blame
-            self.run_mixed = True
-        elif self.consecutive_failures == 1:
-            self.run_tenant, self.run_mixed = tenant, False
+            self.run_unblamed += 1
+        elif self.run_tenant is None:
+            self.run_tenant = tenant
         elif tenant != self.run_tenant:
             self.run_mixed = True
         if self.ejections > 0 or self.consecutive_failures >= self.failures_to_eject:
             if trial and self.probe_opened:
                 self.probes_misled = True  # the probe said "back", the real request said otherwise
             # One tenant's requests alone: a probe confirms the ejection or undoes it, at once.
-            alone = self.ejections == 0 and self.corroborate and not self.run_mixed
+            alone = (self.ejections == 0 and self.corroborate and not self.run_mixed and self.run_tenant is not None
+                     and self.run_unblamed < self.failures_to_eject)
             self.suspect = self.run_tenant if alone else None
             self._end_run()
             self._eject(now)  # a failed half-open trial re-ejects at once, for longer
