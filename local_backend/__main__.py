@@ -2,6 +2,8 @@
 
 The port opens at once and /healthz answers 503 {"status": "loading"} while the model loads in
 a background thread (progress lines go to stderr); then 200. SIGTERM or SIGINT stops it.
+Launched by a gateway, $LOCAL_BACKEND_HEALTH_TOKEN holds that launch's secret: /healthz proves it
+(X-Health-Proof, see server.healthz), so the launcher tells this server from another on the port.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from .models import ModelNotFound, check_model_name
-from .server import BackendState, create_app, sampling_defaults
+from .server import HEALTH_TOKEN_ENV, BackendState, create_app, sampling_defaults
 
 if TYPE_CHECKING:  # both import torch: at run time, only once the port is open
     from .boot import EngineSettings
@@ -184,6 +186,8 @@ async def _serve(args: argparse.Namespace) -> int:
         max_tokens_cap=args.max_tokens_cap,
         default_temperature=defaults.temperature,
         default_top_p=defaults.top_p,
+        # Taken out of the environment: no process this one starts (the kernel build's compiler) inherits it.
+        health_token=os.environ.pop(HEALTH_TOKEN_ENV, "") or None,
     )
     runner = web.AppRunner(create_app(state), handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import hmac
 import logging
 import time
 import uuid
@@ -37,7 +39,12 @@ from .wire import (
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["STATE", "BackendState", "SamplingDefaults", "create_app", "sampling_defaults"]
+__all__ = ["HEALTH_TOKEN_ENV", "STATE", "BackendState", "SamplingDefaults", "create_app", "sampling_defaults"]
+
+# Set by a gateway that launches this server (gateway/process/launcher.py): its /healthz then
+# proves the answer comes from this launch, as HMAC-SHA256(token, X-Health-Nonce) in X-Health-Proof.
+HEALTH_TOKEN_ENV = "LOCAL_BACKEND_HEALTH_TOKEN"
+_NONCE_MAX_CHARS = 256  # a launcher's nonce is ~22; a longer one is ignored (no proof)
 
 log = logging.getLogger("local_backend.server")
 
@@ -65,6 +72,8 @@ class BackendState:
     # the body limit waiting, a request is refused at once (429) instead of queueing behind them.
     tokenizing_bytes: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    # The launching gateway's per-launch secret ($LOCAL_BACKEND_HEALTH_TOKEN); None when run by hand.
+    health_token: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,13 +449,22 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
-    """GET /healthz: 200 once the model is ready, 503 while loading (or after a failed load)."""
+    """GET /healthz: 200 once the model is ready, 503 while loading (or after a failed load).
+
+    Launched by a gateway (a health token set), each answer to a request with an X-Health-Nonce
+    carries X-Health-Proof: HMAC-SHA256(token, nonce), hex, so the launcher knows this server for
+    the one it started. Without a token (run by hand) or a nonce, no such header."""
     state = request.app[STATE]
     if state.engine is not None:
-        return _json({"status": "ok", "model": state.served_name})
-    if state.load_error is not None:
-        return _json({"status": "error", "error": state.load_error}, status=503)
-    return _json({"status": "loading"}, status=503)
+        response = _json({"status": "ok", "model": state.served_name})
+    elif state.load_error is not None:
+        response = _json({"status": "error", "error": state.load_error}, status=503)
+    else:
+        response = _json({"status": "loading"}, status=503)
+    nonce = request.headers.get("X-Health-Nonce")
+    if state.health_token and nonce and len(nonce) <= _NONCE_MAX_CHARS:
+        response.headers["X-Health-Proof"] = hmac.new(state.health_token.encode(), nonce.encode("utf-8", "replace"), hashlib.sha256).hexdigest()
+    return response
 
 
 async def metrics(request: web.Request) -> web.Response:

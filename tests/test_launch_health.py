@@ -26,9 +26,10 @@ from tests.procs import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Its /healthz: 503 while the file `sick` names its pid (`PID flaky`: every other check), else 200.
+# Its /healthz: 503 while the file `sick` names its pid (`PID flaky`: every other check), else 200,
+# with the proof of the launch's health token that the real server gives (local_backend/server.py).
 FAKE = r'''
-import ctypes, os, signal, sys
+import ctypes, hashlib, hmac, os, signal, sys
 from pathlib import Path
 from aiohttp import web
 
@@ -39,6 +40,7 @@ host, port = argv[argv.index("--host") + 1], int(argv[argv.index("--port") + 1])
 with open(HERE / "pids", "a") as f:
     f.write(f"{os.getpid()}\n")
 checks = 0
+token = os.environ.get("LOCAL_BACKEND_HEALTH_TOKEN", "")
 
 async def healthz(request):
     global checks
@@ -46,7 +48,9 @@ async def healthz(request):
     sick = (HERE / "sick").read_text().split() if (HERE / "sick").exists() else []
     if sick and sick[0] == str(os.getpid()) and ("flaky" not in sick or checks % 2):
         return web.json_response({"status": "error"}, status=503)
-    return web.json_response({"status": "ok"})
+    nonce = request.headers.get("X-Health-Nonce", "")
+    proof = hmac.new(token.encode(), nonce.encode(), hashlib.sha256).hexdigest()
+    return web.json_response({"status": "ok"}, headers={"X-Health-Proof": proof} if token else None)
 
 app = web.Application()
 app.router.add_get("/healthz", healthz)

@@ -2,6 +2,10 @@
 
 The gateway never imports torch: the model lives in ``python -m local_backend serve``, a child
 process this module supervises. Nothing from ``local_backend`` is imported here.
+
+Whatever answers the child's port is checked to be that child: each launch gets a random token
+in the child's environment, and only a /healthz answer that proves it counts (launch_proof.py).
+A worker follows the children another process launched with `launched.watch_launched`.
 """
 
 from __future__ import annotations
@@ -9,15 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import os
+import secrets
 import signal
 import socket
 import sys
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,8 +29,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..config.policy import LaunchPolicy
+from .launch_proof import HEALTH_TOKEN_ENV, check as _check, other_answers as _other_answers
 
-__all__ = ["NOT_ANSWERING", "ChildBackend", "Children", "LaunchError", "LaunchSpec", "LaunchState", "watch_launched"]
+__all__ = ["HEALTH_TOKEN_ENV", "NOT_ANSWERING", "ChildBackend", "Children", "LaunchError", "LaunchSpec", "LaunchState"]
 
 log = logging.getLogger("gateway.launcher")
 
@@ -37,10 +42,11 @@ _BACKOFF_MAX_S = 30.0
 _STABLE_AFTER_S = 60.0  # a child that ran this long resets the restart backoff
 _TAIL_LINES = 20
 # Once ready, the child's /healthz is checked every _HEALTH_EVERY_S; after _HEALTH_FAILURES failed
-# checks in a row (no 200 within _HEALTH_TIMEOUT_S) it is killed and restarted: a hung engine
-# (alive, answering nothing) would otherwise hold its port for good. A hung child is caught within
-# about 12 s. No stricter: a kill cuts every request in flight, and a loaded but working server
-# answers at once (it serves /healthz from its event loop, the engine runs in a thread of its own).
+# checks in a row (no 200 with the launch's proof within _HEALTH_TIMEOUT_S) it is killed and
+# restarted: a hung engine (alive, answering nothing) would otherwise hold its port for good. A
+# hung child is caught within about 12 s. No stricter: a kill cuts every request in flight, and a
+# loaded but working server answers at once (it serves /healthz from its event loop, the engine
+# runs in a thread of its own).
 _HEALTH_EVERY_S = 1.0
 _HEALTH_TIMEOUT_S = 3.0
 _HEALTH_FAILURES = 3
@@ -64,12 +70,15 @@ class LaunchState:
 
     `failure`: why the last start failed or the child exited (one line; None while it simply
     starts or is ready); `retry_at`: when the next try starts (time.monotonic()); `failures`:
-    failed starts and exits in a row."""
+    failed starts and exits in a row; `health_token`: the running launch's (see the module's doc)."""
 
     ready: bool
     failure: str | None = None
     retry_at: float = 0.0
     failures: int = 0
+    # The running launch's health token (see the module's doc): how a worker, which polls the
+    # model's /healthz itself, tells it from another process on its port. Not a part of the state.
+    health_token: str | None = field(default=None, repr=False, compare=False)
 
     def retry_in_s(self) -> float:
         return max(0.0, self.retry_at - time.monotonic())
@@ -84,18 +93,26 @@ class LaunchState:
         return f"could not be launched: {self.failure}; " + (f"retrying in {wait:.0f} s" if wait >= 0.5 else "retrying now")
 
     def to_json(self) -> dict[str, Any]:
-        """For the control socket (the supervisor tells its workers): times relative, so no clock is shared."""
-        return {"ready": self.ready, "failure": self.failure, "retry_in_s": round(self.retry_in_s(), 3), "failures": self.failures}
+        """For the control socket (the supervisor tells its workers): times relative, so no clock is
+        shared. It carries the health token: the control socket is the gateway's own (mode 0700)."""
+        data: dict[str, Any] = {
+            "ready": self.ready, "failure": self.failure, "retry_in_s": round(self.retry_in_s(), 3), "failures": self.failures,
+        }  # fmt: skip
+        if self.health_token is not None:
+            data["health_token"] = self.health_token
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "LaunchState":
         failure = data.get("failure")
         retry_in = data.get("retry_in_s")
+        token = data.get("health_token")
         return cls(
             ready=bool(data.get("ready")),
             failure=str(failure) if failure else None,
             retry_at=time.monotonic() + (float(retry_in) if isinstance(retry_in, (int, float)) else 0.0),
             failures=int(data.get("failures") or 0),
+            health_token=token if isinstance(token, str) and token else None,
         )
 
 
@@ -104,8 +121,8 @@ def _ignore(_state: LaunchState) -> None:
 
 
 class ChildBackend:
-    """Starts ``python -m local_backend serve ...`` as a child process, waits until /healthz is 200,
-    restarts it if it dies, stops it on shutdown."""
+    """Starts ``python -m local_backend serve ...`` as a child process, waits until its /healthz is
+    200 with the proof of this launch's token, restarts it if it dies, stops it on shutdown."""
 
     def __init__(
         self,
@@ -129,7 +146,8 @@ class ChildBackend:
         self.host = parts.hostname
         self.port = parts.port or 80
         # An IPv6 literal keeps its brackets in a URL (`http://::1:8001/` is no URL at all).
-        self.health_url = f"http://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}/healthz"
+        self.where = f"{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}"
+        self.health_url = f"http://{self.where}/healthz"
         self.startup_timeout_s = startup_timeout_s
         self.command = [
             python, "-m", "local_backend", "serve",
@@ -149,6 +167,12 @@ class ChildBackend:
         self._tail: deque[str] = deque(maxlen=_TAIL_LINES)
         self._started_at = 0.0
         self._stopping = False
+        self._token: str | None = None  # this launch's health token, new for each start
+
+    @property
+    def health_token(self) -> str | None:
+        """The running launch's health token (None before the first start)."""
+        return self._token
 
     @property
     def running(self) -> bool:
@@ -160,13 +184,15 @@ class ChildBackend:
         return self._proc.pid if self._proc is not None else None
 
     async def start(self) -> None:
-        """Spawn the child and wait until /healthz answers 200; raise LaunchError if it cannot."""
+        """Spawn the child and wait until its /healthz answers 200 with the proof of this launch's
+        token; raise LaunchError if it cannot (it exits, times out, or something else answers)."""
         if self.running:
             return
         self._stopping = False
         self._check_port_free()
         await self._end_pump(1.0)  # the last child's: done once its stderr closed
         self._tail.clear()
+        self._token = secrets.token_urlsafe(32)
         self._proc = await asyncio.create_subprocess_exec(
             *self.command,
             stdin=asyncio.subprocess.DEVNULL,
@@ -204,7 +230,7 @@ class ChildBackend:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, _BACKOFF_MAX_S)
                     continue
-            on_change(LaunchState(True))
+            on_change(LaunchState(True, health_token=self._token))
             proc = self._proc
             assert proc is not None
             hung = await self._until_exit_or_hung(proc)
@@ -214,13 +240,13 @@ class ChildBackend:
                 backoff, failures = _BACKOFF_START_S, 0
             failures += 1
             retry_at = time.monotonic() + backoff
-            if hung:
+            if hung is not None:
                 log.warning(
                     "%s pid %d failed %d health checks in a row (%s); killing it, restarting in %.1f s",
                     self._prefix, proc.pid, _HEALTH_FAILURES, self.health_url, backoff,
                 )  # fmt: skip
                 # Not ready from now on, not once it is gone: a hung child may take the grace period.
-                on_change(LaunchState(False, NOT_ANSWERING, retry_at, failures))
+                on_change(LaunchState(False, hung, retry_at, failures))
                 await self._terminate()
             else:
                 if self._pump is not None:  # its last lines explain the exit
@@ -241,6 +267,8 @@ class ChildBackend:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         env["LOCAL_BACKEND_PARENT_PID"] = str(os.getpid())  # the child exits when we do (Linux)
+        if self._token is not None:
+            env[HEALTH_TOKEN_ENV] = self._token  # its /healthz proves it is this launch's child
         # In a source checkout, local_backend/ sits next to gateway/: make it importable.
         root = Path(__file__).resolve().parent.parent
         if (root / "local_backend" / "__main__.py").is_file():
@@ -248,7 +276,8 @@ class ChildBackend:
         return env
 
     def _check_port_free(self) -> None:
-        """Refuse to start when something else holds the port: its /healthz would fool the poll."""
+        """Refuse to start when something else holds the port, before spawning a child that could
+        not listen (the health checks would not take the holder for the model: see `_other`)."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.settimeout(0.5)
@@ -294,32 +323,46 @@ class ChildBackend:
                     if self._pump is not None:  # let the last lines in
                         await asyncio.wait({self._pump}, timeout=1.0)
                     raise self._error(f"exited with code {proc.returncode} before becoming healthy")
-                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with session.get(self.health_url) as resp:
-                        if resp.status == 200:
-                            return
+                found = await _check(session, self.health_url, self._token)
+                if found == "ok":
+                    return
+                if found == "other":
+                    # Our child answers with the proof from its first 200: a 200 without it comes
+                    # from another process (it may have taken the port since the look before the
+                    # spawn, and our child then cannot listen). Not the model: stop and say so.
+                    raise self._error(self._other())
                 if time.monotonic() >= deadline:
                     raise self._error(f"not healthy after {self.startup_timeout_s:.0f} s")
                 await asyncio.sleep(_POLL_INTERVAL_S)
 
-    async def _until_exit_or_hung(self, proc: asyncio.subprocess.Process) -> bool:
-        """Wait while the ready child runs: False once it exited, True once it failed
-        _HEALTH_FAILURES health checks in a row while still running (hung: the caller kills it)."""
+    async def _until_exit_or_hung(self, proc: asyncio.subprocess.Process) -> str | None:
+        """Wait while the ready child runs: None once it exited; once it failed _HEALTH_FAILURES
+        health checks in a row while still running (the caller kills it), why: NOT_ANSWERING (hung),
+        or, when the last check got a 200 without this launch's proof, that something else answers."""
         exited = asyncio.ensure_future(proc.wait())
         failed = 0
+        other = False  # the last check's answer came from another process (logged once in a row)
         timeout = aiohttp.ClientTimeout(total=_HEALTH_TIMEOUT_S)
         try:
             async with aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()) as session:
                 while True:
                     if (await asyncio.wait({exited}, timeout=_HEALTH_EVERY_S))[0]:
-                        return False
+                        return None
                     # A child that exits meanwhile fails this check at once (its socket closes):
                     # the next round's wait then sees the exit, so an exit is never taken for a hang.
-                    failed = 0 if await _healthy(session, self.health_url) else failed + 1
+                    found = await _check(session, self.health_url, self._token)
+                    if found == "other" and not other:
+                        log.warning("%s pid %d: %s", self._prefix, proc.pid, self._other())
+                    other = found == "other"
+                    failed = 0 if found == "ok" else failed + 1
                     if failed >= _HEALTH_FAILURES and proc.returncode is None:
-                        return True
+                        return self._other() if other else NOT_ANSWERING
         finally:
             exited.cancel()
+
+    def _other(self) -> str:
+        """Why a 200 from the port is not taken for the model: one line, naming the port."""
+        return _other_answers(self.where)
 
     def _error(self, what: str) -> LaunchError:
         tail = "\n  ".join(self._tail) or "(no output)"
@@ -414,69 +457,3 @@ class Children:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and (exc := task.exception()) is not None:
         log.error("%s failed: %s", task.get_name(), exc, exc_info=exc)
-
-
-_WATCH_READY_S = 1.0  # between polls of a ready launched backend
-_WATCH_STARTING_S = 0.2  # between polls while it starts: traffic waits for this
-_WATCH_FAILURES = 3  # failed polls in a row before a ready backend counts as gone
-_WATCH_REASON_S = 1.0  # between questions to the launching process while one is not ready
-
-# What the launching process says about its children (the supervisor, through the control socket).
-LaunchStates = Callable[[], Awaitable[Mapping[str, LaunchState]]]
-
-
-async def watch_launched(
-    backends: Callable[[], Iterable[tuple[str, str, Callable[[LaunchState], None]]]],
-    launch_states: LaunchStates | None = None,
-) -> None:
-    """In a worker: follow the readiness of the backends another process launched, by polling
-    their /healthz (`backends()` yields name, base URL and a setter, read anew each round so it
-    follows reloads). While one is not ready, `launch_states()` (the launching process's
-    `Children.states()`, at most once a second; empty when it cannot answer) says why, e.g. a
-    failed start and its retry, or a model that stopped answering and is being restarted.
-    Runs until cancelled."""
-    failures: dict[str, int] = {}
-    ready: dict[str, bool] = {}
-    was_up: set[str] = set()  # ready at some point: failing now is not "starting"
-    known: Mapping[str, LaunchState] = {}
-    asked_at = -math.inf
-    timeout = aiohttp.ClientTimeout(total=2.0)
-    async with aiohttp.ClientSession(timeout=timeout, cookie_jar=aiohttp.DummyCookieJar()) as http:
-        while True:
-            current = list(backends())
-            results = await asyncio.gather(*(_healthy(http, url) for _, url, _ in current))
-            down = [name for (name, _, _), ok in zip(current, results, strict=True) if not ok]
-            if down and launch_states is not None and time.monotonic() - asked_at >= _WATCH_REASON_S:
-                asked_at = time.monotonic()
-                known = await launch_states()
-            for (name, _, set_state), ok in zip(current, results, strict=True):
-                failures[name] = 0 if ok else failures.get(name, 0) + 1
-                now = ok or (ready.get(name, False) and failures[name] < _WATCH_FAILURES)
-                if now != ready.get(name):
-                    log.info("backend %s: launched model %s", name, "ready" if now else "not ready")
-                ready[name] = now
-                theirs = known.get(name)
-                if now:
-                    was_up.add(name)
-                    set_state(LaunchState(True))
-                elif theirs is not None and not theirs.ready:
-                    set_state(theirs)  # the launcher's word: starting, a failed start, a restart
-                elif name in was_up:
-                    # The launcher still counts it as up (its own checks are more lenient, as it
-                    # kills on them) or cannot say: this worker's polls fail, so say that.
-                    set_state(LaunchState(False, NOT_ANSWERING))
-                else:
-                    set_state(LaunchState(False))
-            starting = any(not ready.get(name, False) for name, _, _ in current)
-            await asyncio.sleep(_WATCH_STARTING_S if starting else _WATCH_READY_S)
-
-
-async def _healthy(http: aiohttp.ClientSession, base_url: str) -> bool:
-    parts = urlsplit(base_url)
-    url = f"{parts.scheme}://{parts.netloc}/healthz"
-    try:
-        async with http.get(url) as resp:
-            await resp.read()
-            return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-        return False

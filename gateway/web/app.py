@@ -29,7 +29,8 @@ from ..observe.metrics import Metrics, refresh_gauges
 from ..observe.observer import Observer
 from ..pipeline.core import Pipeline
 from ..process import control
-from ..process.launcher import Children, LaunchState, watch_launched
+from ..process.launched import watch_launched
+from ..process.launcher import Children, LaunchState
 from ..process.peers import Peers
 from ..process.workers import WorkerInfo, share
 from ..relay.context import RelayContext
