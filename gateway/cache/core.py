@@ -1,5 +1,10 @@
 """Response cache: the canonical key, what may be cached, the fail-open Cache, and single flight.
 
+A Redis that stalls (not down: a refused connection fails at once) costs each store call its
+whole timeout (`store.timeout_ms`) and a fresh connection: the Cache's breaker (tenants/breaker.py)
+skips the store for a moment after a few timeouts in a row (a miss, nothing stored, no
+cross-process lock), then lets one call at a time try it again.
+
 What an entry is, how a streamed answer becomes one and how one is replayed: entry.py.
 The key is versioned (CACHE_FORMAT): changing the entry format means bumping it.
 """
@@ -12,13 +17,14 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import orjson
 
 from ..errors import BadRequest
 from ..store.core import Store, StoreError
+from ..tenants.breaker import Breaker
 from .broadcast import Broadcast, Budget
 from .entry import Entry, is_complete
 
@@ -30,6 +36,7 @@ __all__ = [
     "cacheable_request",
     "cache_control",
     "Cache",
+    "Skipped",
     "Flight",
     "SingleFlight",
     "Terms",
@@ -57,6 +64,8 @@ TRANSPORT_FIELDS = frozenset({
 _FLOAT_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
 _WARN_EVERY_S = 60.0
 MAX_FLIGHTS = 10_000  # concurrent single flights per process; beyond it, requests go on alone
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 
 def cache_key(namespace: str, endpoint: str, model: str, body: Mapping[str, Any], echoed: frozenset[str] = frozenset(),
@@ -146,11 +155,25 @@ def cache_control(header: str | None) -> tuple[bool, bool]:
     return "no-cache" in tokens, "no-store" in tokens
 
 
+class Skipped(StoreError):
+    """The cache's breaker is open: its store was not asked (`Cache.call`). Fails open like any
+    StoreError: a miss, nothing stored, no cross-process lock."""
+
+
 class Cache:
     """A Store under the policy's knobs, failing open: a store error is a miss (lookup) or a no-op
-    (save), reported to `on_error(op)` every time and logged at most once a minute."""
+    (save), reported to `on_error(op)` every time and logged at most once a minute.
 
-    __slots__ = ("store", "ttl_s", "max_entry_bytes", "_on_error", "_log", "_clock", "_last_warn", "_suppressed", "_failing")
+    `breaker`: skips the store while it keeps timing out (see the module's note), for the cache's
+    own calls only (`lookup`, `save`, `forget`, and shared_flight's lock through `call`): the
+    Responses API's records may use the same Redis store object, and keep their own retries.
+    A failure counts toward opening it when it took at least `slow_s` (the store's timeout: a
+    refused connection, which fails at once, costs nothing to try again). A skipped call is
+    reported as `on_error("skipped")`, never logged; the breaker logs one line when it opens,
+    and the store's first answer after failures one more ("answers again")."""
+
+    __slots__ = ("store", "ttl_s", "max_entry_bytes", "_on_error", "_log", "_clock", "_last_warn", "_suppressed", "_failing",
+                 "_breaker", "_slow_s")
 
     def __init__(
         self,
@@ -161,6 +184,8 @@ class Cache:
         on_error: Callable[[str], None] | None = None,
         log: logging.Logger | None = None,
         clock: Callable[[], float] = time.monotonic,
+        breaker: Breaker | None = None,
+        slow_s: float = 0.0,
     ) -> None:
         self.store = store
         self.ttl_s = ttl_s
@@ -171,6 +196,28 @@ class Cache:
         self._last_warn: float | None = None
         self._suppressed = 0
         self._failing = False
+        self._breaker = breaker
+        self._slow_s = slow_s
+
+    async def call(self, fn: Callable[_P, Awaitable[_T]], *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        """`fn(*args, **kwargs)`, one of the store's calls, under the breaker: Skipped at once,
+        without asking the store, while it is open (but for one probe at a time after its pause).
+        Raises the store's StoreError as it comes."""
+        breaker = self._breaker
+        if breaker is None:
+            return await fn(*args, **kwargs)
+        if not breaker.allows():
+            raise Skipped("skipped while the cache store keeps timing out")
+        t0 = self._clock()
+        try:
+            result = await fn(*args, **kwargs)
+        except BaseException:  # a StoreError, or cancelled (its client left) while it waited
+            # A quick failure (a refused connection) is no stall, but a probe must report.
+            if breaker.open or self._clock() - t0 >= self._slow_s:
+                self._trip(breaker)
+            raise
+        breaker.succeeded()
+        return result
 
     async def lookup(self, key: str) -> Entry | None:
         """The entry under `key`, or None on a miss or when the store fails.
@@ -179,7 +226,7 @@ class Cache:
         another version, or damaged) is a miss: it is deleted and reported as `on_error("corrupt")`.
         """
         try:
-            raw = await self.store.get(key)
+            raw = await self.call(self.store.get, key)
         except StoreError as exc:
             self._failed("get", exc)
             return None
@@ -201,7 +248,7 @@ class Cache:
         if len(entry.body) > self.max_entry_bytes:
             return False
         try:
-            await self.store.set(key, entry.body, self.ttl_s if ttl_s is None else ttl_s)
+            await self.call(self.store.set, key, entry.body, self.ttl_s if ttl_s is None else ttl_s)
         except StoreError as exc:
             self._failed("set", exc)
             return False
@@ -213,7 +260,7 @@ class Cache:
         """Delete an entry that must not be answered again (the Response id it hands out is gone);
         a store that fails leaves it to its TTL."""
         try:
-            await self.store.delete(key)
+            await self.call(self.store.delete, key)
         except StoreError as exc:
             self._failed("delete", exc)
 
@@ -224,6 +271,10 @@ class Cache:
         await self.forget(key)
 
     def _failed(self, op: str, exc: StoreError) -> None:
+        if isinstance(exc, Skipped):
+            if self._on_error is not None:
+                self._on_error("skipped")
+            return
         self._failing = True
         if self._on_error is not None:
             self._on_error(op)
@@ -234,6 +285,15 @@ class Cache:
         more = f" ({self._suppressed} more failures since the last warning)" if self._suppressed else ""
         self._log.warning("cache store failed, answering from upstream: %s%s", exc, more)
         self._last_warn, self._suppressed = now, 0
+
+    def _trip(self, breaker: Breaker) -> None:
+        """A call that timed out (or a probe that failed): one line when it opens the breaker."""
+        was_open = breaker.open
+        breaker.failed()
+        if breaker.open and not was_open:
+            self._failing = True  # its first answer logs "answers again"
+            self._log.warning("cache store keeps timing out: skipped for a moment (requests go upstream, "
+                              "uncached) until a probe finds it answering")
 
     def _recovered(self) -> None:
         self._failing = False

@@ -10,6 +10,8 @@ they go upstream themselves. A streamed follower gets the answer replayed as a s
 complete: what crosses processes is the stored entry, not the live stream (broadcast.py shares the
 live stream within one process). Store failures fail open: the request goes upstream (a waiting
 follower after a few failed reads in a row, so that one slow reply does not make a second call).
+While the cache's breaker is open (its store kept timing out: cache/core.py), the lock is neither
+taken nor waited on: the request goes upstream at once (single flight in this process still holds).
 
 The lock also says the leader's terms (cache.core.Terms: its whole deadline, its band's rank): a
 request whose terms they do not cover does not wait on it, as within one process (a leader's short
@@ -27,7 +29,7 @@ import secrets
 import time
 
 from ..store.core import StoreError
-from .core import ANY_TERMS, Cache, Terms
+from .core import ANY_TERMS, Cache, Skipped, Terms
 from .entry import Entry
 
 __all__ = ["claim", "release", "release_later", "shared"]
@@ -64,12 +66,15 @@ async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float, terms: 
     `take=False`: a request that stores nothing waits on a lock another holds but never takes one
     (nobody may wait on it for an answer it will not store)."""
     token = f"{secrets.token_hex(16)} {terms.timeout_ms} {terms.rank}"
+    store = cache.store
     try:
         if take:
-            if await cache.store.add(_LOCK + key, token.encode(), lock_s):
+            if await cache.call(store.add, _LOCK + key, token.encode(), lock_s):
                 return await _recheck(cache, key, token)
-        elif await cache.store.get(_LOCK + key) is None:
+        elif await cache.call(store.get, _LOCK + key) is None:
             return None, None  # nobody is answering it elsewhere
+    except Skipped:
+        return None, None  # the store was not asked: no lock of ours anywhere
     except StoreError:
         # A SET that timed out here may still have run there: the lock is then ours, and given
         # back at the end like any (release deletes it only while it holds our token), not left
@@ -83,7 +88,9 @@ async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float, terms: 
         if entry is not None:
             return None, entry
         try:
-            lock = await cache.store.get(_LOCK + key)
+            lock = await cache.call(store.get, _LOCK + key)
+        except Skipped:
+            return None, None  # the store keeps timing out (the breaker opened): the answer could not be read
         except StoreError:
             # One slow reply on a busy store is no reason to call upstream a second time; a
             # store that keeps failing is (the leader's answer could not be read anyway).
@@ -120,12 +127,17 @@ async def _recheck(cache: Cache, key: str, token: str) -> tuple[str | None, Entr
     return None, entry
 
 
-async def release(cache: Cache, key: str, token: str) -> bool:
+async def release(cache: Cache, key: str, token: str, *, past_breaker: bool = False) -> bool:
     """Give the lock back (after the answer was stored, or not), if it is still ours: one held
     past its TTL may have been taken by another leader since, whose lock it now is. False when
-    the store failed (`release_later`)."""
+    the store failed, or was skipped by the cache's breaker (`release_later`, whose tries go
+    `past_breaker`: they run in a task of their own, and no request waits on them)."""
+    delete_if = cache.store.delete_if
     try:
-        await cache.store.delete_if(_LOCK + key, token.encode())
+        if past_breaker:
+            await delete_if(_LOCK + key, token.encode())
+        else:
+            await cache.call(delete_if, _LOCK + key, token.encode())
     except StoreError:
         return False
     return True
@@ -135,8 +147,10 @@ async def release_later(cache: Cache, key: str, token: str) -> None:
     """A release that failed, tried again a few times while the store recovers (in a task of its
     own: the answer does not wait for it). Left to its TTL, the lock kept every request for the
     same answer, here and on the other replicas, waiting on an answer nobody stores (the leader's
-    save failed too) until `cache.lock_ms` (30 s by default) or their own deadline."""
+    save failed too) until `cache.lock_ms` (30 s by default) or their own deadline. Also while
+    the cache's breaker is open: no request waits on these tries, and a stall may end before the
+    breaker closes (other replicas would wait on the lock meanwhile)."""
     for pause in _RELEASE_PAUSES_S:
         await asyncio.sleep(pause)
-        if await release(cache, key, token):
+        if await release(cache, key, token, past_breaker=True):
             return

@@ -33,6 +33,7 @@ from ..routing.selector import Candidate, Selector
 from ..store.core import FairMemoryStore, MemoryStore, Store
 from ..store.redis_store import RedisStore
 from ..tenants.auth import Tenant, Tenants
+from ..tenants.breaker import Breaker
 from ..tenants.quota import Quota, reported
 from ..wire.codec import Endpoint
 from ..wire.endpoints import ENDPOINTS
@@ -532,9 +533,14 @@ def build_runtime(
         t.cache and t.cache.enabled for t in policy.tenants.values()
     ):
         # In memory, shared fairly among namespaces (a shared store is itself: Redis's own LRU).
-        cache_store = store_of(policy.store) if policy.cache.store is None else store_of(policy.cache.store, "cache")
+        cache_sp = policy.store if policy.cache.store is None else policy.cache.store
+        cache_store = store_of(cache_sp) if policy.cache.store is None else store_of(cache_sp, "cache")
+        # On Redis, skipped for a moment after a few timeouts in a row (a stall): a failure that
+        # took nearly the whole timeout counts, a refused connection (which fails at once) does not.
+        breaker = Breaker() if cache_sp.url is not None else None
         cache = Cache(cache_store.own("cache", key_owner), ttl_s=policy.cache.ttl_s,
-                      max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error)
+                      max_entry_bytes=policy.cache.max_entry_bytes, on_error=on_cache_error,
+                      breaker=breaker, slow_s=0.9 * cache_sp.timeout_ms / 1000)
     quota = None
     if any(t.quota is not None and t.quota.any() for t in policy.tenants.values()):
         # The fallback is this process's in-memory store: its counters live across reloads.

@@ -7,6 +7,9 @@ its timeout loses its connection). After `threshold` failures in a row the break
 skip the store for a pause, then one call (the probe) tries it while the others still skip; it
 closes on the first success, and opens again for a longer pause (doubled, up to `max_pause_s`)
 when the probe fails.
+
+The response cache has one of its own (cache/core.py), fed only the calls that took the store's
+timeout (a stall), for the cache's calls alone.
 """
 
 from __future__ import annotations
