@@ -13,28 +13,14 @@ from ..wire.codec import Endpoint, validate_legs
 from ..web.http_call import api_key, error_response, json_response, read_bounded, request_id
 from ..web.keys import LIVE, PIPELINE
 from ..wire.openai_wire import bounded_containers, bounded_items, json_object, validate_body
-from ..wire.tokens import bytes_tokens
 from .codec import MESSAGES
-from .translate import encoded
+from .translate import estimate_tokens
 from .wire import MessagesRequest, gateway_error
 
 if TYPE_CHECKING:
     from ..config.runtime import Route, Runtime
 
 __all__ = ["count_tokens", "estimate_tokens", "routes"]
-
-
-def estimate_tokens(body: dict[str, Any]) -> int:
-    """Input tokens of a Messages body, estimated from its text (system, messages, tools): the
-    gateway has no tokenizer for every backend's model (`wire.tokens`)."""
-    parts: list[bytes] = []
-    for key in ("system", "messages", "tools"):
-        value = body.get(key)
-        if isinstance(value, str):
-            parts.append(value.encode("utf-8", "surrogatepass"))
-        elif value is not None:
-            parts.append(encoded(value, key))  # a 400 for nesting orjson cannot write back
-    return max(1, bytes_tokens(b"".join(parts)))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

@@ -42,6 +42,8 @@ from .translate import (
     chat_to_messages,
     chat_usage,
     encoded,
+    estimate_tokens,
+    has_prompt_count,
     message_id,
     message_to_chat_completion,
     messages_to_chat,
@@ -131,14 +133,14 @@ class MessagesViaChat(Endpoint):
 
     def monitor(self, *, capture: int, strip_usage: bool, rewrite: Rewrite | None, body: Mapping[str, Any] | None = None,
                 transcript: Any = None) -> Monitor:
-        return ChatToMessagesMonitor(capture=capture, rewrite=rewrite, transcript=transcript)
+        return ChatToMessagesMonitor(capture=capture, rewrite=rewrite, transcript=transcript, body=body)
 
     def whole(self, raw: bytes, capture: int, request: Mapping[str, Any] | None = None) -> Whole:
         obj = _json(raw)
         if obj is None or not isinstance(obj.get("choices"), list) or not obj["choices"]:
             raise NotAnAnswer("the backend answered 200 with a body that is not a chat completion")
         try:
-            msg = _message(obj)
+            msg = _message(obj, request)
             body = orjson.dumps(msg)
         except (ValueError, TypeError) as exc:  # TypeError: orjson's, for nesting it cannot write back
             raise NotAnAnswer(f"the backend's answer cannot be read as a Message: {exc}") from None
@@ -258,11 +260,22 @@ def _json(raw: bytes) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _message(chat: dict[str, Any], *, cut_input: bool = True) -> dict[str, Any]:
-    usage = chat.get("usage")
-    estimate = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return chat_completion_to_message(chat, str(chat.get("model") or ""), estimate if isinstance(estimate, int) else 1,
-                                      cut_input=cut_input)
+def _message(chat: dict[str, Any], request: Mapping[str, Any] | None, *, cut_input: bool = True) -> dict[str, Any]:
+    """A chat answer as the Message a client of `request` gets: usage the backend did not report
+    is the gateway's estimate (input from the request, as count_tokens counts it; output from the
+    content), never the 1 or 0 of a missing figure."""
+    estimate = 1 if has_prompt_count(chat.get("usage")) else prompt_estimate(request)
+    return chat_completion_to_message(chat, str(chat.get("model") or ""), estimate, cut_input=cut_input, estimate_output=True)
+
+
+def prompt_estimate(request: Mapping[str, Any] | None) -> int:
+    """A Messages request's input tokens as count_tokens estimates them (1 without one)."""
+    if request is None:
+        return 1
+    try:
+        return estimate_tokens(request)
+    except TranslationError:  # nesting orjson cannot write back: intake refused such a request already
+        return 1
 
 
 def _storable(msg: Mapping[str, Any]) -> bool:
@@ -310,16 +323,18 @@ class ChatToMessagesMonitor(OverChat):
     to them, `event` is the (rewritten) chunk the transcript reads, and the stream translator is
     kept in the transcript (`carry`), so a continued answer goes on as the same message."""
 
-    __slots__ = ("_transcript", "out")
+    __slots__ = ("_transcript", "_body", "out")
 
     first = "first token"
     unfinished = "backend {backend!r} ended its stream before its finish reason"
     relays_failure = False  # the relay ends a broken stream with an Anthropic error event (MessagesSink)
     record = None
 
-    def __init__(self, *, capture: int = 0, rewrite: Rewrite | None = None, transcript: Any = None) -> None:
+    def __init__(self, *, capture: int = 0, rewrite: Rewrite | None = None, transcript: Any = None,
+                 body: Mapping[str, Any] | None = None) -> None:
         self._chat = ChatMonitor(capture=capture, rewrite=rewrite)
         self._transcript = transcript if isinstance(transcript, Transcript) else None
+        self._body = body  # the client's request: its estimated input tokens, for a backend that counts none
         # A continuation goes on with the translator of the stream it continues (no second
         # message_start); any other attempt starts its own (a failed one's events never left).
         carried = self._transcript.carry if self._transcript is not None and rewrite is not None else None
@@ -337,8 +352,8 @@ class ChatToMessagesMonitor(OverChat):
         if v in (Verdict.CONTENT, Verdict.HELD):
             obj = self._chat.event or {}  # parsed (and rewritten, in a continuation) by the chat monitor
             tr = self._tr
-            if tr is None:  # input_tokens: the backend's usage comes at the end (message_delta)
-                tr = self._tr = ChatToMessagesStream(str(obj.get("model") or ""), message_id(), 1)
+            if tr is None:  # input_tokens: the estimate; the backend's usage, if any, comes at the end (message_delta)
+                tr = self._tr = ChatToMessagesStream(str(obj.get("model") or ""), message_id(), prompt_estimate(self._body))
             if v is Verdict.CONTENT and self._transcript is not None:
                 self._transcript.carry = tr  # the stream that gave the client content (a hedge's winner)
             try:
@@ -359,7 +374,7 @@ class ChatToMessagesMonitor(OverChat):
         if (chat := self.assembled()) is None:
             return None
         try:
-            msg = _message(chat, cut_input=False)
+            msg = _message(chat, self._body, cut_input=False)
             body = orjson.dumps(msg)
         # ValueError: a tool call cut by max_tokens (a hit could not replay the partial input the client
         # got); TypeError: orjson's, for tool input nested deeper than it writes back.

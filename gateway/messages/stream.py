@@ -203,7 +203,7 @@ class ChatToMessagesStream:
         reason, sequence = stop_reason(finish, has_tool_calls=bool(self._all), matched=self._matched)
         usage: dict[str, Any] = {"output_tokens": self._pieces}
         if self.usage is not None:
-            full = anthropic_usage(self.usage, self.input_tokens_estimate)
+            full = anthropic_usage(self.usage, self.input_tokens_estimate, self._pieces)
             usage = {"input_tokens": full["input_tokens"], "output_tokens": full["output_tokens"],
                      "cache_read_input_tokens": full["cache_read_input_tokens"]}
         delta_event: dict[str, Any] = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},

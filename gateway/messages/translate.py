@@ -78,6 +78,7 @@ import orjson
 
 from ..errors import BadRequest
 from ..wire.openai_wire import first_message, function_tool
+from ..wire.tokens import bytes_tokens, text_tokens
 
 __all__ = [
     "BadAnswer",
@@ -89,9 +90,12 @@ __all__ = [
     "chat_completion_to_message",
     "chat_to_messages",
     "chat_usage",
+    "estimate_tokens",
+    "has_prompt_count",
     "message_id",
     "message_to_chat_completion",
     "messages_to_chat",
+    "output_estimate",
     "parse_arguments",
     "stop_reason",
     "tool_id",
@@ -164,6 +168,20 @@ def encoded(value: Any, where: str) -> bytes:
 
 def _json(value: Any, where: str) -> str:
     return encoded(value, where).decode()
+
+
+def estimate_tokens(body: Mapping[str, Any]) -> int:
+    """Input tokens of a Messages body, estimated from its text (system, messages, tools): the
+    gateway has no tokenizer for every backend's model (`wire.tokens`). What count_tokens answers,
+    and a Message's input_tokens when its chat backend reported none."""
+    parts: list[bytes] = []
+    for key in ("system", "messages", "tools"):
+        value = body.get(key)
+        if isinstance(value, str):
+            parts.append(value.encode("utf-8", "surrogatepass"))
+        elif value is not None:
+            parts.append(encoded(value, key))  # a 400 for nesting orjson cannot write back
+    return max(1, bytes_tokens(b"".join(parts)))
 
 
 def parse_arguments(arguments: Any) -> dict[str, Any]:
@@ -540,18 +558,28 @@ def _check_tool_results(turns: list[Any]) -> None:
     """Anthropic's rule, which it checks and an OpenAI backend may not: each tool_use is answered
     by a tool_result in the very next (user) turn, and a tool_result answers a tool_use of the
     turn just before it; tool_use ids are unique (a chat backend would take two calls of one id,
-    and the tool_result answering one of them answers both)."""
+    and the tool_result answering one of them answers both), and each has one tool_result (two
+    would be two `role: tool` messages for one call)."""
     seen: set[str] = set()
     for i, turn in enumerate(turns):
         content = turn.get("content") if isinstance(turn, dict) else None
+        answered: set[str] = set()
         for j, block in enumerate(content if isinstance(content, list) else []):
-            if isinstance(block, dict) and block.get("type") == "tool_use":
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "tool_use":
                 ident = str(block.get("id"))
                 if ident in seen:
                     where = f"messages[{i}].content[{j}].id"
                     raise TranslationError(f"{where}: tool_use id {ident[:100]!r} is used twice (tool_use ids are unique)",
                                            param=where)
                 seen.add(ident)
+            elif kind == "tool_result":
+                ident = str(block.get("tool_use_id"))
+                if ident in answered:  # Anthropic's 400, in its words
+                    where = f"messages[{i}].content[{j}]"
+                    raise TranslationError(f"{where}: each tool_use must have a single result; found multiple tool_result "
+                                           f"blocks with id {ident[:100]!r}", param=where)
+                answered.add(ident)
     pending: set[str] = set()
     for i, turn in enumerate(turns):
         results = _blocks_of(turn, "tool_result", "tool_use_id")
@@ -757,9 +785,15 @@ def chat_usage(usage: Any) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": read}}
 
 
-def anthropic_usage(usage: Any, input_tokens_estimate: int) -> dict[str, Any]:
+def has_prompt_count(usage: Any) -> bool:
+    """Whether a chat usage counts the prompt (else a Message's input_tokens is the estimate)."""
+    return isinstance(usage, dict) and _reported(usage.get("prompt_tokens")) > 0
+
+
+def anthropic_usage(usage: Any, input_tokens_estimate: int, output_tokens_estimate: int = 0) -> dict[str, Any]:
     """Chat usage as Anthropic usage: input_tokens without the cached part, never 0 (the
-    estimate when the backend reported no prompt)."""
+    estimate when the backend reported no prompt); output_tokens the estimate when the backend
+    reported no completion count (none at all, or not an integer)."""
     u = usage if isinstance(usage, dict) else {}
     prompt = _reported(u.get("prompt_tokens"))
     details = u.get("prompt_tokens_details")
@@ -769,8 +803,18 @@ def anthropic_usage(usage: Any, input_tokens_estimate: int) -> dict[str, Any]:
     else:
         cached = min(cached, prompt)
         fresh = max(1, prompt - cached)
-    return {"input_tokens": fresh, "output_tokens": _reported(u.get("completion_tokens")),
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    completion = u.get("completion_tokens")
+    counted = isinstance(completion, int) and not isinstance(completion, bool)
+    output = _reported(completion) if counted else max(0, output_tokens_estimate)
+    return {"input_tokens": fresh, "output_tokens": output, "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def output_estimate(blocks: list[dict[str, Any]]) -> int:
+    """A Message's output tokens estimated from its content (text, and tool inputs as JSON), for
+    an answer whose backend counted none."""
+    text = "".join(str(b.get("text") or "") for b in blocks if b.get("type") == "text")
+    inputs = b"".join(encoded(b.get("input") or {}, "content[].input") for b in blocks if b.get("type") == "tool_use")
+    return text_tokens(text) + bytes_tokens(inputs)
 
 
 def stop_reason(finish_reason: Any, *, has_tool_calls: bool = False, matched: Any = None) -> tuple[str, str | None]:
@@ -814,8 +858,10 @@ def message_to_chat_completion(msg: Mapping[str, Any], model: str, *, created: i
 
 
 def chat_completion_to_message(resp: Mapping[str, Any], model: str, input_tokens_estimate: int, *,
-                               cut_input: bool = True) -> dict[str, Any]:
-    """A chat.completion (an OpenAI backend's answer) as an Anthropic message.
+                               cut_input: bool = True, estimate_output: bool = False) -> dict[str, Any]:
+    """A chat.completion (an OpenAI backend's answer) as an Anthropic message. Usage the backend
+    did not report is estimated: input_tokens as `input_tokens_estimate`, output_tokens (with
+    `estimate_output`; else 0) from the content.
 
     Raises BadAnswer when a tool call's arguments are not a JSON object (Anthropic's input is one),
     except in an answer cut by its limit (`length`, with `cut_input`): there the arguments stop
@@ -848,5 +894,5 @@ def chat_completion_to_message(resp: Mapping[str, Any], model: str, input_tokens
         "content": blocks,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": anthropic_usage(resp.get("usage"), input_tokens_estimate),
+        "usage": anthropic_usage(resp.get("usage"), input_tokens_estimate, output_estimate(blocks) if estimate_output else 0),
     }

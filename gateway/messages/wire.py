@@ -130,6 +130,17 @@ Content = Annotated[
 ]
 
 
+def _blank(text: str) -> bool:
+    """Text that is there but only whitespace (`str.strip`'s, as Anthropic's check reads it)."""
+    return bool(text) and not text.strip()
+
+
+# Anthropic's wording (its 400s quoted in public issues: anthropics/claude-code#23440,
+# LibreChat-AI/agents#124, which probed the API: a turn of only whitespace text is refused, one
+# whitespace block beside real text is not).
+_WHITESPACE = "text content blocks must contain non-whitespace text"
+
+
 class MessageParam(BaseModel):
     """One turn: `user` or `assistant` (a system prompt is the top-level `system`)."""
 
@@ -148,6 +159,33 @@ class MessageParam(BaseModel):
                     raise _bad("tool_result blocks belong in user turns")
         return self
 
+    @model_validator(mode="after")
+    def _not_only_whitespace(self) -> MessageParam:
+        # A string is shorthand for one text block (Anthropic's docs); a turn of text blocks that
+        # are all whitespace is refused. Empty text is the Block's own check (and "" content intake's).
+        content = self.content
+        if isinstance(content, str):
+            blank = _blank(content)
+        else:  # only text blocks, all blank (beside an image or a tool's block it is not confirmed: passed on)
+            blank = bool(content) and all(b.type == "text" and _blank(str((b.model_extra or {}).get("text"))) for b in content)
+        if blank:
+            raise _bad(_WHITESPACE)
+        return self
+
+
+def _trails_whitespace(turn: MessageParam) -> bool:
+    """Whether a final assistant turn (a prefill) ends in whitespace, which Anthropic refuses
+    ("final assistant content cannot end with trailing whitespace"; its prefill guide says so too):
+    its string, or its last block's text."""
+    content = turn.content
+    if isinstance(content, str):
+        text: Any = content
+    elif content and content[-1].type == "text":
+        text = (content[-1].model_extra or {}).get("text")
+    else:
+        return False
+    return isinstance(text, str) and text != text.rstrip()
+
 
 class SystemBlock(BaseModel):
     """A block of the system prompt: text only (cache_control and the like pass through)."""
@@ -156,6 +194,13 @@ class SystemBlock(BaseModel):
 
     type: Literal["text"]
     text: str
+
+    @field_validator("text")
+    @classmethod
+    def _not_empty(cls, text: str) -> str:
+        if not text:  # Anthropic: "system: text content blocks must be non-empty"
+            raise _bad("a text block's 'text' is empty (Anthropic refuses empty text blocks)")
+        return text
 
 
 class ToolParam(BaseModel):
@@ -230,6 +275,30 @@ class MessagesRequest(RequestBody):
     top_p: JsonFloat | None = Field(None, ge=0, le=1)
     top_k: JsonInt | None = Field(None, ge=0)
     metadata: Metadata | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _prefill_ends_in_text(cls, turns: list[MessageParam]) -> list[MessageParam]:
+        if turns and turns[-1].role == "assistant" and _trails_whitespace(turns[-1]):
+            raise _bad("final assistant content cannot end with trailing whitespace (Anthropic refuses such a prefill)")
+        return turns
+
+    @field_validator("system")
+    @classmethod
+    def _system_not_only_whitespace(cls, system: str | list[SystemBlock] | None) -> str | list[SystemBlock] | None:
+        if isinstance(system, list) and system and all(_blank(b.text) for b in system):
+            raise _bad(_WHITESPACE)
+        return system
+
+    @field_validator("stop_sequences")
+    @classmethod
+    def _stops_have_text(cls, stops: list[str] | None) -> list[str] | None:
+        # Anthropic's 400s: "each stop sequence must be non-empty", "... must contain non-whitespace".
+        for i, stop in enumerate(stops or ()):
+            if not stop.strip():
+                what = "be non-empty" if not stop else "contain non-whitespace"
+                raise _bad(f"each stop sequence must {what} (stop_sequences[{i}] is {stop[:20]!r})")
+        return stops
 
 
 def parse_messages(raw: bytes) -> tuple[MessagesRequest, dict[str, Any]]:

@@ -17,10 +17,13 @@ HTTP parser refuses.
   goes through the app's router as before, with the same answers.
 - **Loopback open mode serves this machine's programs**: with no keys on a loopback address, a
   request whose `Origin` or `Host` shows a browser acting for another site is a 403 (origin.py).
-- **One error shape**: malformed requests (duplicate Content-Length, Transfer-Encoding with
-  Content-Length, bare CR/LF, oversized headers, bad chunk framing), the answers aiohttp raises
-  itself (417 for an unknown Expect, ...) and unhandled handler errors are answered in OpenAI's
-  JSON shape, never aiohttp's text/plain; client mistakes are logged as one debug line, never a
+- **One error shape per API**: malformed requests (duplicate Content-Length, Transfer-Encoding with
+  Content-Length, bare CR/LF, oversized headers, bad chunk framing), a head too big or too slow,
+  the answers aiohttp raises itself (417 for an unknown Expect, ...) and unhandled handler errors
+  are answered in JSON, never aiohttp's text/plain: in the shape of the API the request line's
+  path belongs to (`wire.endpoints.at_path`: Anthropic's for /v1/messages, OpenAI's elsewhere),
+  read from the head's first bytes where the parser refused it; OpenAI's where no request line
+  came (a connection refused as it opens). Client mistakes are logged as one debug line, never a
   traceback.
 
 Each connection reads the live policy when it opens, so a reload applies to new connections.
@@ -88,9 +91,29 @@ def handler_args(server: ServerPolicy) -> dict[str, Any]:
     return {"auto_decompress": False, "keepalive_timeout": server.keepalive_timeout_ms / 1000}
 
 
-def _canned(err: GatewayError) -> bytes:
-    """A whole HTTP/1.1 error answer that closes the connection, for where no request object exists."""
-    body = err.to_body()
+def _error_body(err: GatewayError, path: str | None) -> bytes:
+    """`err` in the shape of the API `path` belongs to (OpenAI's without one)."""
+    return err.to_body() if path is None else at_path(path).error_body(err)
+
+
+# The head's first bytes kept to read its request line's path from (a path longer than this is
+# no API's: it gets OpenAI's shape, as an unknown path does).
+_LINE_BYTES = 1024
+
+
+def _line_path(head: bytes) -> str | None:
+    """The path of a request line at the start of `head` (no query string), or None."""
+    line = head.lstrip(b"\r\n").split(b"\r\n", 1)[0].split(b"\n", 1)[0]
+    parts = line.split(b" ")
+    if len(parts) < 2 or not parts[1].startswith(b"/"):
+        return None
+    return parts[1].split(b"?", 1)[0].decode("latin-1")
+
+
+def _canned(err: GatewayError, path: str | None = None) -> bytes:
+    """A whole HTTP/1.1 error answer that closes the connection, for where no request object
+    exists (`path`: the request line's, when it came, for the error's shape)."""
+    body = _error_body(err, path)
     head = [f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}", "Content-Type: application/json",
             f"Content-Length: {len(body)}", "Connection: close", *(f"{k}: {v}" for k, v in err.headers().items())]
     return ("\r\n".join(head) + "\r\n\r\n").encode() + body
@@ -204,7 +227,8 @@ class _Server(web.Server):
 class _Connection(web.RequestHandler):
     """One client connection: aiohttp's protocol plus the head timer, head size and address cap."""
 
-    __slots__ = ("_edge", "_limits", "_address", "_head_timer", "_head_bytes", "_head_tail", "_last_payload", "_answered")
+    __slots__ = ("_edge", "_limits", "_address", "_head_timer", "_head_bytes", "_head_tail", "_head_start", "_refused_path",
+                 "_last_payload", "_answered")
 
     def __init__(self, manager: _Server, limits: ServerPolicy, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -214,6 +238,8 @@ class _Connection(web.RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0  # bytes of the request head being received
         self._head_tail = b""  # its last 3 bytes
+        self._head_start = b""  # its first bytes (up to _LINE_BYTES): the request line, for an error's shape
+        self._refused_path: str | None = None  # the path of the head the parser refused last (handle_error's)
         self._last_payload: StreamReader | None = None  # the body of the last request parsed
         # Answers finished; fewer than _request_count (requests parsed): one is being answered, or
         # waits to be (aiohttp's own flags miss the moment between the two), so no other answer may go out.
@@ -248,18 +274,19 @@ class _Connection(web.RequestHandler):
             self._address = None
         super().connection_lost(exc)
 
-    def _refuse(self, err: GatewayError, *, linger: bool = True) -> None:
+    def _refuse(self, err: GatewayError, *, linger: bool = True, path: str | None = None) -> None:
         """Answer `err` where no request is being answered (else just close), and close.
 
         `linger`: half-close and drop what the client still sends for a moment before closing, so
-        its kernel does not reset the connection (losing the answer) on bytes already in flight."""
+        its kernel does not reset the connection (losing the answer) on bytes already in flight.
+        `path`: the request line's, for the answer's shape."""
         transport = self.transport
         if transport is None:
             return
         if self._answered != self._request_count:
             self.force_close()
             return
-        transport.write(_canned(err))
+        transport.write(_canned(err, path))
         if linger and transport.can_write_eof():
             transport.write_eof()
             self._close = True  # data_received drops what still arrives
@@ -288,7 +315,8 @@ class _Connection(web.RequestHandler):
         timeout_ms = self._limits.header_timeout_ms
         if self._head_bytes:
             log.debug("closed a connection from %s: no complete request head within %d ms", self._address, timeout_ms)
-            self._refuse(RequestTimeout(f"the request head (line and headers) did not arrive within {timeout_ms} ms"))
+            self._refuse(RequestTimeout(f"the request head (line and headers) did not arrive within {timeout_ms} ms"),
+                         path=_line_path(self._head_start))
         else:
             self.force_close()  # it sent nothing: nothing to answer
 
@@ -309,14 +337,20 @@ class _Connection(web.RequestHandler):
             limit = self._limits.max_header_bytes
             if self._head_bytes + used > limit:
                 log.debug("closed a connection from %s: a request head over %d bytes", self._address, limit)
-                self._refuse(HeadersTooLarge(f"the request head (line and headers) is over {limit} bytes"))
+                self._refuse(HeadersTooLarge(f"the request head (line and headers) is over {limit} bytes"),
+                             path=_line_path(self._started(data)))
                 return
         count = self._request_count
         super().data_received(data)
         if self._request_count != count:  # one or more heads completed (or were refused)
             message, payload = self._messages[-1]
             previous, self._last_payload = self._last_payload, payload
-            self._head_bytes, self._head_tail = 0, b""
+            if not isinstance(message, RawRequestMessage):
+                # The parser refused a head: handle_error answers it in its path's API's shape. Read
+                # only from a head that began this read or before (not one after a request in it).
+                alone = in_head and self._request_count - count == 1
+                self._refused_path = _line_path(self._started(data)) if alone else None
+            self._head_bytes, self._head_tail, self._head_start = 0, b"", b""
             self._disarm_head_timer()
             if not isinstance(message, RawRequestMessage) and previous is not None and not previous.is_eof():
                 # The parser refused bytes inside an open body (e.g. a bad chunk size): that body
@@ -325,9 +359,16 @@ class _Connection(web.RequestHandler):
                 why = _parser_error(getattr(message, "exc", None), None).message
                 previous.set_exception(web.RequestPayloadError(f"malformed body framing: {why}"))
         elif in_head and data and not self._force_close:
+            self._head_start = self._started(data)
             self._head_bytes += len(data)
             self._head_tail = (self._head_tail + data[-3:])[-3:]
             self._arm_head_timer()
+
+    def _started(self, data: bytes) -> bytes:
+        """The first bytes of the head being received, with `data` (not yet counted) read after
+        what came of it before."""
+        start = self._head_start if self._head_bytes else b""
+        return start if len(start) >= _LINE_BYTES else (start + data[:_LINE_BYTES])[:_LINE_BYTES]
 
     # ---- errors in the contract -----------------------------------------------------------------
 
@@ -339,16 +380,18 @@ class _Connection(web.RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("the answer had begun; no error answer can follow it")
         err: GatewayError
+        path: str | None = request.path
         if status >= 500 and status != 504:
             rid = os.urandom(12).hex()
             log.error("request %s: unhandled error answering %s %s", rid, request.method, request.path, exc_info=exc)
             err = InternalError(f"internal error in the gateway (request id {rid})")
         elif status == 504:
             err = GatewayTimeout("the gateway timed out answering the request")
-        else:
+        else:  # a head the parser refused: no request (aiohttp's stand-in has path "/"), its line's path as read
             err = _parser_error(exc, message)
+            path = self._refused_path
             log.debug("refused a malformed request from %s: %s", request.remote, err.message)
-        body = at_path(request.path).error_body(err) if request.path.startswith("/v1/") else err.to_body()
+        body = _error_body(err, path)
         resp = web.Response(body=body, status=err.status, content_type="application/json", headers=err.headers())
         resp.force_close()
         return resp
