@@ -7,11 +7,9 @@ Every endpoint needs an admin or a viewer key (`reads`), or an admin key (`write
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import orjson
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -20,15 +18,14 @@ from ..store.core import StoreError
 from ..tenants.auth import Role
 from ..web.http_call import api_key, error_response, json_response, read_bounded
 from ..web.keys import EXPORTS, KEYBOOK, LIVE, LOOPBACK, OVERVIEWS, POLICY_CHECK, REQUEST_LOG, WORKER
-from ..web.sink import CLIENT_READ_S, client_bounded
+from .export import export
 from .keys import LIST_DEFAULT, LIST_MAX, KeyCursor
-from .log_store import Cursor, Filter, scan
+from .log_store import Cursor, Filter
 from .policy_check import check_apart
 from .policy_view import redacted
 
-__all__ = ["EXPORTS_AT_ONCE", "reads", "writes", "routes"]
+__all__ = ["BODY_OWNER", "EXPORTS_AT_ONCE", "reads", "writes", "routes"]
 
-log = logging.getLogger("gateway.admin")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -37,6 +34,10 @@ _MAX_POLICY_BODY = 1024 * 1024
 _CHECK_TIMEOUT_S = 30.0
 EXPORTS_AT_ONCE = 2  # request log exports at a time per process (web/app.py makes the semaphore)
 _MAX_EXPIRY_S = 10 * 366 * 86400.0
+# The admin plane's bodies count against server.body_read_budget_bytes as one caller of their own
+# (web/body.py's BodyBudget): a name no tenant can have (config/policy.py's _NAME: a tenant's
+# starts with a letter or a digit), so that a tenant named "admin" does not share its share.
+BODY_OWNER = "<admin plane>"
 _ROLE = web.RequestKey("admin_role", Role)  # the caller's Role, set on the request by the guard
 
 
@@ -122,7 +123,7 @@ async def list_keys(request: web.Request) -> web.Response:
 
 @writes
 async def create_key(request: web.Request) -> web.Response:
-    body = _parsed(_Create, await read_bounded(request, _MAX_ADMIN_BODY, "admin"))
+    body = _parsed(_Create, await read_bounded(request, _MAX_ADMIN_BODY, BODY_OWNER))
     tenants = request.app[LIVE].runtime.tenants
     tenant = tenants.tenant(body.tenant)
     if tenant is None:
@@ -140,7 +141,7 @@ async def create_key(request: web.Request) -> web.Response:
 
 @writes
 async def rotate_key(request: web.Request) -> web.Response:
-    body = _parsed(_Rotate, await read_bounded(request, _MAX_ADMIN_BODY, "admin"))
+    body = _parsed(_Rotate, await read_bounded(request, _MAX_ADMIN_BODY, BODY_OWNER))
     made = await request.app[KEYBOOK].rotate(request.match_info["id"], body.grace_s)
     return json_response(made, status=201, headers={"Cache-Control": "no-store"})
 
@@ -200,48 +201,15 @@ async def list_requests(request: web.Request) -> web.Response:
 async def export_requests(request: web.Request) -> web.StreamResponse:
     """The log (filtered) as JSON lines, newest first, streamed; at most `EXPORTS_AT_ONCE` at a time per
     process (each reads the whole log, a page at a time on the event loop: six at once held
-    every other request up to 1.6 s), a client that takes nothing for CLIENT_READ_S is gone."""
+    every other request up to 1.6 s), each bounded in time and cut when its client does not keep
+    up (export.py: a viewer reading slowly held a slot as long as it liked)."""
     f = _filter(request.query)
     exporting = request.app[EXPORTS]
     if exporting.locked():
         raise RateLimited(f"{EXPORTS_AT_ONCE} exports of the request log are running in this process; try again when one ends",
                           retry_after_s=5)
     async with exporting:
-        return await _export(request, f)
-
-
-async def _export(request: web.Request, f: Filter) -> web.StreamResponse:
-    rlog = request.app[REQUEST_LOG]
-    await rlog.flush()
-    entries = scan(rlog.store, f)
-    first = await anext(entries, None)  # a store that does not answer is a 503 while one can be sent
-    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-store",
-                                       "Content-Disposition": 'attachment; filename="requests.jsonl"'})
-    await resp.prepare(request)
-    lines: list[bytes] = [] if first is None else [orjson.dumps(first)]
-    try:
-        async for e in entries:
-            lines.append(orjson.dumps(e))
-            if len(lines) >= 1000:
-                await client_bounded(resp.write(b"\n".join(lines) + b"\n"), CLIENT_READ_S)
-                lines = []
-    except StoreError as exc:
-        # Mid-export: no status to send any more. A last line says why, and the connection closes
-        # without the body's end, so the download reads as incomplete, never as the whole log.
-        log.warning("request log export cut: %s", exc)
-        lines.append(orjson.dumps({"error": {"message": f"the store did not answer mid-export: {exc}", "type": "store_unavailable"}}))
-        await resp.write(b"\n".join(lines) + b"\n")
-        if request.transport is not None:
-            request.transport.close()
-        return resp
-    except ConnectionError:  # the client left, or took nothing for CLIENT_READ_S
-        if request.transport is not None:
-            request.transport.close()
-        return resp
-    if lines:
-        await client_bounded(resp.write(b"\n".join(lines) + b"\n"), CLIENT_READ_S)
-    await resp.write_eof()
-    return resp
+        return await export(request, f)
 
 
 def _shared(request: web.Request) -> bool:
@@ -271,7 +239,7 @@ async def check_policy(request: web.Request) -> web.Response:
     every request), one check at a time per process, within _CHECK_TIMEOUT_S."""
     # The body is read before the lock: a viewer sending slowly must not hold everyone's checks (for
     # up to the body timeout, 60 s, every other check was a 429).
-    raw = await read_bounded(request, _MAX_POLICY_BODY, "admin")
+    raw = await read_bounded(request, _MAX_POLICY_BODY, BODY_OWNER)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

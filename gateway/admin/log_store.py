@@ -3,10 +3,12 @@
 Entries are ordered by the time a request ended (microseconds since the epoch: the score), newest
 first when read. A page is read from a cursor (`Cursor`: the score of the last entry seen and how
 many entries of that score were seen, so requests that ended in the same microsecond, as replicas'
-and workers' often do under load, are neither skipped nor repeated at a page's edge) and
-filtered by tenant (an index of its own: a tenant's page never scans other tenants' entries),
-model and status (read in chunks and filtered; a page scans at most `_MAX_SCAN` entries, and its
-cursor then says where to go on).
+and workers' often do under load, are neither skipped nor repeated at a page's edge; equal scores
+come in a fixed order: in Redis, of their bytes; in memory, the order they came in, a sequence
+number each, so an entry that comes later at a page's edge score goes after what the cursor has
+passed) and filtered by tenant (an index of its own: a tenant's page never scans other tenants'
+entries), model and status (read in chunks and filtered; a page scans at most `_MAX_SCAN`
+entries, and its cursor then says where to go on; the entries a cursor skips are not scanned).
 
 Bounded by `size` entries, fairly: a full log evicts the oldest entry of a tenant holding the most
 entries (among those holding as many, the oldest of theirs), so a tenant that floods the log
@@ -79,7 +81,7 @@ class Filter:
 @dataclass(frozen=True, slots=True)
 class Cursor:
     """Where the next page starts: the entries of `score` after the first `skip` of them (in the
-    log's order: equal scores in a fixed order of their bytes), then every older one."""
+    log's order: equal scores in a fixed order, see the module's doc), then every older one."""
 
     score: int
     skip: int = 0
@@ -154,22 +156,29 @@ async def scan(store: LogStore, f: Filter, at: Cursor | None = None, chunk: int 
         await asyncio.sleep(0)
 
 
+def _in_order(rows: list[tuple[int, int, bytes]]) -> list[tuple[int, int, bytes]]:
+    """(score, seq, entry) rows in a part's order: by score, and among equal scores the later
+    (higher seq) first, so that a page, reading a part from its end, reads them in the order they came."""
+    return sorted(rows, key=lambda r: (r[0], -r[1]))
+
+
 class _Part:
     """Entries of one tenant, in score order, in one blob (one allocation for the allocator, not one
     per entry: many small long-lived objects pin the memory arenas that each request's garbage goes
-    to, and the process grows), their scores and ends in arrays. Those before `start` were evicted
-    (their bytes go with the part)."""
+    to, and the process grows), their scores, sequence numbers (the store's count of entries when
+    each came: unique, so every entry has one place in the log's order) and ends in arrays (see
+    `_in_order`). Those before `start` were evicted (their bytes go with the part)."""
 
-    __slots__ = ("scores", "ends", "blob", "start")
+    __slots__ = ("scores", "seqs", "ends", "blob", "start")
 
-    def __init__(self, scores: array[int], ends: array[int], blob: bytes) -> None:
-        self.scores, self.ends, self.blob, self.start = scores, ends, blob, 0
+    def __init__(self, scores: array[int], seqs: array[int], ends: array[int], blob: bytes) -> None:
+        self.scores, self.seqs, self.ends, self.blob, self.start = scores, seqs, ends, blob, 0
 
     @classmethod
-    def of(cls, rows: list[tuple[int, bytes]]) -> _Part:
-        """A part of (score, entry) rows in score order."""
-        scores, ends = array("q", (r[0] for r in rows)), array("q", accumulate(len(r[1]) for r in rows))
-        return cls(scores, ends, b"".join(r[1] for r in rows))
+    def of(cls, rows: list[tuple[int, int, bytes]]) -> _Part:
+        """A part of (score, seq, entry) rows in a part's order (`_in_order`)."""
+        scores, seqs = array("q", (r[0] for r in rows)), array("q", (r[1] for r in rows))
+        return cls(scores, seqs, array("q", accumulate(len(r[2]) for r in rows)), b"".join(r[2] for r in rows))
 
     def __len__(self) -> int:
         return len(self.scores) - self.start
@@ -183,20 +192,21 @@ class _Part:
         cut = self.ends[self.start - 1] if self.start else 0
         if not cut:
             return self
-        return _Part(self.scores[self.start :], array("q", (e - cut for e in self.ends[self.start :])), self.blob[cut:])
+        return _Part(self.scores[self.start :], self.seqs[self.start :], array("q", (e - cut for e in self.ends[self.start :])),
+                     self.blob[cut:])
 
     def then(self, newer: _Part) -> _Part:
         """This part's kept entries and then `newer`'s, in one part (merged in score order when
-        they overlap: the supervisor's workers' batches interleave)."""
+        they overlap, or meet at one score: the supervisor's workers' batches interleave)."""
         a, cut = self.start, self.ends[self.start - 1] if self.start else 0
-        if newer.scores[0] < self.scores[-1]:
-            rows = [(self.scores[i], self.entry(i)) for i in range(a, len(self.scores))]
-            rows += [(newer.scores[i], newer.entry(i)) for i in range(len(newer.scores))]
-            return _Part.of(sorted(rows, key=lambda r: r[0]))
+        if newer.scores[0] <= self.scores[-1]:
+            rows = [(self.scores[i], self.seqs[i], self.entry(i)) for i in range(a, len(self.scores))]
+            rows += [(newer.scores[i], newer.seqs[i], newer.entry(i)) for i in range(len(newer.scores))]
+            return _Part.of(_in_order(rows))
         ends = self.ends[a:] if not cut else array("q", (e - cut for e in self.ends[a:]))
         last = ends[-1]
         ends.extend(e + last for e in newer.ends)
-        return _Part(self.scores[a:] + newer.scores, ends, self.blob[cut:] + newer.blob)
+        return _Part(self.scores[a:] + newer.scores, self.seqs[a:] + newer.seqs, ends, self.blob[cut:] + newer.blob)
 
 
 class MemoryLogStore:
@@ -213,6 +223,7 @@ class MemoryLogStore:
         self._count = 0
         self._bytes = 0  # the parts' blobs: an evicted entry's bytes go with its part
         self._tenant_bytes: dict[str, int] = {}  # the same, per tenant
+        self._seq = 0  # entries ever appended: each one's sequence number (its place among equal scores)
 
     @property
     def size(self) -> int:
@@ -238,12 +249,12 @@ class MemoryLogStore:
         return self._count
 
     async def append(self, batch: list[tuple[int, str, bytes]]) -> None:
-        by_tenant: dict[str, list[tuple[int, bytes]]] = {}
-        for score, tenant, entry in batch:
-            by_tenant.setdefault(tenant, []).append((score, entry))
+        by_tenant: dict[str, list[tuple[int, int, bytes]]] = {}
+        for seq, (score, tenant, entry) in enumerate(batch, self._seq + 1):
+            by_tenant.setdefault(tenant, []).append((score, seq, entry))
+        self._seq += len(batch)
         for tenant, rows in by_tenant.items():
-            rows.sort(key=lambda r: r[0])
-            part = _Part.of(rows)
+            part = _Part.of(_in_order(rows))
             self._grow(tenant, len(part.blob))
             parts = self._parts.setdefault(tenant, deque())
             # Merged into the last part while that is no larger (an entry is copied at most
@@ -352,23 +363,23 @@ class MemoryLogStore:
     async def page(self, f: Filter, limit: int, at: Cursor | None) -> Page:
         # The parts' entries merged newest first (a tenant's page reads its own parts only): each
         # part is in time order, several tenants' and the supervisor's workers' interleave. Equal
-        # scores come in the order of their bytes, which no append, merge or eviction changes.
+        # scores come in the order they came (their sequence numbers: unique, and no append, merge
+        # or eviction changes them).
         if f.tenant is None:
             parts = [p for ps in self._parts.values() for p in ps]
         else:
             parts = list(self._parts.get(f.tenant, ()))
-        heads: list[tuple[int, bytes, int, int]] = []  # (-score, entry, part, index) of each part's next entry
-        for n, part in enumerate(parts):
-            i = len(part.scores) if at is None else bisect.bisect_right(part.scores, at.score, part.start)
+        ends = [len(p.scores) for p in parts] if at is None else _after(parts, at)
+        heads: list[tuple[int, int, int, int]] = []  # (-score, seq, part, index) of each part's next entry
+        for n, (part, i) in enumerate(zip(parts, ends)):
             if i > part.start:
-                heads.append((-part.scores[i - 1], part.entry(i - 1), n, i - 1))
+                heads.append((-part.scores[i - 1], part.seqs[i - 1], n, i - 1))
         heapq.heapify(heads)
         out: list[dict[str, Any]] = []
         run = _Run(at)
-        edge, skip = (at.score, at.skip) if at is not None else (-1, 0)  # shown on the page before
         scanned = 0
         while heads:
-            neg, raw, n, i = heads[0]
+            neg, _, n, i = heads[0]
             if scanned >= _MAX_SCAN:
                 return Page(out, run.cursor())  # the next page starts with this entry
             scanned += 1
@@ -377,14 +388,11 @@ class MemoryLogStore:
                 # never rewritten (an eviction meanwhile only ends a part's read sooner).
                 await asyncio.sleep(0)
             part = parts[n]
+            raw = part.entry(i)
             if i > part.start:
-                heapq.heapreplace(heads, (-part.scores[i - 1], part.entry(i - 1), n, i - 1))
+                heapq.heapreplace(heads, (-part.scores[i - 1], part.seqs[i - 1], n, i - 1))
             else:
                 heapq.heappop(heads)
-            if skip and -neg == edge:
-                skip -= 1
-                continue
-            skip = 0
             run.passed(-neg)
             e = f.matching(raw)
             if e is not None:
@@ -395,6 +403,28 @@ class MemoryLogStore:
 
     async def close(self) -> None:
         return None
+
+
+def _after(parts: list[_Part], at: Cursor) -> list[int]:
+    """Where each part's read starts from `at` (its entries before the index: older than the
+    cursor's place): past the `at.skip` first entries of `at.score`, counted in the log's order
+    across the parts, at once. (Skipped one by one, they counted against the page's scan: past
+    `_MAX_SCAN` entries of one score, a page read none and gave back its own cursor, for ever.)"""
+    his = [bisect.bisect_right(p.scores, at.score, p.start) for p in parts]
+    if not at.skip:
+        return his
+    los = [bisect.bisect_left(p.scores, at.score, p.start, hi) for p, hi in zip(parts, his)]
+    # A part holds its entries of one score latest first: the first read are at the run's end.
+    seqs = sorted(s for p, lo, hi in zip(parts, los, his) for s in p.seqs[lo:hi])
+    if at.skip >= len(seqs):
+        return los
+    first = seqs[at.skip]  # the first entry of the score not yet passed
+    out = []
+    for p, lo, hi in zip(parts, los, his):
+        while hi > lo and p.seqs[hi - 1] < first:
+            hi -= 1
+        out.append(hi)
+    return out
 
 
 # Add a batch, then evict past `size` fairly, as if one by one: the oldest entry of a tenant holding
