@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.routing.health import OUTCOMES, Health, Kind, outcome
+from gateway.routing.health import LIVE_DEADLINE, OUTCOMES, Health, Kind, outcome
 
 
 class Clock:
@@ -435,3 +435,64 @@ def test_asked_kinds_are_the_ones_a_request_can_cause():
     assert asked == {Kind.HTTP_5XX, Kind.MALFORMED, Kind.ERROR_EVENT, Kind.ERROR_EVENT_MID_STREAM, Kind.TIMEOUT,
                      Kind.FIRST_TOKEN_TIMEOUT, Kind.HTTP_401, Kind.HTTP_403, Kind.HTTP_408}
     assert all(OUTCOMES[k].health for k in asked)
+
+
+def _deadline(h: Health, n: int = 1) -> None:
+    for _ in range(n):
+        h.report_failure(LIVE_DEADLINE, asked=True)
+
+
+def test_timeouts_at_live_deadlines_eject_only_until_a_request_probe_answers():
+    """A timeout at a deadline set from live data (2x a P95 other requests set) may be the
+    deadline's doing (a flood of fast requests shrank it under ordinary slow ones): whoever met
+    them, their ejection waits for the gateway's own request probe. Answered: undone, and such
+    timeouts count for nothing for max_eject_s (a tenant's own failures still count)."""
+    clock = Clock()
+    h = _health(clock)
+    _deadline(h, 3)
+    assert h.state() == "ejected" and h.verifying and h.suspect == LIVE_DEADLINE and h.suspect_deadline
+    h.report_probe(True, request=True)
+    assert h.state() == "healthy" and h.ejections == 0 and not h.verifying
+    _deadline(h, 5)
+    assert h.state() == "healthy" and h.consecutive_failures == 0
+    _asked(h, "alice", 3)
+    assert h.state() == "ejected" and h.suspect == "alice"
+    h.report_probe(True, request=True)
+    clock.t += h.max_eject_s + 1
+    _deadline(h, 3)  # forgiven no longer
+    assert h.state() == "ejected" and h.suspect == LIVE_DEADLINE
+
+
+def test_a_hung_backend_fails_the_probe_and_its_live_deadline_ejection_stands():
+    clock = Clock()
+    h = _health(clock)
+    _deadline(h, 3)
+    h.report_probe(False)
+    assert h.state() == "ejected" and not h.verifying and h.ejections == 1
+    clock.t += 60
+    _deadline(h, 1)  # a failed half-open trial re-ejects at once, without a second verification
+    assert h.state() == "ejected" and not h.verifying and h.ejections == 2
+
+
+def test_live_deadline_timeouts_with_one_tenants_failures_are_that_tenants_run_and_both_are_forgiven():
+    clock = Clock()
+    h = _health(clock)
+    _asked(h, "alice", 1)
+    _deadline(h, 2)
+    assert h.state() == "ejected" and h.suspect == "alice" and h.suspect_deadline
+    h.report_probe(True, request=True)
+    _asked(h, "alice", 3)
+    _deadline(h, 3)
+    assert h.state() == "healthy" and h.consecutive_failures == 0
+
+
+def test_live_deadline_timeouts_eject_at_once_without_corroboration_or_beside_another_tenants_failures():
+    h = _health(Clock())
+    h.corroborate = False  # one tenant, or no request probes: nothing would decide
+    _deadline(h, 3)
+    assert h.state() == "ejected" and not h.verifying
+    h = _health(Clock())
+    _asked(h, "alice", 1)
+    _deadline(h, 1)
+    _asked(h, "bob", 1)  # two tenants' failures corroborate each other
+    assert h.state() == "ejected" and not h.verifying

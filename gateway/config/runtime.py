@@ -210,6 +210,7 @@ class Runtime:
         self.stores = stores if stores is not None else {}  # the stores it uses, by settings
         self.slot_limits = slot_limits if slot_limits is not None else {n: b.policy.max_concurrency for n, b in backends.items()}
         self._new_models: dict[str, dict[str, Health]] = {}  # backend -> upstream model -> its health, made here
+        self._new_trackers: dict[str, dict[str, Tracker]] = {}  # backend -> upstream model -> its tracker, made here
         self._active = False
         routes: dict[str, Route] = {}
         for model, names in policy.served_models().items():
@@ -248,6 +249,8 @@ class Runtime:
             state = backend.state
             for upstream, h in self._new_models.get(name, {}).items():
                 state.models.setdefault(upstream, h)
+            for upstream, t in self._new_trackers.get(name, {}).items():
+                state.trackers.setdefault(upstream, t)
             for h in (state.health, *state.models.values()):
                 h.failures_to_eject = hp.failures_to_eject
                 h.eject_s = hp.eject_ms / 1000
@@ -255,7 +258,8 @@ class Runtime:
                 # The probes decide; with one tenant (or none) there is nobody else to protect.
                 h.corroborate = hp.corroborate and hp.recovery_probe_interval_ms > 0 and self.policy.shared
             # One tenant's slow first tokens move its predicted TTFT only so far (latency.py).
-            backend.tracker.corroborate = hp.corroborate and self.policy.shared
+            for t in (state.tracker, *state.trackers.values()):
+                t.corroborate = hp.corroborate and self.policy.shared
             slots = backend.slots
             slots.limit = self.slot_limits[name]
             slots.reserve = reserve_slots(slots.limit, ap.priority_reserve_pct)
@@ -310,7 +314,8 @@ class Runtime:
         rp = self.routing
         picked = tuple(self.backends[b] for b in names)
         cands = tuple(
-            Candidate(b.name, b.tracker, self._health_for(b, model), b.policy.weight, _cost(b.policy), b.state.load, b.local)
+            Candidate(b.name, self._tracker_for(b, model), self._health_for(b, model), b.policy.weight, _cost(b.policy),
+                      b.state.load, b.local)
             for b in picked
         )
         selector = Selector(strategy, tie_pct=rp.tie_pct / 100, cost_weight_s=rp.cost_weight_s,
@@ -343,6 +348,19 @@ class Runtime:
             if h is None:
                 h = new[upstream] = b.health.for_model()  # as BackendState.model_health makes one
         return h
+
+    def _tracker_for(self, b: Backend, model: str) -> Tracker:
+        """`b.tracker_for(model)`, made as `_health_for` makes a model's health."""
+        if self._active:
+            return b.tracker_for(model)
+        upstream = b.upstream_model(model)
+        t = b.state.trackers.get(upstream)
+        if t is None:
+            new = self._new_trackers.setdefault(b.name, {})
+            t = new.get(upstream)
+            if t is None:
+                t = new[upstream] = b.tracker.for_model()  # as BackendState.model_tracker makes one
+        return t
 
     def single_pool(self, model: str, backend: str) -> Pool:
         """A pool of one backend (a follow-up pinned to the backend that holds its state)."""

@@ -152,7 +152,8 @@ class Metrics:
         )
         self.probes = Counter("gateway_probes", "Active health probes", ["backend", "result"], registry=r)
         self.health_verifications = Counter(
-            "gateway_health_verifications", "Request probes that decided a run of failures one tenant's requests alone met: "
+            "gateway_health_verifications", "Request probes that decided a run of failures one tenant's requests alone met "
+            "(or timeouts at live deadlines): "
             "cleared (answered: not ejected) or confirmed (failed too: ejected)", ["backend", "result"], registry=r)
         self.ttft_p95 = Gauge(
             "gateway_backend_ttft_p95_seconds", "Live TTFT P95 per backend (60 s window)", ["backend"], registry=r,

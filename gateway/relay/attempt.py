@@ -100,13 +100,16 @@ class Attempt:
     data while another backend could take over (None: the backend's fixed timeouts); `cold_s`: the
     first-token deadline while this backend has too few samples; `resume`: continue a broken stream."""
 
-    __slots__ = ("call", "backend", "ctx", "sink", "progress", "m", "live", "resume", "started", "now",
+    __slots__ = ("call", "backend", "tracker", "ctx", "sink", "progress", "m", "live", "resume", "started", "now",
                  "first_deadline", "call_deadline", "leg", "client_wait_s", "sent")
 
     def __init__(self, req: Requester, backend: Backend, m: BackendMetrics, *, live: RoutingPolicy | None,
                  cold_s: float | None = None, resume: Resume | None = None) -> None:
         self.call, self.ctx, self.sink, self.progress = req.call, req.ctx, req.sink, req.progress
         self.backend, self.m, self.live, self.resume = backend, m, live, resume
+        # Its upstream model's: another model's first tokens on the same backend set neither its
+        # deadlines nor its prediction (a flood of a 5 ms model shrank a big one's deadline).
+        self.tracker = backend.tracker_for(self.call.model)
         leg = self.call.endpoint.toward(backend.kind, backend.policy.endpoints)
         assert leg is not None, f"{backend.name!r} cannot answer {self.call.endpoint.name}: its pool should not hold it"
         self.leg = leg  # the codec toward this backend: the endpoint itself, or a translating leg
@@ -117,7 +120,7 @@ class Attempt:
         self.call_deadline = now + self.call.remaining_s()
         first_s = backend.timeouts.first_token_ms / 1000
         if live is not None:  # a stuck backend is abandoned after ~2x its live P95, not a fixed timeout
-            first_s = backend.tracker.first_token_deadline_s(
+            first_s = self.tracker.first_token_deadline_s(
                 first_s, live.deadline_floor_ms / 1000, prompt_tokens=self.call.prompt_tokens,
                 mult=live.deadline_p95_multiplier, cold_s=cold_s,
             )
@@ -137,7 +140,7 @@ class Attempt:
         live = self.live
         if live is None:
             return total_s
-        tracker, mult = self.backend.tracker, live.deadline_p95_multiplier
+        tracker, mult = self.tracker, live.deadline_p95_multiplier
         wait_s = max(first_s, tracker.whole_deadline_s(mult=mult))
         tokens = self.call.max_output_tokens()
         if tokens is not None:
@@ -286,7 +289,7 @@ class Attempt:
         """A content event arrived now: an inter-token gap since `last`, or (the first) a TTFT
         sample for the backend and, when `client`, for the call. Returns now, the next `last`."""
         now = time.perf_counter()
-        m, tracker = self.m, self.backend.tracker
+        m, tracker = self.m, self.tracker
         if last:
             m.inter_token.observe(now - last)
             tracker.observe_itl(now - last)

@@ -72,7 +72,7 @@ class Relay(Rescue, Hedging):
         order = self._plan()
         full: list[Backend] = []
         max_attempts = route.server.max_attempts
-        cold_s = cold_first_token_s(self.pool.backends, call.prompt_tokens, route.routing)
+        cold_s = cold_first_token_s(self.pool.backends, call.prompt_tokens, route.routing, call.model)
         for i, backend in enumerate(order):
             if tries.count >= max_attempts or call.remaining_s() <= 0:
                 break
@@ -124,7 +124,7 @@ class Relay(Rescue, Hedging):
         call, ticket = self.call, self.ticket
         backend = full[0]
         remaining = call.remaining_s()
-        ttft = backend.tracker.predict_ttft(call.prompt_tokens) or 0.0
+        ttft = backend.tracker_for(call.model).predict_ttft(call.prompt_tokens) or 0.0
         wait = backend.slots.predicted_wait_s(ticket.band, ticket.tenant, service_s(backend), ticket.weight)
         if shed and wait > MAX_WAIT_SHARE * (remaining - ttft):
             # Refused now, not after the deadline: the wait would use it up.
@@ -210,7 +210,7 @@ def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]
     for r in ranked:
         b = pool.backends[r.index]
         c = pool.candidates[r.index]
-        snap = b.tracker.snapshot()
+        snap = b.tracker_for(call.model).snapshot()  # the figures its ranking read: its model's
         candidates.append(
             {
                 "backend": b.name,

@@ -29,10 +29,11 @@ class Hedging(RelayBase):
         hp, budget = route.hedge, route.budget
         assert hp is not None and budget is not None
         budget.note_request()
+        tracker = primary.tracker_for(call.model)  # its model's figures, not the backend's other models'
         if call.stream or not call.endpoint.generates:
-            p95 = primary.tracker.ttft_p95_s(call.prompt_tokens)
+            p95 = tracker.ttft_p95_s(call.prompt_tokens)
         else:  # a whole answer comes with its last token: hedge past the P95 of whole answers
-            p95 = primary.tracker.whole_deadline_s(mult=1.0, min_samples=10) or None
+            p95 = tracker.whole_deadline_s(mult=1.0, min_samples=10) or None
         delay = hp.default_delay_ms / 1000 if p95 is None else max(hp.min_delay_ms / 1000, p95)
         tasks = [asyncio.create_task(self.attempt(primary, live=route.routing, cold_s=cold_s))]
         try:

@@ -20,15 +20,15 @@ _RETRY_NAMES = {
 _MIN_RETRY_WAIT_S = 0.05  # never a tight loop, whatever Retry-After says
 
 
-def cold_first_token_s(backends: Sequence[Backend], prompt_tokens: int, rp: RoutingPolicy) -> float | None:
+def cold_first_token_s(backends: Sequence[Backend], prompt_tokens: int, rp: RoutingPolicy, model: str | None = None) -> float | None:
     """The first-token deadline for a candidate with too few samples while another could take
-    over: the live deadline of the best-known alternative, else routing.cold_first_token_ms
-    (None for a route of one backend: it gets its own timeouts)."""
+    over: the live deadline of the best-known alternative (for `model`: each backend's figures for
+    it), else routing.cold_first_token_ms (None for a route of one backend: it gets its own timeouts)."""
     if len(backends) < 2:
         return None
     best = None
     for b in backends:
-        p95 = b.tracker.ttft_p95_s(prompt_tokens, min_samples=20)
+        p95 = b.tracker_for(model).ttft_p95_s(prompt_tokens, min_samples=20)
         if p95 is not None:
             d = max(rp.deadline_floor_ms / 1000, rp.deadline_p95_multiplier * p95)
             best = d if best is None else min(best, d)

@@ -47,12 +47,14 @@ class Slots(Gate):
 class BackendState:
     """What the gateway measured about a backend; kept across policy reloads by name."""
 
-    tracker: Tracker = field(default_factory=Tracker)
+    tracker: Tracker = field(default_factory=Tracker)  # the backend as a whole: in-flight, /admin, /metrics
     health: Health = field(default_factory=Health)  # the backend as a whole: readiness, probes, connections
     # In-flight slots live here, not on Backend, so a reload mid-request keeps counting right.
     slots: Slots | None = None
     models: dict[str, Health] = field(default_factory=dict)  # upstream model -> its own health
     load: Load = field(default_factory=Load)  # the model server's own load gauges (metrics_url)
+    # upstream model -> its own latency tracker (routing, deadlines, hedging), `tracker` its parent
+    trackers: dict[str, Tracker] = field(default_factory=dict)
 
     def model_health(self, upstream: str) -> Health:
         """The health of one upstream model on this backend (created on first use)."""
@@ -60,6 +62,13 @@ class BackendState:
         if h is None:
             h = self.models[upstream] = self.health.for_model()
         return h
+
+    def model_tracker(self, upstream: str) -> Tracker:
+        """The latency tracker of one upstream model on this backend (created on first use)."""
+        t = self.trackers.get(upstream)
+        if t is None:
+            t = self.trackers[upstream] = self.tracker.for_model()
+        return t
 
     def __post_init__(self) -> None:
         if self.slots is None:
@@ -105,6 +114,12 @@ class Backend:
     def upstream_model(self, public: str) -> str:
         """The name this backend knows a public model by (its default model for `auto`-style routes)."""
         return self.model_map.get(public, self.default_model)
+
+    def tracker_for(self, public: str | None) -> Tracker:
+        """The latency tracker that routing, deadlines and hedging read for a request for
+        `public`: its upstream model's (one model's first tokens say nothing about another's);
+        the backend's own for a request that names no model (a by-id call)."""
+        return self.state.model_tracker(self.upstream_model(public)) if public else self.tracker
 
     def health_for(self, public: str) -> Health:
         """The health that decides whether a request for `public` may go here: its upstream

@@ -26,7 +26,11 @@ ejection.
 One tenant cannot eject a backend for the others (`corroborate`): an ejection by a run of
 failures a request can cause (`Outcome.asked`: a 500 on what a caller sent, a timeout) that one tenant's
 requests alone met is `verifying`: the request prober probes it at once, and an answer undoes it
-and forgives that tenant's failures for `max_eject_s`; a failure confirms it.
+and forgives that tenant's failures for `max_eject_s`; a failure confirms it. So is one by
+timeouts at a deadline the relay set from live data (`LIVE_DEADLINE`, shorter than the backend's
+`first_token_ms`: 2x the live P95, which other requests set), whoever's requests met them: a flood
+of fast requests can shrink that deadline under ordinary slow ones (review helper's repro), and a
+hung backend fails the probe.
 
 "Never eject the last healthy backend" needs a view of all candidates: see `routing.usable()`.
 
@@ -49,7 +53,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-__all__ = ["Health", "Kind", "Outcome", "OUTCOMES", "outcome"]
+__all__ = ["LIVE_DEADLINE", "Health", "Kind", "Outcome", "OUTCOMES", "outcome"]
+
+# Who a timeout at a live deadline is blamed on (`Health.report_failure`): no tenant's name (a
+# tenant's starts with a letter or a digit).
+LIVE_DEADLINE = "<live deadline>"
 
 
 class Kind(StrEnum):
@@ -124,6 +132,8 @@ OUTCOMES: dict[Kind, Outcome] = {
     Kind.OK: Outcome(health=False, sample=True, failover=False),
     Kind.CONNECT: Outcome(health=True, sample=True),
     Kind.RESET_BEFORE_HEADERS: Outcome(health=True, sample=True),
+    # A timeout at a live deadline short of the backend's `first_token_ms` (relay/report.py
+    # `cut_short`) is blamed on LIVE_DEADLINE: an ejection of such timeouts waits for a probe.
     Kind.TIMEOUT: Outcome(health=True, sample=True, asked=True),
     Kind.FIRST_TOKEN_TIMEOUT: Outcome(health=True, sample=True, asked=True),
     Kind.HTTP_5XX: Outcome(health=True, sample=True, asked=True),
@@ -206,11 +216,14 @@ class Health:
     # failure, or one misread, could otherwise take the probe's verification from a run a caller
     # made (a by-id call's oversized answer read as a disconnect did: review helper's repro).
     run_unblamed: int = 0
-    # The tenant whose requests alone caused the current ejection, while a probe has not confirmed
-    # or undone it (None: nothing waits for a probe).
+    run_deadline: int = 0  # the run's timeouts at live deadlines (LIVE_DEADLINE's)
+    # The tenant whose requests alone caused the current ejection (LIVE_DEADLINE: timeouts at live
+    # deadlines alone), while a probe has not confirmed or undone it (None: nothing waits for a probe).
     suspect: str | None = None
+    suspect_deadline: bool = False  # the run that ejected it had timeouts at live deadlines
     forgiven: str | None = None  # the tenant whose failures a probe showed to be its requests' doing
     forgiven_until: float = 0.0
+    deadline_forgiven_until: float = 0.0  # until when timeouts at live deadlines count for nothing
 
     def starting_reason(self, *, detail: bool = True) -> str:
         """Why a backend that is not ready cannot answer: starting, or its failed launch and retry.
@@ -242,12 +255,13 @@ class Health:
         self.ejections = 0
         self.ejected_until = 0.0
         self.probe_opened = self.probes_misled = False
-        self.suspect = None
+        self.suspect, self.suspect_deadline = None, False
         self._end_run()
 
     def report_failure(self, tenant: str | None = None, *, asked: bool = False) -> None:
         """A request failed or timed out in a way that is the backend's fault. `tenant`: whose
-        request it was; `asked`: the kind may have been caused by what the request held."""
+        request it was (LIVE_DEADLINE: a timeout at a deadline set from live data); `asked`: the
+        kind may have been caused by what the request held."""
         self._failure(trial=True, tenant=tenant if asked else None)
 
     @property
@@ -256,7 +270,7 @@ class Health:
         return self.suspect is not None
 
     def _end_run(self) -> None:
-        self.run_tenant, self.run_mixed, self.run_unblamed = None, False, 0
+        self.run_tenant, self.run_mixed, self.run_unblamed, self.run_deadline = None, False, 0, 0
 
     def _failure(self, *, trial: bool, tenant: str | None = None) -> None:
         now = self.clock()
@@ -264,11 +278,15 @@ class Health:
             return  # started before the ejection: it tells us nothing new
         if tenant is not None and tenant == self.forgiven and now < self.forgiven_until:
             return  # a probe showed this tenant's failures to be its requests' doing, not long ago
+        if tenant == LIVE_DEADLINE and now < self.deadline_forgiven_until:
+            return  # a probe answered after such timeouts, not long ago: the deadline's doing
         self.consecutive_failures += 1
         if self.consecutive_failures == 1:
             self._end_run()
         if tenant is None:  # the backend's own kind of failure (or a probe's): no caller to blame
             self.run_unblamed += 1
+        elif tenant == LIVE_DEADLINE:  # anyone's, and with one tenant's: still that tenant's run
+            self.run_deadline += 1
         elif self.run_tenant is None:
             self.run_tenant = tenant
         elif tenant != self.run_tenant:
@@ -277,9 +295,10 @@ class Health:
             if trial and self.probe_opened:
                 self.probes_misled = True  # the probe said "back", the real request said otherwise
             # One tenant's requests alone: a probe confirms the ejection or undoes it, at once.
-            alone = (self.ejections == 0 and self.corroborate and not self.run_mixed and self.run_tenant is not None
-                     and self.run_unblamed < self.failures_to_eject)
-            self.suspect = self.run_tenant if alone else None
+            alone = (self.ejections == 0 and self.corroborate and not self.run_mixed
+                     and (self.run_tenant is not None or self.run_deadline > 0) and self.run_unblamed < self.failures_to_eject)
+            self.suspect = (self.run_tenant or LIVE_DEADLINE) if alone else None
+            self.suspect_deadline = alone and self.run_deadline > 0
             self._end_run()
             self._eject(now)  # a failed half-open trial re-ejects at once, for longer
 
@@ -295,14 +314,19 @@ class Health:
         While `verifying`, a good request probe undoes the ejection instead (and forgives the
         suspect tenant's failures for `max_eject_s`); a failed one confirms it."""
         if not ok:
-            self.suspect = None  # an ejection waiting for this word stands
+            self.suspect, self.suspect_deadline = None, False  # an ejection waiting for this word stands
             self._failure(trial=False)  # a probe failing in half-open re-ejects, but misleads nobody
             return
         if request and self.verifying:
-            # The gateway's own request is answered: the failures were its caller's requests' doing.
-            self.forgiven, self.forgiven_until = self.suspect, self.clock() + self.max_eject_s
+            # The gateway's own request is answered: the failures were its caller's requests' doing
+            # (or the live deadline's).
+            until = self.clock() + self.max_eject_s
+            if self.suspect != LIVE_DEADLINE:
+                self.forgiven, self.forgiven_until = self.suspect, until
+            if self.suspect_deadline:
+                self.deadline_forgiven_until = until
             self.ejections, self.ejected_until, self.consecutive_failures = 0, 0.0, 0
-            self.suspect = None
+            self.suspect, self.suspect_deadline = None, False
             return
         if self.clock() >= self.ejected_until:
             return

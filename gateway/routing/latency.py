@@ -1,4 +1,5 @@
-"""Per-backend latency tracking: TTFT, inter-token gaps, durations, errors and timeouts.
+"""Latency tracking per (backend, upstream model): TTFT, inter-token gaps, durations, errors and
+timeouts.
 
 Two views of the same measurements:
 
@@ -10,12 +11,29 @@ Two views of the same measurements:
   ~`decay_s` seconds of fast ones. Nothing decays while a backend is idle: an idle backend keeps the
   last estimate it earned (decaying it is what keeps sending traffic back to a degraded backend).
 
-One tenant cannot slow a backend down for the others (`corroborate`): a sample far above the level
-(more than twice it) raises it at most to twice what it was before that tenant's run of such
-samples, until a sample of another tenant's agrees within `_SPIKE_WINDOW_S`; then it rises in full.
-A caller's own prompt can make its first token slow (an image its provider fetches from a slow
-server, a schema that takes seconds to compile): one such request raised every backend it failed
-over to from ~8 ms to 1-2 s and moved every tenant's traffic (review helper's repro).
+One tenant cannot slow a backend down for the others (`corroborate`). The tracker keeps a *base*:
+the level as no one tenant alone raised it. It follows the level down at once; up at once only as
+far as another tenant's latest sample (of the last `_SPIKE_WINDOW_S`) agrees, and for a tenant
+alone (no other's sample within the window) over ~`_BASE_RISE_S` of its samples (at most about 2x
+in 80 s of samples at least a second apart; idle time counts for nothing), so that a model only it
+uses still shows its backend's real slow-downs. A tenant's sample above the
+level raises it at most to twice the base, or to another tenant's latest sample if that is
+higher, whatever the step size; past that, it fits nothing and leaves the tracker idle as far as
+exploration goes. One request whose prompt made its own first token slow (an image its provider
+fetched from a slow server) raised every backend it failed over to from ~8 ms to 1-2 s, and a
+dozen samples of 1.9x the level each, under a cap that looked only at the level of the moment,
+raised one from 5.9 to 543 ms (review helper's repros). Likewise one tenant's failures of the
+kinds a request can cause (`asked`: a 500 on what it sent) teach the error rate only once another
+tenant's agree within the window: one such request added ~100 ms to a 5 ms backend's score and
+moved another tenant's traffic off it.
+
+Each backend has one Tracker of its own (the `parent`: its in-flight count, and the figures
+/admin/backends and /metrics show for the backend as a whole) and one per upstream model it
+serves (`for_model()`), which the selector, the deadlines and hedging read: a model's figures are
+its own, so one model's fast or slow first tokens do not move another's estimate or deadline (a
+flood of a 5 ms model on a backend shrank its big model's first-token deadline to the floor, and
+ordinary requests timing out there ejected it). A model's tracker reports every sample to its
+parent too; until it has learned anything itself it predicts what its parent does.
 
 State stays in process (per replica): a shared, stale view makes replicas herd onto one backend.
 """
@@ -30,7 +48,11 @@ from collections.abc import Callable, Sequence
 __all__ = ["Tracker", "Window", "quantile"]
 
 _SORT_EVERY_S = 0.25  # hot-path quantile reads may be this stale; sorting 512 floats costs ~15 us
-_SPIKE_WINDOW_S = 30.0  # how long one tenant's spike waits for another's to agree
+_SPIKE_WINDOW_S = 30.0  # how long one tenant's sample or failure stands to agree with another's
+_BASE_RISE_S = 120.0  # time constant of the base's rise without another tenant's agreement
+_BASE_STEP_S = 1.0  # the most time one sample counts for in that rise
+_MIN_BASE_S = 1e-3  # the base, as a usual prompt's predicted TTFT, is at least this
+_MAX_CLAIMS = 16  # tenants whose latest sample is kept (the most recent ones)
 
 
 def quantile(sorted_values: Sequence[float], q: float) -> float | None:
@@ -79,9 +101,10 @@ class Window:
 
 
 class Tracker:
-    """Latency state of one (backend, model) pair; every update is O(1).
+    """Latency state of one backend (`parent` None) or of one upstream model on it; every update
+    is O(1).
 
-    The relay increments and decrements `inflight` itself around each attempt.
+    The backend's slots count `inflight` (a model's tracker reads and writes its parent's).
     """
 
     def __init__(
@@ -94,17 +117,21 @@ class Tracker:
         rise: float = 0.5,
         slope_memory: int = 64,
         error_memory: int = 10,
+        parent: Tracker | None = None,
     ) -> None:
         """decay_s: time constant of the level's fall (about 97% recovered after 10 s of fast samples).
         rise: share of an upward gap closed by one slow sample (0.5: a 20x spike shows as 10x at once,
         while a lone outlier on a noisy backend does not erase its history).
-        slope_memory / error_memory: samples (not seconds) of memory, so idle time changes nothing."""
+        slope_memory / error_memory: samples (not seconds) of memory, so idle time changes nothing.
+        parent: the backend's tracker, for a model's (see the module's note)."""
         self.window_s = window_s
         self.max_samples = max_samples
         self.clock = clock
         self.decay_s = decay_s
         self.rise = rise
-        self.inflight = 0
+        self.parent = parent
+        self._inflight = 0
+        self._memory = (slope_memory, error_memory)
         self.ttft = Window(window_s, max_samples)
         self.itl = Window(window_s, max_samples)
         self.duration = Window(window_s, max_samples)
@@ -124,18 +151,47 @@ class Tracker:
         self._streamed = False  # a stream's first token was ever timed here
         self._err_keep = 1.0 - 1.0 / error_memory
         self.error_ewma = 0.0  # share of recent attempts that failed (count-decayed)
-        # One tenant's spikes raise the level at most 2x until another's agree (see the module's
-        # note). The runtime turns it on for policies with several tenants.
+        # One tenant's rising samples and `asked` failures move the level and the error rate only
+        # so far until another's agree (see the module's note). The runtime turns it on for
+        # policies with several tenants.
         self.corroborate = False
-        self._spike_tenant: str | None = None  # whose uncorroborated spikes are capped now
-        self._spike_base = 0.0  # the level before them
-        self._spike_at = -math.inf
+        # The base and the claims are in terms of a usual prompt's TTFT (level + slope x mean
+        # prompt), which a refit of the slope leaves as it was.
+        self._base = 0.0  # the level no one tenant alone raised
+        self._base_at = -math.inf
+        self._claims: dict[str, tuple[float, float]] = {}  # tenant -> (its latest sample, when), oldest first
+        self._fail_tenant: str | None = None  # whose `asked` failure waits for another's to agree
+        self._fail_at = -math.inf
+
+    @property
+    def inflight(self) -> int:
+        """Attempts in flight on the backend (a model's tracker reads its backend's)."""
+        p = self.parent
+        return self._inflight if p is None else p.inflight
+
+    @inflight.setter
+    def inflight(self, n: int) -> None:
+        p = self.parent
+        if p is None:
+            self._inflight = n
+        else:
+            p.inflight = n
+
+    def for_model(self) -> Tracker:
+        """A new tracker for one of this backend's models, with this one's settings and as its parent."""
+        slope_memory, error_memory = self._memory
+        t = Tracker(self.window_s, self.max_samples, self.clock, decay_s=self.decay_s, rise=self.rise,
+                    slope_memory=slope_memory, error_memory=error_memory, parent=self)
+        t.corroborate = self.corroborate
+        return t
 
     # -- reports from the relay ------------------------------------------------------------------
 
     def observe_ttft(self, seconds: float, prompt_tokens: int | None = None, tenant: str | None = None) -> None:
         """A streamed request's first content token arrived `seconds` after it was sent (`tenant`:
         whose request it was; None: the gateway's own)."""
+        if self.parent is not None:
+            self.parent.observe_ttft(seconds, prompt_tokens, tenant)
         self._streamed = True
         now = self.clock()
         self.ttft.add(now, seconds)
@@ -143,6 +199,8 @@ class Tracker:
 
     def observe_itl(self, seconds: float) -> None:
         """The gap between two content tokens of a stream."""
+        if self.parent is not None:
+            self.parent.observe_itl(seconds)
         self.itl.add(self.clock(), seconds)
         e = self._itl_ewma
         self._itl_ewma = seconds if e is None else e + 0.05 * (seconds - e)
@@ -158,6 +216,7 @@ class Tracker:
         timeout: bool = False,
         open_ended: bool = False,
         tenant: str | None = None,
+        asked: bool = False,
     ) -> None:
         """An attempt ended after `seconds`: answered (ok) or failed.
 
@@ -171,7 +230,13 @@ class Tracker:
         limit on, cut at its deadline: counted (errors, timeouts), but neither the error rate nor
         the TTFT learns from it (how long it ran was the caller's choice: one such answer raised
         the predicted TTFT 7 ms -> 1 s and moved every tenant's traffic; review helper's repro).
+        `asked`: a failure of a kind the request may have caused (health.OUTCOMES); with
+        `corroborate`, one tenant's such failures teach the error rate only once another tenant's
+        agree (`_agreed_failure`).
         """
+        if self.parent is not None:
+            self.parent.observe_done(seconds, ok, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                     streamed=streamed, timeout=timeout, open_ended=open_ended, tenant=tenant, asked=asked)
         now = self.clock()
         self.duration.add(now, seconds)
         self.outcomes.append((now, ok, timeout))
@@ -179,11 +244,12 @@ class Tracker:
         # A timeout of a prompt far larger than this backend's usual says more about the prompt:
         # neither an error nor a TTFT bound for everyone's prediction (see outsized()).
         outsized = timeout and (open_ended or (prompt_tokens is not None and self.outsized(prompt_tokens)))
-        self.error_ewma *= self._err_keep
         if not ok:
             self.total_errors += 1
             if not outsized:
-                self.error_ewma += 1.0 - self._err_keep
+                self._failure(now, tenant if asked else None)
+        else:
+            self.error_ewma *= self._err_keep
         if timeout:
             self.total_timeouts += 1
             if not outsized:
@@ -213,13 +279,22 @@ class Tracker:
             return
         residual = ttft - self._slope * x
         level = self._level
-        if level is not None and self.corroborate and residual > 2.0 * level > 0.0:
-            capped = self._spike(now, residual, level, tenant)
-            if capped is not None:  # one tenant's, not (yet) another's: a bounded rise, nothing fitted
-                if capped > level:
-                    self._level = level + self.rise * (capped - level)
-                self.last_sample_at = now
-                return
+        usual = self._slope * self._mean_x()
+        # What another tenant's latest sample agrees with of this one (as a usual prompt's TTFT;
+        # -inf: no other tenant's within the window, or not corroborating).
+        agreed = -math.inf
+        if self.corroborate and tenant is not None:
+            others = self._claim(now, tenant, residual + usual)
+            agreed = min(residual + usual, others)
+            if level is not None and residual > level:
+                allowed = max(2.0 * max(self._base, _MIN_BASE_S), others) - usual
+                if residual > allowed:
+                    # One tenant's, past what the base and the others allow: a bounded rise, nothing
+                    # fitted, and no sample as far as idleness goes.
+                    if allowed > level:
+                        self._level = level + self.rise * (allowed - level)
+                    self._follow(now, tenant, agreed)
+                    return
         if level is None:
             self._level = residual
         elif residual > level:
@@ -232,21 +307,60 @@ class Tracker:
                 self._level = level * (residual / level) ** w
             else:
                 self._level = level + w * (residual - level)
+        self._follow(now, tenant, agreed)
         self.last_sample_at = now
         if fit and prompt_tokens is not None:
             self._fit(x, ttft)
 
-    def _spike(self, now: float, residual: float, level: float, tenant: str | None) -> float | None:
-        """A sample more than twice the level: what it may raise the level to (None: in full). The
-        gateway's own (tenant None) and a second tenant's within `_SPIKE_WINDOW_S` count in full."""
-        fresh = now - self._spike_at <= _SPIKE_WINDOW_S
-        if tenant is None or (fresh and self._spike_tenant is not None and tenant != self._spike_tenant):
-            self._spike_tenant = None  # agreed: what follows starts a new run
-            return None
-        if not (fresh and tenant == self._spike_tenant):
-            self._spike_tenant, self._spike_base = tenant, level
-        self._spike_at = now
-        return min(residual, 2.0 * self._spike_base)
+    def _claim(self, now: float, tenant: str, u: float) -> float:
+        """Record `tenant`'s latest sample (`u`, as a usual prompt's TTFT); the highest latest
+        sample of another tenant within `_SPIKE_WINDOW_S` (-inf: none)."""
+        claims = self._claims
+        horizon = now - _SPIKE_WINDOW_S
+        claims.pop(tenant, None)
+        while claims:  # oldest first: the stale ones, and the oldest past _MAX_CLAIMS - 1, go
+            oldest = next(iter(claims))
+            if claims[oldest][1] >= horizon and len(claims) < _MAX_CLAIMS:
+                break
+            del claims[oldest]
+        others = -math.inf
+        for v, _ in claims.values():  # a plain loop: ~2x a max() over a generator, per sample
+            if v > others:
+                others = v
+        claims[tenant] = (u, now)
+        return others
+
+    def _follow(self, now: float, tenant: str | None, agreed: float) -> None:
+        """Move the base after the level moved: down with it at once; up at once as far as this
+        sample and another tenant's latest both go (`agreed`); for a tenant alone (no other's
+        sample within `_SPIKE_WINDOW_S`), up over ~`_BASE_RISE_S`; to the level for the gateway's
+        own sample, or without `corroborate`."""
+        assert self._level is not None
+        level = self._level + self._slope * self._mean_x()
+        base = self._base
+        if tenant is None or not self.corroborate or level <= base or math.isinf(self._base_at):
+            base = level
+        elif math.isinf(agreed):  # idle time counts for nothing: waiting raises no base
+            base += (1.0 - math.exp(-min(now - self._base_at, _BASE_STEP_S) / _BASE_RISE_S)) * (level - base)
+        else:
+            base = max(base, min(level, agreed))
+        self._base, self._base_at = base, now
+
+    def _failure(self, now: float, tenant: str | None) -> None:
+        """A failure for the error rate. `tenant`: whose request met a failure of a kind a request
+        can cause (None: the backend's own kind, or the gateway's request). With `corroborate`, one
+        tenant's such failure waits until another tenant's agrees within `_SPIKE_WINDOW_S`, and then
+        both count; until then it neither raises the rate nor lets it decay."""
+        n = 1
+        if tenant is not None and self.corroborate:
+            held = self._fail_tenant
+            if held is None or held == tenant or now - self._fail_at > _SPIKE_WINDOW_S:
+                self._fail_tenant, self._fail_at = tenant, now
+                return
+            self._fail_tenant, n = None, 2
+        keep = self._err_keep
+        for _ in range(n):
+            self.error_ewma = self.error_ewma * keep + (1.0 - keep)
 
     def _fit(self, x: float, y: float) -> None:
         k = self._keep
@@ -282,10 +396,11 @@ class Tracker:
         return prompt_tokens > 4 * mean and prompt_tokens > mean + 2048
 
     def predict_ttft(self, prompt_tokens: int | None = None) -> float | None:
-        """Expected TTFT in seconds for a prompt of this size; None before the first sample."""
+        """Expected TTFT in seconds for a prompt of this size; None before the first sample (a
+        model's tracker: its backend's prediction until then)."""
         level = self._level
         if level is None:
-            return None
+            return None if self.parent is None else self.parent.predict_ttft(prompt_tokens)
         x = self._mean_x() if prompt_tokens is None else prompt_tokens
         return max(level + self._slope * x, 0.0)
 
@@ -295,7 +410,10 @@ class Tracker:
         return self._slope
 
     def idle_s(self) -> float:
-        """Seconds since the prediction last learned something (inf when it never did)."""
+        """Seconds since the prediction last learned something (inf when it never did; a model's
+        tracker that never did: its backend's, whose prediction it stands on until then)."""
+        if self._level is None and self.parent is not None:
+            return self.parent.idle_s()
         return self.clock() - self.last_sample_at
 
     def first_token_deadline_s(

@@ -25,6 +25,7 @@ import orjson
 from ..config.reload import Live
 from ..observe.metrics import Metrics
 from .backends import Backend
+from .health import LIVE_DEADLINE
 
 __all__ = ["run_probes", "probe", "probe_request", "ProbeResult", "read_capped", "recovery_targets"]
 
@@ -162,10 +163,11 @@ def _report_request(backend: Backend, model: str, result: ProbeResult, metrics: 
             whole.report_probe(False)  # its ejection stands (it is out: nothing more is counted)
     if verifying:
         metrics.health_verifications.labels(backend.name, "cleared" if result.ok else "confirmed").inc()
-        how = ("was answered: the ejection is undone, and that tenant's failures do not count for a while" if result.ok
+        how = ("was answered: the ejection is undone, and such failures do not count for a while" if result.ok
                else f"failed too ({result.why}): the ejection stands")
-        log.warning("backend %s model %r was ejected after failures that only tenant %r's requests met; the gateway's own request probe %s",
-                    backend.name, model, suspect, how)
+        who = "timeouts at first-token deadlines set from live data" if suspect == LIVE_DEADLINE else \
+            f"failures that only tenant {suspect!r}'s requests met"
+        log.warning("backend %s model %r was ejected after %s; the gateway's own request probe %s", backend.name, model, who, how)
 
 
 async def _recover(

@@ -47,7 +47,7 @@ class Candidate:
     """One backend as the selector sees it. Holds live references: build it once per route."""
 
     name: str
-    tracker: Tracker
+    tracker: Tracker  # its route's upstream model's on the backend (`inflight`: the backend's)
     health: Health
     weight: float = 1.0  # for `weighted`
     cost: float = 0.0  # in any unit; Selector.cost_weight_s says how many seconds one unit is worth
