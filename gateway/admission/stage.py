@@ -41,7 +41,7 @@ class AdmissionStage:
             return  # the common case: room here and at a healthy backend, so no wait to predict
         metrics = self.metrics
         usable = [b for b, c in zip(pool.backends, pool.candidates) if c.health.healthy] or list(pool.backends)
-        first_token_s = min((b.tracker.predict_ttft(call.prompt_tokens) or 0.0) for b in usable) if usable else 0.0
+        first_token_s = min((b.tracker_for(call.model).predict_ttft(call.prompt_tokens) or 0.0) for b in usable) if usable else 0.0
         try:
             waited = await self.admission.enter(ticket, call.remaining_s(), _downstream(usable, ticket), first_token_s)
         except Shed as shed:
