@@ -24,7 +24,8 @@ from gateway.pipeline.call import Call
 from gateway.wire.endpoints import ENDPOINTS
 from gateway.errors import UpstreamError
 from gateway.tenants.auth import hash_key
-from gateway.cache.broadcast import Broadcast, Budget, TeeSink, follow
+from gateway.cache.broadcast import Broadcast, TeeSink, follow
+from gateway.cache.budget import Budget
 from gateway.web.keys import RELAY
 from gateway.wire.openai_wire import SSE_DONE, SSE_HEARTBEAT, sse_event
 from gateway.web.app import create_app

@@ -25,7 +25,13 @@ Nobody waits on one client, the leader's included: once the leader's client fall
 socket's buffer full), its bytes queue in a tap of its own, written by a task at the client's
 pace, and the stream goes on at the backend's for the followers, the stored answer and the
 backend's slot. (A leader that read nothing held its streamed followers to its pace and its
-non-streamed ones to a 504.) That tap is bounded like a follower's.
+non-streamed ones to a 504.) That tap is bounded like a follower's, and ends with an error event
+once the client's deadline passes. Over a Broadcast that keeps no history, the same TeeSink
+decouples any stream from its client (cache/stage.py): a slow reader holds no backend slot.
+
+Memory: every history and every client's backlog of the process counts in one Budget, per owner
+(a tenant); past it, the owner holding the most gives back (Budget.reclaim), never a client that
+keeps up.
 """
 
 from __future__ import annotations
@@ -39,39 +45,31 @@ from ..errors import GatewayError, UpstreamError, UpstreamTimeout
 from ..pipeline.call import CacheResult, Call, Finish, key_live, revoked
 from ..web.sink import Sink, SinkWrapper
 from ..wire.openai_wire import SSE_HEARTBEAT, SSEDecoder, event_data
+from .budget import Budget, Holder
 
-__all__ = ["Broadcast", "Budget", "TeeSink", "follow", "DEFAULT_MAX_BYTES", "DEFAULT_BUDGET_BYTES"]
+__all__ = ["Broadcast", "TeeSink", "follow", "owner_of", "DEFAULT_MAX_BYTES"]
 
-# What one broadcast keeps for late joiners, and what one follower may fall behind by.
+# What one broadcast keeps for late joiners, and what one client may fall behind by (a follower,
+# or any stream's own client: cache/stage.py decouples every stream from its client).
 DEFAULT_MAX_BYTES = 8 << 20
-# What all the broadcasts of a process keep for late joiners and slow followers together.
-DEFAULT_BUDGET_BYTES = 64 << 20
 _SLICE = 64 << 10  # a tap's backlog is written this much at a time
 
-
-class Budget:
-    """Bytes held by every Broadcast that shares it (one per SingleFlight): the histories kept for
-    late joiners, and what followers have not written yet beyond the history they joined with."""
-
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int = DEFAULT_BUDGET_BYTES) -> None:
-        self.limit = limit
-        self.used = 0
 
 _OPEN, _DONE, _FAILED, _ABANDONED = "open", "done", "failed", "abandoned"
 
 
 class _Tap:
-    """One follower's place in a Broadcast: the bytes it has not written yet, the history it
-    joined with read in place (the Broadcast's own list, from `_at` to `_end`) and what came after
-    in a queue of its own. What it holds beyond that history (`counted`) is counted in the
-    process's Budget. A copy of the history's list per follower was 8 bytes an event each: 200
-    followers of a 54,000-event stream held 85 MiB the budget never saw (review helper's repro)."""
+    """One client's place in a Broadcast (a follower's, or its leader's own once it fell behind):
+    the bytes it has not written yet, the history it joined with read in place (the Broadcast's
+    own list, from `_at` to `_end`) and what came after in a queue of its own. What it holds beyond
+    that history (`counted`) is counted in the process's Budget, under its owner (`_holder`). A
+    copy of the history's list per follower was 8 bytes an event each: 200 followers of a
+    54,000-event stream held 85 MiB the budget never saw (review helper's repro)."""
 
-    __slots__ = ("_hist", "_at", "_end", "_queue", "size", "counted", "uncounted", "waiter", "overflow", "_budget")
+    __slots__ = ("_hist", "_at", "_end", "_queue", "size", "counted", "uncounted", "waiter", "overflow", "_budget",
+                 "_holder", "_closed")
 
-    def __init__(self, history: list[bytes], size: int, budget: Budget) -> None:
+    def __init__(self, history: list[bytes], size: int, budget: Budget, owner: object) -> None:
         self._at, self._end = 0, len(history)
         # The Broadcast's list (it only grows), held only while part of it is still to be written:
         # one joined before the first byte holding it would keep a released history alive.
@@ -81,6 +79,9 @@ class _Tap:
         self.counted = 0
         self.uncounted = size  # the history it joined with, pending first: the Broadcast's bytes
         self._budget = budget
+        self._holder = budget.holder(owner)
+        self._holder.taps.add(self)
+        self._closed = False
         self.waiter: asyncio.Future[None] | None = None
         self.overflow = False
 
@@ -91,17 +92,39 @@ class _Tap:
 
     def add(self, data: bytes) -> None:
         self._queue.append(data)
-        self.size += len(data)
-        self.counted += len(data)
-        self._budget.used += len(data)
+        n = len(data)
+        self.size += n
+        self.counted += n
+        self._holder.held += n
+        self._budget.used += n
+
+    def _give(self, n: int) -> None:
+        """`n` bytes it held leave the budget."""
+        self.counted -= n
+        self._holder.held -= n
+        self._budget.used -= n
 
     def drop(self) -> None:
         """Let go of what it holds (cut off, or gone)."""
         self._hist, self._at, self._end = None, 0, 0
         self._queue.clear()
         self.size = self.uncounted = 0
-        self._budget.used -= self.counted
-        self.counted = 0
+        if self.counted:
+            self._give(self.counted)
+
+    def cut(self) -> None:
+        """Too far behind: cut off (its writer ends its client's stream with an error event)."""
+        self.overflow = True
+        self.drop()
+        self.wake()
+
+    def close(self) -> None:
+        """It left its Broadcast: nothing of it stays in the budget."""
+        self.drop()
+        if not self._closed:
+            self._closed = True
+            self._holder.taps.discard(self)
+            self._budget.forget(self._holder)
 
     def _next(self) -> bytes:
         if self._at < self._end:
@@ -132,8 +155,8 @@ class _Tap:
         self.size -= n
         freed = max(0, n - self.uncounted)  # what it held beyond the history leaves the budget
         self.uncounted = max(0, self.uncounted - n)
-        self.counted -= freed
-        self._budget.used -= freed
+        if freed:
+            self._give(freed)
         return out[0] if len(out) == 1 else b"".join(out)
 
     def wake(self) -> None:
@@ -152,28 +175,35 @@ class _Tap:
 class Broadcast:
     """The leader's stream, for followers: a history for late joiners, and one tap per follower.
 
-    Bounded: once the history passes `max_bytes`, or all histories and followers' backlogs
-    together pass the `budget`, it is dropped (later requests wait for the stored answer, or go
-    upstream themselves); a follower that falls `max_bytes` behind is cut off with an error event,
-    and so is the one furthest behind while the budget is passed (10 followers that read nothing
-    held 27 MB of one 5.8 MB answer, outside any bound but their own 8 MiB each). The leader never
-    waits for a follower. `release()` gives the history back when the flight ends.
+    Bounded: once the history passes `max_bytes` it is dropped (later requests wait for the stored
+    answer, or go upstream themselves); a follower that falls `max_bytes` behind is cut off with
+    an error event. All histories and backlogs of the process together are held to the `budget`
+    (Budget.reclaim: whoever holds the most gives back; 10 followers that read nothing held 27 MB
+    of one 5.8 MB answer, outside any bound but their own 8 MiB each). The leader never waits for
+    a follower. `release()` gives the history back when the flight ends.
+
+    `owner`: whom its history and its leader's backlog count for in the budget (the leader's
+    tenant; the flight itself when None). `history=False`: a stream nobody joins (a client
+    decoupled from its relay, cache/stage.py), which keeps nothing but its client's backlog.
     """
 
     __slots__ = (
-        "state", "started", "backend", "include_usage", "max_bytes", "_budget", "_history", "_history_bytes", "_taps", "_own",
-        "error",
+        "state", "started", "backend", "include_usage", "max_bytes", "_budget", "_owner", "_holder", "_history",
+        "history_bytes", "_taps", "_own", "error",
     )
 
-    def __init__(self, *, include_usage: bool = False, max_bytes: int = DEFAULT_MAX_BYTES, budget: Budget | None = None) -> None:
+    def __init__(self, *, include_usage: bool = False, max_bytes: int = DEFAULT_MAX_BYTES, budget: Budget | None = None,
+                 owner: str | None = None, history: bool = True) -> None:
         self.state = _OPEN
         self.started = False  # content reached the leader's client
         self.backend: str | None = None  # the leader's backend, for the followers' x-gateway-backend
         self.include_usage = include_usage  # the leader asked for a usage chunk
         self.max_bytes = max_bytes
         self._budget = budget if budget is not None else Budget()
-        self._history: list[bytes] | None = []
-        self._history_bytes = 0
+        self._owner: object = owner if owner is not None else self
+        self._history: list[bytes] | None = [] if history else None
+        self._holder = self._budget.holder(self._owner) if history else None  # the history's, until released
+        self.history_bytes = 0
         self._taps: set[_Tap] = set()
         self._own: _Tap | None = None  # the leader's client's tap, once it fell behind (not a follower)
         self.error: GatewayError | None = None  # what ends a failed stream (each follower's sink frames it)
@@ -192,31 +222,27 @@ class Broadcast:
             return
         self.started = True
         n = len(data)
-        if self._history is not None:
+        budget, holder = self._budget, self._holder
+        if self._history is not None and holder is not None:
             self._history.append(data)
-            self._history_bytes += n
-            self._budget.used += n
-            if self._history_bytes > self.max_bytes or self._budget.used > self._budget.limit:
+            if not self.history_bytes:
+                holder.streams.add(self)
+            self.history_bytes += n
+            holder.held += n
+            budget.used += n
+            budget.histories += n
+            if self.history_bytes > self.max_bytes:
                 self.release()
         for tap in self._taps:
             if tap.overflow:
                 continue
             tap.add(data)
             if tap.size > self.max_bytes:
-                self._cut(tap)
-            tap.wake()
-        while self._budget.used > self._budget.limit:
-            behind = max((t for t in self._taps if t.counted), key=lambda t: t.counted, default=None)
-            if behind is None:
-                break
-            self._cut(behind)
-
-    @staticmethod
-    def _cut(tap: _Tap) -> None:
-        """A follower too far behind: cut off (its `follow` ends it with an error event)."""
-        tap.overflow = True
-        tap.drop()
-        tap.wake()
+                tap.cut()
+            else:
+                tap.wake()
+        if budget.used > budget.limit:
+            budget.reclaim(holder)
 
     def finish(self) -> None:
         """The leader's stream ended (with [DONE], or after an error event it passed through)."""
@@ -244,23 +270,32 @@ class Broadcast:
 
     def release(self) -> None:
         """Drop the history (nobody joins after this); the taps keep what they have not written."""
-        if self._history is not None:
-            self._budget.used -= self._history_bytes
-            self._history, self._history_bytes = None, 0
+        holder = self._holder
+        self._history = None
+        if holder is not None:
+            self._holder = None
+            n = self.history_bytes
+            holder.held -= n
+            holder.streams.discard(self)
+            self._budget.used -= n
+            self._budget.histories -= n
+            self._budget.forget(holder)
+            self.history_bytes = 0
 
-    def join(self) -> _Tap | None:
-        """A tap that starts with everything sent so far; None when this stream cannot be shared."""
+    def join(self, owner: str | None = None) -> _Tap | None:
+        """A tap that starts with everything sent so far, its backlog counted for `owner` (the
+        follower's tenant; this flight when None); None when this stream cannot be shared."""
         if not self.joinable:
             return None
         assert self._history is not None
-        tap = _Tap(self._history, self._history_bytes, self._budget)
+        tap = _Tap(self._history, self.history_bytes, self._budget, owner if owner is not None else self)
         self._taps.add(tap)
         return tap
 
     def lag(self) -> _Tap:
         """A tap for the leader's own client, which fell behind: what is published from now on
         queues there, bounded like a follower's (not a follower: `len` does not count it)."""
-        tap = self._own = _Tap([], 0, self._budget)
+        tap = self._own = _Tap([], 0, self._budget, self._owner)
         self._taps.add(tap)
         return tap
 
@@ -268,7 +303,7 @@ class Broadcast:
         self._taps.discard(tap)
         if tap is self._own:
             self._own = None
-        tap.drop()
+        tap.close()
 
     def _wake_all(self) -> None:
         for tap in self._taps:
@@ -283,11 +318,16 @@ class TeeSink(SinkWrapper):
     pace (`settle()` waits for it): the relay never waits on this client. When the leader's client
     goes away after content reached followers, the sink detaches from it (`detached`) and the
     stream goes on for the followers alone: one caller leaving must not cut the answers of others
-    (cache/stage.py keeps the relay running for them)."""
+    (cache/stage.py keeps the relay running for them).
 
-    __slots__ = ("_bc", "detached", "lost", "_behind", "_writer", "_ended_by")
+    Over a Broadcast that keeps no history (nobody joins it), it decouples any stream from its
+    client the same way (cache/stage.py): the relay, the backend's slot and the admission place
+    are not held to a slow client's pace. `deadline` (the loop's time): the client's own, past
+    which a backlog still unwritten ends with an error event, as a follower's does."""
 
-    def __init__(self, inner: Sink, broadcast: Broadcast) -> None:
+    __slots__ = ("_bc", "detached", "lost", "_behind", "_writer", "_ended_by", "_deadline")
+
+    def __init__(self, inner: Sink, broadcast: Broadcast, deadline: float | None = None) -> None:
         super().__init__(inner)
         self._bc = broadcast
         self.detached = False
@@ -295,6 +335,7 @@ class TeeSink(SinkWrapper):
         self._behind: _Tap | None = None  # the leader's client's backlog, once it fell behind
         self._writer: asyncio.Task[None] | None = None
         self._ended_by: GatewayError | None = None  # what ends the leader's client's stream early (hand_off)
+        self._deadline = deadline
 
     def keeps_followers(self) -> bool:
         """Whether the stream must go on without the leader's client: followers hold part of it."""
@@ -305,6 +346,8 @@ class TeeSink(SinkWrapper):
         self.detached = True
         if self._writer is not None:
             self._writer.cancel()
+        if self._behind is not None:  # its backlog leaves the budget now (a writer cancelled before it ran never would)
+            self._bc.leave(self._behind)
 
     async def hand_off(self, err: GatewayError) -> bool:
         """The leader's key stopped working mid-stream: its client's stream ends with `err`, and
@@ -361,32 +404,45 @@ class TeeSink(SinkWrapper):
 
     async def _catch_up(self, tap: _Tap) -> None:
         """Write the leader's client its backlog at its own pace, then end its stream as the
-        broadcast ended (each write bounded by the sink: web/sink.py CLIENT_READ_S)."""
-        bc, inner = self._bc, self._inner
+        broadcast ended (each write bounded by the sink: web/sink.py CLIENT_READ_S), or with an
+        error event once its deadline passed."""
+        inner = self._inner
         try:
-            while True:
-                if self._ended_by is not None:
-                    await inner.fail(self._ended_by)
-                    return
-                if tap.pending:
-                    await inner.write(tap.take())
-                elif tap.overflow:
-                    self.lost, self.detached = Finish.CUT, True
-                    await inner.fail(UpstreamError("this client fell too far behind its stream"))
-                    return
-                elif bc.state is _DONE:
-                    await inner.end()
-                    return
-                elif bc.state is not _OPEN:
-                    self.lost = Finish.CUT
-                    await inner.fail(bc.error or UpstreamError("the stream ended early"))
-                    return
-                else:
-                    await tap.wait()
+            try:
+                async with asyncio.timeout_at(self._deadline):
+                    err = await self._backlog(tap)
+            except TimeoutError:
+                self.lost, self.detached = Finish.CUT, True
+                err = UpstreamTimeout("the request's deadline passed mid-stream")
+            if err is None:
+                await inner.end()
+            else:
+                self._bc.leave(tap)  # the rest of its backlog is dropped, not held while the error waits on the client
+                await inner.fail(err)
         except ConnectionError:  # the client left: the relay goes on only while followers read (write())
             self.lost, self.detached = Finish.CLIENT_DISCONNECT, True
         finally:
-            bc.leave(tap)
+            self._bc.leave(tap)
+
+    async def _backlog(self, tap: _Tap) -> GatewayError | None:
+        """Write the backlog as the client takes it, until the stream ended: what ends the
+        client's stream (None: the broadcast's end)."""
+        bc = self._bc
+        while True:
+            if self._ended_by is not None:
+                return self._ended_by
+            if tap.pending:
+                await self._inner.write(tap.take())
+            elif tap.overflow:
+                self.lost, self.detached = Finish.CUT, True
+                return UpstreamError("this client fell too far behind its stream")
+            elif bc.state is _DONE:
+                return None
+            elif bc.state is not _OPEN:
+                self.lost = Finish.CUT
+                return bc.error or UpstreamError("the stream ended early")
+            else:
+                await tap.wait()
 
     async def settle(self) -> None:
         """Wait until the leader's client has had the rest of its stream (nothing to wait for
@@ -453,6 +509,11 @@ class _DropUsage:
         return b"".join(out)
 
 
+def owner_of(call: Call) -> str | None:
+    """Whom a call's bytes count for in the Budget: its tenant."""
+    return call.tenant.name if call.tenant is not None else None
+
+
 def wants_usage(call: Call) -> bool:
     """Whether the client's stream carries a usage chunk: one it asked for itself (a quota's
     request for one, which the client does not see, sets `strip_usage`)."""
@@ -468,7 +529,7 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
     says which, "client_disconnect" included); False when nothing was sent and the follower must
     go upstream itself.
     """
-    tap = bc.join()
+    tap = bc.join(owner_of(call))
     if tap is None:
         return False
     drop = _DropUsage() if bc.include_usage and not wants_usage(call) else None

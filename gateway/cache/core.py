@@ -25,7 +25,8 @@ import orjson
 from ..errors import BadRequest
 from ..store.core import Store, StoreError
 from ..tenants.breaker import Breaker
-from .broadcast import Broadcast, Budget
+from .broadcast import Broadcast
+from .budget import Budget
 from .entry import Entry, is_complete
 
 __all__ = [
@@ -398,21 +399,24 @@ class SingleFlight:
         return len(self._flights)
 
     def hold(self, key: str, *, wait_s: float, stream: bool = False, include_usage: bool = False,
-             terms: Terms = ANY_TERMS, stores: bool = True, publishes: bool = True) -> _Hold:
+             terms: Terms = ANY_TERMS, stores: bool = True, publishes: bool = True, owner: str | None = None) -> _Hold:
         """Lead the flight for `key`, or follow the one in progress (see the class docstring):
-        `async with flight.hold(...) as f`."""
-        return _Hold(self, key, wait_s, stream, include_usage, terms, stores and publishes, stores)
+        `async with flight.hold(...) as f`. `owner`: the caller's tenant, whom a stream it leads
+        counts for in the budget."""
+        return _Hold(self, key, wait_s, stream, include_usage, terms, stores and publishes, stores, owner)
 
 
 class _Hold:
     """`SingleFlight.hold`'s context manager: a class, not a generator (entered once per cache
     miss: a generator-based one costs a few µs more per request)."""
 
-    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_terms", "_stores", "_shares", "_led", "_deadline")
+    __slots__ = ("_sf", "_key", "_wait_s", "_stream", "_include_usage", "_terms", "_stores", "_shares", "_owner", "_led",
+                 "_deadline")
 
     def __init__(self, sf: SingleFlight, key: str, wait_s: float, stream: bool, include_usage: bool, terms: Terms,
-                 stores: bool, shares: bool) -> None:
+                 stores: bool, shares: bool, owner: str | None) -> None:
         self._sf, self._key, self._wait_s, self._stream, self._include_usage = sf, key, wait_s, stream, include_usage
+        self._owner = owner
         self._terms, self._stores = terms, stores  # stores: it will publish an entry
         self._shares = shares  # it may lead others: it stores, or its live stream is shared (no no-store)
         self._led: Flight | None = None  # the flight this caller registered and leads
@@ -469,7 +473,7 @@ class _Hold:
 
     def _register(self, *, beside: bool) -> Flight:
         """Lead the flight for the key (over one in progress when `beside`: that one keeps its followers)."""
-        bc = Broadcast(include_usage=self._include_usage, budget=self._sf.budget) if self._stream else None
+        bc = Broadcast(include_usage=self._include_usage, budget=self._sf.budget, owner=self._owner) if self._stream else None
         flight = Flight(leader=True, stream=bc, done=asyncio.Event(), terms=self._terms, beside=beside, publishes=self._stores)
         self._led = self._sf._flights[self._key] = flight
         return flight

@@ -26,7 +26,7 @@ from ..tenants.auth import Tenant
 from ..tenants.priority import Band
 from ..web.sink import Sink
 from . import shared_flight as cache_flight
-from .broadcast import TeeSink, follow, wants_usage
+from .broadcast import Broadcast, TeeSink, follow, owner_of, wants_usage
 from .core import Cache, Flight, Terms
 from .entry import Entry
 
@@ -68,7 +68,7 @@ class CacheStage:
         cache = rt.cache
         if plan.key is None or cache is None:
             self._count(call, sink, CacheResult.BYPASS)
-            await produce(sink)
+            await self._produce(call, sink, produce)
             return
         entry = await cache.lookup(plan.key)
         if entry is not None and (rid := call.endpoint.held_id(entry)) is not None and not await _still_held(rt, rid):
@@ -99,7 +99,7 @@ class CacheStage:
         # A stream some candidate's leg does not store (a Messages stream): shared live, never waited for.
         publishes = not call.stream or call.endpoint.name not in route.pool(call.cls, call.endpoint.name).unstored_streams
         async with self.ctx.flight.hold(key, wait_s=call.remaining_s(), stream=call.stream, include_usage=wants_usage(call),
-                                        terms=terms, stores=plan.store, publishes=publishes) as flight:
+                                        terms=terms, stores=plan.store, publishes=publishes, owner=owner_of(call)) as flight:
             if not flight.leader:
                 if flight.stream is not None and await follow(flight.stream, call, sink):
                     self.ctx.metrics.lookup[CacheResult.HIT].inc()  # answered from its leader's live stream
@@ -107,7 +107,7 @@ class CacheStage:
                 if flight.entry is not None:
                     return flight.entry
             # The leader, or a follower whose leader stored (or streamed) nothing.
-            tee = TeeSink(sink, flight.stream) if flight.leader and flight.stream is not None else sink
+            tee = TeeSink(sink, flight.stream, _deadline(call)) if flight.leader and flight.stream is not None else sink
             lagging = tee if isinstance(tee, TeeSink) else None
             token, entry = None, None
             # Another process may be answering it: wait for its answer, or lock it as ours. Not a
@@ -120,7 +120,11 @@ class CacheStage:
                 flight.finish()  # complete: its followers need not wait for this client to read it
                 await self._replay(call, entry, tee)
             else:
-                await self._lead_and_land(call, cache, plan, key, tee, produce, flight, token)
+                try:
+                    await self._lead_and_land(call, cache, plan, key, tee, produce, flight, token)
+                except ClientGone:
+                    if lagging is None or not _cut_off(call, lagging):
+                        raise
         # The flight is over, its answer stored and handed to its followers: only now does a
         # leader's client that fell behind get the rest of its stream, holding nobody else.
         if lagging is not None:
@@ -133,21 +137,22 @@ class CacheStage:
         A whole answer lands before its client is sent it (_Landing): a client that reads slowly,
         or never, holds none of the flight's followers here or on other replicas."""
         landing = _Landing(call, cache, plan, key, flight, token, self.ctx.carried)
-        led = False
         try:
             self._count(call, sink, CacheResult.MISS)
             call.cache.capture = cache.max_entry_bytes
             if not isinstance(sink, TeeSink):  # a stream's followers read it as it comes (TeeSink)
                 call.cache.land = landing.land
             await self._lead(call, sink, produce)
-            led = True
+        except BaseException as exc:
+            # Its client gets no more; but one cut off (too far behind) gets its error event (_miss).
+            if isinstance(sink, TeeSink) and not (isinstance(exc, ClientGone) and sink.lost is Finish.CUT):
+                sink.detach()
+            raise
         finally:
             # Also when _lead raised: a client that closes its connection as soon as it has
             # the last byte gets this handler cancelled (handler_cancellation) before the
             # store, and a lock let go without the answer stored sends the other replicas'
             # waiting requests upstream again.
-            if not led and isinstance(sink, TeeSink):
-                sink.detach()  # its client gets no more
             if not landing.landed:
                 await landing.land()
 
@@ -182,7 +187,7 @@ class CacheStage:
         end, in a task of its own so that the handler's cancellation does not end it. The leader
         is then a client_disconnect, charged the whole answer (the upstream call was its own, and ran)."""
         if not isinstance(sink, TeeSink):
-            await produce(sink)
+            await self._produce(call, sink, produce)
             return
         task = asyncio.ensure_future(produce(sink))
         try:
@@ -193,6 +198,34 @@ class CacheStage:
                 await asyncio.gather(task, return_exceptions=True)
                 raise
             await self._carry(task, sink)
+
+    async def _produce(self, call: Call, sink: Sink, produce: Produce) -> None:
+        """The relay's answer into `sink`, a stream decoupled from its client: a TeeSink over a
+        Broadcast of its own, which nobody joins. Once the client falls behind, the relay reads on
+        at the backend's pace into a backlog (bounded like a follower's: DEFAULT_MAX_BYTES, and the
+        process's Budget), so the backend's slot and the admission place are given back when the
+        backend's answer ends, not when a slow client has read it; the rest is written here, at
+        the client's pace, within its deadline. A client too far behind is cut off with an error
+        event (the upstream call stops). Before, a client that read nothing held its backend's
+        slot 60 s a write, and one that read a trickle until its deadline (review helper's repro).
+        A flight leader's stream is decoupled already (`_lead`: its TeeSink)."""
+        if not call.stream:
+            await produce(sink)
+            return
+        bc = Broadcast(budget=self.ctx.flight.budget, owner=owner_of(call), history=False)
+        lag = TeeSink(sink, bc, _deadline(call))
+        try:
+            await produce(lag)
+        except ClientGone:
+            if not _cut_off(call, lag):  # the client left
+                lag.detach()
+                raise
+        except BaseException:
+            lag.detach()
+            raise
+        if call.cache.land is not None:  # an answer to store lands before a slow client has read it
+            await call.cache.land()
+        await _settle(call, lag)
 
     async def _carry(self, task: asyncio.Task[None], sink: TeeSink) -> None:
         """The leader's client left while followers still read its stream: keep the relay going
@@ -210,6 +243,23 @@ class CacheStage:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise
+
+
+def _cut_off(call: Call, sink: TeeSink) -> bool:
+    """The relay stopped (ClientGone): True when it was because the client was cut off (too far
+    behind its stream, or past its deadline), not gone: its writer ends its stream with an error
+    event (TeeSink.settle), and the call is a cut."""
+    if sink.lost is not Finish.CUT:
+        return False
+    call.out.finish = Finish.CUT
+    call.out.error = ("the request's deadline passed while its client read" if call.deadline_passed()
+                      else "the client fell too far behind its stream")
+    return True
+
+
+def _deadline(call: Call) -> float:
+    """The call's deadline on the loop's clock."""
+    return asyncio.get_running_loop().time() + call.remaining_s()
 
 
 async def _settle(call: Call, sink: TeeSink) -> None:
