@@ -170,6 +170,7 @@ async def test_a_stall_mid_stream_is_cut_at_the_backends_idle_timeout(endpoint, 
     with pytest.raises(Cut) as cut:
         await Pump(_attempt(req, idle_ms=50), Reads(first, 5.0)).run()  # type: ignore[arg-type]
     assert cut.value.kind is Kind.CUT_MID_STREAM and "stalled for more than 50 ms" in cut.value.err.message
+    assert not cut.value.live  # at the backend's own idle_ms: the backend's failure
 
 
 @pytest.mark.parametrize("endpoint,first", [("chat", _chat("Hi")), ("responses", DELTA)])
@@ -177,9 +178,10 @@ async def test_a_rescuable_stall_is_noticed_from_live_data_whatever_the_format(e
     req = Req(endpoint, transcript=Transcript())  # a stall another backend could rescue
     live = RoutingPolicy(idle_floor_ms=50, cold_idle_ms=60)
     started = time.perf_counter()
-    with pytest.raises(Cut):
+    with pytest.raises(Cut) as cut:
         await Pump(_attempt(req, live, idle_ms=30_000), Reads(first, 5.0)).run()  # type: ignore[arg-type]
     assert time.perf_counter() - started < 2  # the live deadline, not the 30 s idle timeout
+    assert cut.value.live  # blamed on the live deadline (health.LIVE_DEADLINE): its ejection waits for a probe
 
 
 async def test_no_first_output_before_the_deadline_fails_over():

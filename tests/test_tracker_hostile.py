@@ -442,3 +442,31 @@ async def test_one_tenants_fast_requests_neither_shrink_anothers_deadline_nor_ej
     finally:
         await runner_a.cleanup()
         await runner_b.cleanup()
+
+
+def test_a_cut_at_a_live_deadline_is_blamed_on_the_live_deadline_not_the_backend() -> None:
+    """report(): a stall cut at a live idle deadline (`live`), or a timeout short of first_token_ms,
+    counts against health as LIVE_DEADLINE's (its ejection waits for a request probe); a timeout at
+    the configured limit, or a stall at the backend's own idle_ms, as the tenant's or the backend's."""
+    from gateway.observe.metrics import Metrics
+    from gateway.relay.report import report
+    from gateway.routing.backends import Backend
+    from gateway.routing.health import LIVE_DEADLINE, Kind
+
+    states: dict[str, Any] = {}
+    rt = build_runtime(Policy.model_validate({
+        "backends": {"a": {"url": "http://127.0.0.1:9/v1", "models": ["m"], "timeouts": {"first_token_ms": 10_000}}},
+        "models": {"m": {"backends": ["a"]}}, "tenants": TENANTS,
+    }), states, 1)
+    rt.activate(states, {})
+    backend: Backend = rt.backends["a"]
+    metrics = Metrics()
+    call: Any = SimpleNamespace(model="m", request_id="r1", tenant=SimpleNamespace(name="alice"), prompt_tokens=10, stream=True,
+                                out=SimpleNamespace(usage=None), endpoint=SimpleNamespace(generates=True),
+                                max_output_tokens=lambda: 16)
+    h = backend.health_for("m")
+    report(call, backend, metrics, metrics.for_backend("a"), Kind.CUT_MID_STREAM, 4.0, live=True)
+    report(call, backend, metrics, metrics.for_backend("a"), Kind.FIRST_TOKEN_TIMEOUT, 2.0)
+    assert h.run_deadline == 2 and h.run_unblamed == 0 and h.run_tenant is None
+    report(call, backend, metrics, metrics.for_backend("a"), Kind.CUT_MID_STREAM, 40.0)  # at the backend's own idle_ms
+    assert h.state() == "ejected" and h.suspect == LIVE_DEADLINE  # fewer unblamed than eject: still verified

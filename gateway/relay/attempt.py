@@ -54,10 +54,11 @@ class ClientGone(Exception):
 class Cut(Exception):
     """A stream broke after content reached the client (nothing was written about it yet)."""
 
-    def __init__(self, err: GatewayError, kind: Kind) -> None:
+    def __init__(self, err: GatewayError, kind: Kind, *, live: bool = False) -> None:
         super().__init__(err.message)
         self.err = err
         self.kind = kind  # CUT_MID_STREAM, TOO_LARGE, ERROR_EVENT_MID_STREAM, CALLER_DEADLINE or KEY_REVOKED
+        self.live = live  # a stall cut at a deadline from live data, short of the backend's idle_ms
 
 
 class AttemptFailed(Exception):

@@ -102,7 +102,7 @@ class RelayBase:
                 return False
             except Cut as cut:
                 self.progress.cut = cut
-                self._report(att, cut.kind)
+                self._report(att, cut.kind, live=cut.live)
                 return True
             except Lost:
                 self.call.out.read_prompts += 1  # it was at work on the prompt: the tenant is charged it
@@ -160,8 +160,8 @@ class RelayBase:
         call.out.backend = backend.name
         self.sink.set_header("x-gateway-backend", backend.name)
 
-    def _report(self, att: Attempt, kind: Kind, status: int | None = None) -> None:
+    def _report(self, att: Attempt, kind: Kind, status: int | None = None, *, live: bool = False) -> None:
         seconds = time.perf_counter() - att.started - att.client_wait_s  # the backend's time, not the client's
-        report(self.call, att.backend, self.ctx.metrics, att.m, kind, seconds, status=status)
+        report(self.call, att.backend, self.ctx.metrics, att.m, kind, seconds, status=status, live=live)
         if kind in READ_PROMPT:
             self.call.out.read_prompts += 1

@@ -43,7 +43,7 @@ class Pump:
     """Relays one attempt's 200 stream (`resp`) to the client. `run()` returns the outcome kind
     once the stream ended; raises AttemptFailed before the first output, Cut after it."""
 
-    __slots__ = ("att", "resp", "mon", "timer", "idle_s", "first", "saw_done", "failed", "broke", "held",
+    __slots__ = ("att", "resp", "mon", "timer", "idle_s", "idle_live", "first", "saw_done", "failed", "broke", "held",
                  "held_bytes", "last", "client_ttft", "decoder", "writing", "malformed", "skipping", "unnoted")
 
     def __init__(self, att: Attempt, resp: UpstreamResponse) -> None:
@@ -54,6 +54,8 @@ class Pump:
                                    transcript=call.transcript)
         self.timer = asyncio.timeout_at(att.first_deadline)
         self.idle_s = _idle_s(att)
+        # Shorter than the backend's idle_ms: a deadline from live data (health.LIVE_DEADLINE's cut).
+        self.idle_live = self.idle_s < att.backend.timeouts.idle_ms / 1000
         self.first = self.saw_done = self.failed = False  # first: the first output reached the client
         self.broke: Cut | None = None  # the backend's failure event mid-stream (the relay ends the stream)
         self.held: list[bytes] = []  # events before the first output, released with it
@@ -263,7 +265,8 @@ class Pump:
                                 Kind.FIRST_TOKEN_TIMEOUT) from None
         if self.mon.finished:
             return None
-        return self._cut(f"backend {att.backend.name!r} stalled for more than {int(self.idle_s * 1000)} ms mid-stream")
+        return Cut(UpstreamError(f"backend {att.backend.name!r} stalled for more than {int(self.idle_s * 1000)} ms mid-stream"),
+                   Kind.CUT_MID_STREAM, live=self.idle_live)
 
     def _ended(self) -> Cut | None:
         """The body ended (or the stream's end marker came)."""
@@ -299,11 +302,11 @@ class Pump:
 
 def _idle_s(att: Attempt) -> float:
     """How long the stream may stall mid-answer: the backend's idle timeout, or, while a stall
-    could be rescued on another backend, a deadline from its live inter-token latency."""
+    could be rescued on another backend, a deadline from its model's live inter-token latency."""
     idle_s = att.backend.timeouts.idle_ms / 1000
     live = att.live
     if live is not None and att.call.transcript is not None:
-        idle_s = att.backend.tracker.idle_deadline_s(
+        idle_s = att.tracker.idle_deadline_s(
             idle_s, live.idle_floor_ms / 1000, live.cold_idle_ms / 1000, mult=live.idle_p99_multiplier
         )
     return idle_s

@@ -33,14 +33,15 @@ _AT_LIMIT = 0.98
 
 def report(
     call: Call, backend: Backend, metrics: Metrics, m: BackendMetrics, kind: Kind, seconds: float,
-    *, status: int | None = None, sample: bool = True,
+    *, status: int | None = None, sample: bool = True, live: bool = False,
 ) -> None:
     """Report one attempt's outcome to its model's tracker and health on the backend (the
     backend's own health for a refused connection, and the backend's own tracker and health for a
     call that names no model), as health.OUTCOMES says. `status`: the upstream's HTTP status, for
     a 5xx's label; `sample`: whether the attempt is a latency sample at all (a by-id call is not).
-    A timeout at a deadline from live data short of the backend's `first_token_ms` (`cut_short`)
-    is blamed on health.LIVE_DEADLINE: an ejection of such timeouts waits for a request probe."""
+    A timeout at a deadline from live data short of the backend's `first_token_ms` (`cut_short`),
+    or a stall cut at one short of its `idle_ms` (`live`), is blamed on health.LIVE_DEADLINE: an
+    ejection of such failures waits for a request probe."""
     o = OUTCOMES[kind]
     timeout = kind in (Kind.TIMEOUT, Kind.FIRST_TOKEN_TIMEOUT)
     if o.sample and sample:
@@ -72,7 +73,7 @@ def report(
         if kind in _WHOLE_BACKEND:
             health = backend.health
         ejections = health.ejections
-        if timeout and cut_short(backend, seconds):
+        if live or (timeout and cut_short(backend, seconds)):
             health.report_failure(LIVE_DEADLINE, asked=True)
         else:
             health.report_failure(None if call.tenant is None else call.tenant.name, asked=o.asked)
