@@ -351,7 +351,7 @@ class Runtime:
 
     def _tracker_for(self, b: Backend, model: str) -> Tracker:
         """`b.tracker_for(model)`, made as `_health_for` makes a model's health."""
-        if self._active:
+        if self._active or b.one_model:
             return b.tracker_for(model)
         upstream = b.upstream_model(model)
         t = b.state.trackers.get(upstream)

@@ -84,6 +84,9 @@ class Backend:
         self.base_url = policy.url
         self.model_map = policy.model_map
         self.default_model = next(iter(self.model_map.values()))
+        # One upstream model: its figures are the backend's, kept in the backend's own tracker (a
+        # model's tracker beside it would double every sample's cost for nothing).
+        self.one_model = len(set(self.model_map.values())) == 1
         self.state = state
         self.tracker = state.tracker
         self.health = state.health
@@ -118,8 +121,9 @@ class Backend:
     def tracker_for(self, public: str | None) -> Tracker:
         """The latency tracker that routing, deadlines and hedging read for a request for
         `public`: its upstream model's (one model's first tokens say nothing about another's);
-        the backend's own for a request that names no model (a by-id call)."""
-        return self.state.model_tracker(self.upstream_model(public)) if public else self.tracker
+        the backend's own for a request that names no model (a by-id call), and for every request
+        where the backend serves one model."""
+        return self.tracker if self.one_model or not public else self.state.model_tracker(self.upstream_model(public))
 
     def health_for(self, public: str) -> Health:
         """The health that decides whether a request for `public` may go here: its upstream

@@ -130,7 +130,8 @@ class Tracker:
         self.decay_s = decay_s
         self.rise = rise
         self.parent = parent
-        self._inflight = 0
+        if parent is None:  # a model's tracker reads and writes its backend's (_ModelTracker)
+            self.inflight = 0
         self._memory = (slope_memory, error_memory)
         self.ttft = Window(window_s, max_samples)
         self.itl = Window(window_s, max_samples)
@@ -163,25 +164,11 @@ class Tracker:
         self._fail_tenant: str | None = None  # whose `asked` failure waits for another's to agree
         self._fail_at = -math.inf
 
-    @property
-    def inflight(self) -> int:
-        """Attempts in flight on the backend (a model's tracker reads its backend's)."""
-        p = self.parent
-        return self._inflight if p is None else p.inflight
-
-    @inflight.setter
-    def inflight(self, n: int) -> None:
-        p = self.parent
-        if p is None:
-            self._inflight = n
-        else:
-            p.inflight = n
-
     def for_model(self) -> Tracker:
         """A new tracker for one of this backend's models, with this one's settings and as its parent."""
         slope_memory, error_memory = self._memory
-        t = Tracker(self.window_s, self.max_samples, self.clock, decay_s=self.decay_s, rise=self.rise,
-                    slope_memory=slope_memory, error_memory=error_memory, parent=self)
+        t = _ModelTracker(self.window_s, self.max_samples, self.clock, decay_s=self.decay_s, rise=self.rise,
+                          slope_memory=slope_memory, error_memory=error_memory, parent=self)
         t.corroborate = self.corroborate
         return t
 
@@ -279,11 +266,14 @@ class Tracker:
             return
         residual = ttft - self._slope * x
         level = self._level
-        usual = self._slope * self._mean_x()
         # What another tenant's latest sample agrees with of this one (as a usual prompt's TTFT;
         # -inf: no other tenant's within the window, or not corroborating).
         agreed = -math.inf
-        if self.corroborate and tenant is not None:
+        corroborating = self.corroborate
+        if corroborating and tenant is not None:
+            usual = self._slope * self._mean_x()
+            if level is not None and math.isinf(self._base_at):  # corroboration just began: the base is the level
+                self._base, self._base_at = level + usual, now
             others = self._claim(now, tenant, residual + usual)
             agreed = min(residual + usual, others)
             if level is not None and residual > level:
@@ -307,7 +297,10 @@ class Tracker:
                 self._level = level * (residual / level) ** w
             else:
                 self._level = level + w * (residual - level)
-        self._follow(now, tenant, agreed)
+        if corroborating:
+            self._follow(now, tenant, agreed)
+        else:
+            self._base_at = -math.inf  # not kept meanwhile: it restarts from the level
         self.last_sample_at = now
         if fit and prompt_tokens is not None:
             self._fit(x, ttft)
@@ -518,3 +511,18 @@ class Tracker:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
+
+
+class _ModelTracker(Tracker):
+    """A model's tracker: attempts in flight are its backend's (the backend's slots count them
+    there), read and written through; a plain attribute on the backend's own, the hot path's."""
+
+    @property
+    def inflight(self) -> int:
+        assert self.parent is not None
+        return self.parent.inflight
+
+    @inflight.setter
+    def inflight(self, n: int) -> None:
+        assert self.parent is not None
+        self.parent.inflight = n
