@@ -188,8 +188,8 @@ def hash_index(term: str, dim: int) -> int:
 def _content_text(content: Any) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list):   # content parts: keep the text ones, skip images/audio
-        parts = [p.get("text") for p in content if isinstance(p, Mapping)]
+    if isinstance(content, list):   # content parts: keep the text ones (and refusals), skip images/audio
+        parts = [p.get("text") if "text" in p else p.get("refusal") for p in content if isinstance(p, Mapping)]
         return "\n".join(p for p in parts if isinstance(p, str))
     return ""
 

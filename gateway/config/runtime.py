@@ -273,15 +273,40 @@ class Runtime:
         self.prefixes.configure(pa.max_entries, pa.prefix_ttl_s)
 
     def spend_usd(self, call: Call, estimate: tuple[int, int] | None = None) -> float:
-        """What the answer cost at its backend's `price`: its usage's prompt and completion tokens
-        (a usage with a figure that is not a whole number from 0 to 2**40 is none: tenants/quota.py `reported`),
-        else `estimate`, the (input, output) tokens a quota charged in their place (none: 0). 0
-        without a price or a backend, and for a cache hit."""
-        backend = self.backends.get(call.out.backend or "")
-        if backend is None or backend.policy.price is None or call.cache.result is CacheResult.HIT:
+        """What the request cost at its backends' `price`s (0 without one, and for a cache hit).
+
+        The answer at its backend's price: its usage's prompt and completion tokens (a usage
+        with a figure that is not a whole number from 0 to 2**40 is none: tenants/quota.py
+        `reported`), else `estimate`, the (input, output) tokens a quota charged in their place
+        (none: 0). Plus the prompt estimate of each read beyond the answer's (failed over after a
+        timeout or a cut, a hedge's loser, a continued stream's earlier legs: `out.read_prompts`)
+        at the input price of the backends attempted besides the answer's (`out.attempts`),
+        dearest first since which of them read it is not recorded, the rest at the dearest one
+        attempted: a usage report counts only its own backend's read, and three reads of a
+        10,000-token prompt were charged 30,000 tokens but one read's spend (review helper's repro)."""
+        if call.cache.result is CacheResult.HIT:
             return 0.0
-        tokens = reported(call.out.usage) or estimate
-        return 0.0 if tokens is None else backend.policy.price.usd(*tokens)
+
+        def input_price(name: str | None) -> float | None:
+            backend = self.backends.get(name or "")
+            price = None if backend is None else backend.policy.price
+            return None if price is None else price.input_per_mtok
+
+        usd = 0.0
+        backend = self.backends.get(call.out.backend or "")
+        if backend is not None and backend.policy.price is not None:
+            tokens = reported(call.out.usage) or estimate
+            if tokens is not None:
+                usd = backend.policy.price.usd(*tokens)
+        extra = call.out.read_prompts - 1
+        if extra > 0 and call.prompt_tokens > 0:
+            others = list(call.out.attempts)
+            if call.out.backend in others:
+                others.remove(call.out.backend)  # one attempt is the answer's: priced above
+            dearest = sorted((p for name in others if (p := input_price(name)) is not None), reverse=True)[:extra]
+            rest = max((p for name in call.out.attempts if (p := input_price(name)) is not None), default=0.0)
+            usd += (sum(dearest) + (extra - len(dearest)) * rest) * call.prompt_tokens / 1e6
+        return usd
 
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.

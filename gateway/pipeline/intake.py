@@ -52,20 +52,31 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
     rt.tenants.authorize(tenant, call.model)
     cap(call, tenant)  # the band at most the tenant's priority; a service_tier above it not sent upstream
     route = rt.route(call.model)
-    # Cheap; the classifier's estimate replaces it when it runs. Token ids are counted one by one.
+    # The whole body's size (cheap): everything it carries that a model reads, but base64 images
+    # and audio, counted by what they are (_media). Token ids are counted one by one.
     unread = call.endpoint.unread_prompt(call.body)
-    call.prompt_tokens = max(bytes_tokens(call.raw), unread)
+    media_bytes, media = _media(call.body) if call.endpoint.generates else (0, 0)
+    whole = max(0, bytes_tokens(call.raw) - media_bytes)
+    call.prompt_tokens = max(whole + media, unread)
     if call.endpoint.classifies:
         view = call.endpoint.classify_view(call.body)  # a translation for some endpoints: once
         verdict = rt.classify(view, route)
         estimate = verdict.features.get("text_tokens")
+        hidden = 0
         if isinstance(estimate, int):
             read = estimate + _structured_tokens(view)  # what the text does not show is _unread's
-            call.prompt_tokens = read + unread
+            # Never below the body's size: the classifier reads only the text it models (a
+            # 50,000-token prompt in an item it skips was reserved 6 tokens: review helper's repro).
+            call.prompt_tokens = max(whole, read + unread) + media
             verdict = _long(verdict, read, rt.rules.complex_over_prompt_tokens)
-        if rt.uncertain(verdict, route) and not unread:
+            hidden = _hidden(whole - read - unread, read)
+        if rt.uncertain(verdict, route) and not unread and not hidden:
             verdict = await rt.cascade.decide(verdict, view, tenant.name)
-        call.verdict = verdict if not unread else _unread(verdict, unread)
+        if unread:
+            verdict = _unread(verdict, f"{unread} prompt tokens given as token ids or a suffix: the classifier reads text only")
+        elif hidden:
+            verdict = _unread(verdict, f"~{hidden} prompt tokens in parts of the body the classifier does not read")
+        call.verdict = verdict
     if route.prefixes is not None and call.endpoint.generates:
         _prefix(call, route, tenant)  # may make it complex (sticky_class): the class is final after it
     if call.endpoint.client_prefill and call.endpoint.ends_in_prefill(call.body):
@@ -109,14 +120,101 @@ def _long(v: Verdict, tokens: int, limit: int | None) -> Verdict:
                    reasons=[*v.logged(), f"rule: long prompt ({tokens} tokens with its tool definitions and calls)"])
 
 
-def _unread(v: Verdict, unread: int) -> Verdict:
+def _unread(v: Verdict, why: str) -> Verdict:
     """A prompt the classifier could not read whole (token ids, a completion's suffix: 30,000
-    token ids were "simple", sent to the small model, and reserved none of their tokens): complex,
-    recall first."""
+    token ids were "simple", sent to the small model, and reserved none of their tokens; a
+    50,000-token tool output it skips): complex, recall first."""
     if v.cls == "complex":
         return v
-    return replace(v, cls="complex", rule="unread_prompt", stage=Stage.RULE,
-                   reasons=[*v.reasons, f"{unread} prompt tokens given as token ids or a suffix: the classifier reads text only"])
+    return replace(v, cls="complex", rule="unread_prompt", stage=Stage.RULE, reasons=[*v.reasons, why])
+
+
+# The body's tokens the classifier does not read that make a prompt unread (`_hidden`): more than
+# the keys and punctuation of an ordinary request's JSON (~10 tokens a message; ~100 messages).
+_HIDDEN_MIN_TOKENS = 1024
+
+
+def _hidden(unseen: int, read: int) -> int:
+    """`unseen` (the body's tokens less what the classifier read) when they make a significant
+    share of the prompt: over _HIDDEN_MIN_TOKENS and more than it read; else 0. A prompt is
+    not simple by the part the classifier read when most of it is in parts it skips (items and
+    parts of kinds it does not model, a file's data, a template's variables)."""
+    return unseen if unseen > _HIDDEN_MIN_TOKENS and unseen > read else 0
+
+
+# A base64 image counts as at most this many prompt tokens: a model reads its pixels, not its
+# characters (a provider counts an image by its size in pixels, at most ~1,100-2,500 tokens; the
+# JSON of a 1 MB one is 330,000 characters). Audio counts one token per _AUDIO_CHARS characters of
+# its base64 (~40 a second of 16 kHz WAV, ~20 of MP3: providers count ~10). A file's data counts
+# whole (its text, or its pages' text and images, are read).
+_MEDIA_TOKENS = 2048
+_AUDIO_CHARS = 1024
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})  # most parts: nothing to look into
+_IMAGE_PARTS = frozenset({"image_url", "input_image", "computer_screenshot"})  # chat's, Responses' (an image URL)
+
+
+def _media(body: Mapping[str, Any]) -> tuple[int, int]:
+    """(the tokens the base64 images and audio of a body would count as text, the tokens they
+    count as), from the parts of its turns or items (chat, Messages, Responses) and of a prompt
+    template's variables: as many steps as parts, whatever the size of the text."""
+    turns = body.get("messages")
+    if not isinstance(turns, list):
+        turns = body.get("input")
+    found: list[tuple[int, int]] = []
+    if isinstance(turns, list):
+        for turn in turns:
+            if not isinstance(turn, dict):
+                continue
+            content, output = turn.get("content"), turn.get("output")  # a function call's output: parts too
+            if isinstance(content, list):
+                _media_in(content, found, 2)
+            if isinstance(output, list | dict):
+                _media_in(output, found, 2)
+            if turn.get("type") == "image_generation_call" and isinstance(image := turn.get("result"), str):
+                found.append(_image(image))  # an image made earlier, given back
+    prompt = body.get("prompt")
+    variables = prompt.get("variables") if isinstance(prompt, dict) else None
+    if isinstance(variables, dict):
+        _media_in(list(variables.values()), found, 0)
+    return sum(t for t, _ in found), sum(c for _, c in found)
+
+
+def _media_in(parts: list[Any] | dict[str, Any], found: list[tuple[int, int]], depth: int) -> None:
+    """Appends to `found` (tokens as text, tokens counted) for each image or audio among `parts`
+    (a part or a list of them) and in the parts they hold (a tool result's `content`, an
+    Anthropic block's `source`), `depth` levels down."""
+    for part in parts if isinstance(parts, list) else (parts,):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if not isinstance(kind, str) or kind in _TEXT_PARTS:  # (an Anthropic source has a type too)
+            continue
+        if kind in _IMAGE_PARTS:
+            url = part.get("image_url")  # chat's {"url": ...}; Responses' input_image and screenshots: the URL
+            if isinstance(url, dict):
+                url = url.get("url")
+            if isinstance(url, str) and url.startswith("data:"):
+                found.append(_image(url))
+            continue
+        if kind == "base64":  # an Anthropic source (a document's is a file: read, counted whole)
+            media_type, data = part.get("media_type"), part.get("data")
+            if isinstance(media_type, str) and media_type.startswith("image/") and isinstance(data, str):
+                found.append(_image(data))
+            continue
+        if kind == "input_audio":
+            audio = part.get("input_audio")
+            data = audio.get("data") if isinstance(audio, dict) else None
+            if isinstance(data, str):
+                found.append((len(data) // 4, len(data) // _AUDIO_CHARS))
+            continue
+        if depth > 0:
+            for key in ("content", "source"):
+                child = part.get(key)
+                if isinstance(child, list | dict):
+                    _media_in(child, found, depth - 1)
+
+
+def _image(data: str) -> tuple[int, int]:
+    tokens = len(data) // 4
+    return tokens, min(tokens, _MEDIA_TOKENS)
 
 
 def _prefix(call: Call, route: Route, tenant: Tenant) -> None:

@@ -212,8 +212,11 @@ async def create_conversation(request: web.Request) -> web.StreamResponse:
 
 async def _create(request: web.Request, rt: Runtime, by_id: Passthrough) -> web.StreamResponse:
     tenant = await by_id.authenticate()
-    body, model, items = _creation_body(await read_bounded(request, rt.server.max_body_bytes, tenant.name))
+    raw = await read_bounded(request, rt.server.max_body_bytes, tenant.name)
+    # Counted before the body is parsed: a 400 for it spends rpm like any request's (a flood of
+    # malformed bodies cost nothing and was never refused early: review helper's repro).
     await by_id.take()
+    body, model, items = _creation_body(raw)
     holder, held_tokens = await _items_holder(rt, items, tenant.cache_namespace)
     backend = _conversation_backend(rt, tenant, model, holder)
 

@@ -131,11 +131,22 @@ def stateful_reason(body: Mapping[str, Any]) -> str | None:
 
 
 def _text(content: Any) -> Any:
-    """Responses content parts (input_text / output_text / refusal) in the chat parts shape the
-    classifier reads (`text` keys); a string stays a string."""
+    """Responses content parts (input_text / output_text / refusal / summary_text /
+    reasoning_text) in the chat parts shape the classifier reads (`text` keys); a string stays a
+    string, anything else reads as no text."""
     if isinstance(content, list):
         return [{"type": "text", "text": p.get("text") or p.get("refusal")} for p in content if isinstance(p, dict)]
-    return content
+    return content if isinstance(content, str) else ""
+
+
+def _variables(prompt: Any) -> str:
+    """The text of a prompt template's `variables` (strings, or input_text parts): what the
+    backend puts into the stored prompt, read as instructions."""
+    variables = prompt.get("variables") if isinstance(prompt, dict) else None
+    if not isinstance(variables, dict):
+        return ""
+    texts = (v if isinstance(v, str) else v.get("text") if isinstance(v, dict) else None for v in variables.values())
+    return "\n".join(t for t in texts if isinstance(t, str) and t)
 
 
 def chat_view(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -146,6 +157,9 @@ def chat_view(body: Mapping[str, Any]) -> dict[str, Any]:
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:
         messages.append({"role": "system", "content": instructions})
+    variables = _variables(body.get("prompt"))
+    if variables:
+        messages.append({"role": "system", "content": variables})
     items = body.get("input")
     if isinstance(items, str):
         messages.append({"role": "user", "content": items})
@@ -156,10 +170,18 @@ def chat_view(body: Mapping[str, Any]) -> dict[str, Any]:
             kind = item.get("type", "message")
             if kind == "message" or "role" in item:
                 messages.append({"role": item.get("role", "user"), "content": _text(item.get("content"))})
-            elif kind == "function_call_output":
-                messages.append({"role": "tool", "content": item.get("output") if isinstance(item.get("output"), str) else ""})
+            elif kind in ("function_call_output", "custom_tool_call_output"):
+                # a string, or a list of input_text (and image, file) parts
+                messages.append({"role": "tool", "content": _text(item.get("output"))})
             elif kind == "function_call":
                 messages.append({"role": "assistant", "content": item.get("arguments") or ""})
+            elif kind == "custom_tool_call":
+                messages.append({"role": "assistant", "content": _text(item.get("input"))})
+            elif kind == "reasoning":  # its summary and its text (encrypted_content is not text)
+                parts = [part for key in ("summary", "content") if isinstance(item.get(key), list) for part in item[key]]
+                messages.append({"role": "assistant", "content": _text(parts)})
+            # Other kinds (a search's results, a shell's output, ...): not read here; a large
+            # share of the body unread makes the prompt complex (pipeline/intake.py `_hidden`).
     view: dict[str, Any] = {"messages": messages}
     if body.get("max_output_tokens") is not None:
         view["max_tokens"] = body["max_output_tokens"]

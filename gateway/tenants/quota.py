@@ -215,8 +215,11 @@ class Quota:
                 # Its usage never comes back (a background Response answers `queued`): charged
                 # what it may generate, its limit as now bounded (without one, what a reservation
                 # holds: the tpm), not an estimate (5 background requests were charged 5,190
-                # tokens and generated 100,060).
-                reserved = min(call.prompt_tokens + self._completion_estimate(call, plan, _room(call, limits)), _MAX_TOKENS)
+                # tokens and generated 100,060). Without a tpm, a limit it sets (at most what
+                # its backends accept), else default_max_tokens written into it (_later).
+                room = _room(call, limits)
+                answer = self._completion_estimate(call, plan, room) if room is not None else _later(call, plan, ceiling)
+                reserved = min(call.prompt_tokens + answer, _MAX_TOKENS)
         held = min(reserved, limits.cap)  # what the counters take (they cap it there too)
         spend = _spend_reserve(limits.spend_cap, cost, call.prompt_tokens, held - call.prompt_tokens) if limits.spend_cap else 0
         ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS, spend)
@@ -621,6 +624,26 @@ def _fit(call: Call, limits: _Limits, ceiling: Callable[[], int | None]) -> None
         call.limit_answer(room)
 
 
+def _later(call: Call, plan: _Plan, ceiling: Callable[[], int | None]) -> int:
+    """What a request answered later (a background Response: its usage never comes back through
+    the gateway) may generate under limits without a tpm, all its answers together, and so what it
+    is charged: its own limit, at most `ceiling()` (the largest its backends accept; a backend
+    generates no more); without one, the tenant's `default_max_tokens` (at most the ceiling),
+    written into the body, so the backend generates no more than it is charged. Such a request
+    was charged default_max_tokens (1,024) whatever it generated: nothing bounded it (review
+    helper's repro)."""
+    if not call.endpoint.generates:
+        return 0
+    top = ceiling()
+    limit = call.max_output_tokens()
+    if limit is None:
+        limit = plan.default_max_tokens if top is None else min(plan.default_max_tokens, top)
+        call.limit_answer(limit)
+    elif top is not None:
+        limit = min(limit, top)
+    return limit * call.answers()
+
+
 def _room(call: Call, limits: _Limits) -> int | None:
     """One answer's share of what a reservation holds (the smallest tpm, shared by the answers);
     None without a tpm."""
@@ -653,9 +676,11 @@ def reported(usage: dict[str, Any] | None) -> tuple[int, int] | None:
 
 def _tokens_used(call: Call, reserved: int) -> tuple[int, tuple[int, int] | None]:
     """What the request consumed, `reserved` being what its hold took: the tokens the counters
-    settle with and, when the backend's usage does not say (`reported` is None), the (input,
-    output) split of them that its spend is priced at (input: the prompt estimate of every
-    read; without it a backend that reports no usage was charged $0 under a spend limit).
+    settle with and, when the backend's usage does not say (`reported` is None), the answer's
+    (input, output) split of them that its spend is priced at (without it a backend that
+    reports no usage was charged $0 under a spend limit). The other reads of the prompt (below)
+    are not in the split: Runtime.spend_usd prices them at the input price of the backends
+    attempted, with a usage report or without.
 
     The tokens: the backend's usage (`total_tokens`, else prompt + completion); else an
     estimate, since a backend that reports none (or was left mid-way) still did the work:
@@ -700,7 +725,7 @@ def _tokens_used(call: Call, reserved: int) -> tuple[int, tuple[int, int] | None
         out = max(reserved, prompt) - prompt
     else:
         out = 0
-    return prompt + out + others, (prompt + others, out)
+    return prompt + out + others, (prompt, out)
 
 
 def _headers(set_header: Callable[[str, str], None], d: Decision) -> None:
