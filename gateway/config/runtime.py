@@ -208,6 +208,7 @@ class Runtime:
         self.routing = policy.routing
         # Applied by `activate`, at the swap: nothing above touched the live backends.
         self.stores = stores if stores is not None else {}  # the stores it uses, by settings
+        self.priced = any(b.policy.price is not None for b in backends.values())  # else spend_usd is 0 at once
         self.slot_limits = slot_limits if slot_limits is not None else {n: b.policy.max_concurrency for n, b in backends.items()}
         self._new_models: dict[str, dict[str, Health]] = {}  # backend -> upstream model -> its health, made here
         self._new_trackers: dict[str, dict[str, Tracker]] = {}  # backend -> upstream model -> its tracker, made here
@@ -284,14 +285,9 @@ class Runtime:
         dearest first since which of them read it is not recorded, the rest at the dearest one
         attempted: a usage report counts only its own backend's read, and three reads of a
         10,000-token prompt were charged 30,000 tokens but one read's spend (review helper's repro)."""
-        if call.cache.result is CacheResult.HIT:
+        if call.cache.result is CacheResult.HIT or not self.priced:
             return 0.0
-
-        def input_price(name: str | None) -> float | None:
-            backend = self.backends.get(name or "")
-            price = None if backend is None else backend.policy.price
-            return None if price is None else price.input_per_mtok
-
+        input_price = self._input_price
         usd = 0.0
         backend = self.backends.get(call.out.backend or "")
         if backend is not None and backend.policy.price is not None:
@@ -307,6 +303,11 @@ class Runtime:
             rest = max((p for name in call.out.attempts if (p := input_price(name)) is not None), default=0.0)
             usd += (sum(dearest) + (extra - len(dearest)) * rest) * call.prompt_tokens / 1e6
         return usd
+
+    def _input_price(self, name: str | None) -> float | None:
+        backend = self.backends.get(name or "")
+        price = None if backend is None else backend.policy.price
+        return None if price is None else price.input_per_mtok
 
     def cache_plan(self, call: Call, route: Route, tenant: Tenant) -> CachePlan:
         """Whether and under which key this call's answer is looked up and stored.

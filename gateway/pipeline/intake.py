@@ -163,19 +163,23 @@ def _media(body: Mapping[str, Any]) -> tuple[int, int]:
     found: list[tuple[int, int]] = []
     if isinstance(turns, list):
         for turn in turns:
-            if not isinstance(turn, dict):
+            if turn.__class__ is not dict:
                 continue
-            content, output = turn.get("content"), turn.get("output")  # a function call's output: parts too
+            content = turn.get("content")
+            if content.__class__ is str and "type" not in turn:
+                continue  # a chat turn of text: the most common by far
             if isinstance(content, list):
                 _media_in(content, found, 2)
+            output = turn.get("output")  # a function call's output: parts too
             if isinstance(output, list | dict):
                 _media_in(output, found, 2)
             if turn.get("type") == "image_generation_call" and isinstance(image := turn.get("result"), str):
                 found.append(_image(image))  # an image made earlier, given back
     prompt = body.get("prompt")
-    variables = prompt.get("variables") if isinstance(prompt, dict) else None
-    if isinstance(variables, dict):
+    if prompt.__class__ is dict and isinstance(variables := prompt.get("variables"), dict):
         _media_in(list(variables.values()), found, 0)
+    if not found:  # most requests: no generator to make
+        return 0, 0
     return sum(t for t, _ in found), sum(c for _, c in found)
 
 
