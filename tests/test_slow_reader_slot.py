@@ -144,3 +144,52 @@ async def test_a_client_that_reads_a_trickle_is_cut_at_its_deadline_without_hold
     finally:
         s.close()
     assert b"deadline" in got and b"data: [DONE]" not in got
+
+
+async def _read_whole(s: socket.socket, timeout_s: float) -> bytes:
+    """A whole (Content-Length) response's head and body."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    async with asyncio.timeout(timeout_s):
+        while True:
+            head_end = got.find(b"\r\n\r\n")
+            if head_end >= 0:
+                length = next(int(line.split(b":")[1]) for line in bytes(got[:head_end]).split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                if len(got) >= head_end + 4 + length:
+                    return bytes(got)
+            chunk = await loop.sock_recv(s, 1 << 16)
+            if not chunk:
+                return bytes(got)
+            got += chunk
+
+
+@KINDS
+async def test_a_whole_answer_to_a_client_that_stops_reading_holds_no_slot(upstream, gateway, temperature):
+    """A whole answer of 1,500,000 tokens (~13 MB, past the sockets' buffers) to a client that reads
+    its headers and stops: it was written inside its attempt, so the backend's slot stayed held
+    while the write waited on the client (up to 60 s). Now the relay returns first (the slot is
+    given back) and the answer is written after, at the client's pace, whole."""
+    a = await upstream("a", tokens=1_500_000, itl_ms=0)
+    p = simple_policy(a)
+    p["backends"]["a"]["max_concurrency"] = 1
+    gw = await gateway(p)
+    backend = gw.app[LIVE].runtime.backends["a"]
+    body = orjson.dumps({"model": "gpt-test", "messages": MSG, "temperature": temperature})
+    loop = asyncio.get_running_loop()
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.setblocking(False)
+    try:
+        await loop.sock_connect(s, ("127.0.0.1", gw.port))
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{gw.port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        await loop.sock_sendall(s, head + body)
+        first = await loop.sock_recv(s, 1)  # the answer has begun: the write waits on this client now
+        await _until(lambda: a.stats.requests == 1 and backend.slots.used == 0, 10)
+        status, waited = await _short_answer(gw.url)
+        assert status == 200 and waited < 2.5
+        got = first + await _read_whole(s, 30)
+    finally:
+        s.close()
+    assert got.startswith(b"HTTP/1.1 200") and b"w1499999 " in got, got[:200]

@@ -20,11 +20,11 @@ from ..admission.gate import BANDS
 from ..config.runtime import CachePlan, Route, Runtime
 from ..errors import Unavailable
 from ..pipeline.call import CacheResult, Call, Finish, key_live, revoked
-from ..relay.attempt import ClientGone
+from ..relay.attempt import ClientGone, client_write
 from ..relay.context import RelayContext
 from ..tenants.auth import Tenant
 from ..tenants.priority import Band
-from ..web.sink import Sink
+from ..web.sink import Sink, SinkWrapper
 from . import shared_flight as cache_flight
 from .broadcast import Broadcast, TeeSink, follow, owner_of, wants_usage
 from .core import Cache, Flight, Terms
@@ -208,9 +208,12 @@ class CacheStage:
         the client's pace, within its deadline. A client too far behind is cut off with an error
         event (the upstream call stops). Before, a client that read nothing held its backend's
         slot 60 s a write, and one that read a trickle until its deadline (review helper's repro).
-        A flight leader's stream is decoupled already (`_lead`: its TeeSink)."""
+        A flight leader's stream is decoupled already (`_lead`: its TeeSink). A whole answer is
+        written once the relay has returned (_Later)."""
         if not call.stream:
-            await produce(sink)
+            later = _Later(sink)
+            await produce(later)
+            await later.flush()
             return
         bc = Broadcast(budget=self.ctx.flight.budget, owner=owner_of(call), history=False)
         lag = TeeSink(sink, bc, _deadline(call))
@@ -243,6 +246,28 @@ class CacheStage:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             raise
+
+
+class _Later(SinkWrapper):
+    """A whole answer, written to its client once the relay has returned: a large one waits on a
+    slow client (up to CLIENT_READ_S a write), and written inside its attempt that wait held the
+    backend's slot and the admission place, which the relay gives back when it returns (review
+    helper's finding; streams are decoupled by a TeeSink). The answer is in memory either way."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, inner: Sink) -> None:
+        super().__init__(inner)
+        self._held: tuple[int, bytes, str] | None = None
+
+    async def send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+        self._held = (status, body, content_type)
+
+    async def flush(self) -> None:
+        """Send the answer the relay gave (if any) to the client."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            await client_write(self._inner.send(*held))
 
 
 def _cut_off(call: Call, sink: TeeSink) -> bool:
