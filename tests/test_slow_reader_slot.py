@@ -54,6 +54,15 @@ async def _read_all(s: socket.socket, timeout_s: float) -> bytes:
     return bytes(got)
 
 
+async def _one_slot(upstream, gateway, tokens: int):
+    """A backend of one slot answering `tokens` tokens at once, and a gateway in front of it."""
+    a = await upstream("a", tokens=tokens, itl_ms=0)
+    p = simple_policy(a)
+    p["backends"]["a"]["max_concurrency"] = 1
+    gw = await gateway(p)
+    return a, gw, gw.app[LIVE].runtime.backends["a"]
+
+
 async def _until(cond, timeout_s: float) -> None:
     async with asyncio.timeout(timeout_s):
         while not cond():
@@ -79,11 +88,7 @@ async def test_a_client_that_stops_reading_gives_its_slot_back_when_the_answer_e
     """20,000 tokens (~3 MB: within the 8 MiB a client may fall behind): the backend answers at
     once; its slot is free while the client has read almost nothing, another caller is answered,
     and the client then reads the whole stream, [DONE] included."""
-    a = await upstream("a", tokens=20_000, itl_ms=0)
-    p = simple_policy(a)
-    p["backends"]["a"]["max_concurrency"] = 1
-    gw = await gateway(p)
-    backend = gw.app[LIVE].runtime.backends["a"]
+    a, gw, backend = await _one_slot(upstream, gateway, 20_000)
     body = orjson.dumps({"model": "gpt-test", "messages": MSG, "stream": True, "temperature": temperature})
     s = await _stalled_reader(gw.port, body)
     try:
@@ -103,11 +108,7 @@ async def test_a_client_too_far_behind_is_cut_off_and_its_slot_given_back(upstre
     """200,000 tokens (~30 MB): the client falls 8 MiB behind, its stream is cut off (the upstream
     call stops, the slot is free) and what it reads ends with an error event, no [DONE]. (A
     flight's leader cut off that way used to lose its error event: its writer was cancelled.)"""
-    a = await upstream("a", tokens=200_000, itl_ms=0)
-    p = simple_policy(a)
-    p["backends"]["a"]["max_concurrency"] = 1
-    gw = await gateway(p)
-    backend = gw.app[LIVE].runtime.backends["a"]
+    a, gw, backend = await _one_slot(upstream, gateway, 200_000)
     body = orjson.dumps({"model": "gpt-test", "messages": MSG, "stream": True, "temperature": temperature})
     s = await _stalled_reader(gw.port, body)
     try:
@@ -170,11 +171,7 @@ async def test_a_whole_answer_to_a_client_that_stops_reading_holds_no_slot(upstr
     its headers and stops: it was written inside its attempt, so the backend's slot stayed held
     while the write waited on the client (up to 60 s). Now the relay returns first (the slot is
     given back) and the answer is written after, at the client's pace, whole."""
-    a = await upstream("a", tokens=1_500_000, itl_ms=0)
-    p = simple_policy(a)
-    p["backends"]["a"]["max_concurrency"] = 1
-    gw = await gateway(p)
-    backend = gw.app[LIVE].runtime.backends["a"]
+    a, gw, backend = await _one_slot(upstream, gateway, 1_500_000)
     body = orjson.dumps({"model": "gpt-test", "messages": MSG, "temperature": temperature})
     loop = asyncio.get_running_loop()
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..admission.gate import reserve_slots
 from ..cache.core import Cache, cache_key, cacheable_request, key_owner
@@ -366,27 +366,13 @@ class Runtime:
         health the backend has not had yet is made here and joins its state at `activate`."""
         if self._active:
             return b.health_for(model)
-        upstream = b.upstream_model(model)
-        h = b.state.models.get(upstream)
-        if h is None:
-            new = self._new_models.setdefault(b.name, {})
-            h = new.get(upstream)
-            if h is None:
-                h = new[upstream] = b.health.for_model()  # as BackendState.model_health makes one
-        return h
+        return _staged(b.state.models, self._new_models, b, model, b.health.for_model)  # as BackendState.model_health
 
     def _tracker_for(self, b: Backend, model: str) -> Tracker:
         """`b.tracker_for(model)`, made as `_health_for` makes a model's health."""
         if self._active or b.one_model:
             return b.tracker_for(model)
-        upstream = b.upstream_model(model)
-        t = b.state.trackers.get(upstream)
-        if t is None:
-            new = self._new_trackers.setdefault(b.name, {})
-            t = new.get(upstream)
-            if t is None:
-                t = new[upstream] = b.tracker.for_model()  # as BackendState.model_tracker makes one
-        return t
+        return _staged(b.state.trackers, self._new_trackers, b, model, b.tracker.for_model)  # as BackendState.model_tracker
 
     def single_pool(self, model: str, backend: str) -> Pool:
         """A pool of one backend (a follow-up pinned to the backend that holds its state)."""
@@ -521,6 +507,22 @@ def answer_ceiling(call: Call, route: Route) -> int | None:
 def _defaults(call: Call, route: Route) -> dict[str, float]:
     """The default temperature of every backend that may answer `call` (_answerers)."""
     return {b.name: b.policy.sampling_default_temperature for b in _answerers(call, route)}
+
+
+_T = TypeVar("_T")
+
+
+def _staged(live: Mapping[str, _T], made: dict[str, dict[str, _T]], b: Backend, model: str, make: Callable[[], _T]) -> _T:
+    """The live state's object (a health, a tracker) for `model`'s upstream model on `b`, else one
+    made while building (`made`, by backend: it joins the state at `activate`), made by `make`."""
+    upstream = b.upstream_model(model)
+    found = live.get(upstream)
+    if found is None:
+        new = made.setdefault(b.name, {})
+        found = new.get(upstream)
+        if found is None:
+            found = new[upstream] = make()
+    return found
 
 
 def _cost(bp: BackendPolicy) -> float:
