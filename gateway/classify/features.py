@@ -42,7 +42,10 @@ _DIGIT_RE = re.compile(r"\d")
 _NUMBER_RE = re.compile(r"\d[\d,]*(?:\.\d+)?")
 _YEAR_RE = re.compile(r"1[5-9]\d\d|20\d\d")
 # A chain of numbers joined by operators: "9 - 2 x 3", "12*7", "3.5 / 7 + 1".
-_ARITH_RE = re.compile(r"\d+(?:\.\d+)?(?:\s*[-+*/×÷^x]\s*\d+(?:\.\d+)?)+")
+# Never from inside a run of digits: a match there would extend one from the run's start, and
+# trying each start backtracked through the whole run (a 1,400-digit prompt held the event loop
+# 70 ms a request: review helper's repro). The same matches (a fuzz test holds them to the old).
+_ARITH_RE = re.compile(r"(?<!\d)\d+(?:\.\d+)?(?:\s*[-+*/×÷^x]\s*\d+(?:\.\d+)?)+")
 # an equation with variables: "x+y = 4z", "2x - 3 = 7", "f(x) = x^2"
 _ALGEBRA_RE = re.compile(r"(?:\b\d*[a-z]\b|\))\s*(?:[-+*/^]\s*\w+\s*)*=\s*[-\d(]*[a-z0-9]")
 _ARITH_OP_RE = re.compile(r"[-+*/×÷^x]")
@@ -223,7 +226,9 @@ def request_text(body: Mapping[str, Any]) -> tuple[str, list[str], list[str], st
             systems.append(text)
         elif role == "tool":
             assistants.append(text)
-    final = users[-1] if users else (assistants[-1] if assistants else "")
+    # Without a user turn, the last other text is the request (a task sent as the only system or
+    # developer message read as "" and went to the small model: review helper's repro).
+    final = users[-1] if users else (assistants[-1] if assistants else (systems[-1] if systems else ""))
     return final, users[:-1], assistants, "\n".join(systems), total, tokens
 
 
