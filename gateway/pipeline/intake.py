@@ -11,6 +11,7 @@ import orjson
 
 from ..admission.gate import MAX_COST, Ticket
 from ..classify.classifier import Stage, Verdict
+from ..classify.features import CUE_HEAD_CHARS, CUE_TAIL_CHARS
 from ..config.policy import QuotaPolicy
 from ..config.runtime import Route, Runtime
 from ..routing.prefix import prefix_keys
@@ -70,12 +71,16 @@ async def intake(call: Call, rt: Runtime) -> tuple[Route, Tenant]:
             call.prompt_tokens = max(whole, read + unread) + media
             verdict = _long(verdict, read, rt.rules.complex_over_prompt_tokens)
             hidden = _hidden(whole - read - unread, read)
-        if rt.uncertain(verdict, route) and not unread and not hidden:
+        # A batch of prompts is read joined, and the encoder reads only its first and last tokens.
+        batch = call.endpoint.batch_chars(call.body)
+        if rt.uncertain(verdict, route) and not unread and not hidden and not batch:
             verdict = await rt.cascade.decide(verdict, view, tenant.name)
         if unread:
             verdict = _unread(verdict, f"{unread} prompt tokens given as token ids or a suffix: the classifier reads text only")
         elif hidden:
             verdict = _unread(verdict, f"~{hidden} prompt tokens in parts of the body the classifier does not read")
+        elif batch > _BATCH_READ_CHARS:
+            verdict = _unread(verdict, f"a batch of prompts ({batch} characters) longer than the classifier reads of it")
         call.verdict = verdict
     if route.prefixes is not None and call.endpoint.generates:
         _prefix(call, route, tenant)  # may make it complex (sticky_class): the class is final after it
@@ -128,6 +133,11 @@ def _unread(v: Verdict, why: str) -> Verdict:
         return v
     return replace(v, cls="complex", rule="unread_prompt", stage=Stage.RULE, reasons=[*v.reasons, why])
 
+
+# A batch of prompts longer than this is not read whole: the cue phrases come from the head and
+# the tail of the text (a hard prompt 81st of 121 short ones went to the small model: review
+# helper's repro).
+_BATCH_READ_CHARS = CUE_HEAD_CHARS + CUE_TAIL_CHARS
 
 # The body's tokens the classifier does not read that make a prompt unread (`_hidden`): more than
 # the keys and punctuation of an ordinary request's JSON (~10 tokens a message; ~100 messages).

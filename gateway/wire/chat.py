@@ -55,6 +55,13 @@ class ChatEndpoint(Endpoint):
         suffix = body.get("suffix")
         return token_ids(body.get("prompt")) + (max(1, text_tokens(suffix)) if isinstance(suffix, str) and suffix else 0)
 
+    def batch_chars(self, body: Mapping[str, Any]) -> int:
+        """On completions, a prompt list of several strings: their characters."""
+        prompt = None if self._chat else body.get("prompt")
+        if not isinstance(prompt, list) or len(prompt) < 2:
+            return 0
+        return sum(len(p) for p in prompt if isinstance(p, str))
+
     def classify_view(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """On completions, the body without a `messages` field (which the classifier would read
         instead of `prompt`: a 180,000-character prompt behind `"messages": [{"content": "hi"}]`

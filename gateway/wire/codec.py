@@ -203,6 +203,11 @@ class Endpoint:
         prompt estimate adds them, and a request with any goes to complex (intake.py)."""
         return 0
 
+    def batch_chars(self, body: Mapping[str, Any]) -> int:
+        """The characters of a batch of prompts each answered on its own (a completions prompt
+        list of several strings), which the classifier reads joined; 0 for one prompt."""
+        return 0
+
     def cache_reason(self, body: Mapping[str, Any]) -> str | None:
         """Why this request's answer must not come from the cache, beyond the general rules."""
         return None
