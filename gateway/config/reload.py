@@ -71,11 +71,17 @@ class Reloader:
         self._digest = hashlib.sha256(loaded).hexdigest() if loaded is not None else (_digest(path) if path else None)
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def reload(self, trigger: str) -> tuple[bool, str]:
-        """Reload from the file; (True, "") on success, (False, why) when the old policy stays."""
+    async def reload(self, trigger: str, *, if_changed: bool = False) -> tuple[bool, str]:
+        """Reload from the file; (True, "") on success, (False, why) when the old policy stays.
+
+        `if_changed`: only when the file's bytes differ from those the policy in force was read
+        from (else (True, "") with nothing done): a worker of `--workers N` catching up, once its
+        control socket is up, on a reload fanned out while it was starting."""
         if self.path is None:
             return False, "the gateway was started without a policy file"
         async with self._lock:
+            if if_changed and await asyncio.to_thread(_digest, self.path) == self._digest:
+                return True, ""
             try:
                 policy, data = await asyncio.to_thread(read_policy, self.path, self.source)
                 runtime = self.build(policy, self.live.runtime.generation + 1)

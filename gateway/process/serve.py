@@ -144,6 +144,13 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
         log.info("gateway (pid %d) draining: /readyz is 503; the port closes in %.1f s", os.getpid(), delay_s)
         await asyncio.sleep(delay_s)
         await site.stop()  # no new connections from here on
+        # Nor new requests on those kept alive: a 503 to what arrives (app._refused_once_closed), and
+        # the idle ones closed now (the others once their request is answered), as aiohttp's cleanup
+        # would, after the requests that came with the port's last connections have started.
+        drain.closed = True
+        await asyncio.sleep(0)
+        if runner.server is not None:
+            runner.server.pre_shutdown()
         if not await drain.wait_idle(server.shutdown_timeout_ms / 1000):
             log.warning("gateway (pid %d): %d requests still in flight after %d ms; cutting them",
                         os.getpid(), drain.inflight, server.shutdown_timeout_ms)
@@ -254,6 +261,9 @@ class _Supervisor:
         self.host, self.port, self.count, self.access_log = host, port, workers, access_log
         self.control_dir = control_dir
         self.policy, self.data = read_policy(policy)
+        # The digest of the policy in force (of `data`): what the file watcher compares the file
+        # with, whichever reload (the watcher's, SIGHUP, /admin/reload, a replica's) put it in force.
+        self.digest = hashlib.sha256(self.data).hexdigest()
         self.generation = 1
         # The policy in force, as the bytes the supervisor parsed: workers read this copy, at start
         # and on each reload, never the file (one started after a crash read a later, rejected
@@ -282,7 +292,7 @@ class _Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._stop, sig)
-        loop.add_signal_handler(signal.SIGHUP, lambda: self._background(self.reload_all("SIGHUP"), "reload-SIGHUP"))
+        loop.add_signal_handler(signal.SIGHUP, lambda: self._background(self._reload_noted("SIGHUP"), "reload-SIGHUP"))
         server = await control.serve_unix(
             self.control_dir / "supervisor.sock",
             {
@@ -400,7 +410,7 @@ class _Supervisor:
                 log.error("supervisor: policy reload (%s) rejected by a worker; launched models stay as they are: %s", trigger, why)
                 own = {"ok": False, "error": why}
             else:
-                self.data = data
+                self.data, self.digest = data, hashlib.sha256(data).hexdigest()
                 await self._apply(policy)
         ok = bool(own["ok"]) and all(r.get("ok") for r in results)
         return {"ok": ok, "supervisor": {"pid": os.getpid(), **own}, "workers": results}
@@ -426,11 +436,23 @@ class _Supervisor:
         sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
         return {"workers": await control.ask_all(sockets, "GET", "/backends", _FANOUT_TIMEOUT_S)}
 
+    async def _reload_noted(self, trigger: str) -> None:
+        """reload_all for a trigger nobody answers (the file watcher, SIGHUP): a worker it did not
+        reach is said in a warning (a rejection is logged by reload_all). A worker that was starting
+        catches up on its own once its control socket is up (app._worker_side)."""
+        out = await self.reload_all(trigger)
+        missed = [str(r.get("socket")) for r in out["workers"] if r.get("unreachable")]
+        if missed:
+            log.warning("supervisor: policy reload (%s) did not reach %d of %d workers (%s): one starting "
+                        "reloads once up; else send SIGHUP or POST /admin/reload again", trigger, len(missed),
+                        len(out["workers"]), ", ".join(missed))
+
     async def _watch_file(self) -> None:
         """Follow the policy file: a change reloads every worker, then the launched models
-        (reload_all; the workers do not watch the file themselves)."""
-        # The digest of the policy in force, not of the file now: a save since the start is a change.
-        last, digest = _stat(self.path), hashlib.sha256(self.data).hexdigest()
+        (reload_all; the workers do not watch the file themselves). A change is bytes other than
+        those of the policy in force (`self.digest`), whichever reload put it in force: the file
+        written back to what it said before a /admin/reload or SIGHUP is a change too."""
+        last = _stat(self.path)
         while True:
             await asyncio.sleep(self.policy.reload.interval_ms / 1000)
             if not self.policy.reload.watch:
@@ -439,9 +461,8 @@ class _Supervisor:
             if now == last:
                 continue
             last = now
-            if now is not None and (digest_now := _digest(self.path)) is not None and digest_now != digest:
-                digest = digest_now
-                await self.reload_all("file change")
+            if now is not None and (digest_now := _digest(self.path)) is not None and digest_now != self.digest:
+                await self._reload_noted("file change")
 
 
 def _write_snapshot(path: Path, data: bytes) -> None:

@@ -8,13 +8,16 @@ __all__ = ["Drain"]
 
 
 class Drain:
-    """`draining` turns /readyz to 503 (load balancers stop sending new requests); `inflight`
-    counts the API requests being answered, so shutdown can wait for them (streams included)."""
+    """`draining` turns /readyz to 503 (load balancers stop sending new requests); `closed` (the
+    port closed, after the drain delay) refuses the API requests still arriving on open keep-alive
+    connections (a 503 with `Connection: close`, never counted here); `inflight` counts the API
+    requests being answered, so shutdown can wait for them (streams included)."""
 
-    __slots__ = ("draining", "inflight", "_idle")
+    __slots__ = ("draining", "closed", "inflight", "_idle")
 
     def __init__(self) -> None:
         self.draining = False
+        self.closed = False
         self.inflight = 0
         self._idle: asyncio.Event | None = None
 
