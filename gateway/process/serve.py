@@ -144,7 +144,7 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
         log.info("gateway (pid %d) draining: /readyz is 503; the port closes in %.1f s", os.getpid(), delay_s)
         await asyncio.sleep(delay_s)
         await site.stop()  # no new connections from here on
-        # Nor new requests on those kept alive: a 503 to what arrives (app._refused_once_closed), and
+        # Nor new requests on those kept alive: a 503 to what arrives (edge._closing), and
         # the idle ones closed now (the others once their request is answered), as aiohttp's cleanup
         # would, after the requests that came with the port's last connections have started.
         drain.closed = True

@@ -8,7 +8,7 @@ import functools
 import logging
 import os
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -25,7 +25,6 @@ from ..classify.cascade import EncoderWorker
 from ..config.policy import LaunchPolicy, Policy, StorePolicy, VirtualKeysPolicy, read_policy
 from ..config.reload import Live, Reloader
 from ..config.runtime import Runtime, build_runtime
-from ..errors import Unavailable
 from ..observe.metrics import Metrics, refresh_gauges
 from ..observe.observer import Observer
 from ..pipeline.core import Pipeline
@@ -45,12 +44,10 @@ from ..store.core import Store
 from ..tenants.auth import is_loopback, open_mode_problem
 from ..tenants.quota import Quota
 from ..upstream.client import UpstreamPool
-from ..wire.endpoints import at_path
 from .api import backends_view, routes
 from .body import BodyBudget
 from .drain import Drain
 from .edge import handler_args
-from .http_call import error_response
 from .keys import ADMISSION, BODY_BUDGET, DRAIN, ENCODER, EXPORTS, KEYBOOK, LIVE, LOOPBACK, METRICS, OBSERVER, OVERVIEWS, PEERS, PIPELINE, POLICY_CHECK, RELAY, RELOADER, REQUEST_LOG, WORKER
 
 __all__ = ["create_app"]
@@ -110,7 +107,7 @@ def create_app(
     app[LOOPBACK] = is_loopback(host)
     app[LIVE] = live
     app[WORKER] = worker
-    app[DRAIN] = drain = Drain()
+    app[DRAIN] = Drain()
     app[OBSERVER] = Observer(metrics, force_access_log=access_log)
     app[KEYBOOK] = keybook
     app[REQUEST_LOG] = request_log
@@ -120,37 +117,9 @@ def create_app(
     app[POLICY_CHECK] = asyncio.Lock()
     app[EXPORTS] = asyncio.Semaphore(EXPORTS_AT_ONCE)
     app[RELOADER] = Reloader(path, live, snapshots.build, metrics, on_swap=on_swap, source=source, loaded=data)
-    app.add_routes([_refused_once_closed(r, drain) for r in routes()])
+    app.add_routes(routes())
     _lifecycle(app, children, live, snapshots, worker)
     return app
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _refused_once_closed(route: web.RouteDef, drain: Drain) -> web.RouteDef:
-    """An API route (/v1/...) that refuses the requests still arriving on kept-alive connections
-    once shutdown closed the port (`Drain.closed`): a 503 in its endpoint's shape with
-    `Connection: close` and `Retry-After`, before its body is read; nothing is sent upstream or
-    counted in the drain. Other routes (/healthz, /readyz, /metrics, /admin) answer as ever."""
-    if not route.path.startswith("/v1/") or isinstance(route.handler, type):  # (a class-based view: none here)
-        return route
-    handler: Handler = route.handler
-
-    @functools.wraps(handler)
-    async def refusing(request: web.Request) -> web.StreamResponse:
-        if drain.closed:
-            return _refused_closing(request)
-        return await handler(request)
-
-    return web.RouteDef(route.method, route.path, refusing, route.kwargs)
-
-
-def _refused_closing(request: web.Request) -> web.Response:
-    err = Unavailable("this gateway process is shutting down; retry the request", retry_after_s=1)
-    response = error_response(err, {"Connection": "close"}, at_path(request.path).error_body(err))
-    response.force_close()  # the client's next request opens a connection to another process
-    return response
 
 
 class _Snapshots:

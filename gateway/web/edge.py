@@ -17,6 +17,8 @@ HTTP parser refuses.
   goes through the app's router as before, with the same answers.
 - **Loopback open mode serves this machine's programs**: with no keys on a loopback address, a
   request whose `Origin` or `Host` shows a browser acting for another site is a 403 (origin.py).
+- **Shutdown**: once the port is closed (`Drain.closed`), an API request still arriving on a
+  kept-alive connection is a 503 with `Connection: close`, sent nowhere (`_closing`).
 - **One error shape per API**: malformed requests (duplicate Content-Length, Transfer-Encoding with
   Content-Length, bare CR/LF, oversized headers, bad chunk framing), a head too big or too slow,
   the answers aiohttp raises itself (417 for an unknown Expect, ...) and unhandled handler errors
@@ -46,12 +48,13 @@ from aiohttp.streams import StreamReader
 from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 
 from ..config.policy import ServerPolicy
-from ..errors import BadRequest, Forbidden, GatewayError, InternalError, PayloadTooLarge, RateLimited, Unauthorized
+from ..errors import BadRequest, Forbidden, GatewayError, InternalError, PayloadTooLarge, RateLimited, Unauthorized, Unavailable
 from ..wire.endpoints import at_path
 from .body import RequestTimeout
 from .http_call import api_key
 from . import sink
-from .keys import LIVE, LOOPBACK
+from .drain import Drain
+from .keys import DRAIN, LIVE, LOOPBACK
 
 if TYPE_CHECKING:
     from ..config.reload import Live
@@ -137,6 +140,18 @@ class EdgeRunner(web.AppRunner):
         return _Server(base, lambda: app[LIVE].runtime.server, _Dispatch.of(app, base.request_handler))
 
 
+def _closing(path: str) -> web.Response:
+    """An API request still arriving on a kept-alive connection once shutdown closed the port
+    (`Drain.closed`): a 503 in its endpoint's shape with `Connection: close` and `Retry-After`,
+    before its body is read; nothing is sent upstream or counted in the drain. Other paths
+    (/healthz, /readyz, /metrics, /admin) answer as ever."""
+    err = Unavailable("this gateway process is shutting down; retry the request", retry_after_s=1)
+    response = web.Response(status=err.status, body=at_path(path).error_body(err), content_type="application/json",
+                            headers={**err.headers(), "Connection": "close"})
+    response.force_close()  # the client's next request opens a connection to another process
+    return response
+
+
 class CrossSiteRequest(Forbidden):
     code = "cross_site_request"
 
@@ -152,21 +167,22 @@ class _Dispatch:
     """The app's request handler, with plain routes found by one dict lookup (see the module's
     docstring). The router is complete once the app started, so the table is built then."""
 
-    __slots__ = ("_routes", "_app_handle", "_live", "_loopback")
+    __slots__ = ("_routes", "_app_handle", "_live", "_loopback", "_drain")
 
     def __init__(self, routes: dict[tuple[str, str], UrlMappingMatchInfo], app_handle: Callable[..., Any],
-                 live: Live, loopback: bool) -> None:
+                 live: Live, loopback: bool, drain: Drain) -> None:
         self._routes = routes
         self._app_handle = app_handle
         self._live = live  # the runtime in force: a reload may add tenants (or remove them all), or change limits
         self._loopback = loopback  # loopback open mode: browsers' requests are refused (origin.py)
+        self._drain = drain  # shutdown: once the port is closed, API requests are refused (_closing)
 
     @classmethod
     def of(cls, app: web.Application, app_handle: Callable[..., Any]) -> Callable[..., Any]:
-        live, loopback = app[LIVE], app[LOOPBACK]
+        live, loopback, drain = app[LIVE], app[LOOPBACK], app[DRAIN]
         routes: dict[tuple[str, str], UrlMappingMatchInfo] = {}
         if app.middlewares or app._subapps:  # what the router path would add: not skipped then
-            return cls(routes, app_handle, live, loopback)
+            return cls(routes, app_handle, live, loopback, drain)
         for resource in app.router.resources():
             if not isinstance(resource, web.PlainResource):
                 continue
@@ -178,7 +194,7 @@ class _Dispatch:
                 info.add_app(app)
                 info.freeze()
                 routes[(route.method, resource.canonical)] = info
-        return cls(routes, app_handle, live, loopback)
+        return cls(routes, app_handle, live, loopback, drain)
 
     def _unsent(self, request: web.Request) -> web.Response | None:
         """Before aiohttp's Expect handling answers 100 Continue (which invites the upload, then
@@ -196,6 +212,8 @@ class _Dispatch:
                             headers={**err.headers(), "Connection": "close"})
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:  # app._make_request made it
+        if self._drain.closed and request.path.startswith("/v1/"):
+            return _closing(request.path)
         if self._loopback and self._live.runtime.tenants.open and (why := foreign(request.headers)) is not None:
             return _cross_site(request.path, why)
         if request.headers.get(hdrs.EXPECT, "").lower() == "100-continue" and (refused := self._unsent(request)) is not None:
