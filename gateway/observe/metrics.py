@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from ..admission.gate import BANDS
 from ..classify.classifier import Stage
+from .hot import Folder, Hot
 
 if TYPE_CHECKING:
     from ..admission.gate import Admission
@@ -37,6 +38,10 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
+        # The children every request updates add into plain numbers, folded in at each collection
+        # (the folder is collected first): hot.py.
+        self.hot = hot = Hot()
+        r.register(Folder(hot))
         # Declared by family, in this order (the order /metrics lists them in).
         self._request_metrics(r)
         self._admission_metrics(r)
@@ -45,10 +50,10 @@ class Metrics:
         self._cache_and_quota_metrics(r)
         self._stage_and_affinity_metrics(r)
         # Bound once: labels() is slow on the hot path, and these label sets are fixed.
-        self.stages = {s: self.stage.labels(s) for s in STAGES}
-        self.lookup = {res: self.cache_lookups.labels(res) for res in ("hit", "miss", "bypass")}
-        self.per_class = {c: self.classified.labels(c) for c in ("simple", "complex")}  # never "none"
-        self.per_stage = {s: self.classifier_decisions.labels(s.value) for s in Stage}
+        self.stages = {s: hot.histogram(self.stage.labels(s)) for s in STAGES}
+        self.lookup = {res: hot.counter(self.cache_lookups.labels(res)) for res in ("hit", "miss", "bypass")}
+        self.per_class = {c: hot.counter(self.classified.labels(c)) for c in ("simple", "complex")}  # never "none"
+        self.per_stage = {s: hot.counter(self.classifier_decisions.labels(s.value)) for s in Stage}
         self.access_log_drops = {r: self.access_log_dropped.labels(r) for r in ("queue_full", "write")}  # at 0 from the start
         self.backend_names: frozenset[str] | None = None  # the runtime's, at the last refresh_gauges (None: all)
         self._requests: dict[tuple[str, str, str, str, int], Any] = {}
@@ -57,6 +62,7 @@ class Metrics:
         self._affinity: dict[tuple[str, str], Any] = {}
         self._prefix: dict[tuple[str, str, str], Any] = {}
         self._tokens: dict[tuple[str, str, str], Any] = {}
+        self._spend: dict[str, Any] = {}
 
     def _request_metrics(self, r: CollectorRegistry) -> None:
         """Answered requests, and how long they and their streams took."""
@@ -209,14 +215,14 @@ class Metrics:
         key = (model, cls, result)
         child = self._prefix.get(key)
         if child is None:
-            child = self._prefix[key] = self.prefix_affinity.labels(model, cls, result)
+            child = self._prefix[key] = self.hot.counter(self.prefix_affinity.labels(model, cls, result))
         return child
 
     def affinity_event(self, op: str, result: str) -> None:
         """Count one operation on the Responses affinity map (children bound once: labels() is slow)."""
         child = self._affinity.get((op, result))
         if child is None:
-            child = self._affinity[(op, result)] = self.affinity.labels(op, result)
+            child = self._affinity[(op, result)] = self.hot.counter(self.affinity.labels(op, result))
         child.inc()
 
     def zero_series(self, tenants: list[str]) -> None:
@@ -234,7 +240,7 @@ class Metrics:
         key = (model, backend, cls, cache, code)
         child = self._requests.get(key)
         if child is None:
-            child = self._requests[key] = self.requests.labels(model, backend, cls, cache, str(code))
+            child = self._requests[key] = self.hot.counter(self.requests.labels(model, backend, cls, cache, str(code)))
         child.inc()
 
     def tokens_of(self, tenant: str, backend: str, kind: str) -> Any:
@@ -242,7 +248,14 @@ class Metrics:
         key = (tenant, backend, kind)
         child = self._tokens.get(key)
         if child is None:
-            child = self._tokens[key] = self.tokens.labels(tenant, backend, kind)
+            child = self._tokens[key] = self.hot.counter(self.tokens.labels(tenant, backend, kind))
+        return child
+
+    def spend_of(self, tenant: str) -> Any:
+        """The spend counter child of a tenant's metric label, bound once."""
+        child = self._spend.get(tenant)
+        if child is None:
+            child = self._spend[tenant] = self.hot.counter(self.spend.labels(tenant))
         return child
 
     def duration_of(self, backend: str) -> Any:
@@ -250,7 +263,7 @@ class Metrics:
         (which get no per-backend failover, ejection or error series)."""
         child = self._durations.get(backend)
         if child is None:
-            child = self._durations[backend] = self.duration.labels(backend)
+            child = self._durations[backend] = self.hot.histogram(self.duration.labels(backend))
         return child
 
     def for_backend(self, name: str) -> "BackendMetrics":
@@ -319,9 +332,9 @@ class BackendMetrics:
         self._m = m
         self.name = name
         self.duration = m.duration_of(name)
-        self.ttft = m.ttft.labels(name)
-        self.inter_token = m.inter_token.labels(name)
-        self.inflight = m.inflight.labels(name)  # mirrors the backend's slot count, per process
+        self.ttft = m.hot.histogram(m.ttft.labels(name))
+        self.inter_token = m.hot.histogram(m.inter_token.labels(name))
+        self.inflight = m.hot.gauge(m.inflight.labels(name))  # mirrors the backend's slot count, per process
         self.failovers = m.failovers.labels(name)
         self.malformed = m.malformed_chunks.labels(name)
         self.ejections = m.ejections.labels(name)

@@ -111,4 +111,4 @@ class QuotaHold:
         call = self.call
         spend = call.out.spend_usd = rt.quota.settle(hold, call, rt.spend_usd)
         if spend > 0:  # a Counter raises on a negative amount
-            self.metrics.spend.labels(rt.tenants.metric_label(hold.tenant)).inc(spend)
+            self.metrics.spend_of(rt.tenants.metric_label(hold.tenant)).inc(spend)
