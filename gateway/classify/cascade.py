@@ -9,7 +9,9 @@ deadline: a request it has not scored by then goes to the big model (recall firs
 that finds too many requests waiting. Work that cannot end in time is not done: the worker
 knows what a batch costs (batch_cost.py), so a request whose turn would come too late is told
 at once instead of at its deadline, and a batch is only as large as its earliest deadline
-allows. Without torch, or while the encoder loads, the lexical scorer decides alone (its own
+allows. With two tenants or more, tenants take turns in the queue (one request each, round
+robin), so a tenant keeping many requests waiting delays another's by one request, not by its
+whole queue. Without torch, or while the encoder loads, the lexical scorer decides alone (its own
 threshold, as before the cascade).
 """
 
@@ -131,8 +133,46 @@ class _Job:
     future: asyncio.Future[float | None]  # None: not scored in time (the worker gave up on it)
     due: float  # time.monotonic() when its caller stops waiting
     units: int  # the window it costs (batch_cost.text_units)
+    tenant: str = ""  # whose turn it takes in the queue ("": one caller, first come first served)
     abandoned: bool = False  # the caller's deadline passed: skip it if not started
     sent: float = 0.0  # time.monotonic() when the worker handed it back
+
+
+class _Turns:
+    """The requests taken off the queue and not yet batched (worker thread only), in turns: each
+    tenant's oldest first, one request per tenant per turn (round robin). With one tenant this is
+    first come, first served; with several, a tenant's hundredth request waits behind each other
+    tenant's first, not before them. Every operation is O(1)."""
+
+    __slots__ = ("_of", "_count")
+
+    def __init__(self) -> None:
+        self._of: dict[str, deque[_Job]] = {}  # by tenant; insertion order is the turn order
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def add(self, job: _Job) -> None:
+        mine = self._of.get(job.tenant)
+        if mine is None:  # a tenant with nothing pending joins at the end of the turns
+            self._of[job.tenant] = mine = deque()
+        mine.append(job)
+        self._count += 1
+
+    def first(self) -> _Job:
+        """The request whose turn is next (the pending set is not empty)."""
+        return next(iter(self._of.values()))[0]
+
+    def pop(self) -> _Job:
+        """Take the request whose turn is next; its tenant's next one waits for the others'."""
+        tenant, mine = next(iter(self._of.items()))
+        job = mine.popleft()
+        del self._of[tenant]
+        if mine:
+            self._of[tenant] = mine  # to the end of the turns
+        self._count -= 1
+        return job
 
 
 class EncoderWorker:
@@ -140,7 +180,9 @@ class EncoderWorker:
     for it, as one batch each time (up to `max_batch`). At most `max_waiting` requests wait; a
     request past that is not queued (it goes to the big model), so a flood cannot grow memory
     or delay everyone behind it. Nor is one whose turn would come after its deadline, by what
-    the batches so far cost, and a batch holds only as many as end before the first one's."""
+    the batches so far cost, and a batch holds only as many as end before the first one's.
+    Tenants given a `share` take turns (see _Turns), so a tenant's queue delays another's
+    request by at most one request per turn."""
 
     def __init__(self, settings: EncoderPolicy, observe: Callable[[float], None] | None = None) -> None:
         """`observe`: called with each scored request's wait, queue included (seconds)."""
@@ -220,10 +262,12 @@ class EncoderWorker:
             return None
         units = text_units(text, self._window)
         now = time.monotonic()
-        if self._late(now, units, timeout_s):
+        # Tenants take turns only where they have shares (two tenants or more): else one caller.
+        turn = tenant if share is not None else ""
+        if self._late(now, units, timeout_s, turn, mine):
             return None  # it would be late: the big model now rather than at the deadline
         loop = asyncio.get_running_loop()
-        job = _Job(text, loop, loop.create_future(), now + timeout_s, units)
+        job = _Job(text, loop, loop.create_future(), now + timeout_s, units, turn)
         self._waiting += 1
         self._waiting_of[tenant] = mine + 1
         self._put_jobs += 1
@@ -245,18 +289,33 @@ class EncoderWorker:
             if self._observe is not None:
                 self._observe(time.perf_counter() - t0)
 
-    def _late(self, now: float, units: int, timeout_s: float) -> bool:
+    def _late(self, now: float, units: int, timeout_s: float, turn: str = "", mine: int = 0) -> bool:
         """Whether a request of `units` queued now would be scored after `timeout_s`: the batch in
-        progress, then everything queued before it, in batches of `max_batch`. An idle encoder
+        progress, then what is queued ahead of it, in batches of `max_batch`. Ahead of it: all
+        that is queued, first come first served (`turn` ""); else, tenants taking turns, its
+        tenant's `mine` waiting and at most `mine` + 1 of each other tenant's. An idle encoder
         takes the request unless most of its recent scores came too late, and then still one
         every `_PROBE_S`: the estimates are only corrected by what it scores, and stale ones (from
         a burst of load) would otherwise refuse everything for good."""
         queued = self._put_jobs - self._took_jobs
         if queued == 0 and self._busy_until <= now:
             return self._late_share > 0.5 and now - self._started < _PROBE_S
-        jobs = queued + 1
-        batches = -(-jobs // self.settings.max_batch)
-        wait = max(0.0, self._busy_until - now) + self._cost.predict(self._put_units - self._took_units + units, batches)
+        ahead, ahead_units = queued, self._put_units - self._took_units
+        if turn and queued > mine:
+            # Round robin: its tenant's own, then up to one more than that of each other tenant
+            # (counts include requests in the batch in progress: an upper bound, capped by what is
+            # queued). Stops once it reaches that cap: O(tenants waiting) at worst.
+            ahead = mine
+            for tenant, waiting in self._waiting_of.items():
+                if tenant != turn:
+                    ahead += min(waiting, mine + 1)
+                    if ahead >= queued:
+                        break
+            if ahead < queued:  # their units are not counted by tenant: the queue's mean
+                ahead_units = -(-ahead_units * ahead // queued)
+            ahead = min(ahead, queued)
+        batches = -(-(ahead + 1) // self.settings.max_batch)
+        wait = max(0.0, self._busy_until - now) + self._cost.predict(ahead_units + units, batches)
         return wait + self._loop_lag_s > timeout_s - _MARGIN_S
 
     def _run(self) -> None:
@@ -272,13 +331,13 @@ class EncoderWorker:
             pass
         self._calibrate()  # with this thread's settings: what requests will meet
         self._loaded.set()
-        pending: deque[_Job] = deque()  # taken off the queue, not yet batched: oldest first
+        pending = _Turns()  # taken off the queue, not yet batched
         while True:
             if not pending:
                 job = self._jobs.get()
                 if job is None:
                     return
-                pending.append(job)
+                pending.add(job)
             stop = self._drain(pending)
             batch = self._batch(pending)
             if batch:
@@ -297,7 +356,7 @@ class EncoderWorker:
                 return
             self._cost.observe(text_units(text, self._window), time.perf_counter() - t0)
 
-    def _drain(self, pending: deque[_Job]) -> bool:
+    def _drain(self, pending: _Turns) -> bool:
         """Move what waits in the queue to `pending`; whether a stop came."""
         while True:
             try:
@@ -306,24 +365,24 @@ class EncoderWorker:
                 return False
             if more is None:
                 return True
-            pending.append(more)
+            pending.add(more)
 
     def _take(self, job: _Job) -> None:
         self._took_jobs += 1
         self._took_units += job.units
 
-    def _batch(self, pending: deque[_Job]) -> list[_Job]:
-        """The next batch: the oldest requests whose batch ends before the earliest of their
-        deadlines. One that cannot make it even alone is given up at once when others wait
-        behind it (its caller goes on now, not at its deadline; the last one is tried: see
-        _late); one whose caller left is skipped."""
+    def _batch(self, pending: _Turns) -> list[_Job]:
+        """The next batch: the requests next in turn (the oldest, with one tenant) whose batch
+        ends before the earliest of their deadlines. One that cannot make it even alone is given
+        up at once when others wait behind it (its caller goes on now, not at its deadline; the
+        last one is tried: see _late); one whose caller left is skipped."""
         now, limit = time.monotonic(), self.settings.max_batch
         batch: list[_Job] = []
         width, due = 0, math.inf
         while pending and len(batch) < limit:
-            j = pending[0]
+            j = pending.first()
             if j.abandoned:
-                self._take(pending.popleft())
+                self._take(pending.pop())
                 continue
             w = max(width, j.units)
             end = now + self._cost.predict(w * (len(batch) + 1)) + _MARGIN_S
@@ -331,11 +390,11 @@ class EncoderWorker:
                 if batch:
                     break  # it waits for the next batch
                 if len(pending) > 1 or not self._jobs.empty():
-                    self._take(pending.popleft())
+                    self._take(pending.pop())
                     self._send(j, None)  # too late even alone: its caller goes on now
                     continue
                 # The only one waiting: tried all the same, which measures the cost anew.
-            self._take(pending.popleft())
+            self._take(pending.pop())
             batch.append(j)
             width, due = w, min(due, j.due)
         if batch:
