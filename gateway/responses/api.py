@@ -10,7 +10,8 @@ GET/POST /v1/conversations/{id}/items and GET/DELETE /v1/conversations/{id}/item
 The backend comes from the affinity map (route.py), and the id must be the caller's:
 one without a record, or another tenant's, is a 404 before any upstream call (the migration mode,
 `responses.adopt_unknown_ids`, searches the backends instead and records the id as the caller's).
-Each upstream request takes one request from the tenant's request limits (quota.reserve_request).
+Each upstream request takes one request from the tenant's request limits (quota.reserve_request)
+and holds one of its backend's slots (max_concurrency) while it is relayed (passthrough.py).
 The backend's answer (status, JSON or event stream) goes back as it is. A 200 to DELETE drops the
 id from the map. Each request is drained, observed and reported like any other (passthrough.py).
 """

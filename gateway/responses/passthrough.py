@@ -6,6 +6,13 @@ it ends (http_call.accounted: stage histograms, access log, tracing), each upstr
 from the tenant's request limits (quota.reserve_request) and reported to its backend's health
 (relay/report.py: a timeout, a lost connection or a 5xx count against the backend as a whole; an answer
 counts for it; no latency sample: these calls are not completions).
+
+Each upstream request also holds one of its backend's slots (`max_concurrency`) until its answer is
+relayed or its client left, as the relay's attempts do (relay/base.py): in the caller's band and
+tenant's turn, waiting in the backend's queue as a completion would, and refused as one would be
+when none comes (503 `backends_busy`, 503 `overloaded` when shed, 504 at the deadline). A replay
+of a background response's events can last minutes: uncounted, any caller could hold a backend
+protected by its max_concurrency with as many as it liked.
 """
 
 from __future__ import annotations
@@ -18,14 +25,17 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from yarl import URL
 
+from ..admission.gate import BANDS, MAX_RETRY_AFTER_S, MAX_WAIT_SHARE, Shed, Ticket
+from ..admission.stage import service_s
 from ..config.runtime import Runtime
-from ..errors import GatewayError, UpstreamError, UpstreamRejected, UpstreamTimeout
+from ..errors import AllBackendsFailed, GatewayError, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 from ..pipeline.call import Call, Finish, Timing, key_live, revoked
 from ..relay.attempt import MAX_BODY_BYTES
 from ..relay.report import report
 from ..routing.backends import Backend
 from ..routing.health import Kind
 from ..tenants.auth import Tenant
+from ..tenants.priority import band_for
 from ..tenants.quota import Hold, QuotaExceeded
 from ..upstream.client import UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse, UpstreamTooLarge
 from ..web.http_call import api_key, error_response, request_id
@@ -39,6 +49,9 @@ __all__ = ["BY_ID", "Found", "Read", "Passthrough"]
 log = logging.getLogger("gateway.responses")
 
 _PASS_HEADERS = ("Content-Type", "Retry-After")
+# A by-id call's cost in its backend's queue (in tokens, as the fair queue counts): the base a
+# completion pays (pipeline/intake.py), with no prompt or answer of its own.
+_COST = 256
 
 Found = Callable[[Backend, UpstreamResponse], Awaitable[None]]  # a 200 from that backend, before its release
 Read = Callable[[Backend, bytes], Awaitable[None]]  # the body of a 200 JSON answer from that backend, before its release
@@ -59,7 +72,7 @@ BY_ID = {"response": _ById("responses_by_id", "/responses"), "conversation": _By
 class Passthrough:
     """One by-id request: its Call, its tenant's request leases, its upstream calls."""
 
-    __slots__ = ("request", "rt", "call", "headers", "tenant", "hold")
+    __slots__ = ("request", "rt", "call", "headers", "tenant", "hold", "ticket")
 
     def __init__(self, request: web.Request, rt: Runtime, kind: str) -> None:
         self.request, self.rt = request, rt
@@ -69,11 +82,18 @@ class Passthrough:
         self.headers = {"x-request-id": self.call.request_id}
         self.tenant: Tenant | None = None
         self.hold: Hold | None = None
+        self.ticket = Ticket(cost=_COST)  # its place in a backend's queue (the caller's, once known)
 
     async def authenticate(self) -> Tenant:
         await self.rt.tenants.catch_up(self.call.api_key)
         tenant = self.tenant = self.rt.tenants.authenticate(self.call.api_key)
         self.call.tenant = tenant
+        if self.request.app[RELAY].admission.enabled:  # off: one first come, first served queue, as the relay's
+            # The band x-priority asks for, held to the tenant's ceiling (a value that names no
+            # band is ignored: these calls never refused one), else the tenant's default.
+            asked = self.request.headers.get("x-priority")
+            band = band_for(asked if asked in BANDS else None, tenant)
+            self.ticket = Ticket(band, tenant.name, _COST, self.rt.tenants.weight(tenant.name))
         return tenant
 
     async def take(self) -> None:
@@ -113,7 +133,61 @@ class Passthrough:
         """The backend's answer for the client; None when it answered 404 and it is not the `last`
         to ask. `on_found` runs on a 200 before anything of it is released (a GatewayError it
         raises is the answer instead); `on_read` on the body of a 200 that is not a stream,
-        before it is released."""
+        before it is released. One of the backend's slots is held throughout, a stream's whole
+        replay included (a GatewayError when none comes: `_slot`)."""
+        slots, band = backend.slots, self.ticket.band  # the same object and band give it back, across a reload too
+        await self._slot(backend)
+        m = self.request.app[METRICS].for_backend(backend.name)
+        m.inflight.inc()
+        try:
+            return await self._send(backend, method, path, body, last, on_found, on_read)
+        finally:  # answered, failed, or cancelled (its client left): the slot goes to the next waiter
+            slots.release(band)
+            m.inflight.dec()
+
+    async def _slot(self, backend: Backend) -> None:
+        """Take one of the backend's slots, waiting in its queue as the relay does when every
+        candidate is full (relay/core.py `_queued`): refused at once when admission is on and the
+        predicted wait would use up the deadline (503 `overloaded`), else queued up to the
+        backend's first_token_ms or the deadline, whichever comes first, and refused in the relay's
+        words when no slot came (503 `backends_busy`; 504 at the deadline): never sent."""
+        slots, ticket, call = backend.slots, self.ticket, self.call
+        if slots.try_acquire(ticket.band):
+            return
+        relay, metrics = self.request.app[RELAY], self.request.app[METRICS]
+        remaining, first_s = call.remaining_s(), backend.timeouts.first_token_ms / 1000
+        if relay.admission.enabled:
+            wait = slots.predicted_wait_s(ticket.band, ticket.tenant, service_s(backend), ticket.weight)
+            if wait > MAX_WAIT_SHARE * remaining:
+                metrics.shed.labels("deadline", ticket.band).inc()
+                raise Unavailable(f"overloaded: predicted wait {wait * 1000:.0f} ms exceeds the {remaining * 1000:.0f} ms "
+                                  f"left of the deadline (backend {backend.name!r} is full)", code="overloaded",
+                                  retry_after_s=min(max(1.0, wait), MAX_RETRY_AFTER_S))
+        queued = time.perf_counter()
+        try:
+            got = await slots.acquire(min(remaining, first_s), ticket)
+        except Shed as shed:  # a standing queue shed it
+            metrics.shed.labels(shed.reason, ticket.band).inc()
+            raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
+        waited = time.perf_counter() - queued
+        call.timing.queue_ms += waited * 1000
+        metrics.queue_wait.labels(ticket.band).observe(waited)
+        self.headers["x-gateway-queue-ms"] = f"{call.timing.queue_ms:.1f}"
+        if got:
+            return
+        err: GatewayError
+        if remaining <= first_s:  # left the queue when it could no longer be answered in time
+            metrics.shed.labels("expired", ticket.band).inc()
+            err = UpstreamTimeout(f"the deadline of {call.timeout_ms()} ms came while queued for a slot: not sent")
+        else:
+            err = Unavailable("at max_concurrency", retry_after_s=1)
+        raise AllBackendsFailed([(backend.name, err)], deadline_hit=call.remaining_s() <= 0)
+
+    async def _send(
+        self, backend: Backend, method: str, path: str, body: bytes, last: bool, on_found: Found | None,
+        on_read: Read | None,
+    ) -> web.StreamResponse | None:
+        """send(), once it holds a slot."""
         call, t = self.call, backend.timeouts
         self.headers["x-gateway-backend"] = call.out.backend = backend.name
         call.out.attempts.append(backend.name)
