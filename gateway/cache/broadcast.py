@@ -43,6 +43,7 @@ import orjson
 
 from ..errors import GatewayError, UpstreamError, UpstreamTimeout
 from ..pipeline.call import CacheResult, Call, Finish, key_live, revoked
+from ..web.drain import cut_by_shutdown, shutdown_error
 from ..web.sink import Sink, SinkWrapper
 from ..wire.openai_wire import SSE_HEARTBEAT, SSEDecoder, event_data
 from .budget import Budget, Holder
@@ -541,8 +542,7 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
                     if not key_live(call):  # this follower's key stopped working: no more of it goes out
                         if not sent:
                             return False  # its own relay refuses it (a 401), sending nothing
-                        call.out.finish = Finish.CUT
-                        await sink.fail(revoked())
+                        await _cut(call, sink, revoked())
                         return True
                     if tap.pending and (sent or bc.state is not _FAILED):
                         data = tap.take()
@@ -560,8 +560,7 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
                     if tap.overflow:
                         if not sent:
                             return False
-                        call.out.finish = Finish.CUT
-                        await sink.fail(UpstreamError("this client fell too far behind the stream it shared"))
+                        await _cut(call, sink, UpstreamError("this client fell too far behind the stream it shared"))
                         return True
                     if bc.state is _DONE:
                         call.out.finish = Finish.OK
@@ -570,19 +569,34 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
                     if bc.state is not _OPEN:  # failed or abandoned
                         if not sent:
                             return False
-                        call.out.finish = Finish.CUT
                         # The sink frames it: an SSE error event for chat, an `error` event on /v1/responses.
-                        await sink.fail(bc.error or UpstreamError("the stream this request shared ended early"))
+                        await _cut(call, sink, bc.error or UpstreamError("the stream this request shared ended early"))
                         return True
                     await tap.wait()
         except TimeoutError:
             if not sent:
                 return False  # the caller's own relay answers for the deadline (a 504)
-            call.out.finish = Finish.CUT
-            await sink.fail(UpstreamTimeout("the request's deadline passed mid-stream"))
+            await _cut(call, sink, UpstreamTimeout("the request's deadline passed mid-stream"))
             return True
     except ConnectionError:  # reset, or lost while a write waited on a slow reader
         call.out.finish = Finish.CLIENT_DISCONNECT
         return True
+    except asyncio.CancelledError as exc:
+        if not cut_by_shutdown(exc):
+            raise  # the client left
+        current = asyncio.current_task()
+        if current is not None:
+            current.uncancel()  # handled: the shutdown's error ending is written here
+        if not sent:
+            raise shutdown_error() from None  # a 503 (an error event once its heartbeat began the stream)
+        await _cut(call, sink, shutdown_error())
+        return True
     finally:
         bc.leave(tap)
+
+
+async def _cut(call: Call, sink: Sink, err: GatewayError) -> None:
+    """End a follower's stream after content reached it: its endpoint's error event, and the
+    request log's word on why (as a relay's cut stream has: relay/rescue.py)."""
+    call.out.finish, call.out.error = Finish.CUT, err.message
+    await sink.fail(err)

@@ -24,6 +24,7 @@ from ..relay.attempt import ClientGone, client_write
 from ..relay.context import RelayContext
 from ..tenants.auth import Tenant
 from ..tenants.priority import Band
+from ..web.drain import SHUTDOWN_CUT, cut_by_shutdown
 from ..web.sink import Sink, SinkWrapper
 from . import shared_flight as cache_flight
 from .broadcast import Broadcast, TeeSink, follow, owner_of, wants_usage
@@ -192,7 +193,10 @@ class CacheStage:
         task = asyncio.ensure_future(produce(sink))
         try:
             await asyncio.shield(task)
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            if cut_by_shutdown(exc):
+                await _shut_down(task)  # the relay writes the error ending, its followers' too
+                return
             if task.done() or not sink.keeps_followers():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -242,10 +246,26 @@ class CacheStage:
             current.uncancel()  # this handler's client is gone; the work it started is not
         try:
             await task
-        except asyncio.CancelledError:  # cancelled again (a shutdown): the followers' stream ends too
-            task.cancel()
+        except asyncio.CancelledError as exc:  # cancelled again (a shutdown): the followers' stream ends too
+            task.cancel(*exc.args)  # with the shutdown's reason: the relay ends it with an error event
             await asyncio.gather(task, return_exceptions=True)
             raise
+
+
+async def _shut_down(task: asyncio.Task[None]) -> None:
+    """A shutdown cut the flight leader's handler: its relay, in `task`, is cut with the same reason
+    and ends the stream as any stream cut mid-answer (relay/core.py), for the leader's client and
+    its followers; its error (a 503 before anything was sent) is this handler's."""
+    current = asyncio.current_task()
+    if current is not None:
+        current.uncancel()  # handled: the relay's task writes the ending
+    task.cancel(SHUTDOWN_CUT)
+    try:
+        await asyncio.wait([task])
+    except asyncio.CancelledError:  # the runner's cleanup, past the grace: nothing more is written
+        task.cancel()
+        raise
+    task.result()
 
 
 class _Later(SinkWrapper):

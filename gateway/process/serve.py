@@ -6,8 +6,9 @@ every worker, and the policy-reload announcements between replicas (peers.py). W
 port with SO_REUSEPORT.
 
 Shutdown (SIGTERM): each worker turns /readyz to 503, keeps serving for `server.drain_delay_ms`,
-closes its port, gives the requests in flight up to `server.shutdown_timeout_ms`, and exits; the
-supervisor then stops the local models. SIGINT (Ctrl-C) does the same without the drain delay.
+closes its port, gives the requests in flight up to `server.shutdown_timeout_ms` (streams still
+going then end with their endpoint's error event naming the shutdown), and exits; the supervisor
+then stops the local models. SIGINT (Ctrl-C) does the same without the drain delay.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..config.policy import Policy, PolicyError, read_policy
 from ..config.reload import _digest, _stat
 from ..store.connect import warn_over_budget
 from ..web.app import create_app
+from ..web.drain import end_in_flight
 from ..web.edge import EdgeRunner
 from ..web.keys import DRAIN, LIVE, RELAY
 from . import control
@@ -52,6 +54,9 @@ log = logging.getLogger("gateway")
 _CRASH_WINDOW_S = 5.0  # a worker dying this soon after its start counts as a crash loop
 _MAX_QUICK_CRASHES = 5
 _FANOUT_TIMEOUT_S = 10.0  # a worker's reload (policy parse, classifier load) well within this
+# How long the requests cut at the shutdown timeout get to write their error endings (as the
+# runner's own grace for a handler, below): a client that reads nothing does not hold the exit.
+_CUT_GRACE_S = 1.0
 
 
 class ListenError(RuntimeError):
@@ -154,6 +159,9 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
         if not await drain.wait_idle(server.shutdown_timeout_ms / 1000):
             log.warning("gateway (pid %d): %d requests still in flight after %d ms; cutting them",
                         os.getpid(), drain.inflight, server.shutdown_timeout_ms)
+            # Cut as any stream broken mid-answer is: its endpoint's error event, and accounted as
+            # a cut; a plain cancellation (the runner's cleanup) closed the connection mid-stream.
+            await end_in_flight(_handlers(runner), _CUT_GRACE_S)
             # aiohttp no longer tracks a handler whose client left; those still streaming to
             # single-flight followers end here, before the upstream pool and stores close.
             await app[RELAY].cancel_carried()
@@ -162,6 +170,16 @@ async def _serve(policy: str, host: str, port: int, reuse_port: bool, access_log
             orphaned.cancel()
         log.info("gateway (pid %d) shutting down", os.getpid())
         await runner.cleanup()
+
+
+def _handlers(runner: web.BaseRunner) -> list[asyncio.Task[None]]:
+    """The tasks of the connections answering a request now (aiohttp runs a connection's handler
+    in the connection's task); read once, at shutdown, so no request pays for tracking them."""
+    server = runner.server
+    if server is None:
+        return []
+    return [t for conn in server.connections
+            if conn._request_in_progress and (t := conn._task_handler) is not None and not t.done()]
 
 
 _PARENT_CHECK_S = 0.5

@@ -21,9 +21,11 @@ from ..config.runtime import Route
 from ..errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
 from ..pipeline.call import Call
 from ..routing.backends import Backend
+from ..routing.health import Kind
 from ..tenants.priority import Band
+from ..web.drain import cut_by_shutdown, shutdown_error
 from ..web.sink import Sink
-from .attempt import ClientGone
+from .attempt import ClientGone, Cut
 from .context import RelayContext
 from .continuation import Transcript
 from .heartbeat import Heartbeat
@@ -52,20 +54,41 @@ class Relay(Rescue, Hedging):
         """Answer from the candidates (failover, same-backend retries, context-window fallbacks),
         then continue the answer elsewhere if its stream broke mid-way. `shed`: refuse a queue
         wait that cannot meet the deadline (admission is on). Raises a GatewayError
-        (AllBackendsFailed, or a shed) when no backend answers."""
+        (AllBackendsFailed, or a shed) when no backend answers; Unavailable when a shutdown cut it
+        before anything reached the client (end_in_flight, web/drain.py)."""
         call = self.call
         # Continued only where every candidate's leg can be (continuation.py reads chat chunks).
         if call.stream and self.route.routing.continuation and len(self.pool.backends) > 1 \
                 and call.endpoint.name in self.pool.continues and call.endpoint.continuable(call.body):
             call.transcript = Transcript()
         try:
-            await self._answer(shed)
-        except UpstreamRejected as rejected:
-            if not (rejected.context_length and self.route.context_fallbacks) or self.progress.owner is not None:
-                raise
-            await self.context_fallback(rejected)
-        if self.progress.cut is not None:
-            await self.rescue()
+            try:
+                await self._answer(shed)
+            except UpstreamRejected as rejected:
+                if not (rejected.context_length and self.route.context_fallbacks) or self.progress.owner is not None:
+                    raise
+                await self.context_fallback(rejected)
+            if self.progress.cut is not None:
+                await self.rescue()
+        except asyncio.CancelledError as exc:  # a try costs nothing until something is raised
+            if not cut_by_shutdown(exc):
+                raise  # the client left
+            await self._shut_down()
+
+    async def _shut_down(self) -> None:
+        """The shutdown timeout cut this request (the attempt under way ended as for a client that
+        left: its slot given back, the backend not blamed). A stream whose content reached the
+        client ends as any stream cut mid-answer (rescue: its endpoint's error event, the request
+        a cut), never continued elsewhere; before that, a 503 (an error event once the heartbeat
+        began the stream), as the pipeline answers any refusal."""
+        task = asyncio.current_task()
+        if task is not None:
+            task.uncancel()  # handled: the writes of the error ending run as usual
+        err = shutdown_error()
+        if not self.progress.first_sent:
+            raise err
+        self.progress.cut = Cut(err, Kind.CLIENT_DISCONNECT)  # a kind that rescue never continues elsewhere
+        await self.rescue()
 
     async def _answer(self, shed: bool) -> None:
         call, route, tries = self.call, self.route, self.tries

@@ -3,8 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Collection
 
-__all__ = ["Drain"]
+from ..errors import Unavailable
+
+__all__ = ["Drain", "SHUTDOWN_CUT", "cut_by_shutdown", "end_in_flight", "shutdown_error"]
+
+# Task.cancel's message for the requests still in flight once `server.shutdown_timeout_ms` ran
+# out: the relay ends such a stream as it ends any stream cut mid-answer, with its endpoint's error
+# event naming the shutdown (relay/core.py), where a plain cancellation closed the connection
+# mid-stream, which clients cannot tell from a network failure.
+SHUTDOWN_CUT = "this gateway process is shutting down"
+
+
+def cut_by_shutdown(exc: asyncio.CancelledError) -> bool:
+    """Whether `exc` is a shutdown's cut (end_in_flight), not a client that left."""
+    return bool(exc.args) and exc.args[0] == SHUTDOWN_CUT
+
+
+def shutdown_error() -> Unavailable:
+    """What a request the shutdown cut is told (a 503, or its endpoint's error event mid-stream)."""
+    return Unavailable(f"{SHUTDOWN_CUT}: the request was still running after server.shutdown_timeout_ms; "
+                       "retry the request", retry_after_s=1)
+
+
+async def end_in_flight(tasks: Collection[asyncio.Task[None]], grace_s: float) -> None:
+    """Cancel the handlers still answering after the shutdown timeout with SHUTDOWN_CUT, and give
+    them up to `grace_s` to write their error endings and settle (quota, request log); the caller
+    cancels whatever is left as before (a client that reads nothing must not hold the exit)."""
+    for task in tasks:
+        task.cancel(SHUTDOWN_CUT)
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace_s)
 
 
 class Drain:
