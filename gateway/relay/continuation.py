@@ -15,7 +15,10 @@ the rest, in one of two ways (`Resume`):
 
 Either way each event is re-encoded with the first stream's id, model and created; role-only
 events are dropped (the client already had one); the finish event carries `x_gateway`, saying
-which backends answered and how; usage counts the delivered tokens too.
+which backends answered and how; usage counts the delivered tokens too. What the earlier legs
+generated beyond what the answering leg's usage counts (a restart generates the delivered text
+again; reasoning the client had from an earlier leg) is `Resume.earlier`: the relay adds it to the
+usage the quota charges once the continuation answered (rescue.py), not to the client's.
 
 Everything here is chat chunks: a stream in another format is continued through a monitor that
 reads it as chat chunks (its `event`) and applies `rewrite` to them, then gives the client its own
@@ -53,7 +56,8 @@ class Transcript:
     """What one streamed answer delivered so far. `continuable` turns False for anything a
     continuation cannot reproduce (tool calls, several choices)."""
 
-    __slots__ = ("parts", "_tail", "chars", "id", "model", "created", "continuable", "tokens", "backends", "carry")
+    __slots__ = ("parts", "_tail", "chars", "id", "model", "created", "continuable", "tokens", "backends", "carry",
+                 "reasoning", "regenerated")
 
     def __init__(self) -> None:
         # The text in chunks of _FOLD pieces (a str per piece cost ~20 bytes a character: 84 MB
@@ -66,6 +70,8 @@ class Transcript:
         self.created: Any = None
         self.continuable = True
         self.tokens = 0  # content events delivered (the completion tokens they stand for)
+        self.reasoning = 0  # reasoning events delivered (a continuation's own are dropped: the earlier legs')
+        self.regenerated = 0  # tokens of delivered text a restarted leg generated again (and skipped)
         self.backends: list[str] = []  # that streamed part of the answer, in order
         self.carry: Any = None  # a translating leg's stream translator, kept across the answer's attempts
 
@@ -88,7 +94,11 @@ class Transcript:
             text = _text_of(choice)
             if text is None:
                 self.continuable = False  # tool calls, a function call, a refusal
-            elif text:
+            elif not text:
+                delta = choice.get("delta")
+                if isinstance(delta, dict) and (delta.get("reasoning_content") or delta.get("reasoning")):
+                    self.reasoning += 1  # generated, and charged even when the answer is continued elsewhere
+            else:
                 self.tokens += 1
                 if self.continuable:
                     tail = self._tail
@@ -121,7 +131,7 @@ _LIMIT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 class Resume:
     """One continuation attempt: the body to send, and how its events become the client's."""
 
-    __slots__ = ("transcript", "mode", "backend", "reason", "_pending", "_loose", "_delivered_tokens", "_spent")
+    __slots__ = ("transcript", "mode", "backend", "reason", "earlier", "_pending", "_loose", "_delivered_tokens", "_spent")
 
     def __init__(self, transcript: Transcript, mode: str, backend: str, reason: str) -> None:
         assert mode in ("prefill", "restart")
@@ -137,6 +147,12 @@ class Resume:
         text = transcript.text if transcript.continuable else ""
         self._delivered_tokens = max(transcript.tokens, text_tokens(text))
         self._spent = False  # a prefill's limit was used up before the cut: only its finish is wanted
+        # Output the earlier legs generated that this leg's usage, once it answers, does not count
+        # (the relay charges it, rescue.py): their reasoning, what earlier restarts generated
+        # again, and for a restart the delivered text, which its usage counts only as its own
+        # (a restart after 5 of 12 words was charged 12, and the cut backend's 5 were lost).
+        # A prefill's usage counts the delivered text already (`_plus_completion`).
+        self.earlier = transcript.reasoning + transcript.regenerated + (self._delivered_tokens if mode == "restart" else 0)
 
     def body(self, body: dict[str, Any], upstream_model: str, prefill: Prefill, *, trim: bool = False) -> bytes:
         """The request to send: the original, for `upstream_model`, plus the prefill if any
@@ -223,6 +239,7 @@ class Resume:
         if text[:n] != pending[:n]:
             raise Mismatch("the restarted answer does not begin with the text already delivered")
         self._pending = pending[n:]
+        self.transcript.regenerated += text_tokens(text[:n])  # generated again: a later leg's `earlier`
         return text[n:]
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from ..errors import UpstreamRejected
-from ..pipeline.call import Finish
+from ..pipeline.call import Finish, Outcome
 from ..routing.health import Kind
 from .attempt import client_write
 from .base import RelayBase
@@ -106,6 +106,7 @@ class Rescue(RelayBase):
                     events.labels("continuation", f"{mode}_cut").inc()
                     break
                 if answered:
+                    _charge_earlier(call.out, resume.earlier)
                     events.labels("continuation", mode).inc()
                     log.info("request %s: answer continued on %r (%s); backends %s",
                              call.request_id, backend.name, mode, ", ".join(transcript.backends))
@@ -115,3 +116,22 @@ class Rescue(RelayBase):
                 events.labels("continuation", f"{mode}_failed").inc()
                 break
         return False
+
+
+def _charge_earlier(out: Outcome, tokens: int) -> None:
+    """A continued answer: add to what its quota charges the output the earlier legs generated
+    that the answering leg's usage does not count (continuation.Resume.earlier), after the client
+    had its own usage (the whole answer's tokens, as an unbroken stream's): to the usage's
+    completion and total, or without a usage to the content events counted in its place. A
+    usage figure that is not a whole number from 0 is left as it came (the quota believes none
+    of such a report)."""
+    if tokens <= 0:
+        return
+    usage = out.usage
+    if usage is None:
+        out.streamed_tokens += tokens
+        return
+    more = {key: n + tokens for key in ("completion_tokens", "total_tokens")
+            if type(n := usage.get(key)) is int and n >= 0}
+    if more:
+        out.usage = {**usage, **more}  # a copy: the dict may be the event the client was sent

@@ -3,7 +3,8 @@
 Events before the first output delta (`response.created`, `response.in_progress`, `...added`) are
 held back; output is any `*.delta` (or an image's partial); `response.completed` /
 `response.incomplete` finish the answer (with its usage); `response.failed` and `error` are the
-backend's failure, which reaches the client as it was sent once output has (and ends the stream).
+backend's failure, which reaches the client as it was sent once output has (and ends the stream);
+a `response.failed` after output brings the usage the backend spent, which the quota charges.
 A `[DONE]` some servers add is not part of the answer. `response.created` names the response the
 backend now holds (`record`): the pump records it before anything of the stream is released.
 """
@@ -110,4 +111,12 @@ class ResponsesMonitor:
         elif isinstance(err, str):
             msg = err
         self.failure = str(msg or event.get("type") or "error")
+        if self.deltas and isinstance(resp, dict):
+            # After output the failure is the client's answer: what the backend says it spent is
+            # charged, as a completed answer's is (it was charged the prompt estimate and one token
+            # a delta: 14 tokens of 940 spent). Not before output: the relay fails over, and these
+            # figures would stand for an answer from another backend that brings none.
+            usage = usage_of(resp)
+            if usage is not None:
+                self.usage = usage
         return Verdict.FAILED
