@@ -498,6 +498,11 @@ class Admission:
         self.enabled = True  # False (admission.enabled: false): relay without the gate or shedding
         self._clock = clock
         self._holds: deque[float] = deque(maxlen=_HOLDS)  # how long the last admitted requests held their place
+        # Requests relayed while admission was off, still in flight (`enter_off`), and how many of
+        # them count in the gate since a reload turned admission on (`configure`): else the gate
+        # started from 0 beside them and let max_inflight more in.
+        self.off_inflight = 0
+        self._carried = 0
         self._service_s: float | None = None  # their median, as of `_sorted_at`
         self._stale = False  # holds came since
         self._sorted_at = -1e18
@@ -511,7 +516,11 @@ class Admission:
         reserve_pct: float = 0.0,
         standing: tuple[float | None, float] = (None, 5.0),
     ) -> None:
-        """New limits from a reloaded policy; the queue and its waiters stay."""
+        """New limits from a reloaded policy; the queue and its waiters stay. Turned on, the
+        requests relayed while it was off and still in flight take places in the gate."""
+        if enabled and self.off_inflight > self._carried:
+            self.gate.counter.inflight += self.off_inflight - self._carried
+            self._carried = self.off_inflight
         self.enabled = enabled
         self.gate.standing_target_s, self.gate.standing_interval_s = standing
         self.gate.limit = max_inflight
@@ -578,6 +587,20 @@ class Admission:
         if not await self.gate.acquire(remaining_s - first_token_s, ticket):
             raise TimeoutError
         return self._clock() - started
+
+    def enter_off(self) -> None:
+        """A request relayed while admission is off (no gate, no wait): counted aside, for a
+        reload that turns admission on while it is in flight."""
+        self.off_inflight += 1
+
+    def leave_off(self) -> None:
+        """A request `enter_off` counted has ended; the gate's place it was carried into (if a
+        reload turned admission on meanwhile) goes to the next waiter."""
+        self.off_inflight -= 1
+        if self._carried > self.off_inflight:
+            self._carried -= 1
+            self.gate.counter.inflight -= 1
+            self.gate.dispatch()
 
     def leave(self, held_s: float, band: str = "default") -> None:
         """Give the place back after holding it `held_s` (teaches the service time)."""

@@ -69,6 +69,7 @@ class Place:
 
     async def __aenter__(self) -> bool:
         if not self.stage.admission.enabled:
+            self.stage.admission.enter_off()  # `held` stays None
             return False
         await self.stage._enter(self.call, self.pool, self.ticket, self.sink)
         self.held = time.monotonic()
@@ -77,6 +78,8 @@ class Place:
     async def __aexit__(self, *exc: object) -> None:
         if self.held is not None:
             self.stage.admission.leave(time.monotonic() - self.held, self.ticket.band)
+        else:  # entered while admission was off (an entry that raised never gets here)
+            self.stage.admission.leave_off()
 
 
 def _downstream(usable: list[Backend], ticket: Ticket) -> Callable[[int], float] | None:

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from ..observe.metrics import Metrics
+from ..process.control import ASKED_BECAUSE
 from .policy import Policy, PolicyError, read_policy
 from .runtime import Runtime
 
@@ -77,6 +78,9 @@ class Reloader:
         `if_changed`: only when the file's bytes differ from those the policy in force was read
         from (else (True, "") with nothing done): a worker of `--workers N` catching up, once its
         control socket is up, on a reload fanned out while it was starting."""
+        # Asked over the control channel (a worker, by its supervisor): the supervisor's reason
+        # (SIGHUP, a file change, a replica's announcement, a rollback...) names it, not the handler's.
+        trigger = ASKED_BECAUSE.get() or trigger
         if self.path is None:
             return False, "the gateway was started without a policy file"
         async with self._lock:

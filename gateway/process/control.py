@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-__all__ = ["ControlError", "DataHandler", "Handler", "ask", "ask_all", "rejections", "serve_unix"]
+__all__ = ["ASKED_BECAUSE", "ControlError", "DataHandler", "Handler", "ask", "ask_all", "rejections", "serve_unix", "why"]
 
 log = logging.getLogger("gateway.control")
 
@@ -29,6 +31,16 @@ Handler = Callable[[], Awaitable[dict[str, Any]]]
 # A handler of a request with a JSON body (the supervisor's shared admin stores: admin/relayed.py).
 DataHandler = Callable[[Any], Awaitable[dict[str, Any]]]
 _MAX_BODY = 64 << 20  # a private socket; a request log batch of a busy worker is a few MB at most
+
+# While a handler runs: the `why` its request named (the supervisor's reason for a reload: SIGHUP,
+# a file change, /admin/reload, a replica's announcement...), else None. The worker's reload
+# handler names no trigger of its own that would be right for all of them (config/reload.py reads this).
+ASKED_BECAUSE: contextvars.ContextVar[str | None] = contextvars.ContextVar("gateway_control_why", default=None)
+
+
+def why(route: str, reason: str) -> str:
+    """`route` asked with `reason` (seen by its handler as ASKED_BECAUSE)."""
+    return f"{route}?{urlencode({'why': reason})}"
 
 
 class ControlError(RuntimeError):
@@ -42,8 +54,12 @@ async def serve_unix(
     `data_handlers` are given the request's JSON body."""
 
     def wrap(fn: Handler) -> Callable[[web.Request], Awaitable[web.Response]]:
-        async def handle(_request: web.Request) -> web.Response:
-            return web.Response(body=orjson.dumps(await fn()), content_type="application/json")
+        async def handle(request: web.Request) -> web.Response:
+            token = ASKED_BECAUSE.set(request.query.get("why") or None)
+            try:
+                return web.Response(body=orjson.dumps(await fn()), content_type="application/json")
+            finally:
+                ASKED_BECAUSE.reset(token)
 
         return handle
 
@@ -95,13 +111,20 @@ def rejections(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in results if not r.get("ok") and not r.get("unreachable")]
 
 
-async def ask_all(paths: list[Path], method: str, route: str, timeout_s: float) -> list[dict[str, Any]]:
-    """Ask every process at once; one that cannot answer gives {"error": ...} in its place."""
+async def ask_all(
+    paths: list[Path], method: str, route: str, timeout_s: float,
+    on_answer: Callable[[Path, dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Ask every process at once; one that cannot answer gives {"error": ...} in its place.
+    `on_answer(path, answer)`: as each one answers (or is found unable to), before all have."""
 
     async def one(path: Path) -> dict[str, Any]:
         try:
-            return await ask(path, method, route, timeout_s)
+            out = await ask(path, method, route, timeout_s)
         except ControlError as exc:  # not a verdict on what was asked: it was never answered
-            return {"ok": False, "error": str(exc), "socket": path.name, "unreachable": True}
+            out = {"ok": False, "error": str(exc), "socket": path.name, "unreachable": True}
+        if on_answer is not None:
+            on_answer(path, out)
+        return out
 
     return list(await asyncio.gather(*(one(p) for p in paths)))

@@ -38,6 +38,7 @@ from ..observe.log_lines import OneLineFormatter
 from ..config.policy import Policy, PolicyError, read_policy
 from ..config.reload import _digest, _stat
 from ..store.connect import warn_over_budget
+from ..web import api as web_api
 from ..web.app import create_app
 from ..web.drain import end_in_flight
 from ..web.edge import EdgeRunner
@@ -54,6 +55,12 @@ log = logging.getLogger("gateway")
 _CRASH_WINDOW_S = 5.0  # a worker dying this soon after its start counts as a crash loop
 _MAX_QUICK_CRASHES = 5
 _FANOUT_TIMEOUT_S = 10.0  # a worker's reload (policy parse, classifier load) well within this
+# /admin/reload through a worker: the supervisor answers this much before the worker stops
+# waiting (web/api.py's _CONTROL_TIMEOUT_S, 15 s; then it answers 500), reload done or not. One
+# queued behind another reload, then its fan-out (up to _FANOUT_TIMEOUT_S) and its announcement
+# to the replicas (up to 5 s) can take longer, and go on and succeed.
+_ANSWER_MARGIN_S = 3.0
+ADMIN_TRIGGER = "/admin/reload"
 # How long the requests cut at the shutdown timeout get to write their error endings (as the
 # runner's own grace for a handler, below): a client that reads nothing does not hold the exit.
 _CUT_GRACE_S = 1.0
@@ -314,7 +321,7 @@ class _Supervisor:
         server = await control.serve_unix(
             self.control_dir / "supervisor.sock",
             {
-                ("POST", "/reload"): lambda: self.reload_everywhere("admin"),
+                ("POST", "/reload"): self.answer_reload,
                 ("GET", "/backends"): self.views,
                 ("GET", "/launched"): self.launched,
                 **(self.admin.handlers() if self.admin else {}),
@@ -338,12 +345,13 @@ class _Supervisor:
             await server.cleanup()
         return code
 
-    def _background(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+    def _background(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         """Run `coro` in a task this supervisor owns: kept until it ends (a task nobody holds may
         be collected mid-run), its failure logged, cancelled at shutdown (_end_background)."""
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._ended)
+        return task
 
     def _ended(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -406,11 +414,18 @@ class _Supervisor:
     def _launch_specs(self) -> list[tuple[str, str, Any]]:
         return [(name, b.url, b.launch) for name, b in self.policy.backends.items() if b.launch is not None]
 
-    async def reload_all(self, trigger: str) -> dict[str, Any]:
+    def _sockets(self) -> list[Path]:
+        return [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
+
+    async def reload_all(self, trigger: str, progress: _Progress | None = None) -> dict[str, Any]:
         """Reload every worker, then here: the launched models follow the new policy only when
         no worker rejected it (a worker checks more than parsing: its API key variables, weights
-        files, store URL, open mode), so they never move to where the workers do not route."""
+        files, store URL, open mode), so they never move to where the workers do not route.
+        A policy one worker rejects is rolled back in the others (_roll_back): all serve one
+        policy, the one in force. `progress` follows it (answer_reload)."""
+        progress = progress if progress is not None else _Progress(self._sockets())
         async with self._lock:
+            progress.stage = "reading the policy"
             try:
                 policy, data = await asyncio.to_thread(read_policy, self.path)
             except (PolicyError, ValueError) as exc:
@@ -418,20 +433,59 @@ class _Supervisor:
                 return {"ok": False, "supervisor": {"pid": os.getpid(), "ok": False, "error": str(exc)}, "workers": []}
             # The workers reload these bytes (the snapshot), not the file as it is when each reads it.
             await asyncio.to_thread(_write_snapshot, self.snapshot, data)
-            sockets = [worker_socket(self.control_dir, i) for i in sorted(self.procs)]
-            results = await control.ask_all(sockets, "POST", "/reload", _FANOUT_TIMEOUT_S)
+            indexes = sorted(self.procs)
+            sockets = [worker_socket(self.control_dir, i) for i in indexes]
+            progress.stage = "reloading the workers"
+            progress.expect(sockets)
+            results = await control.ask_all(sockets, "POST", control.why("/reload", f"{trigger}, through the supervisor"),
+                                            _FANOUT_TIMEOUT_S, on_answer=progress.answered)
             rejected = control.rejections(results)
             own: dict[str, Any] = {"ok": True}
             if rejected:
                 await asyncio.to_thread(_write_snapshot, self.snapshot, self.data)  # a worker started later: the one in force
                 why = next((str(r["error"]) for r in rejected if r.get("error")), "a worker rejected it")
-                log.error("supervisor: policy reload (%s) rejected by a worker; launched models stay as they are: %s", trigger, why)
+                log.error("supervisor: policy reload (%s) rejected by %s; launched models stay as they are: %s",
+                          trigger, _who(rejected), why)
                 own = {"ok": False, "error": why}
+                progress.stage = "rolling back the workers that took it"
+                await self._roll_back(trigger, indexes, results)
             else:
                 self.data, self.digest = data, hashlib.sha256(data).hexdigest()
+                progress.stage = "applying it to the launched models"
                 await self._apply(policy)
         ok = bool(own["ok"]) and all(r.get("ok") for r in results)
         return {"ok": ok, "supervisor": {"pid": os.getpid(), **own}, "workers": results}
+
+    async def _roll_back(self, trigger: str, indexes: list[int], results: list[dict[str, Any]]) -> None:
+        """A worker rejected the policy (a failure of its own: a weights file it cannot read...)
+        that others may have taken: every worker that did not reject it reloads the policy in
+        force (the snapshot, already written back), so that none serves a policy the reload
+        reports rejected. One that took it and cannot go back (it rejects the policy in force now,
+        or no longer answers) is restarted, on that snapshot; one that had not answered either
+        (starting: its socket was not up) takes the snapshot as it catches up. `results` are
+        annotated in place."""
+        back = [(i, r) for i, r in zip(indexes, results) if r.get("ok") or r.get("unreachable")]
+        if not back:
+            return
+        why = f"rollback to the policy in force: {_who(control.rejections(results))} rejected the one of {trigger}"
+        answers = await control.ask_all([worker_socket(self.control_dir, i) for i, _ in back], "POST",
+                                        control.why("/reload", f"{why}, through the supervisor"), _FANOUT_TIMEOUT_S)
+        for (index, result), answer in zip(back, answers):
+            took = bool(result.get("ok"))
+            if answer.get("ok"):
+                if took:  # say that it is not in force there
+                    result.update(ok=False, rolled_back=True, policy_generation=answer.get("policy_generation"),
+                                  error="took the policy, then went back to the one in force: another worker rejected it")
+            elif answer.get("unreachable") and not took:
+                log.warning("supervisor: worker %d answered neither the reload nor its rollback (%s); one starting takes "
+                            "the policy in force once up", index, answer.get("error"))
+            elif not self.stopping.is_set() and index in self.procs:
+                log.error("supervisor: worker %d could not go back to the policy in force (%s); restarting it on that policy",
+                          index, answer.get("error"))
+                result.update(ok=False, restarted=True)
+                proc = self.procs[index][0]
+                if proc.pid is not None and proc.is_alive():
+                    os.kill(proc.pid, signal.SIGTERM)  # it drains; _monitor starts it again on the snapshot
 
     async def _apply(self, policy: Policy) -> None:
         self.policy = policy
@@ -440,11 +494,32 @@ class _Supervisor:
             self.admin.resize(policy.request_log.size, policy.request_log.memory_max_bytes)
         await self.children.reconcile(self._launch_specs())
 
-    async def reload_everywhere(self, trigger: str) -> dict[str, Any]:
+    async def reload_everywhere(self, trigger: str, progress: _Progress | None = None) -> dict[str, Any]:
         """reload_all, then the other replicas on the same Redis (their answers included)."""
-        out = await self.reload_all(trigger)
+        progress = progress if progress is not None else _Progress(self._sockets())
+        out = await self.reload_all(trigger, progress)
+        progress.stage = "announcing it to the other replicas"
         out["replicas"] = await self.peers.announce()
         return out
+
+    async def answer_reload(self) -> dict[str, Any]:
+        """POST /admin/reload through a worker: reload_everywhere, answered within the time the
+        worker waits for it (_answer_within_s). A reload that takes longer (queued behind another,
+        a slow worker, replicas slow to answer) goes on; the answer says what is known (the
+        workers that took it, those still reloading, a rejection already seen: `_Progress.answer`)
+        and the supervisor logs how it ends. Without this, the worker's wait ran out and a reload
+        that succeeded was answered 500."""
+        progress = _Progress(self._sockets(), announces=self.peers.enabled)
+        task = self._background(self.reload_everywhere(ADMIN_TRIGGER, progress), "reload-admin")
+        budget = _answer_within_s()
+        done, _ = await asyncio.wait({task}, timeout=budget)  # the reload is never cancelled by this
+        if task in done:
+            out: dict[str, Any] = task.result()
+            return out
+        log.warning("supervisor: policy reload (%s) still %s after %.0f s: answered before it ended; it goes on",
+                    ADMIN_TRIGGER, progress.stage, budget)
+        task.add_done_callback(_log_late_end)
+        return progress.answer(budget)
 
     async def launched(self) -> dict[str, Any]:
         """Each launched model's state (ready, or why not and when it is retried), for the workers."""
@@ -481,6 +556,73 @@ class _Supervisor:
             last = now
             if now is not None and (digest_now := _digest(self.path)) is not None and digest_now != self.digest:
                 await self._reload_noted("file change")
+
+
+def _answer_within_s() -> float:
+    """How long the supervisor may take to answer /admin/reload: a margin under the time the
+    worker asking waits for it (read when asked: one constant, web/api.py's)."""
+    return max(1.0, web_api._CONTROL_TIMEOUT_S - _ANSWER_MARGIN_S)
+
+
+def _who(results: list[dict[str, Any]]) -> str:
+    """The workers of `results`, for a message ("worker 1", "worker-1.sock")."""
+    return ", ".join(f"worker {r['worker']}" if r.get("worker") is not None else str(r.get("socket", "a worker"))
+                     for r in results) or "no worker"
+
+
+class _Progress:
+    """How far a reload has come: its stage and each worker's answer so far (None: not yet). The
+    answer to /admin/reload when the reload outlasts the time to answer (answer_reload)."""
+
+    __slots__ = ("stage", "workers", "announces")
+
+    def __init__(self, sockets: list[Path], announces: bool = False) -> None:
+        self.stage = "waiting for another reload to end"
+        self.workers: dict[str, dict[str, Any] | None] = {}
+        self.announces = announces  # the other replicas are told once the workers are done (peers.py)
+        self.expect(sockets)
+
+    def expect(self, sockets: list[Path]) -> None:
+        self.workers = {p.name: None for p in sockets}
+
+    def answered(self, path: Path, result: dict[str, Any]) -> None:
+        self.workers[path.name] = result
+
+    def answer(self, waited_s: float) -> dict[str, Any]:
+        """The answer for a reload still going on, in the shape of a finished one's (web/api.py
+        reads it): a rejection already seen is a failed reload (400 invalid_policy: it is being
+        rolled back); every worker done and none refusing: ok (200), the replicas' answers
+        pending; else the workers still reloading are named, as ones that did not answer
+        (503 reload_incomplete), with `pending` and why in their `error`."""
+        note = (f"still {self.stage} {waited_s:.0f} s after it was asked: the reload goes on without this answer "
+                "and the supervisor logs how it ends (GET /admin/backends shows each worker's policy_generation)")
+        workers = [r if r is not None else {"ok": False, "socket": name, "pending": True, "unreachable": True, "error": note}
+                   for name, r in self.workers.items()]
+        sup: dict[str, Any] = {"pid": os.getpid(), "pending": self.stage}
+        replicas = [{"ok": False, "pending": True, "error": note}] if self.announces else []
+        if refused := control.rejections([r for r in self.workers.values() if r is not None]):
+            why = next((str(r["error"]) for r in refused if r.get("error")), "a worker rejected it")
+            sup.update(ok=False, error=f"{why} (rejected by {_who(refused)}; the workers that took it go back to the policy in force)")
+            return {"ok": False, "supervisor": sup, "workers": workers, "replicas": []}
+        if all(r is not None for r in self.workers.values()):
+            sup["ok"] = True
+            return {"ok": all(r.get("ok") for r in workers), "supervisor": sup, "workers": workers, "replicas": replicas}
+        return {"ok": False, "supervisor": sup, "workers": workers, "replicas": replicas}
+
+
+def _log_late_end(task: asyncio.Task[Any]) -> None:
+    """How a reload answered before it ended did end (its failures: _Supervisor._ended)."""
+    if task.cancelled() or task.exception() is not None:
+        return
+    out = task.result()
+    workers = out.get("workers", [])
+    if out.get("ok"):
+        log.info("supervisor: policy reload (%s), answered before it ended, is in force in all %d workers",
+                 ADMIN_TRIGGER, len(workers))
+    else:
+        missed = [str(r.get("socket", r.get("worker"))) for r in workers if r.get("unreachable")]
+        log.warning("supervisor: policy reload (%s), answered before it ended, did not succeed everywhere: %s",
+                    ADMIN_TRIGGER, out.get("supervisor", {}).get("error") or f"{', '.join(missed)} did not answer")
 
 
 def _write_snapshot(path: Path, data: bytes) -> None:
