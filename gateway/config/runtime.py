@@ -28,6 +28,7 @@ from ..responses.affinity import Affinity, owner_of
 from ..routing.affinity import PrefixMap
 from ..routing.backends import Backend, BackendState, Slots
 from ..routing.health import Health
+from ..routing.hedge_budget import HedgeBudget
 from ..routing.latency import Tracker
 from ..routing.selector import Candidate, Selector
 from ..store.core import FairMemoryStore, MemoryStore, Store
@@ -57,35 +58,26 @@ log = logging.getLogger("gateway.runtime")
 _UNCLASSIFIED = Verdict("complex", 0.0, 1.0, None, {}, ["not classified: this model does not route by class"])
 
 
-@dataclass
-class HedgeBudget:
-    """Hedges may add at most `pct` % extra upstream calls, measured over a decaying window."""
+# Budgets a route keeps across reloads, in the state of its first backend (app-owned, carried by
+# name): at most this many per state, the oldest dropped (a reload storm of changing routes).
+_MAX_BUDGETS = 64
 
-    pct: float
-    half_life_s: float = 60.0
-    clock: object = time.monotonic
-    _requests: float = 0.0
-    _hedges: float = 0.0
-    _at: float = field(default_factory=time.monotonic)
 
-    def _decay(self) -> None:
-        now = self.clock()  # type: ignore[operator]
-        k = 0.5 ** ((now - self._at) / self.half_life_s)
-        self._requests *= k
-        self._hedges *= k
-        self._at = now
-
-    def note_request(self) -> None:
-        self._decay()
-        self._requests += 1
-
-    def try_spend(self) -> bool:
-        """True (and counted) when one more hedge stays within the budget."""
-        self._decay()
-        if self._hedges + 1 > self.pct / 100 * self._requests + 1:  # +1: one hedge allowed from the start
-            return False
-        self._hedges += 1
-        return True
+def _hedge_budget(model: str, pct: float, backends: tuple[Backend, ...]) -> HedgeBudget:
+    """The route's hedge budget: the one the same route (model, max_extra_pct, backends in order)
+    had before this build, else a new one. Nothing in it is a limit the new policy changes (a
+    changed `max_extra_pct` or backend list makes a new one), so sharing it from the build on
+    changes nothing live."""
+    if not backends:
+        return HedgeBudget(pct)
+    kept = backends[0].state.hedge_budgets
+    key = (model, pct, tuple(b.name for b in backends))
+    budget = kept.get(key)
+    if budget is None:
+        if len(kept) >= _MAX_BUDGETS:
+            del kept[next(iter(kept))]
+        budget = kept[key] = HedgeBudget(pct)
+    return budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -395,11 +387,11 @@ class Runtime:
 
     def _route(self, model: str, r: ModelRoute) -> Route:
         strategy = r.strategy or self.routing.strategy
-        budget = HedgeBudget(r.hedge.max_extra_pct) if r.hedge else None
         if r.backends is not None:
             simple = complex_ = self._pool(model, r.backends, strategy)
         else:
             simple, complex_ = self._pool(model, r.simple or (), strategy), self._pool(model, r.complex or (), strategy)
+        budget = _hedge_budget(model, r.hedge.max_extra_pct, simple.backends + complex_.backends) if r.hedge else None
         s_eps = self._by_endpoint(model, simple, strategy)
         c_eps = s_eps if complex_ is simple else self._by_endpoint(model, complex_, strategy)
         prefilling = {ep: (self._prefilling(model, s_eps[ep], strategy), self._prefilling(model, c_eps[ep], strategy))

@@ -18,8 +18,9 @@ class Hedging(RelayBase):
 
     async def hedged(self, primary: Backend, others: Sequence[Backend], cold_s: float | None) -> bool | None:
         """Run the primary; if its first token (a whole answer: the answer) is later than its
-        live P95, run the same request on the next best backend too. Whichever reaches the
-        client first wins; the other is cancelled. The hedge is a try of its own (the caller
+        live P95, run the same request on the next best backend too, while the route's hedge
+        budget and the tenant's share of it allow (routing/hedge_budget.py). Whichever
+        reaches the client first wins; the other is cancelled. The hedge is a try of its own (the caller
         hedges only while one more fits within max_attempts). None when the primary found no slot after all
         (taken by another request before its task ran) and nothing was sent.
 
@@ -28,7 +29,9 @@ class Hedging(RelayBase):
         call, route, progress, metrics = self.call, self.route, self.progress, self.ctx.metrics
         hp, budget = route.hedge, route.budget
         assert hp is not None and budget is not None
-        budget.note_request()
+        # Per tenant too: one tenant's late first tokens spend only its own share (HedgeBudget).
+        tenant = None if call.tenant is None else call.tenant.name
+        budget.note_request(tenant)
         tracker = primary.tracker_for(call.model)  # its model's figures, not the backend's other models'
         if call.stream or not call.endpoint.generates:
             p95 = tracker.ttft_p95_s(call.prompt_tokens)
@@ -42,7 +45,7 @@ class Hedging(RelayBase):
                 second = next((b for b in others if b.slots.free(self.band)), None)
                 if second is None:
                     metrics.hedges.labels("no_candidate").inc()
-                elif not budget.try_spend():
+                elif not budget.try_spend(tenant):
                     metrics.hedges.labels("budget_exhausted").inc()
                 else:
                     metrics.hedges.labels("started").inc()

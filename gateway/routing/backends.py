@@ -14,6 +14,7 @@ from ..admission.gate import Gate
 from ..config.policy import BackendPolicy, secret_problem
 from ..wire.endpoints import ENDPOINTS
 from .health import Health
+from .hedge_budget import HedgeBudget
 from .latency import Tracker
 from .load import Load
 
@@ -55,6 +56,9 @@ class BackendState:
     load: Load = field(default_factory=Load)  # the model server's own load gauges (metrics_url)
     # upstream model -> its own latency tracker (routing, deadlines, hedging), `tracker` its parent
     trackers: dict[str, Tracker] = field(default_factory=dict)
+    # (model, max_extra_pct, backend names) -> the hedge budget of a route that starts with this
+    # backend: an unchanged route keeps its budget across reloads (config/runtime.py _hedge_budget)
+    hedge_budgets: dict[tuple[str, float, tuple[str, ...]], HedgeBudget] = field(default_factory=dict)
 
     def model_health(self, upstream: str) -> Health:
         """The health of one upstream model on this backend (created on first use)."""

@@ -9,8 +9,9 @@ The relay reports outcomes (and the prober reports probe results); this object d
   `max_eject_s`, shortened by up to `jitter` at random so replicas do not all retry at once;
 - ``probing`` (half-open): the back-off ran out, or a probe succeeded, but no request has succeeded
   since; the next outcome decides: a success makes it ``healthy``, one failure ejects it again for
-  a longer back-off. The selector gives a probing backend one request at a time (and the relay
-  never retries it once it is ejected again: a trial costs one attempt);
+  a longer back-off (one tenant's, in a trial a probe let through: once a probe agrees, below).
+  The selector gives a probing backend one request at a time (and the relay never retries it once
+  it is ejected again: a trial costs one attempt);
 - ``cooling``: an upstream 429/503 asked for a pause (Retry-After); it is busy, not broken;
 - ``healthy``.
 
@@ -26,7 +27,14 @@ ejection.
 One tenant cannot eject a backend for the others (`corroborate`): an ejection by a run of
 failures a request can cause (`Outcome.asked`: a 500 on what a caller sent, a timeout) that one tenant's
 requests alone met is `verifying`: the request prober probes it at once, and an answer undoes it
-and forgives that tenant's failures for `max_eject_s`; a failure confirms it. So is one by
+and forgives that tenant's failures for `max_eject_s`; a failure confirms it. So is the failure
+of a half-open trial that a good request probe let through, when one tenant's request failed it
+(`suspect_trial`): a trial is one request, so the tenant whose requests a backend fails (a poison
+prompt) took every trial and kept a healthy backend out for everyone while it kept sending (review
+helper's repro); an answer puts it back to half-open (another tenant's failed trial then
+corroborates the first and ejects at once), a failure confirms it. A trial the back-off let
+through re-ejects at once as before (no probe vouched for the backend): its probes still end
+that ejection, and the next trial is then one a probe let through. So is one by
 timeouts at a deadline the relay set from live data (`LIVE_DEADLINE`, shorter than the backend's
 `first_token_ms`: 2x the live P95, which other requests set), whoever's requests met them: a flood
 of fast requests can shrink that deadline under ordinary slow ones (review helper's repro), and a
@@ -221,6 +229,10 @@ class Health:
     # deadlines alone), while a probe has not confirmed or undone it (None: nothing waits for a probe).
     suspect: str | None = None
     suspect_deadline: bool = False  # the run that ejected it had timeouts at live deadlines
+    # The ejection waiting for a probe is a failed half-open trial's (that a good request probe let
+    # through): answered, the backend is half-open again, not healthy; the run goes on, so another
+    # tenant's failed trial corroborates it.
+    suspect_trial: bool = False
     forgiven: str | None = None  # the tenant whose failures a probe showed to be its requests' doing
     forgiven_until: float = 0.0
     deadline_forgiven_until: float = 0.0  # until when timeouts at live deadlines count for nothing
@@ -255,7 +267,7 @@ class Health:
         self.ejections = 0
         self.ejected_until = 0.0
         self.probe_opened = self.probes_misled = False
-        self.suspect, self.suspect_deadline = None, False
+        self.suspect, self.suspect_deadline, self.suspect_trial = None, False, False
         self._end_run()
 
     def report_failure(self, tenant: str | None = None, *, asked: bool = False) -> None:
@@ -292,14 +304,25 @@ class Health:
         elif tenant != self.run_tenant:
             self.run_mixed = True
         if self.ejections > 0 or self.consecutive_failures >= self.failures_to_eject:
-            if trial and self.probe_opened:
+            # One tenant's requests alone: a probe confirms the ejection or undoes it, at once. In
+            # half-open, only a trial a good request probe let through that a tenant's own request
+            # failed (its one request is the run, unless an earlier such trial's was cleared).
+            one = (self.corroborate and not self.run_mixed and (self.run_tenant is not None or self.run_deadline > 0)
+                   and self.run_unblamed < self.failures_to_eject)
+            tenants_trial = trial and self.ejections > 0 and tenant is not None
+            alone = one and (self.ejections == 0 or (tenants_trial and self.probe_opened))
+            if trial and self.probe_opened and not alone:
                 self.probes_misled = True  # the probe said "back", the real request said otherwise
-            # One tenant's requests alone: a probe confirms the ejection or undoes it, at once.
-            alone = (self.ejections == 0 and self.corroborate and not self.run_mixed
-                     and (self.run_tenant is not None or self.run_deadline > 0) and self.run_unblamed < self.failures_to_eject)
+            elif one and tenants_trial:
+                # A trial the back-off let through that one tenant's request failed is no word
+                # against the probes (it may be that tenant's poison): a probe may open the next
+                # trial, whose failure by one tenant a probe then verifies.
+                self.probes_misled = False
             self.suspect = (self.run_tenant or LIVE_DEADLINE) if alone else None
             self.suspect_deadline = alone and self.run_deadline > 0
-            self._end_run()
+            self.suspect_trial = alone and self.ejections > 0
+            if not self.suspect_trial:
+                self._end_run()
             self._eject(now)  # a failed half-open trial re-ejects at once, for longer
 
     def report_probe(self, ok: bool, *, request: bool = False) -> None:
@@ -312,9 +335,12 @@ class Health:
         model list that answers is no evidence that completions work. Neither resets the count of
         real failures. A failed probe counts as a failure unless the backend is already out.
         While `verifying`, a good request probe undoes the ejection instead (and forgives the
-        suspect tenant's failures for `max_eject_s`); a failed one confirms it."""
+        suspect tenant's failures for `max_eject_s`): back to healthy, or to half-open for a failed
+        trial's (`suspect_trial`); a failed one confirms it."""
         if not ok:
-            self.suspect, self.suspect_deadline = None, False  # an ejection waiting for this word stands
+            if self.suspect is not None:  # an ejection waiting for this word stands; its run ends
+                self.suspect, self.suspect_deadline, self.suspect_trial = None, False, False
+                self._end_run()
             self._failure(trial=False)  # a probe failing in half-open re-ejects, but misleads nobody
             return
         if request and self.verifying:
@@ -325,8 +351,12 @@ class Health:
                 self.forgiven, self.forgiven_until = self.suspect, until
             if self.suspect_deadline:
                 self.deadline_forgiven_until = until
-            self.ejections, self.ejected_until, self.consecutive_failures = 0, 0.0, 0
-            self.suspect, self.suspect_deadline = None, False
+            if self.suspect_trial:  # back to half-open, as the probe that let the trial through left it
+                self.ejections -= 1
+                self.ejected_until, self.probe_opened = 0.0, True
+            else:
+                self.ejections, self.ejected_until, self.consecutive_failures = 0, 0.0, 0
+            self.suspect, self.suspect_deadline, self.suspect_trial = None, False, False
             return
         if self.clock() >= self.ejected_until:
             return
