@@ -5,6 +5,12 @@ applied where the records are (a Redis transaction, this process's memory, or th
 `apply(op, records)` is pure: given every record (id -> record), it returns the records to write
 (id -> record, None to delete) and the caller's result, or raises Conflict / NotFound (nothing is
 written). Every store applies the same function, so they refuse alike.
+
+Applying an op twice is applying it once: an op that is already in the records (its key's id, its
+new secret's digest, a revoke) writes nothing the second time and answers as the first did. A
+change whose reply was lost is sent again (redis-py retries on a fresh connection) and re-applied
+to the records it already changed: a rotation applied twice graced its own new secret and dropped
+the old one at once, despite the `grace_s` promised.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ _KINDS: dict[str, type[Add] | type[Rotate] | type[Revoke]] = {"add": Add, "rotat
 def apply(op: KeyOp, records: dict[str, dict[str, Any]]) -> tuple[Writes, Any]:
     """What `op` writes to `records`, and its result (the record, for a rotation)."""
     if isinstance(op, Add):
+        if op.rec["id"] in records:  # ids are random: this very op, applied already
+            return {}, None
         writes: Writes = dict.fromkeys(_forgotten(records, op.now, op.keep_revoked_s))
         if len(records) - len(writes) >= op.max_keys:
             raise Conflict(f"there are {len(records)} keys, the most `admin.keys.max_keys` allows: revoke some first "
@@ -63,6 +71,9 @@ def apply(op: KeyOp, records: dict[str, dict[str, Any]]) -> tuple[Writes, Any]:
         writes[op.rec["id"]] = op.rec
         return writes, None
     if isinstance(op, Rotate):
+        done = records.get(op.kid)
+        if done is not None and op.digest in (done.get("digests") or {}):  # its secret is new: applied already
+            return {}, done
         now = op.now
         rec = _live_record(records, op.kid, now)
         # Only the secret being replaced may keep working (for `grace_s`): every earlier one, still

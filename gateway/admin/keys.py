@@ -5,9 +5,9 @@ models). The store (admin/key_store.py) holds each key's record, with the sha256
 secrets only: the secret is shown once, in the answer that made it. Every process keeps all
 records in memory (`KeyBook`), so a lookup on the request path is a dict lookup: no round trip. It
 polls the store's version every `admin.keys.poll_ms`, on the same wall-clock ticks in every
-process, and reloads when it moved, so a revoke or a rotation reaches every worker and replica
-within a poll, all at once; a store that is down leaves the keys
-this process knows working (and revoked ones refused).
+process, and reloads when it is not the one loaded, so a revoke or a rotation reaches every worker
+and replica within a poll, all at once; a store that is down leaves the keys this process knows
+working (and revoked ones refused).
 
 A record: {id, tenant, name, created_at, expires_at, models, revoked, revoked_at,
 digests: {digest: until}} where `until` is null for the current secret and the end of the grace
@@ -32,7 +32,7 @@ from ..config.policy import VirtualKeysPolicy
 from ..errors import BadRequest
 from ..tenants.auth import VIRTUAL_KEY_PREFIX
 from .key_ops import Add, KeyOp, Revoke, Rotate
-from .key_store import KeyStore
+from .key_store import KeyStore, same_version
 
 __all__ = ["KeyBook", "KeyCursor", "KeyPage", "VirtualKey", "KEY_PREFIX", "LIST_DEFAULT", "LIST_MAX"]
 
@@ -153,7 +153,9 @@ class KeyBook:
 
     async def _check(self) -> None:
         self._checked_at = time.monotonic()
-        if await self.store.version() != self._version:
+        # The change too, not the number only: after a failover lost change V+1, the next is V+1
+        # again with other records (key_store.Version).
+        if not same_version(await self.store.version(), self._version):
             await self.refresh()
 
     # ---- keeping in step -------------------------------------------------------------------------

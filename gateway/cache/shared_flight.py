@@ -25,6 +25,7 @@ from "somebody finished": a process that wins the lock looks the answer up once 
 from __future__ import annotations
 
 import asyncio
+import random
 import secrets
 import time
 
@@ -36,8 +37,14 @@ __all__ = ["claim", "release", "release_later", "shared"]
 
 _LOCK = "gwlock:"
 _POLL_S = 0.05
-# A release that failed, tried again over ~4 s (a store failing over answers again within that).
-_RELEASE_PAUSES_S = (0.1, 0.4, 1.0, 2.5)
+# A release that failed is tried again after these pauses, then every _RELEASE_EVERY_S (jittered:
+# the releases of a whole outage do not come back together) until the lock's own TTL ends: a
+# store failing over answers within the first few, but a stall (a fork, a slow command, a Cluster
+# failover of cluster-node-timeout, 15 s by default) may last longer, and a lock given up on held
+# the same request on every replica for the rest of `cache.lock_ms`.
+_RELEASE_PAUSES_S = (0.1, 0.4, 1.0)
+_RELEASE_EVERY_S = 2.0
+_UNKNOWN_TTL_S = 30.0  # a token that does not say when its lock ends (cache.lock_ms's default)
 _READ_FAILURES = 3  # failed lock reads in a row that make a follower stop waiting (the store is down)
 
 
@@ -65,7 +72,9 @@ async def claim(cache: Cache, key: str, *, wait_s: float, lock_s: float, terms: 
     terms do not cover `terms`, or the store failed).
     `take=False`: a request that stores nothing waits on a lock another holds but never takes one
     (nobody may wait on it for an answer it will not store)."""
-    token = f"{secrets.token_hex(16)} {terms.timeout_ms} {terms.rank}"
+    # The token's first part ends with when the lock ends here (monotonic ms): release_later's
+    # bound. Other replicas read only the other two parts (_terms_of).
+    token = f"{secrets.token_hex(16)}.{int((time.monotonic() + lock_s) * 1000)} {terms.timeout_ms} {terms.rank}"
     store = cache.store
     try:
         if take:
@@ -144,13 +153,31 @@ async def release(cache: Cache, key: str, token: str, *, past_breaker: bool = Fa
 
 
 async def release_later(cache: Cache, key: str, token: str) -> None:
-    """A release that failed, tried again a few times while the store recovers (in a task of its
-    own: the answer does not wait for it). Left to its TTL, the lock kept every request for the
-    same answer, here and on the other replicas, waiting on an answer nobody stores (the leader's
-    save failed too) until `cache.lock_ms` (30 s by default) or their own deadline. Also while
-    the cache's breaker is open: no request waits on these tries, and a stall may end before the
-    breaker closes (other replicas would wait on the lock meanwhile)."""
-    for pause in _RELEASE_PAUSES_S:
-        await asyncio.sleep(pause)
+    """A release that failed, tried again while the store recovers, until the lock would have
+    ended by its TTL anyway (in a task of its own: the answer does not wait for it; a shutdown
+    cancels it). Left to its TTL, the lock kept every request for the same answer, here and on
+    the other replicas, waiting on an answer nobody stores (the leader's save failed too) until
+    `cache.lock_ms` (30 s by default) or their own deadline. Also while the cache's breaker is
+    open: no request waits on these tries, and a stall may end before the breaker closes (other
+    replicas would wait on the lock meanwhile)."""
+    ends = _lock_end(token)
+    pauses = iter(_RELEASE_PAUSES_S)
+    while True:
+        pause = next(pauses, None)
+        if pause is None:
+            pause = _RELEASE_EVERY_S * (0.75 + random.random() / 2)
+        left = ends - time.monotonic()
+        if left <= 0:
+            return  # gone by itself by now (Redis ends a key by its clock, a stall's time included)
+        await asyncio.sleep(min(pause, left))
         if await release(cache, key, token, past_breaker=True):
             return
+
+
+def _lock_end(token: str) -> float:
+    """When the lock with `token` (claim's) ends by its TTL, on time.monotonic()'s clock."""
+    _, dot, ms = token.split(" ", 1)[0].rpartition(".")
+    try:
+        return int(ms) / 1000 if dot else time.monotonic() + _UNKNOWN_TTL_S
+    except ValueError:
+        return time.monotonic() + _UNKNOWN_TTL_S

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any, cast
+from collections.abc import Coroutine
+from typing import Any, TypeVar, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
@@ -29,6 +30,8 @@ from ..config.policy import StorePolicy, StoreTlsPolicy
 from .target import Topology, parse_target
 
 log = logging.getLogger("gateway.store")
+
+T = TypeVar("T")
 
 __all__ = ["FAILURES", "connect", "close_client", "relearn", "write_acked", "budget", "store_warnings", "warn_over_budget", "ADMIN_CONNECTIONS"]
 
@@ -124,7 +127,15 @@ async def relearn(client: Any) -> None:
 async def write_acked(client: Any, command: tuple[Any, ...], replicas: int, wait_ms: int) -> tuple[Any, int]:
     """Send `command` (a write of the key `command[1]`) and WAIT for `replicas` replicas on one
     connection (WAIT counts the writes of its own connection); its reply and how many replicas
-    acknowledged it within `wait_ms`."""
+    acknowledged it within `wait_ms`. On Sentinel and Cluster it takes its turn at the client's
+    gate like any command: the pair bypasses execute_command, and their pools refuse rather than
+    wait (36 of a burst of 40 failed "Too many connections" with a pool of 4)."""
+    if isinstance(client, _Gated):
+        return cast("tuple[Any, int]", await client.gated(_write_acked(client, command, replicas, wait_ms)))
+    return await _write_acked(client, command, replicas, wait_ms)
+
+
+async def _write_acked(client: Any, command: tuple[Any, ...], replicas: int, wait_ms: int) -> tuple[Any, int]:
     if not isinstance(client, RedisCluster):
         async with client.pipeline(transaction=False) as pipe:
             pipe.execute_command(*command)
@@ -134,16 +145,11 @@ async def write_acked(client: Any, command: tuple[Any, ...], replicas: int, wait
     # A Cluster's client sends WAIT to every node (and sums the answers): the pair goes to the
     # key's master on one of its connections, as the client's own pipelines do.
     pair = [PipelineCommand(0, *command), PipelineCommand(1, "WAIT", replicas, wait_ms)]
-    try:
-        await client.initialize()  # a no-op once the slots are known
-        node = client.get_node_from_key(command[1])
-        if node is None:
-            raise SlotNotCoveredError(f"no master serves the slot of {command[1]!r}")
-        await node.execute_pipeline(pair)
-    except FAILURES:
-        raise
-    except Exception as exc:
-        raise _client_failure(exc) from exc
+    await client.initialize()  # a no-op once the slots are known
+    node = client.get_node_from_key(command[1])
+    if node is None:
+        raise SlotNotCoveredError(f"no master serves the slot of {command[1]!r}")
+    await node.execute_pipeline(pair)
     for c in pair:
         if isinstance(c.result, Exception):
             await relearn(client)  # MOVED after a failover: the next try goes to the new master
@@ -230,12 +236,23 @@ class _Gated:
 
     _gate: asyncio.Semaphore
 
-    async def execute_command(self, *args: Any, **options: Any) -> Any:
-        await self._gate.acquire()
+    def execute_command(self, *args: Any, **options: Any) -> Coroutine[Any, Any, Any]:
+        # Not async itself: its caller awaits gated() directly, no frame more per command.
+        return self.gated(super().execute_command(*args, **options))  # type: ignore[misc]
+
+    async def gated(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run `work` (Redis calls on this client's pools that do not pass execute_command: a
+        pipeline) in its turn at the gate, in a task of its own (above)."""
         try:
-            task = asyncio.ensure_future(self._command(*args, **options))
+            await self._gate.acquire()
+        except BaseException:
+            work.close()  # never started: no "never awaited" warning
+            raise
+        try:
+            task = asyncio.ensure_future(_as_store_failure(work))
         except BaseException:
             self._gate.release()
+            work.close()
             raise
         task.add_done_callback(self._ended)
         try:
@@ -244,18 +261,19 @@ class _Gated:
             task.cancel()
             raise
 
-    async def _command(self, *args: Any, **options: Any) -> Any:
-        try:
-            return await super().execute_command(*args, **options)  # type: ignore[misc]
-        except FAILURES:
-            raise
-        except Exception as exc:
-            raise _client_failure(exc) from exc
-
     def _ended(self, task: asyncio.Future[Any]) -> None:
         self._gate.release()
         if not task.cancelled():
             task.exception()  # an abandoned command's failure was already its caller's timeout
+
+
+async def _as_store_failure(work: Coroutine[Any, Any, T]) -> T:
+    try:
+        return await work
+    except FAILURES:
+        raise
+    except Exception as exc:
+        raise _client_failure(exc) from exc
 
 
 def _client_failure(exc: Exception) -> RedisConnectionError:
