@@ -11,6 +11,7 @@ continued from where it broke (continuation.py) or ends with an error event.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -224,8 +225,14 @@ class Beating:
 
 def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]:
     """The relay's part of /v1/route/explain: the candidates as the selector ranks them now, each
-    with its live figures and why it would be skipped, and the one it would try first."""
-    pool = route.pool(call.cls, call.endpoint.name)
+    with its live figures and why it would be skipped, and the one it would try first; where
+    that one is drawn at random, `chosen_among` names those it is drawn from (`chosen` is then
+    the best of them). Ranked by a peeking copy of the selector: the live one's rank() advances
+    its round-robin position, exploration budget and random draws, so each explain moved the
+    real traffic and named a backend the next request did not go to."""
+    live = route.pool(call.cls, call.endpoint.name)
+    peek = live.selector.peeking()
+    pool = dataclasses.replace(live, selector=peek)
     p = plan(call, route, pool, call.ticket.band if call.ticket is not None else Band.DEFAULT)
     ranked = p.ranked
     candidates = []
@@ -256,6 +263,10 @@ def plan_view(call: Call, route: Route) -> tuple[dict[str, Any], Backend | None]
     chosen = None
     if ranked and (ranked[0].skipped is None or ranked[0].last_resort):
         chosen = pool.backends[ranked[0].index].name
-    view = {"strategy": pool.selector.strategy, "hedge": route.hedge is not None, **preferences_view(p),
-            "candidates": candidates, "chosen": chosen}
+    # The draw decides the first unless prefix affinity put its own choice (a holder, the home) there.
+    a = p.affinity
+    decided = a is not None and a.backend is not None and a.backend == a.preferred
+    among = list(peek.drawn) if peek.drawn and chosen in peek.drawn and not decided else None
+    view = {"strategy": peek.strategy, "hedge": route.hedge is not None, **preferences_view(p),
+            "candidates": candidates, "chosen": chosen, "chosen_among": among}
     return view, pool.backends[ranked[0].index] if ranked else None

@@ -19,10 +19,14 @@ degraded backend look good (its estimate never decays while idle):
 - exploration: an eligible candidate that has learned nothing for `explore_after_s` and has nothing
   in flight gets one request, at most once every `explore_every` picks of this selector, so a
   healed backend is noticed within seconds while a degraded one costs well under 5% of traffic.
+
+`Selector.peeking()` ranks for /v1/route/explain: what the next rank() would say, changing nothing
+(the counters are a copy's, and where the pick is drawn at random it names what it is drawn from).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -159,6 +163,24 @@ class Selector:
         self.load_stale_s = load_stale_s
         self._rr = 0
         self._since_explore = explore_every  # a silent backend may be explored on the first pick
+        # A peeking copy (peeking()): draws nothing from `rng`; `drawn` names the candidates the
+        # live selector's pick would be drawn from at random (empty: its pick is certain).
+        self._peeking = False
+        self.drawn: tuple[str, ...] = ()
+
+    def peeking(self) -> Selector:
+        """A copy that ranks as this selector's next rank() would, changing nothing here (for
+        /v1/route/explain: an explain that advanced the round-robin position, the exploration
+        budget or the random draws moved the real traffic, and never said where the next request
+        goes). Its counters are the copy's own; it draws nothing at random: where this selector
+        draws its pick (best of two, a tie, least_inflight's equally loaded, weighted), the copy
+        ranks best first (the lowest score, the least loaded, the heaviest) and its `drawn`
+        names the candidates the pick is drawn from (one rank() per copy: a certain pick leaves it
+        empty)."""
+        peek = copy.copy(self)
+        peek._peeking = True
+        peek.drawn = ()
+        return peek
 
     def rank(self, candidates: Sequence[Candidate], prompt_tokens: int | None = None) -> list[Ranked]:
         """All candidates, eligible first (the pick first, then best first), skipped ones last."""
@@ -265,6 +287,8 @@ class Selector:
             while within < len(scored) and scored[within][0] <= band:
                 within += 1
             if within >= 2:
+                if self._peeking:
+                    return self._peek_two(scored, within)
                 rnd = self.rng.random
                 a, b = int(rnd() * within), int(rnd() * (within - 1))
                 a, b = (a, b + 1) if b >= a else (b, a)  # two distinct draws, a < b
@@ -277,7 +301,21 @@ class Selector:
             ties += 1
         if ties == 1:
             return 0, None
+        if self._peeking:
+            self.drawn = tuple(c.name for _, _, c, _ in scored[:ties])
+            return 0, f"tie among {ties}: drawn at random"
         return self.rng.randrange(ties), f"tie among {ties}"
+
+    def _peek_two(self, scored: list[tuple[float, int, Candidate, float | None]], within: int) -> tuple[int, str]:
+        """_pick_best's best of two, without drawing: the best first, and the candidates either draw
+        may pick in `drawn`. The lower of two distinct draws among the `within` wins, so any but
+        the last of them may; the last only as a near tie with the one before it."""
+        last = within - 1
+        n = within if scored[last][0] <= scored[last - 1][0] * (1.0 + self.tie_pct) else last
+        if n > 1:
+            self.drawn = tuple(c.name for _, _, c, _ in scored[:n])
+            return 0, f"best of two drawn at random among {n}"
+        return 0, "best of two"
 
     def _round_robin(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
         n = len(eligible)
@@ -289,11 +327,26 @@ class Selector:
         return [Ranked(c.name, i, p, float(k)) for k, (i, c, p) in enumerate(order)]
 
     def _least_inflight(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
+        if self._peeking:
+            return self._peek_least_inflight(eligible)
         rnd = self.rng.random
         keyed = sorted(((c.tracker.inflight, rnd(), i, c, p) for i, c, p in eligible), key=lambda k: (k[0], k[1]))
         return [Ranked(c.name, i, p, float(load)) for load, _, i, c, p in keyed]
 
+    def _peek_least_inflight(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
+        """_least_inflight without drawing: equally loaded ones in the given order, and the least
+        loaded ones (which the live one orders at random) in `drawn`."""
+        keyed = sorted(eligible, key=lambda e: e[1].tracker.inflight)
+        low = [c.name for _, c, _ in keyed if c.tracker.inflight == keyed[0][1].tracker.inflight] if keyed else []
+        self.drawn = tuple(low) if len(low) > 1 else ()
+        out = [Ranked(c.name, i, p, float(c.tracker.inflight)) for i, c, p in keyed]
+        if self.drawn:
+            out[0] = out[0]._replace(note=f"least in flight: drawn at random among {len(low)}")
+        return out
+
     def _weighted(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
+        if self._peeking:
+            return self._peek_weighted(eligible)
         if not eligible:
             return []
         total = sum(max(c.weight, 0.0) for _, c, _ in eligible)
@@ -307,6 +360,23 @@ class Selector:
         rest = sorted(eligible[:pick] + eligible[pick + 1 :], key=lambda e: -e[1].weight)
         order = [eligible[pick], *rest]
         return [Ranked(c.name, i, p, float(k)) for k, (i, c, p) in enumerate(order)]
+
+    def _peek_weighted(self, eligible: list[tuple[int, Candidate, float | None]]) -> list[Ranked]:
+        """_weighted without drawing: the heaviest first, the rest as the live one orders them, and
+        every candidate with a weight (what the live one draws from, by weight) in `drawn`."""
+        if not eligible:
+            return []
+        heavy = [c.name for _, c, _ in eligible if c.weight > 0]
+        pick = 0
+        if heavy:  # no weight at all: the live one takes the first
+            pick = max(range(len(eligible)), key=lambda k: eligible[k][1].weight)
+        self.drawn = tuple(heavy) if len(heavy) > 1 else ()
+        rest = sorted(eligible[:pick] + eligible[pick + 1 :], key=lambda e: -e[1].weight)
+        order = [eligible[pick], *rest]
+        out = [Ranked(c.name, i, p, float(k)) for k, (i, c, p) in enumerate(order)]
+        if self.drawn:
+            out[0] = out[0]._replace(note=f"weighted: drawn at random among {len(heavy)}, by weight")
+        return out
 
 
 def _prior_note(pred: float | None) -> str | None:

@@ -24,7 +24,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from redis.exceptions import ResponseError
 
@@ -32,7 +32,7 @@ from ..config.policy import LimitsPolicy, Policy, QuotaPolicy
 from ..errors import RateLimited, Unavailable
 from ..pipeline.call import CacheResult, Call, Finish
 from ..pipeline.ids import fresh_id
-from ..store.core import Store, StoreError
+from ..store.core import MemoryStore, Store, StoreError
 from ..web.sink import Sink
 from .auth import Tenant
 from .breaker import Breaker
@@ -206,23 +206,7 @@ class Quota:
         if plan is None:
             return None
         limits = plan.per_model.get(call.model, plan.any_model)
-        # Before _fit writes a limit. Bounded (_MAX_TOKENS): a tenant without tpm reserved
-        # max_tokens 2**64-1 whole, which the take script could not add.
-        reserved = min(call.prompt_tokens + self._completion_estimate(call, plan), _MAX_TOKENS)
-        if plan.counts_tokens:
-            _fit(call, limits, ceiling)
-            if call.endpoint.answers_later(call.body):
-                # Its usage never comes back (a background Response answers `queued`): charged
-                # what it may generate, its limit as now bounded (without one, what a reservation
-                # holds: the tpm), not an estimate (5 background requests were charged 5,190
-                # tokens and generated 100,060). Without a tpm, a limit it sets (at most what
-                # its backends accept), else default_max_tokens written into it (_later).
-                room = _room(call, limits)
-                answer = self._completion_estimate(call, plan, room) if room is not None else _later(call, plan, ceiling)
-                reserved = min(call.prompt_tokens + answer, _MAX_TOKENS)
-        held = min(reserved, limits.cap)  # what the counters take (they cap it there too)
-        spend = _spend_reserve(limits.spend_cap, cost, call.prompt_tokens, held - call.prompt_tokens) if limits.spend_cap else 0
-        ask = Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS, spend)
+        ask, held = _ask(call, plan, limits, ceiling, cost)
         store, decision = self.store, self.store.take_now(tenant.name, ask)  # this process's counters: no await
         if decision is None:
             store, decision = await self._take(tenant.name, ask, limits.names, held)
@@ -234,7 +218,44 @@ class Quota:
             raise self._refused(tenant.name, decision, limits.scopes, held)
         if plan.counts_tokens:
             call.ask_usage()  # a stream settles with the backend's usage
-        return Hold(tenant.name, limits.names, store, decision, held, ask.lease, spend)
+        return Hold(tenant.name, limits.names, store, decision, held, ask.lease, ask.spend_micro)
+
+    async def check(self, call: Call, tenant: Tenant, ceiling: Callable[[], int | None],
+                    cost: Callable[[int, int], float] | None = None) -> Decision | None:
+        """What `reserve` would answer for this call now, taking nothing (/v1/route/explain): the
+        same answer limit written into the call's body (`_fit`, `_later`: the cache stage, next,
+        looks up the key of the body as rewritten), and the same QuotaExceeded when a limit
+        refuses. No counter, lease, early refusal (`_out`), daily refusal (`_DayOut`), breaker
+        or degraded count changes. The shared store is read by a script that writes nothing;
+        while it fails (or its breaker is open), this process's own counters, as `reserve`.
+        None: the tenant has no limits, or no store can say without taking."""
+        plan = self.plans.get(tenant.name)
+        if plan is None:
+            return None
+        limits = plan.per_model.get(call.model, plan.any_model)
+        ask, held = _ask(call, plan, limits, ceiling, cost)
+        decision = await self._peek(tenant.name, ask, held)
+        if decision is None:
+            return None
+        if not decision.ok:
+            raise _exceeded(tenant.name, decision, limits.scopes, held)
+        if plan.counts_tokens:
+            call.ask_usage()
+        return decision
+
+    async def _peek(self, tenant: str, ask: Ask, held: int) -> Decision | None:
+        """`_take`'s choice of counters and their answer, for `check`: nothing taken, nothing
+        learnt (a failure of the shared store is not reported to its breaker)."""
+        if not self._breaker.open:  # open: every request but its one probe decides on this process's counters
+            try:
+                return await _peek_on(self.store, tenant, ask)
+            except StoreError as exc:
+                if _script_failed(exc):  # the read-only script's bug, not what a request would meet
+                    self._bug(f"quota peek for tenant {tenant!r} failed on the store: {exc}")
+                    return None
+        if self._day_out and (out := self._still_out(tenant, ask, held, forget=False)) is not None:
+            return out
+        return await _peek_on(self.fallback, tenant, ask)
 
     async def reserve_request(self, tenant: Tenant, timeout_s: float, set_header: Callable[[str, str], None]) -> Hold | None:
         """Take one request from the tenant's request limits (`rpm`, `concurrency`) for a call that
@@ -310,9 +331,10 @@ class Quota:
         until = self._clock() + (d.day + 1) * DAY_S - time.time()  # the store's day end, on this process's clock
         self._day_out[key] = _DayOut(until, need, d)
 
-    def _still_out(self, tenant: str, ask: Ask, held: int) -> Decision | None:
+    def _still_out(self, tenant: str, ask: Ask, held: int, *, forget: bool = True) -> Decision | None:
         """While the shared store fails: the refusal a daily limit it refused by still gives this
-        ask (None: none applies), its figures left out of the headers (they may have moved)."""
+        ask (None: none applies), its figures left out of the headers (they may have moved).
+        `forget`: drop the refusals whose day is over (False: `check`, which changes nothing)."""
         now = self._clock()
         for s in ask.scopes:
             for limit, has, took in (("tokens_per_day", s.tokens_per_day, held), ("spend_per_day_usd", s.spend_per_day_micro, ask.spend_micro)):
@@ -320,7 +342,8 @@ class Quota:
                 if out is None:
                     continue
                 if now >= out.until:
-                    del self._day_out[(tenant, s.name, limit)]
+                    if forget:
+                        del self._day_out[(tenant, s.name, limit)]
                 elif has and took >= out.need:
                     return replace(out.decision, retry_after_s=out.until - now, limit_requests=-1, limit_tokens=-1)
         return None
@@ -556,6 +579,46 @@ class Quota:
 
 
 _NO_CAP = 1 << 62  # no scope has a tpm
+
+
+@runtime_checkable
+class _Peeks(Protocol):
+    """A store that answers a quota take without taking it (the Redis store)."""
+
+    async def quota_peek(self, tenant: str, ask: Ask) -> Decision: ...
+
+
+async def _peek_on(store: Store, tenant: str, ask: Ask) -> Decision | None:
+    """`store`'s answer to `ask`, taking nothing (None: it cannot tell without taking)."""
+    if isinstance(store, MemoryStore):
+        return store.quota.peek(tenant, ask)
+    if isinstance(store, _Peeks):
+        return await store.quota_peek(tenant, ask)
+    return None
+
+
+def _ask(call: Call, plan: _Plan, limits: _Limits, ceiling: Callable[[], int | None],
+         cost: Callable[[int, int], float] | None) -> tuple[Ask, int]:
+    """What a call takes and what its hold records (the tokens the counters take), its answer
+    limit written into its body first where one applies (`_fit`, `_later`): `reserve`'s and
+    `check`'s, one code, so that explain's verdict and cache key are the request's."""
+    # Before _fit writes a limit. Bounded (_MAX_TOKENS): a tenant without tpm reserved
+    # max_tokens 2**64-1 whole, which the take script could not add.
+    reserved = min(call.prompt_tokens + Quota._completion_estimate(call, plan), _MAX_TOKENS)
+    if plan.counts_tokens:
+        _fit(call, limits, ceiling)
+        if call.endpoint.answers_later(call.body):
+            # Its usage never comes back (a background Response answers `queued`): charged
+            # what it may generate, its limit as now bounded (without one, what a reservation
+            # holds: the tpm), not an estimate (5 background requests were charged 5,190
+            # tokens and generated 100,060). Without a tpm, a limit it sets (at most what
+            # its backends accept), else default_max_tokens written into it (_later).
+            room = _room(call, limits)
+            answer = Quota._completion_estimate(call, plan, room) if room is not None else _later(call, plan, ceiling)
+            reserved = min(call.prompt_tokens + answer, _MAX_TOKENS)
+    held = min(reserved, limits.cap)  # what the counters take (they cap it there too)
+    spend = _spend_reserve(limits.spend_cap, cost, call.prompt_tokens, held - call.prompt_tokens) if limits.spend_cap else 0
+    return Ask(limits.scopes, reserved, fresh_id(64), int(call.remaining_s() * 1000) + _LEASE_MARGIN_MS, spend), held
 
 
 def _script_failed(exc: StoreError) -> bool:

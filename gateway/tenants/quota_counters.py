@@ -10,6 +10,9 @@ any 60-second window that way bounds every window: never more than `rpm` request
 tokens) in any 60 seconds, bursts included, with nothing lost to rounding but the part of one
 second. Concurrency is a set of leases with expiry (a crashed replica's leases come back by
 themselves); daily tokens and spend are counters per UTC day.
+
+`MemoryQuota.peek` (and the Redis store's `quota_peek`) answer as a take would, writing nothing:
+/v1/route/explain's quota verdict.
 """
 
 from __future__ import annotations
@@ -144,6 +147,13 @@ class _Window:
                 return
             self.total -= b.pop(first)
 
+    def since(self, low: int) -> _Window:
+        """A copy holding the buckets from `low` on: what trim(low) would leave, this one untouched."""
+        w = _Window()
+        w.buckets = {sec: n for sec, n in self.buckets.items() if sec >= low}
+        w.total = sum(w.buckets.values())
+        return w
+
     def free_after(self, need: int, limit: int, now: float) -> float:
         """Seconds until `need` more fits under `limit`, as old buckets leave the window."""
         used = self.total
@@ -178,6 +188,16 @@ class _Counters:
         if self.leases and min(self.leases.values()) <= now:
             for lease in [k for k, exp in self.leases.items() if exp <= now]:
                 del self.leases[lease]
+
+
+def _view(c: _Counters | None, now: float) -> _Counters:
+    """A copy of `c` as trim(now) would leave it (empty for a scope never counted), for a check
+    that must write nothing: not a bucket dropped, nor a tenant's entry made or evicted."""
+    if c is None:
+        return _Counters()
+    sec = math.floor(now)
+    return _Counters(c.requests.since(sec - WINDOW_S), c.tokens.since(sec - WINDOW_S),
+                     {k: exp for k, exp in c.leases.items() if exp > now}, c.day, c.spend)
 
 
 def _over_spend(spent: int, reserve: int, limit: int) -> bool:
@@ -266,6 +286,50 @@ class MemoryQuota:
                     d.remaining_requests -= 1
                 if d.remaining_tokens >= 0:
                     d.remaining_tokens = max(0, d.remaining_tokens - tokens)
+        return d
+
+    def peek(self, tenant: str, ask: Ask) -> Decision:
+        """What take(tenant, ask) would answer now, taking nothing (/v1/route/explain: the quota's
+        verdict on a request it does not send): take's algorithm on a trimmed copy of the
+        counters. Kept beside take, not shared with it: take is on every request's path."""
+        now = self._clock()
+        day = int(now // DAY_S)
+        counters = [_view(self._c.get(f"{tenant}\x00{scope.name}"), now) for scope in ask.scopes]
+        b = math.floor(now)
+        for c in counters:
+            b = c.tokens.second(c.requests.second(b))
+        d = Decision(ok=True, bucket=b, day=day)
+        tokens = _reservation(ask)
+        for scope, c in zip(ask.scopes, counters, strict=True):
+            reqs, toks = c.requests.total, c.tokens.total
+            if scope.name == "":
+                if scope.rpm:
+                    d.limit_requests, d.remaining_requests = scope.rpm, max(0, scope.rpm - reqs)
+                    d.reset_requests_s = c.requests.free_after(1, scope.rpm, now) if reqs else 0.0
+                if scope.tpm:
+                    d.limit_tokens, d.remaining_tokens = scope.tpm, max(0, scope.tpm - toks)
+                    d.reset_tokens_s = c.tokens.free_after(tokens, scope.tpm, now) if toks else 0.0
+            if not d.ok:
+                continue
+            refused: tuple[str, float] | None = None
+            if scope.rpm and reqs + 1 > scope.rpm:
+                refused = ("rpm", c.requests.free_after(1, scope.rpm, now))
+            elif scope.tpm and toks + tokens > scope.tpm:
+                refused = ("tpm", c.tokens.free_after(tokens, scope.tpm, now))
+            elif scope.concurrency and len(c.leases) >= scope.concurrency:
+                refused = ("concurrency", 1.0)
+            elif scope.tokens_per_day and c.day.get(day, 0) + tokens > scope.tokens_per_day:
+                refused = ("tokens_per_day", (day + 1) * DAY_S - now)
+            elif scope.spend_per_day_micro and _over_spend(c.spend.get(day, 0), ask.spend_micro, scope.spend_per_day_micro):
+                spent_out = c.spend.get(day, 0) >= scope.spend_per_day_micro
+                refused = ("spend_per_day_usd", (day + 1) * DAY_S - now if spent_out else 1.0)
+            if refused is not None:
+                d.ok, d.limit, d.scope, d.retry_after_s = False, refused[0], scope.name, refused[1]
+        if d.ok and any(scope.name == "" for scope in ask.scopes):  # the figures take gives once it took
+            if d.remaining_requests > 0:
+                d.remaining_requests -= 1
+            if d.remaining_tokens >= 0:
+                d.remaining_tokens = max(0, d.remaining_tokens - tokens)
         return d
 
     def settle(self, tenant: str, s: Settle) -> None:
