@@ -49,12 +49,14 @@ _RESORT_S = 0.5
 
 
 class Shed(Exception):
-    """Refused by admission: `reason` is queue_full or deadline (metrics), `retry_after_s` a hint."""
+    """Refused by admission: `reason` is queue_full or deadline (metrics), `retry_after_s` a hint,
+    `waited_s` how long it had waited in the queue (0: refused as it came; refuse_waiter sets it)."""
 
     def __init__(self, reason: str, message: str, retry_after_s: float) -> None:
         super().__init__(message)
         self.reason = reason
         self.retry_after_s = retry_after_s
+        self.waited_s = 0.0
 
 
 @dataclass(slots=True)
@@ -471,8 +473,10 @@ class Gate:
 
 
 def refuse_waiter(t: Ticket, why: Shed) -> None:
-    """Refuse a waiter taken out of its queue: its acquire() raises `why`."""
+    """Refuse a waiter taken out of its queue: its acquire() raises `why`, which says how long it
+    waited (its request's queue stage)."""
     if t.fut is not None and not t.fut.done():
+        why.waited_s = time.monotonic() - t.enqueued
         t.fut.set_exception(why)
 
 
@@ -553,8 +557,9 @@ class Admission:
         first_token_s: float = 0.0,
     ) -> float:
         """Take a place (waiting in the queue if need be); returns the seconds waited. Raises Shed
-        at once when the queue is full or the predicted wait cannot meet the deadline, or
-        TimeoutError when the deadline comes while it waits.
+        at once when the queue is full or the predicted wait cannot meet the deadline (later, with
+        its `waited_s`, when pushed out of the queue), or TimeoutError when the deadline comes
+        while it waits.
 
         `downstream(ahead)`: the predicted wait at the backend once admitted, with `ahead` more
         requests (those admitted first) before it; `first_token_s`: the backend's predicted TTFT.

@@ -4,6 +4,7 @@ deadline (gate.py holds the gate and its queues)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,20 +43,33 @@ class AdmissionStage:
         metrics = self.metrics
         usable = [b for b, c in zip(pool.backends, pool.candidates) if c.health.healthy] or list(pool.backends)
         first_token_s = min((b.tracker_for(call.model).predict_ttft(call.prompt_tokens) or 0.0) for b in usable) if usable else 0.0
+        # Every way out of the wait records it (queue_ms, the header, the histogram): a request
+        # refused after waiting until its deadline showed that wait as the gateway's own work.
+        queued = time.perf_counter()
         try:
             waited = await self.admission.enter(ticket, call.remaining_s(), _downstream(usable, ticket), first_token_s)
         except Shed as shed:
+            _waited(call, sink, metrics, ticket, shed.waited_s)  # 0 when refused before it queued
             metrics.shed.labels(shed.reason, ticket.band).inc()
             raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
         except TimeoutError:
+            _waited(call, sink, metrics, ticket, time.perf_counter() - queued)
             metrics.shed.labels("expired", ticket.band).inc()
             raise UpstreamTimeout(
                 f"the request's deadline of {call.timeout_ms()} ms passed while it waited for admission: not sent"
             ) from None
-        if waited:
-            call.timing.queue_ms += waited * 1000
-            metrics.queue_wait.labels(ticket.band).observe(waited)
-            sink.set_header("x-gateway-queue-ms", f"{call.timing.queue_ms:.1f}")
+        except asyncio.CancelledError:  # its client left while it waited in the queue
+            _waited(call, sink, metrics, ticket, time.perf_counter() - queued)
+            raise
+        _waited(call, sink, metrics, ticket, waited)
+
+
+def _waited(call: Call, sink: Sink, metrics: Metrics, ticket: Ticket, seconds: float) -> None:
+    """`seconds` waited for admission (nothing when it did not wait): the request's queue stage."""
+    if seconds:
+        call.timing.queue_ms += seconds * 1000
+        metrics.queue_wait.labels(ticket.band).observe(seconds)
+        sink.set_header("x-gateway-queue-ms", f"{call.timing.queue_ms:.1f}")
 
 
 class Place:

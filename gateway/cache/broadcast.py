@@ -37,6 +37,7 @@ keeps up.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 import orjson
@@ -48,7 +49,7 @@ from ..web.sink import Sink, SinkWrapper
 from ..wire.openai_wire import SSE_HEARTBEAT, SSEDecoder, event_data
 from .budget import Budget, Holder
 
-__all__ = ["Broadcast", "TeeSink", "follow", "owner_of", "DEFAULT_MAX_BYTES"]
+__all__ = ["Broadcast", "TeeSink", "follow", "owner_of", "waited_for_leader", "DEFAULT_MAX_BYTES"]
 
 # What one broadcast keeps for late joiners, and what one client may fall behind by (a follower,
 # or any stream's own client: cache/stage.py decouples every stream from its client).
@@ -189,7 +190,7 @@ class Broadcast:
     """
 
     __slots__ = (
-        "state", "started", "backend", "include_usage", "max_bytes", "_budget", "_owner", "_holder", "_history",
+        "state", "started", "include_usage", "max_bytes", "_budget", "_owner", "_holder", "_history",
         "history_bytes", "_taps", "_own", "error",
     )
 
@@ -197,7 +198,6 @@ class Broadcast:
                  owner: str | None = None, history: bool = True) -> None:
         self.state = _OPEN
         self.started = False  # content reached the leader's client
-        self.backend: str | None = None  # the leader's backend, for the followers' x-gateway-backend
         self.include_usage = include_usage  # the leader asked for a usage chunk
         self.max_bytes = max_bytes
         self._budget = budget if budget is not None else Budget()
@@ -371,11 +371,6 @@ class TeeSink(SinkWrapper):
         except ConnectionError:
             self.lost = Finish.CLIENT_DISCONNECT
 
-    def set_header(self, name: str, value: str) -> None:
-        if name == "x-gateway-backend" and not self._bc.started:
-            self._bc.backend = value  # the relay names the backend that owns the answer before its first byte
-        self._inner.set_header(name, value)
-
     async def write(self, data: bytes) -> None:
         bc = self._bc
         content = bc.started or data != SSE_HEARTBEAT
@@ -535,6 +530,7 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
         return False
     drop = _DropUsage() if bc.include_usage and not wants_usage(call) else None
     sent = False
+    joined = time.perf_counter()
     try:
         try:
             async with asyncio.timeout(max(0.0, call.remaining_s())):
@@ -552,9 +548,14 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
                             continue
                         if not sent:
                             sent = True
+                            # A hit like any (docs/api.md): backend `cache` in the header, the logs
+                            # and the metrics. Its wait for the leader's first token is queue time,
+                            # the rest of the stream its leader's decode (observer.stages).
                             call.cache.result, call.out.backend = CacheResult.HIT, "cache"
+                            waited_for_leader(call, sink, joined)
+                            call.timing.ttft_s = time.perf_counter() - call.timing.t0
                             sink.set_header("x-gateway-cache", CacheResult.HIT)
-                            sink.set_header("x-gateway-backend", bc.backend or "cache")
+                            sink.set_header("x-gateway-backend", "cache")
                         await sink.write(data)
                         continue
                     if tap.overflow:
@@ -593,6 +594,16 @@ async def follow(bc: Broadcast, call: Call, sink: Sink) -> bool:
         return True
     finally:
         bc.leave(tap)
+        if not sent:  # it waited for a stream that never came (then goes upstream itself): queue time too
+            waited_for_leader(call, sink, joined)
+
+
+def waited_for_leader(call: Call, sink: Sink, since: float) -> None:
+    """A single flight's follower waited for its leader since `since` (perf_counter): queue time
+    (the `queue` stage, x-gateway-queue-ms), as a wait for admission is, not the gateway's own work."""
+    timing = call.timing
+    timing.queue_ms += (time.perf_counter() - since) * 1000
+    sink.set_header("x-gateway-queue-ms", f"{timing.queue_ms:.1f}")
 
 
 async def _cut(call: Call, sink: Sink, err: GatewayError) -> None:

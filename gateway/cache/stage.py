@@ -13,6 +13,7 @@ them to wait on; it may follow them.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..tenants.priority import Band
 from ..web.drain import SHUTDOWN_CUT, cut_by_shutdown
 from ..web.sink import Sink, SinkWrapper
 from . import shared_flight as cache_flight
-from .broadcast import Broadcast, TeeSink, follow, owner_of, wants_usage
+from .broadcast import Broadcast, TeeSink, follow, owner_of, waited_for_leader, wants_usage
 from .core import Cache, Flight, Terms
 from .entry import Entry
 
@@ -37,6 +38,7 @@ __all__ = ["CacheStage", "Produce"]
 Produce = Callable[[Sink], Coroutine[Any, Any, None]]
 
 _RANK = {band: i for i, band in enumerate(BANDS)}  # a band's place in the admission queues: 0 is served first
+_WAITED_S = 0.001  # time in a flight's hold past which its leader had waited for another (never, without an await)
 
 
 def _terms(call: Call) -> Terms:
@@ -99,8 +101,14 @@ class CacheStage:
         terms = _terms(call)
         # A stream some candidate's leg does not store (a Messages stream): shared live, never waited for.
         publishes = not call.stream or call.endpoint.name not in route.pool(call.cls, call.endpoint.name).unstored_streams
+        joined = time.perf_counter()
         async with self.ctx.flight.hold(key, wait_s=call.remaining_s(), stream=call.stream, include_usage=wants_usage(call),
                                         terms=terms, stores=plan.store, publishes=publishes, owner=owner_of(call)) as flight:
+            # A follower's wait for its leader's answer is queue time, not the gateway's own work;
+            # so is a leader's that waited (it followed a flight whose leader's client left, then
+            # took it over). A leader that did not wait spent µs of dict work here: not counted.
+            if not flight.leader or time.perf_counter() - joined >= _WAITED_S:
+                waited_for_leader(call, sink, joined)
             if not flight.leader:
                 if flight.stream is not None and await follow(flight.stream, call, sink):
                     self.ctx.metrics.lookup[CacheResult.HIT].inc()  # answered from its leader's live stream
@@ -114,8 +122,11 @@ class CacheStage:
             # Another process may be answering it: wait for its answer, or lock it as ours. Not a
             # leader beside a flight here: it would wait on that one's lock, on the terms it did not join.
             if flight.leader and not flight.beside and cache_flight.shared(cache):
+                claimed = time.perf_counter()
                 token, entry = await cache_flight.claim(cache, key, wait_s=call.remaining_s(), lock_s=lock_s, terms=terms,
                                                         take=plan.store and publishes)
+                if entry is not None:  # another replica's leader answered it: waited for, as a follower here is
+                    waited_for_leader(call, sink, claimed)
             if entry is not None:
                 flight.publish(entry)
                 flight.finish()  # complete: its followers need not wait for this client to read it

@@ -3,7 +3,8 @@ log and (optionally) an OpenTelemetry span. Called once per API request, after i
 
 The stages (metrics.STAGES) come from four stamps on the Call: its start (`t0`), the request sent
 upstream (`sent_at`), the upstream's headers (`headers_at`) and the first content token
-(`t0 + ttft_s`); `queue_ms` is the wait for admission or a backend slot.
+(`t0 + ttft_s`); `queue_ms` is the wait for admission, a backend slot or a single flight's leader.
+Of hedged attempts, the stamps are the winner's (relay/attempt.py).
 """
 
 from __future__ import annotations
@@ -60,8 +61,13 @@ def stages(call: Call, end: float) -> dict[str, float]:
     reached are left out."""
     queue_s = call.timing.queue_ms / 1000
     out = {"queue": queue_s}
-    if not call.timing.sent_at:  # answered without an upstream call (cache, refusal)
-        out["gateway"] = max(0.0, end - call.timing.t0 - queue_s)
+    if not call.timing.sent_at:  # answered without an upstream call (cache, refusal, a flight's follower)
+        ttft_s = call.timing.ttft_s
+        if ttft_s is None:
+            out["gateway"] = max(0.0, end - call.timing.t0 - queue_s)
+        else:  # a follower of a live stream: its wait for the first token is queue, then its leader's decode
+            out["gateway"] = max(0.0, ttft_s - queue_s)
+            out["decode"] = max(0.0, end - call.timing.t0 - ttft_s)
         return out
     out["gateway"] = max(0.0, call.timing.sent_at - call.timing.t0 - queue_s)
     if call.timing.headers_at >= call.timing.sent_at:

@@ -22,7 +22,11 @@ from ..wire.codec import Endpoint, salted
 if TYPE_CHECKING:
     from ..responses.affinity import Learner
 
-__all__ = ["Asked", "CacheResult", "Caching", "Call", "Finish", "Outcome", "Timing", "key_live", "revoked"]
+__all__ = ["Asked", "CLIENT_CLOSED", "CacheResult", "Caching", "Call", "Finish", "Outcome", "Timing", "key_live", "revoked"]
+
+# The status logged and counted for a request whose client left before any answer went out
+# (nginx's "client closed request"): never sent, since nobody is there to read it.
+CLIENT_CLOSED = 499
 
 
 class Finish(StrEnum):
@@ -62,8 +66,8 @@ class Timing:
 
     t0: float = field(default_factory=time.perf_counter)
     t0_monotonic: float = field(default_factory=time.monotonic)  # the clock `Call.deadline` is on
-    queue_ms: float = 0.0  # waited for admission or a backend slot
-    sent_at: float = 0.0  # perf_counter when the request went upstream (the last attempt)
+    queue_ms: float = 0.0  # waited for admission, a backend slot or a single flight's leader
+    sent_at: float = 0.0  # perf_counter when the request went upstream (the last attempt; of hedged ones, the winner)
     headers_at: float = 0.0  # perf_counter when that attempt's response headers came
     ttft_s: float | None = None
 
@@ -90,7 +94,7 @@ class Outcome:
     usage: dict[str, Any] | None = None
     streamed_tokens: int = 0  # content events passed to the client (what a client that leaves is charged)
     read_prompts: int = 0  # attempts after which a backend had read the prompt (relay/report.py READ_PROMPT)
-    status: int = 200
+    status: int = 200  # CLIENT_CLOSED (499) when the client left before any answer went out
     error: str | None = None
     finish: Finish | None = None
     affinity: Decision | None = None  # what prefix affinity did (routing/affinity.py), where it applied

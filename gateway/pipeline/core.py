@@ -10,7 +10,8 @@
     observe     metrics, once, however it ended                          (observe/observer.py)
 
 Each stage owns what it takes and gives it back on every way out (`async with`). `explain()`
-runs the same stages without calling a backend, holding only one request of the tenant's limits.
+runs the same stages without calling a backend, holding only one request of the tenant's limits
+(the quota's verdict and the ranking are read, not taken).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from ..admission.gate import Ticket
 from ..admission.stage import AdmissionStage, queue_view
 from ..cache.stage import CacheStage
-from ..config.runtime import Route, Runtime
+from ..config.runtime import Route, Runtime, answer_ceiling, answer_cost_usd
 from ..errors import AllBackendsFailed, GatewayError, InternalError
 from ..observe.observer import Observer
 from ..relay.attempt import ClientGone
@@ -31,7 +32,7 @@ from ..relay.core import Relay, plan_view
 from ..tenants.auth import Tenant
 from ..tenants.stage import QuotaStage
 from ..web.sink import Sink
-from .call import Call, Finish
+from .call import CLIENT_CLOSED, Call, Finish
 from .intake import intake, parse, verdict_view
 from .pinning import Pinned, pin
 
@@ -76,11 +77,11 @@ class Pipeline:
 
                 await self.cache.serve(rt, call, route, tenant, sink, produce=upstream)
         except ClientGone:
-            call.out.finish = Finish.CLIENT_DISCONNECT
+            _left(call, sink)
         except GatewayError as err:
             await _refuse(call, sink, err)
         except asyncio.CancelledError:
-            call.out.finish = Finish.CLIENT_DISCONNECT  # aiohttp cancels the handler when the client goes away
+            _left(call, sink)  # aiohttp cancels the handler when the client goes away
             raise
         except Exception:  # a bug: still an answer in the contract, and the traceback in the log
             log.exception("request %s: internal error", call.request_id)
@@ -105,12 +106,19 @@ class Pipeline:
     async def explain(self, call: Call, rt: Runtime) -> dict[str, Any]:
         """What the gateway would do with this request: the same stages, calling no backend and
         taking nothing but one request of the tenant's request limits (rpm, concurrency: it is
-        parsed and classified like one); no tokens, no admission, no flight."""
+        parsed and classified like one), its lease given back before the quota's verdict; no
+        tokens, no admission, no flight, no selector state. The verdict is the quota stage's for
+        the same request sent next (read, not taken): a limit that would refuse it is its 429,
+        and the answer limit that stage writes into the body is in the key the cache looks up
+        (a real request's key is taken after it: explain said `miss` where it hit)."""
         async with self.quota.one_request(rt, call.tenant, call.remaining_s()):
             route, tenant = await intake(call, rt)
             pinned = await _pin(call, route, rt, tenant, learn=False)
-            route = route if pinned is None else pinned.route
-            cache = await self.cache.explain(rt, call, route, tenant)
+        route = route if pinned is None else pinned.route
+        if rt.quota is not None:
+            await rt.quota.check(call, tenant, lambda: answer_ceiling(call, route),
+                                 lambda p, c: answer_cost_usd(call, route, p, c))
+        cache = await self.cache.explain(rt, call, route, tenant)
         ticket = call.ticket if call.ticket is not None else Ticket()
         plan, first = plan_view(call, route)
         return {
@@ -139,6 +147,16 @@ async def _pin(call: Call, route: Route, rt: Runtime, tenant: Tenant, *, learn: 
     if learn:
         call.affinity = rt.affinity.learner(tenant.cache_namespace)
     return await pin(call, route, rt, tenant.cache_namespace)
+
+
+def _left(call: Call, sink: Sink) -> None:
+    """The client went away: a client_disconnect, with status 499 (CLIENT_CLOSED) when it left
+    before any answer went out (no stream's headers, no whole answer being written: the relay
+    marks one `ok` before writing it); a stream cut after its 200 went out keeps its 200."""
+    out = call.out
+    if not sink.committed and out.finish is not Finish.OK and out.status == 200:
+        out.status = CLIENT_CLOSED
+    out.finish = Finish.CLIENT_DISCONNECT
 
 
 async def _refuse(call: Call, sink: Sink, err: GatewayError, *, bug: bool = False) -> None:

@@ -13,13 +13,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from ..config.policy import RoutingPolicy
 from ..errors import GatewayError, RateLimited, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
 from ..observe.metrics import BackendMetrics
 from ..pipeline.call import Call, Finish, key_live, revoked
+from ..routing.affinity import AffinityResult
 from ..routing.backends import Backend
 from ..routing.health import Kind
 from ..tenants.auth import OPEN_TENANT
@@ -102,7 +103,7 @@ class Attempt:
     first-token deadline while this backend has too few samples; `resume`: continue a broken stream."""
 
     __slots__ = ("call", "backend", "tracker", "ctx", "sink", "progress", "m", "live", "resume", "started", "now",
-                 "first_deadline", "call_deadline", "leg", "client_wait_s", "sent")
+                 "first_deadline", "call_deadline", "leg", "client_wait_s", "sent", "sent_at", "headers_at")
 
     def __init__(self, req: Requester, backend: Backend, m: BackendMetrics, *, live: RoutingPolicy | None,
                  cold_s: float | None = None, resume: Resume | None = None) -> None:
@@ -117,6 +118,9 @@ class Attempt:
         self.started = time.perf_counter()
         self.client_wait_s = 0.0  # time its writes waited on a client slow to read: not the backend's
         self.sent = False  # its request went to the backend (which may be at work on the prompt)
+        # Its own stamps: while hedged attempts race, the call's (Server-Timing, stages) are the
+        # winner's, set as it claims the client; else each attempt sets the call's as it goes.
+        self.sent_at = self.headers_at = 0.0
         self.now = now = asyncio.get_running_loop().time()
         self.call_deadline = now + self.call.remaining_s()
         first_s = backend.timeouts.first_token_ms / 1000
@@ -176,12 +180,16 @@ class Attempt:
                 headers[name] = value if mine is None else f"{mine}, {value}"
         resp: UpstreamResponse | None = None
         timer = asyncio.timeout_at(self.first_deadline)  # one timer per attempt, moved as the phases change
-        call.timing.sent_at = time.perf_counter()  # Server-Timing's stages (observe/observer.py)
+        self.sent_at = time.perf_counter()  # Server-Timing's stages (observe/observer.py)
+        if self.progress.rivals is None:
+            call.timing.sent_at = self.sent_at
         self.sent = True
         try:
             async with timer:
                 resp = await self.ctx.pool.post(url, body, headers, connect_timeout_s=t.connect_ms / 1000)
-                call.timing.headers_at = time.perf_counter()
+                self.headers_at = time.perf_counter()
+                if self.progress.rivals is None:
+                    call.timing.headers_at = self.headers_at
                 if resp.status == 200 and not call.stream:
                     if not resp.complete:  # else the body is here: no timer to move (a timer costs µs)
                         timer.reschedule(min(self.now + t.total_ms / 1000, self.call_deadline))
@@ -285,6 +293,20 @@ class Attempt:
             for task in progress.rivals:
                 if task is not me:
                     task.cancel()  # the loser's upstream connection closes at once
+            self._won_race()
+
+    def _won_race(self) -> None:
+        """This attempt answers first of hedged rivals: the call's stages are its own (the hedge's
+        stamps are not the primary's: its delay showed as the gateway's own time), and a hedge
+        that answers instead of an affinity hit's holder makes the hit a spill (base._started
+        leaves a hedge's start alone)."""
+        call, name = self.call, self.backend.name
+        call.timing.sent_at, call.timing.headers_at = self.sent_at, self.headers_at
+        d = call.out.affinity
+        if d is not None and d.result is AffinityResult.HIT and d.backend != name:
+            call.out.affinity = d = replace(d, result=AffinityResult.SPILL, backend=name,
+                                            reason=f"{d.reason}; then a hedge on {name} answered first")
+            self.sink.set_header("x-gateway-affinity", d.result.value)
 
     def observe_content(self, last: float, *, client: bool = True) -> float:
         """A content event arrived now: an inter-token gap since `last`, or (the first) a TTFT

@@ -66,11 +66,12 @@ class RelayBase:
 
     async def attempt(
         self, backend: Backend, *, live: RoutingPolicy | None, wait_s: float = 0.0, queue: Ticket | None = None,
-        cold_s: float | None = None, resume: Resume | None = None,
+        cold_s: float | None = None, resume: Resume | None = None, hedge: bool = False,
     ) -> bool | None:
         """One attempt on a backend, holding one of its slots from start to end (`wait_s`: how
         long to queue for one, as `queue`). `live`: the rule for first-token and stall deadlines
-        from live data, None for the backend's fixed ones. True when this attempt owned the client:
+        from live data, None for the backend's fixed ones; `hedge`: a hedge started beside an
+        attempt still under way (hedge.py), not a failover. True when this attempt owned the client:
         answered, or its stream broke mid-way (then `progress.cut` says how); False when it failed
         before the first byte (or lost a hedge); None when no slot came free."""
         slots = backend.slots
@@ -80,7 +81,7 @@ class RelayBase:
         m.inflight.inc()
         try:
             att = Attempt(self, backend, m, live=live, cold_s=cold_s, resume=resume)
-            self._started(backend, resume)
+            self._started(backend, resume, hedge)
             try:
                 resp, raw = await att.send()
                 ok = False
@@ -129,19 +130,29 @@ class RelayBase:
         queued = time.perf_counter()
         try:
             got = await backend.slots.acquire(wait_s, ticket)
-        except Shed as shed:  # a standing queue shed it
+        except Shed as shed:  # a standing queue shed it, after its wait
+            self._waited(time.perf_counter() - queued, ticket)
             self.ctx.metrics.shed.labels(shed.reason, self.band).inc()
             raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
-        waited = time.perf_counter() - queued
-        self.call.timing.queue_ms += waited * 1000
-        self.ctx.metrics.queue_wait.labels(ticket.band if ticket is not None else Band.DEFAULT).observe(waited)
-        self.sink.set_header("x-gateway-queue-ms", f"{self.call.timing.queue_ms:.1f}")
+        except asyncio.CancelledError:  # its client left while it waited: the wait is still the request's
+            self._waited(time.perf_counter() - queued, ticket)
+            raise
+        self._waited(time.perf_counter() - queued, ticket)
         return bool(got)
 
-    def _started(self, backend: Backend, resume: Resume | None) -> None:
-        """An attempt starts on `backend`: a failover when it follows another backend's failure."""
+    def _waited(self, seconds: float, ticket: Ticket | None) -> None:
+        """`seconds` spent in a backend's queue, however the wait ended: the request's queue stage."""
+        self.call.timing.queue_ms += seconds * 1000
+        self.ctx.metrics.queue_wait.labels(ticket.band if ticket is not None else Band.DEFAULT).observe(seconds)
+        self.sink.set_header("x-gateway-queue-ms", f"{self.call.timing.queue_ms:.1f}")
+
+    def _started(self, backend: Backend, resume: Resume | None, hedge: bool = False) -> None:
+        """An attempt starts on `backend`: a failover when it follows another backend's failure.
+        A hedge is none: the attempt beside it has not failed (it may well answer), so it is
+        neither counted as one nor turns an affinity hit into a spill (Attempt.claim does, if
+        the hedge answers)."""
         call, tries = self.call, self.tries
-        if call.out.attempts and resume is None and call.out.attempts[-1] != backend.name and tries.last_kind is not Kind.CONTEXT_LENGTH:
+        if not hedge and call.out.attempts and resume is None and call.out.attempts[-1] != backend.name and tries.last_kind is not Kind.CONTEXT_LENGTH:
             self.ctx.metrics.for_backend(backend.name).failovers.inc()
             self.ctx.metrics.relay_events.labels("failover", tries.last_label or "unknown").inc()
             log.info("request %s: failing over from %r (%s) to %r", call.request_id, call.out.attempts[-1], tries.last_label, backend.name)
@@ -151,14 +162,15 @@ class RelayBase:
             self.route.prefixes.learn(call.prefix, backend.name, call.cls, "" if tenant is None else tenant.cache_namespace)
             d = call.out.affinity
             if d is not None:
-                if d.result is AffinityResult.HIT and backend.name != d.backend:
+                if d.result is AffinityResult.HIT and backend.name != d.backend and not hedge:
                     call.out.affinity = d = replace(d, result=AffinityResult.SPILL, backend=backend.name,
                                                     reason=f"{d.reason}; then failed over from {d.backend}")
                 self.sink.set_header("x-gateway-affinity", d.result.value)
         call.out.attempts.append(backend.name)
         tries.on[backend.name] = tries.on.get(backend.name, 0) + 1
-        call.out.backend = backend.name
-        self.sink.set_header("x-gateway-backend", backend.name)
+        if not hedge:  # a hedge names itself only once it answers first (Attempt.claim)
+            call.out.backend = backend.name
+            self.sink.set_header("x-gateway-backend", backend.name)
 
     def _report(self, att: Attempt, kind: Kind, status: int | None = None, *, live: bool = False) -> None:
         seconds = time.perf_counter() - att.started - att.client_wait_s  # the backend's time, not the client's

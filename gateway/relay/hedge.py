@@ -55,12 +55,14 @@ class Hedging(RelayBase):
                     # does): a hedge on the last candidate cut at it failed requests that backend
                     # would have answered (three huge prompts: 504 on both, both ejected).
                     last = self.tries.count >= route.server.max_attempts or second is others[-1]
-                    tasks.append(asyncio.create_task(self.attempt(second, live=None if last else route.routing, cold_s=cold_s)))
+                    tasks.append(asyncio.create_task(self.attempt(second, live=None if last else route.routing, cold_s=cold_s,
+                                                                  hedge=True)))
             results = await asyncio.gather(*tasks, return_exceptions=True)
         finally:
             for task in tasks:
                 task.cancel()  # the client went away, or we are done: no attempt outlives the relay
             await asyncio.gather(*tasks, return_exceptions=True)
+            progress.rivals = None  # the race is over: a later attempt (a failover) sets the call's timing again
         if len(tasks) == 2 and progress.owner is not None:
             metrics.hedges.labels("won" if progress.owner != primary.name else "lost").inc()
         for r in results:

@@ -29,7 +29,7 @@ from ..admission.gate import BANDS, MAX_RETRY_AFTER_S, MAX_WAIT_SHARE, Shed, Tic
 from ..admission.stage import service_s
 from ..config.runtime import Runtime
 from ..errors import AllBackendsFailed, GatewayError, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
-from ..pipeline.call import Call, Finish, Timing, key_live, revoked
+from ..pipeline.call import CLIENT_CLOSED, Call, Finish, Timing, key_live, revoked
 from ..relay.attempt import MAX_BODY_BYTES
 from ..relay.report import report
 from ..routing.backends import Backend
@@ -39,7 +39,7 @@ from ..tenants.priority import band_for
 from ..tenants.quota import Hold, QuotaExceeded
 from ..upstream.client import UpstreamHTTPError, UpstreamMaybeSent, UpstreamResponse, UpstreamTooLarge
 from ..web.http_call import api_key, error_response, request_id
-from ..web.keys import METRICS, RELAY
+from ..web.keys import METRICS, OBSERVER, RELAY
 from ..web.sink import CLIENT_READ_S, client_bounded
 from ..wire.codec import Endpoint
 from .wire import error_event, last_sequence_number
@@ -111,8 +111,20 @@ class Passthrough:
             raise
 
     def done(self) -> None:
+        """The call ended, however: its request lease goes back, and it is counted once
+        (gateway_requests_total, durations: Observer.count, as the pipeline counts its requests).
+        Ended without an answer: its client left before any (499, aiohttp cancelled the
+        handler), or a bug (aiohttp answers 500)."""
         if self.rt.quota is not None:
             self.rt.quota.release(self.hold)
+        out = self.call.out
+        if out.finish is None:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                out.status, out.finish = CLIENT_CLOSED, Finish.CLIENT_DISCONNECT
+            else:
+                out.status, out.finish = 500, Finish.ERROR
+        self.request.app[OBSERVER].count(self.call, self.rt)
 
     def answered(self, out: web.StreamResponse) -> web.StreamResponse:
         """The backend's answer, as it said it (a relayed stream may have been cut)."""
@@ -166,13 +178,14 @@ class Passthrough:
         queued = time.perf_counter()
         try:
             got = await slots.acquire(min(remaining, first_s), ticket)
-        except Shed as shed:  # a standing queue shed it
+        except Shed as shed:  # a standing queue shed it, after its wait
+            self._waited(time.perf_counter() - queued)
             metrics.shed.labels(shed.reason, ticket.band).inc()
             raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
-        waited = time.perf_counter() - queued
-        call.timing.queue_ms += waited * 1000
-        metrics.queue_wait.labels(ticket.band).observe(waited)
-        self.headers["x-gateway-queue-ms"] = f"{call.timing.queue_ms:.1f}"
+        except asyncio.CancelledError:  # its client left while it waited: the wait is still the request's
+            self._waited(time.perf_counter() - queued)
+            raise
+        self._waited(time.perf_counter() - queued)
         if got:
             return
         err: GatewayError
@@ -182,6 +195,13 @@ class Passthrough:
         else:
             err = Unavailable("at max_concurrency", retry_after_s=1)
         raise AllBackendsFailed([(backend.name, err)], deadline_hit=call.remaining_s() <= 0)
+
+    def _waited(self, seconds: float) -> None:
+        """`seconds` in a backend's queue, however the wait ended: the request's queue stage."""
+        call = self.call
+        call.timing.queue_ms += seconds * 1000
+        self.request.app[METRICS].queue_wait.labels(self.ticket.band).observe(seconds)
+        self.headers["x-gateway-queue-ms"] = f"{call.timing.queue_ms:.1f}"
 
     async def _send(
         self, backend: Backend, method: str, path: str, body: bytes, last: bool, on_found: Found | None,
@@ -292,6 +312,9 @@ class Passthrough:
             if self.request.transport is not None:
                 self.request.transport.close()  # nothing more is written to it, its end included
             return out
+        except asyncio.CancelledError:  # its client left after the 200 went out: a 200 cut short, not a 499
+            self.call.out.finish = Finish.CLIENT_DISCONNECT
+            raise
         await out.write_eof()
         return out
 
