@@ -19,9 +19,9 @@ __all__ = ["Metrics", "BackendMetrics", "STAGES", "refresh_gauges"]
 
 # Where a request's time went, in order, without overlap (gateway_stage_seconds{stage}):
 # gateway: its own work (parse, auth, classify, cache lookup, routing) and failed attempts;
-# queue: waiting for admission or a backend slot; upstream_headers: request sent -> response
-# headers; first_token: headers -> first content token (prefill); decode: first token -> end (a
-# non-streamed answer: reading its body).
+# queue: waiting for admission, a backend slot or a single flight's leader; upstream_headers:
+# request sent -> response headers; first_token: headers -> first content token (prefill);
+# decode: first token -> end (a non-streamed answer: reading its body).
 STAGES = ("gateway", "queue", "upstream_headers", "first_token", "decode")
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 1.5, 2.5, 5, 10, 30, 60)
