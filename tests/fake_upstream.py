@@ -254,7 +254,9 @@ class FakeUpstream(Served):
                 self._release()
             st.completed += 1
             return resp
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ConnectionError):
+            # The client went away mid-answer: the handler is cancelled, or a write finds the
+            # connection reset first (which of the two depends on timing).
             st.cancelled += 1
             raise
         finally:

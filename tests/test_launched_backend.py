@@ -204,9 +204,20 @@ async def test_with_workers_readyz_and_503s_carry_the_supervisors_launch_failure
                     message = (await r.json())["error"]["message"]
                     assert r.status == 503 and "could not be launched (/readyz says why)" in message and str(port) not in message
             holder.close()
-            await _wait_ready(gw, 90)
-            status, body = await _readyz(gw.url)
-            assert status == 200 and body["backends_not_ready"] == {}
+            # Ready in every worker (each learns it from the supervisor in turn): a /readyz on a
+            # connection of its own may reach either.
+            end = loop.time() + 90
+            async with aiohttp.ClientSession() as http:
+                while True:
+                    async with http.get(gw.url + "/admin/backends") as r:
+                        views = (await r.json())["workers"]
+                    if len(views) == 2 and not any(w.get("backends", {}).get("local", {}).get("not_ready") for w in views):
+                        break
+                    assert loop.time() < end, f"the launched backend never became ready in every worker: {views}"
+                    await asyncio.sleep(0.2)
+            for _ in range(4):
+                status, body = await _readyz(gw.url)
+                assert status == 200 and body["backends_not_ready"] == {}
     finally:
         holder.close()
 

@@ -35,83 +35,6 @@ return 0
 """
 
 
-# quota_peek: TAKE's decision (tenants/quota_lua.py), writing nothing: the buckets older than the
-# window and the expired leases, which TAKE deletes, are left out of the counts instead; no take
-# record is read (a peek has no lease of its own). KEYS: 5 per scope. ARGV: as TAKE's.
-_QUOTA_PEEK = quota_lua._COMMON + r"""
-local function window_ro(key, b)
-  local raw = redis.call('HGETALL', key)
-  local pairs_, sum = {}, 0
-  for i = 1, #raw, 2 do
-    local sec, n = tonumber(raw[i]), tonumber(raw[i + 1])
-    if sec >= b - 60 then
-      sum = sum + n
-      pairs_[#pairs_ + 1] = {sec, n}
-    end
-  end
-  return sum, pairs_
-end
-local now = now_s()
-local b = math.floor(now)
-local day = math.floor(now / 86400)
-local ask, cost = tonumber(ARGV[1]), tonumber(ARGV[4])
-local n = (#ARGV - 4) / 6
-local ok, limit, scope_name, retry = 1, '', '', 0
-local lreq, rreq, reset_req, ltok, rtok, reset_tok = -1, -1, 0, -1, -1, 0
-local tokens = ask
-for i = 0, n - 1 do
-  local tpm = tonumber(ARGV[7 + i * 6])
-  if tpm > 0 and tokens > tpm then tokens = tpm end
-end
-local tenant_scope = false
-for i = 0, n - 1 do
-  local a = 5 + i * 6
-  local name = ARGV[a]
-  local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local tpd, spend = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
-  local k = i * 5
-  local reqs, rpairs = window_ro(KEYS[k + 1], b)
-  local used, tpairs = window_ro(KEYS[k + 2], b)
-  if name == '' then
-    tenant_scope = true
-    if rpm > 0 then
-      lreq, rreq = rpm, math.max(0, rpm - reqs)
-      if reqs > 0 then reset_req = free_after(rpairs, reqs, 1, rpm, now) end
-    end
-    if tpm > 0 then
-      ltok, rtok = tpm, math.max(0, tpm - used)
-      if used > 0 then reset_tok = free_after(tpairs, used, tokens, tpm, now) end
-    end
-  end
-  if ok == 1 then
-    local why, wait = nil, 0
-    if rpm > 0 and reqs + 1 > rpm then
-      why, wait = 'rpm', free_after(rpairs, reqs, 1, rpm, now)
-    elseif tpm > 0 and used + tokens > tpm then
-      why, wait = 'tpm', free_after(tpairs, used, tokens, tpm, now)
-    elseif conc > 0 and redis.call('ZCOUNT', KEYS[k + 3], '(' .. math.floor(now * 1000), '+inf') >= conc then
-      why, wait = 'concurrency', 1
-    elseif tpd > 0 and tonumber(redis.call('HGET', KEYS[k + 4], day) or '0') + tokens > tpd then
-      why, wait = 'tokens_per_day', (day + 1) * 86400 - now
-    elseif spend > 0 then
-      local spent = tonumber(redis.call('HGET', KEYS[k + 5], day) or '0')
-      if spent >= spend then
-        why, wait = 'spend_per_day_usd', (day + 1) * 86400 - now
-      elseif cost > 0 and spent + cost > spend then
-        why, wait = 'spend_per_day_usd', 1
-      end
-    end
-    if why then ok, limit, scope_name, retry = 0, why, name, wait end
-  end
-end
-if ok == 1 and tenant_scope then  -- the figures TAKE answers with once it took
-  if rreq > 0 then rreq = rreq - 1 end
-  if rtok >= 0 then rtok = math.max(0, rtok - tokens) end
-end
-return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(reset_req), ltok, rtok, tostring(reset_tok)}
-"""
-
-
 class RedisStore:
     """A Store on Redis. `url`: a `store.url` (store/target.py: one Redis, Sentinel or Cluster);
     `tls`: its `store.tls`; `prefix` is prepended to every key (a namespace per deployment or per
@@ -155,7 +78,7 @@ class RedisStore:
         self._settle = self._qredis.register_script(quota_lua.SETTLE)
         self._undo = self._qredis.register_script(quota_lua.UNDO)
         self._usage = self._qredis.register_script(quota_lua.USAGE)
-        self._peek = self._qredis.register_script(_QUOTA_PEEK)
+        self._peek = self._qredis.register_script(quota_lua.PEEK)
 
     async def get(self, key: str) -> bytes | None:
         try:

@@ -215,6 +215,55 @@ def _reservation(ask: Ask) -> int:
     return min(ask.tokens, *caps) if caps else ask.tokens
 
 
+def _decide(ask: Ask, counters: list[_Counters], now: float) -> tuple[Decision, int]:
+    """Whether every limit of every scope lets `ask` in, with the tenant scope's figures for the
+    headers (as they are before it takes anything), and the tokens it takes on each scope."""
+    day = int(now // DAY_S)
+    b = math.floor(now)
+    for c in counters:  # one bucket for every scope (a settle corrects that one)
+        b = c.tokens.second(c.requests.second(b))
+    d = Decision(ok=True, bucket=b, day=day)
+    tokens = _reservation(ask)
+    for scope, c in zip(ask.scopes, counters, strict=True):
+        reqs, toks = c.requests.total, c.tokens.total
+        if scope.name == "":
+            if scope.rpm:
+                d.limit_requests, d.remaining_requests = scope.rpm, max(0, scope.rpm - reqs)
+                d.reset_requests_s = c.requests.free_after(1, scope.rpm, now) if reqs else 0.0
+            if scope.tpm:
+                d.limit_tokens, d.remaining_tokens = scope.tpm, max(0, scope.tpm - toks)
+                d.reset_tokens_s = c.tokens.free_after(tokens, scope.tpm, now) if toks else 0.0
+        if not d.ok:
+            continue
+        refused: tuple[str, float] | None = None
+        if scope.rpm and reqs + 1 > scope.rpm:
+            refused = ("rpm", c.requests.free_after(1, scope.rpm, now))
+        elif scope.tpm and toks + tokens > scope.tpm:
+            refused = ("tpm", c.tokens.free_after(tokens, scope.tpm, now))
+        elif scope.concurrency and len(c.leases) >= scope.concurrency:
+            refused = ("concurrency", 1.0)
+        elif scope.tokens_per_day and c.day.get(day, 0) + tokens > scope.tokens_per_day:
+            refused = ("tokens_per_day", (day + 1) * DAY_S - now)
+        elif scope.spend_per_day_micro and _over_spend(c.spend.get(day, 0), ask.spend_micro, scope.spend_per_day_micro):
+            # Spent: until the day ends. Held by requests in flight: as soon as they settle.
+            spent_out = c.spend.get(day, 0) >= scope.spend_per_day_micro
+            refused = ("spend_per_day_usd", (day + 1) * DAY_S - now if spent_out else 1.0)
+        if refused is not None:
+            d.ok, d.limit, d.scope, d.retry_after_s = False, refused[0], scope.name, refused[1]
+    return d, tokens
+
+
+def _took(d: Decision, ask: Ask, tokens: int) -> None:
+    """The tenant scope's figures once an admitted `ask` took its request and tokens."""
+    for scope in ask.scopes:
+        if scope.name == "":
+            if d.remaining_requests > 0:
+                d.remaining_requests -= 1
+            if d.remaining_tokens >= 0:
+                d.remaining_tokens = max(0, d.remaining_tokens - tokens)
+            return
+
+
 class MemoryQuota:
     """The quota counters of one process (a dict per tenant scope). Every operation is one
     synchronous step on the event loop, so check-and-take is atomic."""
@@ -234,45 +283,15 @@ class MemoryQuota:
 
     def take(self, tenant: str, ask: Ask) -> Decision:
         now = self._clock()
-        day = int(now // DAY_S)
         counters = []
         for scope in ask.scopes:
             c = self._get(f"{tenant}\x00{scope.name}")
             c.trim(now)
             counters.append(c)
-        b = math.floor(now)
-        for c in counters:  # one bucket for every scope (a settle corrects that one)
-            b = c.tokens.second(c.requests.second(b))
-        d = Decision(ok=True, bucket=b, day=day)
-        tokens = _reservation(ask)
-        for scope, c in zip(ask.scopes, counters, strict=True):
-            reqs, toks = c.requests.total, c.tokens.total
-            if scope.name == "":
-                if scope.rpm:
-                    d.limit_requests, d.remaining_requests = scope.rpm, max(0, scope.rpm - reqs)
-                    d.reset_requests_s = c.requests.free_after(1, scope.rpm, now) if reqs else 0.0
-                if scope.tpm:
-                    d.limit_tokens, d.remaining_tokens = scope.tpm, max(0, scope.tpm - toks)
-                    d.reset_tokens_s = c.tokens.free_after(tokens, scope.tpm, now) if toks else 0.0
-            if not d.ok:
-                continue
-            refused: tuple[str, float] | None = None
-            if scope.rpm and reqs + 1 > scope.rpm:
-                refused = ("rpm", c.requests.free_after(1, scope.rpm, now))
-            elif scope.tpm and toks + tokens > scope.tpm:
-                refused = ("tpm", c.tokens.free_after(tokens, scope.tpm, now))
-            elif scope.concurrency and len(c.leases) >= scope.concurrency:
-                refused = ("concurrency", 1.0)
-            elif scope.tokens_per_day and c.day.get(day, 0) + tokens > scope.tokens_per_day:
-                refused = ("tokens_per_day", (day + 1) * DAY_S - now)
-            elif scope.spend_per_day_micro and _over_spend(c.spend.get(day, 0), ask.spend_micro, scope.spend_per_day_micro):
-                # Spent: until the day ends. Held by requests in flight: as soon as they settle.
-                spent_out = c.spend.get(day, 0) >= scope.spend_per_day_micro
-                refused = ("spend_per_day_usd", (day + 1) * DAY_S - now if spent_out else 1.0)
-            if refused is not None:
-                d.ok, d.limit, d.scope, d.retry_after_s = False, refused[0], scope.name, refused[1]
+        d, tokens = _decide(ask, counters, now)
         if not d.ok:
             return d
+        b, day = d.bucket, d.day
         for scope, c in zip(ask.scopes, counters, strict=True):
             c.requests.add(b, 1)
             c.tokens.add(b, tokens)
@@ -281,55 +300,16 @@ class MemoryQuota:
                 c.spend[day] = c.spend.get(day, 0) + ask.spend_micro
             if scope.concurrency:
                 c.leases[ask.lease] = now + ask.lease_ttl_ms / 1000
-            if scope.name == "":
-                if d.remaining_requests > 0:
-                    d.remaining_requests -= 1
-                if d.remaining_tokens >= 0:
-                    d.remaining_tokens = max(0, d.remaining_tokens - tokens)
+        _took(d, ask, tokens)
         return d
 
     def peek(self, tenant: str, ask: Ask) -> Decision:
         """What take(tenant, ask) would answer now, taking nothing (/v1/route/explain: the quota's
-        verdict on a request it does not send): take's algorithm on a trimmed copy of the
-        counters. Kept beside take, not shared with it: take is on every request's path."""
+        verdict on a request it does not send): take's decision on a trimmed copy of the counters."""
         now = self._clock()
-        day = int(now // DAY_S)
-        counters = [_view(self._c.get(f"{tenant}\x00{scope.name}"), now) for scope in ask.scopes]
-        b = math.floor(now)
-        for c in counters:
-            b = c.tokens.second(c.requests.second(b))
-        d = Decision(ok=True, bucket=b, day=day)
-        tokens = _reservation(ask)
-        for scope, c in zip(ask.scopes, counters, strict=True):
-            reqs, toks = c.requests.total, c.tokens.total
-            if scope.name == "":
-                if scope.rpm:
-                    d.limit_requests, d.remaining_requests = scope.rpm, max(0, scope.rpm - reqs)
-                    d.reset_requests_s = c.requests.free_after(1, scope.rpm, now) if reqs else 0.0
-                if scope.tpm:
-                    d.limit_tokens, d.remaining_tokens = scope.tpm, max(0, scope.tpm - toks)
-                    d.reset_tokens_s = c.tokens.free_after(tokens, scope.tpm, now) if toks else 0.0
-            if not d.ok:
-                continue
-            refused: tuple[str, float] | None = None
-            if scope.rpm and reqs + 1 > scope.rpm:
-                refused = ("rpm", c.requests.free_after(1, scope.rpm, now))
-            elif scope.tpm and toks + tokens > scope.tpm:
-                refused = ("tpm", c.tokens.free_after(tokens, scope.tpm, now))
-            elif scope.concurrency and len(c.leases) >= scope.concurrency:
-                refused = ("concurrency", 1.0)
-            elif scope.tokens_per_day and c.day.get(day, 0) + tokens > scope.tokens_per_day:
-                refused = ("tokens_per_day", (day + 1) * DAY_S - now)
-            elif scope.spend_per_day_micro and _over_spend(c.spend.get(day, 0), ask.spend_micro, scope.spend_per_day_micro):
-                spent_out = c.spend.get(day, 0) >= scope.spend_per_day_micro
-                refused = ("spend_per_day_usd", (day + 1) * DAY_S - now if spent_out else 1.0)
-            if refused is not None:
-                d.ok, d.limit, d.scope, d.retry_after_s = False, refused[0], scope.name, refused[1]
-        if d.ok and any(scope.name == "" for scope in ask.scopes):  # the figures take gives once it took
-            if d.remaining_requests > 0:
-                d.remaining_requests -= 1
-            if d.remaining_tokens >= 0:
-                d.remaining_tokens = max(0, d.remaining_tokens - tokens)
+        d, tokens = _decide(ask, [_view(self._c.get(f"{tenant}\x00{scope.name}"), now) for scope in ask.scopes], now)
+        if d.ok:
+            _took(d, ask, tokens)
         return d
 
     def settle(self, tenant: str, s: Settle) -> None:

@@ -8,7 +8,7 @@ Cluster slot. Per scope, five keys: r (requests per second bucket), t (tokens pe
 
 from __future__ import annotations
 
-__all__ = ["TAKE", "SETTLE", "UNDO", "USAGE", "scope_keys", "take_key"]
+__all__ = ["PEEK", "TAKE", "SETTLE", "UNDO", "USAGE", "scope_keys", "take_key"]
 
 KEYS_PER_SCOPE = 5
 
@@ -61,10 +61,69 @@ local function free_after(pairs_, used, need, limit, now)
 end
 """
 
+_DECIDE = r"""
+-- TAKE's decision (and PEEK's): whether every limit of every scope lets the ask in, the tenant
+-- scope's figures for the headers as they are before it takes anything, and the tokens it takes
+-- on each scope (capped at the smallest tpm and the same on every scope, so one settle delta
+-- corrects them all). `win`: window (drops old buckets) or window_ro; `prune`: drop expired leases
+-- (TAKE) or leave them, uncounted (PEEK).
+local function decide(n, b, now, day, ask, cost, win, prune)
+  local ok, limit, scope_name, retry = 1, '', '', 0
+  local lreq, rreq, reset_req, ltok, rtok, reset_tok = -1, -1, 0, -1, -1, 0
+  local tokens = ask
+  for i = 0, n - 1 do
+    local tpm = tonumber(ARGV[7 + i * 6])
+    if tpm > 0 and tokens > tpm then tokens = tpm end
+  end
+  local expired = math.floor(now * 1000)
+  for i = 0, n - 1 do
+    local a = 5 + i * 6
+    local name = ARGV[a]
+    local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+    local tpd, spend = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+    local k = i * 5
+    local reqs, rpairs = win(KEYS[k + 1], b)
+    local used, tpairs = win(KEYS[k + 2], b)
+    if prune then redis.call('ZREMRANGEBYSCORE', KEYS[k + 3], '-inf', expired) end
+    if name == '' then
+      if rpm > 0 then
+        lreq, rreq = rpm, math.max(0, rpm - reqs)
+        if reqs > 0 then reset_req = free_after(rpairs, reqs, 1, rpm, now) end
+      end
+      if tpm > 0 then
+        ltok, rtok = tpm, math.max(0, tpm - used)
+        if used > 0 then reset_tok = free_after(tpairs, used, tokens, tpm, now) end
+      end
+    end
+    if ok == 1 then
+      local why, wait = nil, 0
+      if rpm > 0 and reqs + 1 > rpm then
+        why, wait = 'rpm', free_after(rpairs, reqs, 1, rpm, now)
+      elseif tpm > 0 and used + tokens > tpm then
+        why, wait = 'tpm', free_after(tpairs, used, tokens, tpm, now)
+      elseif conc > 0 and redis.call('ZCOUNT', KEYS[k + 3], '(' .. expired, '+inf') >= conc then
+        why, wait = 'concurrency', 1
+      elseif tpd > 0 and tonumber(redis.call('HGET', KEYS[k + 4], day) or '0') + tokens > tpd then
+        why, wait = 'tokens_per_day', (day + 1) * 86400 - now
+      elseif spend > 0 then
+        local spent = tonumber(redis.call('HGET', KEYS[k + 5], day) or '0')
+        if spent >= spend then
+          why, wait = 'spend_per_day_usd', (day + 1) * 86400 - now
+        elseif cost > 0 and spent + cost > spend then
+          why, wait = 'spend_per_day_usd', 1  -- held by requests in flight: free as they settle
+        end
+      end
+      if why then ok, limit, scope_name, retry = 0, why, name, wait end
+    end
+  end
+  return ok, limit, scope_name, retry, lreq, rreq, reset_req, ltok, rtok, reset_tok, tokens
+end
+"""
+
 # KEYS: 5 per scope, then the take's record (take_key). ARGV: tokens, lease, lease_ttl_ms,
 # spend_micro (the answer's estimated cost, reserved), then per scope: name, rpm, tpm,
 # concurrency, tokens_per_day, spend_per_day_micro (0: no limit).
-TAKE = _COMMON + r"""
+TAKE = _COMMON + _DECIDE + r"""
 local now = now_s()
 local b = math.floor(now)
 local day = math.floor(now / 86400)
@@ -83,54 +142,7 @@ if pb then
   -- no figures for the headers this time.
   return {1, '', '', '0', tonumber(pb), tonumber(pday), -1, -1, '0', -1, -1, '0'}
 end
-local ok, limit, scope_name, retry = 1, '', '', 0
-local lreq, rreq, reset_req, ltok, rtok, reset_tok = -1, -1, 0, -1, -1, 0
--- capped at the smallest tpm and the same on every scope, so one settle delta corrects them all
-local tokens = ask
-for i = 0, n - 1 do
-  local tpm = tonumber(ARGV[7 + i * 6])
-  if tpm > 0 and tokens > tpm then tokens = tpm end
-end
-for i = 0, n - 1 do
-  local a = 5 + i * 6
-  local name = ARGV[a]
-  local rpm, tpm, conc = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-  local tpd, spend = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
-  local k = i * 5
-  local reqs, rpairs = window(KEYS[k + 1], b)
-  local used, tpairs = window(KEYS[k + 2], b)
-  redis.call('ZREMRANGEBYSCORE', KEYS[k + 3], '-inf', math.floor(now * 1000))
-  if name == '' then
-    if rpm > 0 then
-      lreq, rreq = rpm, math.max(0, rpm - reqs)
-      if reqs > 0 then reset_req = free_after(rpairs, reqs, 1, rpm, now) end
-    end
-    if tpm > 0 then
-      ltok, rtok = tpm, math.max(0, tpm - used)
-      if used > 0 then reset_tok = free_after(tpairs, used, tokens, tpm, now) end
-    end
-  end
-  if ok == 1 then
-    local why, wait = nil, 0
-    if rpm > 0 and reqs + 1 > rpm then
-      why, wait = 'rpm', free_after(rpairs, reqs, 1, rpm, now)
-    elseif tpm > 0 and used + tokens > tpm then
-      why, wait = 'tpm', free_after(tpairs, used, tokens, tpm, now)
-    elseif conc > 0 and redis.call('ZCARD', KEYS[k + 3]) >= conc then
-      why, wait = 'concurrency', 1
-    elseif tpd > 0 and tonumber(redis.call('HGET', KEYS[k + 4], day) or '0') + tokens > tpd then
-      why, wait = 'tokens_per_day', (day + 1) * 86400 - now
-    elseif spend > 0 then
-      local spent = tonumber(redis.call('HGET', KEYS[k + 5], day) or '0')
-      if spent >= spend then
-        why, wait = 'spend_per_day_usd', (day + 1) * 86400 - now
-      elseif cost > 0 and spent + cost > spend then
-        why, wait = 'spend_per_day_usd', 1  -- held by requests in flight: free as they settle
-      end
-    end
-    if why then ok, limit, scope_name, retry = 0, why, name, wait end
-  end
-end
+local ok, limit, scope_name, retry, lreq, rreq, reset_req, ltok, rtok, reset_tok, tokens = decide(n, b, now, day, ask, cost, window, true)
 if ok == 1 then
   for i = 0, n - 1 do
     local a = 5 + i * 6
@@ -158,6 +170,39 @@ if ok == 1 then
     end
   end
   redis.call('SET', rec, b .. ' ' .. day .. ' ' .. tokens .. ' ' .. cost, 'PX', ttl + 1000)
+end
+return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(reset_req), ltok, rtok, tostring(reset_tok)}
+"""
+
+# TAKE's decision, writing nothing (/v1/route/explain): the buckets older than the window and the
+# expired leases, which TAKE deletes, are left out of the counts instead; no take record is read
+# (a peek has no lease of its own). KEYS: 5 per scope. ARGV: as TAKE's. Answers as TAKE does.
+PEEK = _COMMON + r"""
+local function window_ro(key, b)
+  local raw = redis.call('HGETALL', key)
+  local pairs_, sum = {}, 0
+  for i = 1, #raw, 2 do
+    local sec, n = tonumber(raw[i]), tonumber(raw[i + 1])
+    if sec >= b - 60 then
+      sum = sum + n
+      pairs_[#pairs_ + 1] = {sec, n}
+    end
+  end
+  return sum, pairs_
+end
+""" + _DECIDE + r"""
+local now = now_s()
+local b = math.floor(now)
+local day = math.floor(now / 86400)
+local n = (#ARGV - 4) / 6
+local ok, limit, scope_name, retry, lreq, rreq, reset_req, ltok, rtok, reset_tok, tokens = decide(n, b, now, day, tonumber(ARGV[1]), tonumber(ARGV[4]), window_ro, false)
+if ok == 1 then  -- the figures TAKE answers with once it took
+  for i = 0, n - 1 do
+    if ARGV[5 + i * 6] == '' then
+      if rreq > 0 then rreq = rreq - 1 end
+      if rtok >= 0 then rtok = math.max(0, rtok - tokens) end
+    end
+  end
 end
 return {ok, limit, scope_name, tostring(retry), b, day, lreq, rreq, tostring(reset_req), ltok, rtok, tostring(reset_tok)}
 """
