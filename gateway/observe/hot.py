@@ -24,14 +24,25 @@ from typing import Any
 __all__ = ["Hot", "HotCounter", "HotGauge", "HotHistogram"]
 
 
-class HotCounter:
-    """A counter child's pending increments."""
+class _Pending:
+    """A counter or gauge child's pending change, added into it at the fold."""
 
     __slots__ = ("_child", "pending")
 
     def __init__(self, child: Any) -> None:
         self._child = child
         self.pending = 0.0
+
+    def fold(self) -> None:
+        if self.pending:
+            n, self.pending = self.pending, 0.0
+            self._child.inc(n)
+
+
+class HotCounter(_Pending):
+    """A counter child's pending increments."""
+
+    __slots__ = ()
 
     def inc(self, amount: float = 1) -> None:
         """Count `amount` (not negative: a counter only grows)."""
@@ -39,31 +50,17 @@ class HotCounter:
             raise ValueError(f"a counter only grows: inc({amount})")
         self.pending += amount
 
-    def fold(self) -> None:
-        if self.pending:
-            n, self.pending = self.pending, 0.0
-            self._child.inc(n)
 
-
-class HotGauge:
+class HotGauge(_Pending):
     """A gauge child moved up and down by the requests in flight (its `set` is not hot: use the child)."""
 
-    __slots__ = ("_child", "pending")
-
-    def __init__(self, child: Any) -> None:
-        self._child = child
-        self.pending = 0.0
+    __slots__ = ()
 
     def inc(self, amount: float = 1) -> None:
         self.pending += amount
 
     def dec(self, amount: float = 1) -> None:
         self.pending -= amount
-
-    def fold(self) -> None:
-        if self.pending:
-            n, self.pending = self.pending, 0.0
-            self._child.inc(n)
 
 
 class HotHistogram:
