@@ -15,6 +15,7 @@ from gateway.routing.affinity import AffinityResult, Option, PrefixMap, choose
 from gateway.routing.load import LoadSample
 from gateway.routing.prefix import MAX_BLOCKS, prefix_keys
 from gateway.wire.endpoints import ENDPOINTS
+from tests.clock import Clock
 
 SYS = "You are a careful assistant. " * 100  # ~2,900 chars: 3 blocks of 1,024
 
@@ -67,14 +68,6 @@ def test_keys_are_the_same_in_every_process() -> None:
 
 
 # -- the learned map -----------------------------------------------------------------------------
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_map_learns_matches_deepest_and_forgets() -> None:

@@ -33,20 +33,13 @@ from gateway.store.redis_store import RedisStore
 from gateway.tenants import quota_lua
 from gateway.tenants.quota_counters import Ask, MemoryQuota, Scope
 from gateway.web.keys import LIVE
+from tests.clock import Clock
 from tests.procs import redis_server
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
 
 
 # -- the selector: explain ranks with a peeking copy ---------------------------------------------
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _cand(clock: Clock, name: str, ttft: float | None = None, **kw: Any) -> Candidate:

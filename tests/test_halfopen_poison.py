@@ -26,17 +26,10 @@ from aiohttp import web
 from gateway.routing.health import LIVE_DEADLINE, Health
 from gateway.tenants.auth import hash_key
 from gateway.web.keys import LIVE
+from tests.clock import Clock
 from tests.servers import serve_app
 
 MALLORY, ALICE, BOB = "sk-mallory", "sk-alice", "sk-bob"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _outage(clock: Clock) -> Health:

@@ -8,14 +8,7 @@ import random
 import pytest
 
 from gateway.routing.health import LIVE_DEADLINE, OUTCOMES, Health, Kind, outcome
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.clock import Clock
 
 
 def _health(clock: Clock, **kw: object) -> Health:

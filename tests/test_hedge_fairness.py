@@ -24,17 +24,10 @@ from gateway.config.runtime import build_runtime
 from gateway.routing.hedge_budget import HedgeBudget
 from gateway.tenants.auth import hash_key
 from gateway.web.keys import LIVE, RELOADER
+from tests.clock import Clock
 from tests.servers import serve_app
 
 MALLORY, ALICE, BOB = "sk-mallory", "sk-alice", "sk-bob"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # ---- the budget itself -------------------------------------------------------------------------

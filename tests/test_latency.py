@@ -7,14 +7,7 @@ import random
 import pytest
 
 from gateway.routing.latency import Tracker, Window, quantile
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.clock import Clock
 
 
 def test_quantile_is_nearest_rank():

@@ -85,7 +85,7 @@ def _status(answer: dict[str, Any]) -> tuple[int, str | None, str]:
 
 
 def test_the_supervisor_answers_before_the_worker_stops_waiting():
-    assert serve._answer_within_s() <= web_api._CONTROL_TIMEOUT_S - 2.0
+    assert serve._answer_within_s() <= web_api.CONTROL_TIMEOUT_S - 2.0
 
 
 async def test_a_slow_reload_is_answered_in_time_and_goes_on(supervised, monkeypatch, caplog):

@@ -24,18 +24,11 @@ from gateway.relay.report import cut_short
 from gateway.routing.latency import Tracker
 from gateway.tenants.auth import hash_key
 from gateway.web.keys import LIVE, METRICS
+from tests.clock import Clock
 from tests.servers import serve_app
 
 MALLORY, ALICE, BOB = "sk-mallory", "sk-alice", "sk-bob"
 TENANTS = {n: {"key_sha256": [hash_key(k)]} for n, k in (("mallory", MALLORY), ("alice", ALICE), ("bob", BOB))}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _tracker(clock: Clock) -> Tracker:

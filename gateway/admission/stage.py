@@ -16,9 +16,10 @@ from ..pipeline.call import Call
 from ..routing.backends import Backend
 from ..routing.latency import quantile
 from ..web.sink import Sink
-from .gate import Admission, Shed, Ticket
+from ..errors import GatewayError
+from .gate import MAX_RETRY_AFTER_S, MAX_WAIT_SHARE, Admission, Shed, Ticket
 
-__all__ = ["AdmissionStage", "Place", "queue_view", "service_s"]
+__all__ = ["AdmissionStage", "Place", "queue_view", "refuse_late", "service_s", "slot_refusal", "wait_for_slot"]
 
 
 class AdmissionStage:
@@ -119,6 +120,48 @@ def service_s(backend: Backend) -> float:
     if median is not None:
         return median
     return t.predict_ttft() or 1.0
+
+
+def refuse_late(backend: Backend, ticket: Ticket, left_s: float, metrics: Metrics, first_token_s: float = 0.0) -> None:
+    """Raise Unavailable (`overloaded`) when the predicted wait for one of the full `backend`'s
+    slots would use up the `left_s` the request has (less its first token): refused now, not
+    after its deadline."""
+    wait = backend.slots.predicted_wait_s(ticket.band, ticket.tenant, service_s(backend), ticket.weight)
+    if wait <= MAX_WAIT_SHARE * (left_s - first_token_s):
+        return
+    metrics.shed.labels("deadline", ticket.band).inc()
+    first = f" + first token {first_token_s * 1000:.0f} ms" if first_token_s else ""
+    raise Unavailable(f"overloaded: predicted wait {wait * 1000:.0f} ms{first} exceeds the {left_s * 1000:.0f} ms "
+                      f"left of the deadline (backend {backend.name!r} is full)", code="overloaded",
+                      retry_after_s=min(max(1.0, wait), MAX_RETRY_AFTER_S))
+
+
+async def wait_for_slot(backend: Backend, wait_s: float, ticket: Ticket | None, band: str, metrics: Metrics,
+                        waited: Callable[[float], None]) -> bool:
+    """Wait up to `wait_s` for one of the backend's slots as a waiter like `ticket`; whether one
+    came. `waited` is told the seconds it waited however the wait ended (the request's queue
+    stage, a client that left included); a standing queue that sheds it is Unavailable (`overloaded`)."""
+    queued = time.perf_counter()
+    try:
+        got = await backend.slots.acquire(wait_s, ticket)
+    except Shed as shed:  # a standing queue shed it, after its wait
+        waited(time.perf_counter() - queued)
+        metrics.shed.labels(shed.reason, band).inc()
+        raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
+    except asyncio.CancelledError:  # its client left while it waited: the wait is still the request's
+        waited(time.perf_counter() - queued)
+        raise
+    waited(time.perf_counter() - queued)
+    return bool(got)
+
+
+def slot_refusal(by_deadline: bool, timeout_ms: int, band: str, metrics: Metrics) -> GatewayError:
+    """Why a request that queued for a slot and got none was not sent: its deadline came while it
+    waited (a 504, counted `expired`), else the backend stayed at max_concurrency (a 503)."""
+    if by_deadline:
+        metrics.shed.labels("expired", band).inc()
+        return UpstreamTimeout(f"the deadline of {timeout_ms} ms came while queued for a slot: not sent")
+    return Unavailable("at max_concurrency", retry_after_s=1)
 
 
 def queue_view(admission: Admission, ticket: Ticket, backend: Backend | None) -> dict[str, Any]:

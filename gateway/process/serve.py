@@ -56,7 +56,7 @@ _CRASH_WINDOW_S = 5.0  # a worker dying this soon after its start counts as a cr
 _MAX_QUICK_CRASHES = 5
 _FANOUT_TIMEOUT_S = 10.0  # a worker's reload (policy parse, classifier load) well within this
 # /admin/reload through a worker: the supervisor answers this much before the worker stops
-# waiting (web/api.py's _CONTROL_TIMEOUT_S, 15 s; then it answers 500), reload done or not. One
+# waiting (web/api.py's CONTROL_TIMEOUT_S, 15 s; then it answers 500), reload done or not. One
 # queued behind another reload, then its fan-out (up to _FANOUT_TIMEOUT_S) and its announcement
 # to the replicas (up to 5 s) can take longer, and go on and succeed.
 _ANSWER_MARGIN_S = 3.0
@@ -561,7 +561,7 @@ class _Supervisor:
 def _answer_within_s() -> float:
     """How long the supervisor may take to answer /admin/reload: a margin under the time the
     worker asking waits for it (read when asked: one constant, web/api.py's)."""
-    return max(1.0, web_api._CONTROL_TIMEOUT_S - _ANSWER_MARGIN_S)
+    return max(1.0, web_api.CONTROL_TIMEOUT_S - _ANSWER_MARGIN_S)
 
 
 def _who(results: list[dict[str, Any]]) -> str:

@@ -12,10 +12,11 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from ..admission.gate import Shed, Ticket
+from ..admission.gate import Ticket
+from ..admission.stage import wait_for_slot
 from ..config.policy import RoutingPolicy
 from ..config.runtime import Pool, Route
-from ..errors import GatewayError, Unavailable, UpstreamRejected
+from ..errors import GatewayError, UpstreamRejected
 from ..pipeline.call import Call
 from ..routing.affinity import AffinityResult
 from ..routing.backends import Backend
@@ -127,18 +128,7 @@ class RelayBase:
         """Wait up to `wait_s` for one of the backend's slots; whether one came."""
         if wait_s <= 0:
             return False
-        queued = time.perf_counter()
-        try:
-            got = await backend.slots.acquire(wait_s, ticket)
-        except Shed as shed:  # a standing queue shed it, after its wait
-            self._waited(time.perf_counter() - queued, ticket)
-            self.ctx.metrics.shed.labels(shed.reason, self.band).inc()
-            raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
-        except asyncio.CancelledError:  # its client left while it waited: the wait is still the request's
-            self._waited(time.perf_counter() - queued, ticket)
-            raise
-        self._waited(time.perf_counter() - queued, ticket)
-        return bool(got)
+        return await wait_for_slot(backend, wait_s, ticket, self.band, self.ctx.metrics, lambda s: self._waited(s, ticket))
 
     def _waited(self, seconds: float, ticket: Ticket | None) -> None:
         """`seconds` spent in a backend's queue, however the wait ended: the request's queue stage."""

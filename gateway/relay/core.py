@@ -16,16 +16,14 @@ import logging
 import time
 from typing import Any
 
-from ..admission.gate import MAX_RETRY_AFTER_S, MAX_WAIT_SHARE
-from ..admission.stage import service_s
+from ..admission.stage import refuse_late, slot_refusal
 from ..config.runtime import Route
-from ..errors import AllBackendsFailed, GatewayError, RateLimited, Unavailable, UpstreamRejected, UpstreamTimeout
+from ..errors import AllBackendsFailed, RateLimited, Unavailable, UpstreamRejected
 from ..pipeline.call import Call
 from ..routing.backends import Backend
 from ..routing.health import Kind
 from ..tenants.priority import Band
 from ..web.drain import cut_by_shutdown, shutdown_error
-from ..web.sink import Sink
 from .attempt import ClientGone, Cut
 from .context import RelayContext
 from .continuation import Transcript
@@ -149,14 +147,8 @@ class Relay(Rescue, Hedging):
         backend = full[0]
         remaining = call.remaining_s()
         ttft = backend.tracker_for(call.model).predict_ttft(call.prompt_tokens) or 0.0
-        wait = backend.slots.predicted_wait_s(ticket.band, ticket.tenant, service_s(backend), ticket.weight)
-        if shed and wait > MAX_WAIT_SHARE * (remaining - ttft):
-            # Refused now, not after the deadline: the wait would use it up.
-            self.ctx.metrics.shed.labels("deadline", ticket.band).inc()
-            msg = (f"overloaded: predicted wait {wait * 1000:.0f} ms + first token {ttft * 1000:.0f} ms "
-                   f"exceeds the {remaining * 1000:.0f} ms left of the deadline")
-            raise Unavailable(f"{msg} (backend {backend.name!r} is full)", code="overloaded",
-                              retry_after_s=min(max(1.0, wait), MAX_RETRY_AFTER_S))
+        if shed:
+            refuse_late(backend, ticket, remaining, self.ctx.metrics, ttft)
         budget = remaining - ttft if shed else remaining  # shedding: never hold a slot it cannot use
         by_deadline = budget <= backend.timeouts.first_token_ms / 1000
         self.tries.count += 1
@@ -164,13 +156,9 @@ class Relay(Rescue, Hedging):
                                       queue=ticket)
         if answered or self.progress.owner is not None:
             return True
-        if answered is None:
-            if by_deadline:  # left the queue when it could no longer be answered in time: never sent
-                self.ctx.metrics.shed.labels("expired", ticket.band).inc()
-                err: GatewayError = UpstreamTimeout(f"the deadline of {call.timeout_ms()} ms came while queued for a slot: not sent")
-                self.tries.failures.extend((b.name, err) for b in full)
-            else:
-                self.tries.failures.extend((b.name, Unavailable("at max_concurrency", retry_after_s=1)) for b in full)
+        if answered is None:  # never sent
+            err = slot_refusal(by_deadline, call.timeout_ms(), ticket.band, self.ctx.metrics)
+            self.tries.failures.extend((b.name, err) for b in full)
         return False
 
     def _plan(self) -> list[Backend]:

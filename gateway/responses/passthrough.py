@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from yarl import URL
 
-from ..admission.gate import BANDS, MAX_RETRY_AFTER_S, MAX_WAIT_SHARE, Shed, Ticket
-from ..admission.stage import service_s
+from ..admission.gate import BANDS, Ticket
+from ..admission.stage import refuse_late, slot_refusal, wait_for_slot
 from ..config.runtime import Runtime
-from ..errors import AllBackendsFailed, GatewayError, Unavailable, UpstreamError, UpstreamRejected, UpstreamTimeout
+from ..errors import AllBackendsFailed, GatewayError, UpstreamError, UpstreamRejected, UpstreamTimeout
 from ..pipeline.call import CLIENT_CLOSED, Call, Finish, Timing, key_live, revoked
 from ..relay.attempt import MAX_BODY_BYTES
 from ..relay.report import report
@@ -163,37 +163,16 @@ class Passthrough:
         predicted wait would use up the deadline (503 `overloaded`), else queued up to the
         backend's first_token_ms or the deadline, whichever comes first, and refused in the relay's
         words when no slot came (503 `backends_busy`; 504 at the deadline): never sent."""
-        slots, ticket, call = backend.slots, self.ticket, self.call
-        if slots.try_acquire(ticket.band):
+        ticket, call = self.ticket, self.call
+        if backend.slots.try_acquire(ticket.band):
             return
         relay, metrics = self.request.app[RELAY], self.request.app[METRICS]
         remaining, first_s = call.remaining_s(), backend.timeouts.first_token_ms / 1000
         if relay.admission.enabled:
-            wait = slots.predicted_wait_s(ticket.band, ticket.tenant, service_s(backend), ticket.weight)
-            if wait > MAX_WAIT_SHARE * remaining:
-                metrics.shed.labels("deadline", ticket.band).inc()
-                raise Unavailable(f"overloaded: predicted wait {wait * 1000:.0f} ms exceeds the {remaining * 1000:.0f} ms "
-                                  f"left of the deadline (backend {backend.name!r} is full)", code="overloaded",
-                                  retry_after_s=min(max(1.0, wait), MAX_RETRY_AFTER_S))
-        queued = time.perf_counter()
-        try:
-            got = await slots.acquire(min(remaining, first_s), ticket)
-        except Shed as shed:  # a standing queue shed it, after its wait
-            self._waited(time.perf_counter() - queued)
-            metrics.shed.labels(shed.reason, ticket.band).inc()
-            raise Unavailable(str(shed), code="overloaded", retry_after_s=shed.retry_after_s) from None
-        except asyncio.CancelledError:  # its client left while it waited: the wait is still the request's
-            self._waited(time.perf_counter() - queued)
-            raise
-        self._waited(time.perf_counter() - queued)
-        if got:
+            refuse_late(backend, ticket, remaining, metrics)
+        if await wait_for_slot(backend, min(remaining, first_s), ticket, ticket.band, metrics, self._waited):
             return
-        err: GatewayError
-        if remaining <= first_s:  # left the queue when it could no longer be answered in time
-            metrics.shed.labels("expired", ticket.band).inc()
-            err = UpstreamTimeout(f"the deadline of {call.timeout_ms()} ms came while queued for a slot: not sent")
-        else:
-            err = Unavailable("at max_concurrency", retry_after_s=1)
+        err = slot_refusal(remaining <= first_s, call.timeout_ms(), ticket.band, metrics)
         raise AllBackendsFailed([(backend.name, err)], deadline_hit=call.remaining_s() <= 0)
 
     def _waited(self, seconds: float) -> None:

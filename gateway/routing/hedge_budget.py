@@ -9,12 +9,16 @@ __all__ = ["HedgeBudget"]
 
 
 class _Share:
-    """One tenant's decayed requests and hedges on a route (HedgeBudget)."""
+    """Decayed requests and hedges on a route: one tenant's, or all of them (HedgeBudget)."""
 
     __slots__ = ("requests", "hedges", "at")
 
     def __init__(self, at: float) -> None:
         self.requests, self.hedges, self.at = 0.0, 0.0, at
+
+    def fits(self, pct: float) -> bool:
+        """Whether one more hedge stays within `pct` % of these requests (+1: one allowed from the start)."""
+        return self.hedges + 1 <= pct / 100 * self.requests + 1
 
     def decay(self, now: float, half_life_s: float) -> None:
         if now != self.at:
@@ -40,41 +44,30 @@ class HedgeBudget:
     pct: float
     half_life_s: float = 60.0
     clock: object = time.monotonic
-    _requests: float = 0.0
-    _hedges: float = 0.0
-    _at: float = field(default_factory=time.monotonic)
+    _route: _Share = field(default_factory=lambda: _Share(time.monotonic()), repr=False)  # every tenant's together
     # tenant name -> its share: as many as the policies' tenants (a virtual key's is its tenant's)
     _tenants: dict[str | None, _Share] = field(default_factory=dict, repr=False)
 
-    def _decay(self) -> float:
+    def _shares(self, tenant: str | None) -> tuple[_Share, _Share]:
+        """The route's counts and `tenant`'s, decayed to now."""
         now: float = self.clock()  # type: ignore[operator]
-        k = 0.5 ** ((now - self._at) / self.half_life_s)
-        self._requests *= k
-        self._hedges *= k
-        self._at = now
-        return now
-
-    def _share(self, tenant: str | None, now: float) -> _Share:
+        self._route.decay(now, self.half_life_s)
         share = self._tenants.get(tenant)
         if share is None:
             share = self._tenants[tenant] = _Share(now)
         else:
             share.decay(now, self.half_life_s)
-        return share
+        return self._route, share
 
     def note_request(self, tenant: str | None = None) -> None:
-        now = self._decay()
-        self._requests += 1
-        self._share(tenant, now).requests += 1
+        for counts in self._shares(tenant):
+            counts.requests += 1
 
     def try_spend(self, tenant: str | None = None) -> bool:
         """True (and counted) when one more hedge stays within the route's budget and `tenant`'s share."""
-        now = self._decay()
-        if self._hedges + 1 > self.pct / 100 * self._requests + 1:  # +1: one hedge allowed from the start
+        route, share = self._shares(tenant)
+        if not (route.fits(self.pct) and share.fits(self.pct)):
             return False
-        share = self._share(tenant, now)
-        if share.hedges + 1 > self.pct / 100 * share.requests + 1:
-            return False
+        route.hedges += 1
         share.hedges += 1
-        self._hedges += 1
         return True

@@ -217,7 +217,9 @@ def backends_view(app: web.Application) -> dict[str, object]:
             "admission": admission, "backends": out}
 
 
-_CONTROL_TIMEOUT_S = 15.0
+# How long a worker waits for its supervisor on the control socket (the supervisor answers
+# /admin/reload within it: process/serve.py).
+CONTROL_TIMEOUT_S = 15.0
 
 
 @reads
@@ -228,7 +230,7 @@ async def admin_backends(request: web.Request) -> web.Response:
     if worker is not None:
         body["worker"] = worker.index
         try:
-            body["workers"] = (await ask(worker.supervisor_socket, "GET", "/backends", _CONTROL_TIMEOUT_S))["workers"]
+            body["workers"] = (await ask(worker.supervisor_socket, "GET", "/backends", CONTROL_TIMEOUT_S))["workers"]
         except ControlError as exc:
             body["workers"] = [{"ok": False, "error": str(exc)}]
     return json_response(body)
@@ -276,7 +278,7 @@ async def admin_reload(request: web.Request) -> web.Response:
         workers = [result]
     else:
         try:
-            answer = await ask(worker.supervisor_socket, "POST", "/reload", _CONTROL_TIMEOUT_S)
+            answer = await ask(worker.supervisor_socket, "POST", "/reload", CONTROL_TIMEOUT_S)
         except ControlError as exc:
             return error_response(InternalError(f"the reload could not reach the other workers: {exc}"))
         ok, workers, replicas = bool(answer.get("ok")), answer.get("workers", []), answer.get("replicas", [])
